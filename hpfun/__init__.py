@@ -1,0 +1,32 @@
+"""hpfun: trace-once sharding for PyTorch.
+
+Write a step function on whole tensors, say how its inputs lie on a device mesh, and hpfun
+turns it into one per-shard program with explicit collectives.
+
+>>> import torch, hpfun
+>>> from hpfun import P
+>>> mesh = hpfun.Mesh.simulated((2,), ("tp",))
+>>> f = hpfun.shard(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P())
+>>> x, w = torch.randn(4, 8), torch.randn(8, 3)
+>>> torch.allclose(f(x, w).full(), x @ w, atol=1e-6)
+True
+>>> [c.kind for c in f.lower(x, w).collectives]
+['all_reduce']
+"""
+
+from hpfun import rules
+from hpfun.api import ShardedFunction, shard
+from hpfun.errors import (
+    CaptureError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
+)
+from hpfun.explain import Lowered
+from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
+from hpfun.lower import Collective
+from hpfun.mesh import Mesh
+from hpfun.sharded import Sharded
+
+__all__ = [
+    "CaptureError", "Collective", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
+    "ShardedFunction", "ShardingError", "SpecError", "parse", "rules", "shard",
+]

@@ -1,0 +1,245 @@
+"""`shard`: the user-facing transform, its spec checks and its program cache."""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from hpfun.capture import capture
+from hpfun.errors import Problem, SpecError
+from hpfun.explain import Lowered
+from hpfun.layout import Layout, P
+from hpfun.lower import Program, lower
+from hpfun.mesh import Mesh
+from hpfun.propagate import propagate
+from hpfun.runtime import simulated
+from hpfun.sharded import Sharded
+
+
+def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None):
+    """Make a global-view function run sharded over `mesh`.
+
+    `in_specs` is a pytree prefix of the argument tuple (a `P` or None per leaf or subtree; None
+    means replicated); `out_specs` likewise for the outputs, or None to keep the layouts hpfun
+    chose. Arguments may be global tensors (split by the specs) or `Sharded` values; outputs are
+    `Sharded`. Python scalars among the arguments are baked into the program.
+
+    >>> import hpfun, torch
+    >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
+    >>> f(torch.arange(4.0)).full()
+    tensor(12.)
+    """
+    if f is None:
+        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    if not isinstance(mesh, Mesh):
+        raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
+    return ShardedFunction(f, mesh, in_specs, out_specs)
+
+
+@attrs.frozen
+class _Leaf:
+    """What the cache key records of one argument leaf."""
+
+    kind: str  # "tensor", "sharded" or "static"
+    shape: tuple | None = None
+    dtype: torch.dtype | None = None
+    layout: Layout | None = None
+    value: object = None
+
+
+class ShardedFunction:
+    """A function traced once per input signature and run as one per-shard program."""
+
+    def __init__(self, fn, mesh: Mesh, in_specs, out_specs):
+        self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+        self._cache: dict = {}
+        self.trace_count = 0
+        functools.update_wrapper(self, fn)
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def __call__(self, *args):
+        program, entry = self._program(args)
+        flat, _ = pytree.tree_flatten(args, is_leaf=_is_sharded)
+        tensors = [x for x, leaf in zip(flat, entry.leaves, strict=True) if leaf.kind != "static"]
+        per_rank = [[_local(x, lay, r) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+                    for r in range(self.mesh.size)]
+        outs = simulated.run(program.module, self.mesh, per_rank)
+        results = [
+            Sharded(lay, shape, tuple(outs[r][i] for r in range(self.mesh.size)))
+            for i, (lay, shape) in enumerate(zip(program.output_layouts, program.output_shapes, strict=True))
+        ]
+        return pytree.tree_unflatten(results, entry.out_tree)
+
+    def lower(self, *args) -> Lowered:
+        """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""
+        program, _ = self._program(args)
+        return Lowered(program)
+
+    # -- compile and cache --------------------------------------------------------------------------
+
+    def _program(self, args):
+        leaves, key = self._signature(args)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(args, leaves)
+            self._cache[key] = entry
+        return entry.program, entry
+
+    def _signature(self, args):
+        flat, tree = pytree.tree_flatten_with_path(args, is_leaf=_is_sharded)
+        layouts = _input_layouts(self.mesh, self.in_specs, args)
+        leaves = []
+        for (path, x), layout in zip(flat, layouts, strict=True):
+            leaves.append(_leaf(path, x, layout))
+        key = (tree, tuple(leaves), self.mesh)
+        try:
+            hash(key)
+        except TypeError as err:
+            raise SpecError(f"non-tensor arguments must be hashable (they are baked into the program): {err}") from None
+        return leaves, key
+
+    def _compile(self, args, leaves) -> "_Entry":
+        self.trace_count += 1
+        flat, in_tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
+        tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
+        out_tree_box = []
+
+        def flat_fn(*tensors):
+            full = list(flat)
+            for i, t in zip(tensor_pos, tensors, strict=True):
+                full[i] = t
+            out = self.fn(*pytree.tree_unflatten(full, in_tree))
+            out_flat, out_tree = pytree.tree_flatten(out)
+            out_tree_box.append((out_tree, out))
+            return out_flat
+
+        gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos])
+        out_tree, out_example = out_tree_box[-1]
+        propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
+        out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
+        program = lower(gm, self.mesh, out_layouts)
+        return _Entry(program, tuple(leaves), out_tree)
+
+
+@attrs.frozen(eq=False)
+class _Entry:
+    program: Program
+    leaves: tuple
+    out_tree: object
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, Sharded)
+
+
+def _leaf(path, x, layout) -> _Leaf:
+    if isinstance(x, Sharded):
+        return _Leaf("sharded", x.global_shape, x.dtype, x.layout)
+    if isinstance(x, torch.Tensor):
+        return _Leaf("tensor", tuple(x.shape), x.dtype, layout)
+    return _Leaf("static", value=x)
+
+
+def _local(x, layout: Layout, rank: int) -> torch.Tensor:
+    if isinstance(x, Sharded):
+        return x.shards[rank]
+    coords = layout.mesh.coords(rank)
+    local = layout.local_shape(x.shape)
+    block = x
+    for d, offset in enumerate(layout.offsets(x.shape, coords)):
+        if local[d] != x.shape[d]:
+            block = block.narrow(d, offset, local[d])
+    return block
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs: pytree prefixes, checked all at once
+# ---------------------------------------------------------------------------------------------
+
+
+def _path_str(path) -> str:
+    return "args" + pytree.keystr(path)
+
+
+def broadcast_prefix(specs, tree, problems: list, path=()) -> list:
+    """One spec per leaf of `tree` from a prefix tree of specs (P or None at any level)."""
+    if specs is None or isinstance(specs, P):
+        return [specs] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
+    if isinstance(specs, dict) and isinstance(tree, dict):
+        if set(specs) != set(tree):
+            problems.append(Problem(_path_str(path), f"spec keys {sorted(specs)} do not match argument keys {sorted(tree)}",
+                                    "give a spec for every key, or one P for the whole dict"))
+            return [None] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
+        return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems, path + (pytree.MappingKey(k),))]
+    if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
+        return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
+                for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),))]
+    problems.append(Problem(_path_str(path), f"spec {specs!r} does not match the argument structure {type(tree).__name__}"
+                            + (f" of length {len(tree)}" if isinstance(tree, (list, tuple)) else ""),
+                            "specs are a prefix of the arguments: a P (or None) per leaf, or per subtree"))
+    return [None] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
+
+
+def _input_layouts(mesh: Mesh, in_specs, args) -> list[Layout | None]:
+    problems: list[Problem] = []
+    specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) if len(args) == 1 else in_specs
+    per_leaf = broadcast_prefix(specs, args, problems)
+    flat, _ = pytree.tree_flatten_with_path(args, is_leaf=_is_sharded)
+    layouts = []
+    for (path, x), spec in zip(flat, per_leaf, strict=True):
+        layouts.append(_leaf_layout(mesh, path, x, spec, problems))
+    if problems:
+        raise SpecError(problems)
+    return layouts
+
+
+def _leaf_layout(mesh: Mesh, path, x, spec, problems: list) -> Layout | None:
+    where = _path_str(path)
+    if isinstance(x, Sharded):
+        if x.layout.mesh != mesh:
+            problems.append(Problem(where, f"is a Sharded value on mesh {x.layout.mesh}, not {mesh}"))
+        return x.layout
+    if not isinstance(x, torch.Tensor):
+        return None
+    if spec is not None and not isinstance(spec, P):
+        problems.append(Problem(where, f"spec must be an hpfun.P or None, got {spec!r}"))
+        return None
+    spec = spec or P()
+    spec_problems = spec.problems(mesh, x.ndim)
+    if spec_problems:
+        problems += [Problem(where, p, "name existing mesh axes, each once, at most one entry per tensor dim")
+                     for p in spec_problems]
+        return None
+    layout = spec.to_layout(mesh, x.ndim)
+    for p in layout.problems(tuple(x.shape)):
+        problems.append(Problem(where, f"{p} (shape {tuple(x.shape)}, spec {spec})",
+                                "pad the tensor, pick a size divisible by the axes, or shard another dim"))
+    return layout
+
+
+def _output_layouts(mesh: Mesh, out_specs, out_example, gm) -> list[Layout | None]:
+    problems: list[Problem] = []
+    out_nodes = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if out_specs is None:
+        return [None] * len(out_nodes)
+    per_leaf = broadcast_prefix(out_specs, out_example, problems, ())
+    layouts = []
+    for i, (node, spec) in enumerate(zip(out_nodes, per_leaf, strict=True)):
+        val = node.meta["val"]
+        if spec is not None and not isinstance(spec, P):
+            problems.append(Problem(f"outputs[{i}]", f"spec must be an hpfun.P or None, got {spec!r}"))
+            continue
+        spec = spec or P()
+        found = spec.problems(mesh, val.ndim)
+        layout = None if found else spec.to_layout(mesh, val.ndim)
+        found += layout.problems(tuple(val.shape)) if layout else []
+        problems += [Problem(f"outputs[{i}]", p) for p in found]
+        layouts.append(layout)
+    if problems:
+        raise SpecError([attrs.evolve(p, where=p.where.replace("args", "outputs", 1)) for p in problems])
+    return layouts

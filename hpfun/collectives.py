@@ -1,0 +1,201 @@
+"""The steps of a redistribution, each defined once: precondition and effect on the layout,
+lowering into the per-shard graph, and bytes moved.
+
+Collectives lower to torch's traceable functional collectives (`_c10d_functional`) with the mesh
+axis name as group name; runtimes bind axis names to process groups. Local steps (taking a
+block of a replicated value, turning a replicated value into a Partial one) need no
+communication; they read this rank's mesh coordinates from the graph's `coords` input, so
+one program serves every rank.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from hpfun.errors import ShardingError
+from hpfun.layout import Layout, Partial, R, Shard
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _require(ok: bool, step, layout: Layout):
+    if not ok:
+        raise ShardingError(f"internal: {step} cannot apply to {layout}")
+
+
+def _is_last_shard_axis(layout: Layout, axis: int, dim: int) -> bool:
+    axes = layout.shard_axes(dim)
+    return bool(axes) and axes[-1] == axis
+
+
+def _no_minor_shard(layout: Layout, axis: int, dim: int) -> bool:
+    return all(a < axis for a in layout.shard_axes(dim))
+
+
+def _split_dim(ctx, x, shape, dim: int, n: int):
+    """View `x` with dim `dim` split into (n, size/n) and the n moved to the front, contiguous."""
+    shape = list(shape)
+    split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :]
+    x = ctx.call(aten.view.default, (x, split))
+    order = [dim] + [d for d in range(len(split)) if d != dim]
+    return ctx.call(aten.clone.default, (ctx.call(aten.permute.default, (x, order)),), {"memory_format": torch.contiguous_format})
+
+
+def _merge_front(ctx, x, shape, dim: int, n: int):
+    """Inverse of a gather along the front: (n, *shape) -> shape with dim `dim` n times larger."""
+    shape = list(shape)
+    x = ctx.call(aten.view.default, (x, [n] + shape))
+    order = list(range(1, dim + 1)) + [0] + list(range(dim + 1, len(shape) + 1))
+    x = ctx.call(aten.clone.default, (ctx.call(aten.permute.default, (x, order)),), {"memory_format": torch.contiguous_format})
+    return ctx.call(aten.view.default, (x, shape[:dim] + [n * shape[dim]] + shape[dim + 1 :]))
+
+
+@attrs.frozen
+class AllReduce:
+    """P(reduce) -> R over one axis."""
+
+    axis: int
+    reduce: str
+    kind = "all_reduce"
+    factor = 2.0  # ring all-reduce moves 2(n-1)/n of the buffer
+
+    def apply(self, layout: Layout) -> Layout:
+        _require(layout.placements[self.axis] == Partial(self.reduce), self, layout)
+        return layout.with_placement(self.axis, R)
+
+    def emit(self, ctx, x, local_shape, n):
+        return ctx.collective(self, c10d.all_reduce.default, (x, self.reduce), local_shape)
+
+
+@attrs.frozen
+class AllGather:
+    """S(dim) -> R over one axis; the axis must be the most minor one splitting `dim`."""
+
+    axis: int
+    dim: int
+    kind = "all_gather"
+    factor = 1.0
+
+    def apply(self, layout: Layout) -> Layout:
+        _require(_is_last_shard_axis(layout, self.axis, self.dim), self, layout)
+        return layout.with_placement(self.axis, R)
+
+    def emit(self, ctx, x, local_shape, n):
+        if self.dim == 0:
+            return ctx.collective(self, c10d.all_gather_into_tensor.default, (x, n), local_shape)
+        x = ctx.call(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+        gathered = ctx.collective(self, c10d.all_gather_into_tensor.default, (x, n), local_shape)
+        return _merge_front(ctx, gathered, local_shape, self.dim, n)
+
+
+@attrs.frozen
+class ReduceScatter:
+    """P(reduce) -> S(dim) over one axis, which becomes the most minor one splitting `dim`."""
+
+    axis: int
+    dim: int
+    reduce: str
+    kind = "reduce_scatter"
+    factor = 1.0
+
+    def apply(self, layout: Layout) -> Layout:
+        ok = layout.placements[self.axis] == Partial(self.reduce) and _no_minor_shard(layout, self.axis, self.dim)
+        _require(ok, self, layout)
+        return layout.with_placement(self.axis, Shard(self.dim))
+
+    def emit(self, ctx, x, local_shape, n):
+        front = _split_dim(ctx, x, local_shape, self.dim, n) if self.dim else x
+        out = ctx.collective(self, c10d.reduce_scatter_tensor.default, (front, self.reduce, n), local_shape)
+        if not self.dim:
+            return out
+        shape = list(local_shape)
+        shape[self.dim] //= n
+        return ctx.call(aten.view.default, (out, shape))
+
+
+@attrs.frozen
+class AllToAll:
+    """S(src) -> S(dst) over one axis: most minor on `src` before, most minor on `dst` after."""
+
+    axis: int
+    src: int
+    dst: int
+    kind = "all_to_all"
+    factor = 1.0
+
+    def apply(self, layout: Layout) -> Layout:
+        ok = _is_last_shard_axis(layout, self.axis, self.src) and _no_minor_shard(layout, self.axis, self.dst)
+        _require(ok, self, layout)
+        return layout.with_placement(self.axis, Shard(self.dst))
+
+    def emit(self, ctx, x, local_shape, n):
+        front = _split_dim(ctx, x, local_shape, self.dst, n)
+        flat = ctx.call(aten.view.default, (front, [n, -1]))
+        out = ctx.collective(self, c10d.all_to_all_single.default, (flat, [1] * n, [1] * n), local_shape)
+        received = list(local_shape)
+        received[self.dst] //= n
+        return _merge_front(ctx, ctx.call(aten.view.default, (out, [n] + received)), received, self.src, n)
+
+
+@attrs.frozen
+class Chunk:
+    """R -> S(dim) over one axis, locally: keep this rank's block (no communication)."""
+
+    axis: int
+    dim: int
+    kind = "chunk"
+    factor = 0.0
+
+    def apply(self, layout: Layout) -> Layout:
+        _require(layout.placements[self.axis] == R and _no_minor_shard(layout, self.axis, self.dim), self, layout)
+        return layout.with_placement(self.axis, Shard(self.dim))
+
+    def emit(self, ctx, x, local_shape, n):
+        shape = list(local_shape)
+        split = shape[: self.dim] + [n, shape[self.dim] // n] + shape[self.dim + 1 :]
+        x = ctx.call(aten.view.default, (x, split))
+        picked = ctx.call(aten.index_select.default, (x, self.dim, ctx.coord_index(self.axis)))
+        shape[self.dim] //= n
+        return ctx.call(aten.view.default, (picked, shape))
+
+
+@attrs.frozen
+class ToPartial:
+    """R -> P(reduce) over one axis, locally: for sum, rank 0 of the axis keeps the value, others 0;
+    for avg, max and min every rank keeps it."""
+
+    axis: int
+    reduce: str
+    kind = "to_partial"
+    factor = 0.0
+
+    def apply(self, layout: Layout) -> Layout:
+        _require(layout.placements[self.axis] == R, self, layout)
+        return layout.with_placement(self.axis, Partial(self.reduce))
+
+    def emit(self, ctx, x, local_shape, n):
+        if self.reduce != "sum":
+            return x
+        keep = ctx.call(aten.eq.Scalar, (ctx.coord(self.axis), 0))
+        return ctx.call(aten.mul.Tensor, (x, keep))
+
+
+@attrs.frozen
+class Relabel:
+    """Any placement change over an axis of size 1: nothing moves."""
+
+    axis: int
+    placement: object
+    kind = "relabel"
+    factor = 0.0
+
+    def apply(self, layout: Layout) -> Layout:
+        return layout.with_placement(self.axis, self.placement)
+
+    def emit(self, ctx, x, local_shape, n):
+        return x
+
+
+COMMUNICATING = (AllReduce, AllGather, ReduceScatter, AllToAll)

@@ -1,0 +1,80 @@
+"""Errors users see. Each carries structured problems as well as a readable message.
+
+Every error lists *all* problems found in one pass, each with what was wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class Problem:
+    """One thing that is wrong: where it is, what is wrong, how to fix it."""
+
+    where: str
+    what: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.where}: {self.what}"
+        return f"{text}\n      fix: {self.fix}" if self.fix else text
+
+
+class HpfunError(Exception):
+    """Base of every error hpfun raises on purpose."""
+
+    headline = "hpfun error"
+
+    def __init__(self, problems, headline: str | None = None):
+        if isinstance(problems, (str, Problem)):
+            problems = [problems]
+        self.problems = tuple(p if isinstance(p, Problem) else Problem("", str(p)) for p in problems)
+        if headline is not None:
+            self.headline = headline
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        if len(self.problems) == 1 and not self.problems[0].where:
+            return f"{self.headline}: {self.problems[0].what}" + (
+                f"\n  fix: {self.problems[0].fix}" if self.problems[0].fix else ""
+            )
+        lines = [f"{self.headline} ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class LayoutError(HpfunError, ValueError):
+    """A placement, layout, mesh or spec is invalid, or a shape does not divide."""
+
+    headline = "invalid layout"
+
+
+class SpecError(HpfunError, ValueError):
+    """The in_specs/out_specs given to `shard` do not fit the arguments or the mesh."""
+
+    headline = "bad sharding spec"
+
+
+class RuleFileError(HpfunError, ValueError):
+    """A YAML rule table is malformed (reported with file:line)."""
+
+    headline = "bad rule table"
+
+
+class MissingRuleError(HpfunError, NotImplementedError):
+    """Ops in the traced program have no sharding rule (all of them listed)."""
+
+    headline = "ops without a sharding rule"
+
+
+class CaptureError(HpfunError, RuntimeError):
+    """The function could not be traced (data-dependent control flow, unsupported input...)."""
+
+    headline = "cannot capture the function"
+
+
+class ShardingError(HpfunError, RuntimeError):
+    """An op cannot run with the layouts it is given (e.g. a data-dependent shape on a sharded dim)."""
+
+    headline = "cannot shard the program"

@@ -1,0 +1,184 @@
+"""Lower: rewrite the annotated global graph into ONE per-shard graph for every rank.
+
+Each op is emitted by its rule for the chosen strategy (local shapes in shape arguments,
+masked lookups...), after redistributing any input whose layout differs from the one the
+strategy needs. Rank-dependent values come from the graph's last input, `coords` (this rank's
+mesh coordinates as an int64 tensor), so the program does not depend on the rank.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from hpfun.layout import Layout
+from hpfun.mesh import Mesh
+from hpfun.plan import redistribute_plan, step_bytes
+from hpfun.propagate import _is_tensor_node, tensor_inputs
+
+aten = torch.ops.aten
+
+
+@attrs.frozen
+class Collective:
+    """One collective the program runs: what, over which mesh axes, bytes per rank, and why."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    node: str  # the node of the global graph that needed it
+    op: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {', '.join(self.axes)}: {self.bytes} B for {self.node} ({self.op}): {self.reason}"
+
+
+@attrs.frozen(eq=False)
+class Program:
+    """The lowered per-shard program and what describes it."""
+
+    mesh: Mesh
+    module: torch.fx.GraphModule
+    input_layouts: tuple[Layout, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_layouts: tuple[Layout, ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[torch.dtype, ...]
+    collectives: tuple[Collective, ...]
+
+
+class LowerContext:
+    """What rules and redistribution steps use to write into the per-shard graph."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.graph = torch.fx.Graph()
+        self.collectives: list[Collective] = []
+        self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
+        self._coords = None
+        self._cache: dict = {}
+
+    def call(self, op, args, kwargs=None) -> torch.fx.Node:
+        return self.graph.call_function(op, tuple(args), dict(kwargs or {}))
+
+    def placeholder(self, name: str) -> torch.fx.Node:
+        return self.graph.placeholder(name)
+
+    def _memo(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def coord(self, axis: int) -> torch.fx.Node:
+        """This rank's coordinate on `axis` (0-d int64)."""
+        return self._memo(("coord", axis), lambda: self.call(aten.select.int, (self._coords, 0, axis)))
+
+    def coord_index(self, axis: int) -> torch.fx.Node:
+        """This rank's coordinate on `axis` as a 1-element int64 tensor (for index_select)."""
+        return self._memo(("coord_index", axis), lambda: self.call(aten.slice.Tensor, (self._coords, 0, axis, axis + 1)))
+
+    def shard_offset(self, layout: Layout, shape, dim: int) -> torch.fx.Node:
+        """Global index of this rank's first element along `dim` under `layout` (0-d int64)."""
+        local = layout.local_shape(shape)[dim]
+
+        def make():
+            offset, stride = None, local
+            for a in reversed(layout.shard_axes(dim)):
+                term = self.call(aten.mul.Tensor, (self.coord(a), stride))
+                offset = term if offset is None else self.call(aten.add.Tensor, (offset, term))
+                stride *= self.mesh.shape[a]
+            return offset if offset is not None else self.call(aten.mul.Tensor, (self.coord(0), 0))
+
+        return self._memo(("offset", layout, tuple(shape), dim), make)
+
+    def collective(self, step, op, args, local_shape) -> torch.fx.Node:
+        axis = self.mesh.axis_names[step.axis]
+        node = self.call(op, (*args, axis))
+        node.meta["hpfun_axes"] = (axis,)
+        waited = self.call(torch.ops._c10d_functional.wait_tensor.default, (node,))
+        nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype)
+        name, op_name, reason = self.consumer
+        record = Collective(step.kind, (axis,), nbytes, name, op_name, reason)
+        node.meta["hpfun_collective"] = record
+        self.collectives.append(record)
+        return waited
+
+    def redistribute(self, value, src: Layout, dst: Layout, shape, dtype):
+        """Emit the plan from `src` to `dst` on the local value `value`."""
+        cur = src
+        for step in redistribute_plan(src, dst, shape):
+            self._step_layout, self._step_shape, self._step_dtype = cur, shape, dtype
+            value = step.emit(self, value, list(cur.local_shape(shape)), self.mesh.shape[step.axis])
+            cur = step.apply(cur)
+        return value
+
+
+def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None]) -> Program:
+    """Build the per-shard program of a propagated graph; `None` keeps an output's layout."""
+    ctx = LowerContext(mesh)
+    values: dict[torch.fx.Node, torch.fx.Node] = {}
+    reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(inputs):
+        values[node] = ctx.placeholder(f"in{i}")
+    ctx._coords = ctx.placeholder("coords")
+
+    def local(producer, dst: Layout, reason_for: str):
+        key = (producer, dst)
+        if key not in reached:
+            src, val = producer.meta["hpfun_layout"], producer.meta["val"]
+            if src != dst:
+                ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
+                                f"{producer.name} is {src.placements_str()}")
+            reached[key] = ctx.redistribute(values[producer], src, dst, tuple(val.shape), val.dtype)
+        return reached[key]
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            values[node] = ctx.graph.get_attr(node.target)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            values[node] = ctx.call(operator.getitem, (values[node.args[0]], node.args[1]))
+        elif node.op == "call_function":
+            values[node] = _emit(ctx, node, local)
+        elif node.op == "output":
+            return _finish(ctx, gm, node, inputs, output_layouts, local)
+    raise AssertionError("graph without output")
+
+
+def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
+    strategy, call = node.meta["hpfun_strategy"], node.meta["hpfun_call"]
+    ctx.consumer = (node.name, str(node.target), "")
+    required = iter(strategy.inputs)
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    leaves = [local(x, next(required), f"{node.target}") if _is_tensor_node(x) else x for x in leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    out.meta["hpfun_layout"] = node.meta["hpfun_layout"]
+    out.meta["hpfun_origin"] = node.name
+    return out
+
+
+def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, local) -> Program:
+    outs, layouts = [], []
+    ctx.consumer = ("output", "output", "")
+    for producer, want in zip(node.args[0], output_layouts, strict=True):
+        dst = want if want is not None else producer.meta["hpfun_layout"]
+        outs.append(local(producer, dst, "out_specs"))
+        layouts.append(dst)
+    ctx.graph.output(outs)
+    module = torch.fx.GraphModule(gm, ctx.graph)
+    vals = [p.meta["val"] for p in node.args[0]]
+    return Program(
+        mesh=ctx.mesh,
+        module=module,
+        input_layouts=tuple(n.meta["hpfun_layout"] for n in inputs),
+        input_shapes=tuple(tuple(n.meta["val"].shape) for n in inputs),
+        output_layouts=tuple(layouts),
+        output_shapes=tuple(tuple(v.shape) for v in vals),
+        output_dtypes=tuple(v.dtype for v in vals),
+        collectives=tuple(ctx.collectives),
+    )

@@ -1,0 +1,105 @@
+"""The device mesh: a value (shape and axis names). Process groups live in the runtime."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from hpfun.errors import LayoutError
+
+RUNTIMES = ("simulated", "distributed")
+
+
+def _as_shape(value) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    return tuple(int(v) for v in value)
+
+
+def _as_names(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class Mesh:
+    """An N-D grid of ranks with named axes.
+
+    >>> mesh = Mesh.simulated((2, 2), ("dp", "tp"))
+    >>> str(mesh), mesh.size, mesh.coords(3)
+    ('{dp: 2, tp: 2}', 4, (1, 1))
+    """
+
+    shape: tuple[int, ...] = attrs.field(converter=_as_shape)
+    axis_names: tuple[str, ...] = attrs.field(converter=_as_names)
+    runtime: str = attrs.field(default="simulated", kw_only=True)
+
+    def __attrs_post_init__(self):
+        problems = []
+        if not self.shape:
+            problems.append("a mesh needs at least one axis")
+        if len(self.shape) != len(self.axis_names):
+            problems.append(f"shape {self.shape} has {len(self.shape)} axes but {len(self.axis_names)} names were given")
+        if any(s < 1 for s in self.shape):
+            problems.append(f"every axis size must be >= 1, got {self.shape}")
+        if len(set(self.axis_names)) != len(self.axis_names):
+            problems.append(f"axis names must be distinct, got {self.axis_names}")
+        bad = [n for n in self.axis_names if not (isinstance(n, str) and n.isidentifier())]
+        if bad:
+            problems.append(f"axis names must be identifiers, got {bad}")
+        if self.runtime not in RUNTIMES:
+            problems.append(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        if problems:
+            raise LayoutError(problems, headline="invalid mesh")
+
+    @classmethod
+    def simulated(cls, shape, axis_names) -> "Mesh":
+        """A mesh whose ranks all run inside this process (notebooks, tests)."""
+        return cls(shape, axis_names, runtime="simulated")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_index(self, axis: str | int) -> int:
+        """The position of a mesh axis given by name or index."""
+        if isinstance(axis, int) and 0 <= axis < self.ndim:
+            return axis
+        if axis in self.axis_names:
+            return self.axis_names.index(axis)
+        raise LayoutError(f"mesh {self} has no axis {axis!r}; its axes are {list(self.axis_names)}")
+
+    def axis_size(self, axis: str | int) -> int:
+        return self.shape[self.axis_index(axis)]
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinates of a rank (row-major, the last axis varies fastest)."""
+        out = []
+        for size in reversed(self.shape):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
+    def rank(self, coords) -> int:
+        r = 0
+        for c, size in zip(coords, self.shape, strict=True):
+            r = r * size + c
+        return r
+
+    def groups(self, axis: str | int) -> list[list[int]]:
+        """The rank groups that communicate over one axis, each ordered by that axis' coordinate."""
+        a = self.axis_index(axis)
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.size):
+            c = self.coords(r)
+            groups.setdefault(c[:a] + c[a + 1 :], []).append(r)
+        return list(groups.values())
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{n}: {s}" for n, s in zip(self.axis_names, self.shape, strict=True)) + "}"

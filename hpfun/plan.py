@@ -1,0 +1,146 @@
+"""Redistribution planning and its cost: the short chain of steps from one layout to another.
+
+Order of a plan, chosen so every step's precondition holds and data is smallest when it moves:
+1. axes of size 1 are relabelled (nothing moves);
+2. Partial axes that must end replicated (or differently Partial) are all-reduced first, while
+   the tensor is still split;
+3. per tensor dim, the axes splitting it beyond the prefix it shares with the target are undone,
+   most minor first: all-to-all when the axis moves to another dim that accepts it, else all-gather;
+4. per axis, major first, the target placement is reached: take a block locally (R -> S),
+   reduce-scatter (P -> S), or turn replicated into Partial locally (R -> P).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import attrs
+import torch
+
+from hpfun.collectives import (
+    COMMUNICATING, AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial,
+)
+from hpfun.errors import ShardingError
+from hpfun.layout import Layout, Partial, R, Shard
+
+
+@attrs.frozen
+class CostModel:
+    """alpha-beta time per collective: alpha + factor * bytes / beta (seconds); per-axis overrides."""
+
+    alpha: float = 5e-6
+    beta: float = 10e9
+    per_axis: dict = attrs.field(factory=dict)  # axis name -> (alpha, beta)
+
+    def seconds(self, step, nbytes: int, axis_name: str) -> float:
+        if not isinstance(step, COMMUNICATING):
+            return 0.0
+        alpha, beta = self.per_axis.get(axis_name, (self.alpha, self.beta))
+        return alpha + step.factor * nbytes / beta
+
+
+def redistribute_plan(src: Layout, dst: Layout, shape) -> tuple:
+    """Steps turning `src` into `dst` for a tensor of global `shape` (verified to arrive)."""
+    return _plan(src, dst, tuple(shape))
+
+
+@lru_cache(maxsize=65536)
+def _plan(src: Layout, dst: Layout, shape: tuple) -> tuple:
+    if src.mesh != dst.mesh:
+        raise ShardingError(f"cannot redistribute between meshes {src.mesh} and {dst.mesh}")
+    steps, cur = [], src
+    for step in _steps(src, dst, shape):
+        cur = step.apply(cur)
+        steps.append(step)
+    if cur != dst:
+        raise ShardingError(f"internal: plan {src} -> {dst} arrived at {cur}")
+    return tuple(steps)
+
+
+def _steps(src: Layout, dst: Layout, shape):
+    cur = src
+    mesh = src.mesh
+    for a, size in enumerate(mesh.shape):  # 1. size-1 axes
+        if size == 1 and cur.placements[a] != dst.placements[a]:
+            step = Relabel(a, dst.placements[a])
+            cur = step.apply(cur)
+            yield step
+    for a, p in enumerate(cur.placements):  # 2. all-reduce what must not stay Partial
+        q = dst.placements[a]
+        if isinstance(p, Partial) and p != q and not (isinstance(q, Shard) and _can_reduce_scatter(cur, dst, a, q.dim)):
+            step = AllReduce(a, p.reduce)
+            cur = step.apply(cur)
+            yield step
+    for step in _undo_shards(cur, dst, len(shape)):  # 3. undo splits the target does not share
+        cur = step.apply(cur)
+        yield step
+    for a in range(mesh.ndim):  # 4. reach the target, major axis first
+        p, q = cur.placements[a], dst.placements[a]
+        if p == q:
+            continue
+        if isinstance(q, Shard):
+            step = ReduceScatter(a, q.dim, p.reduce) if isinstance(p, Partial) else Chunk(a, q.dim)
+        else:
+            step = ToPartial(a, q.reduce)
+        cur = step.apply(cur)
+        yield step
+
+
+def _kept_prefix(cur: Layout, dst: Layout, dim: int) -> tuple[int, ...]:
+    """The leading axes splitting `dim` in both layouts (they can stay)."""
+    out = []
+    for a, b in zip(cur.shard_axes(dim), dst.shard_axes(dim)):
+        if a != b:
+            break
+        out.append(a)
+    return tuple(out)
+
+
+def _can_reduce_scatter(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
+    """P -> S(dim) on `axis` in step 4 works if the axes before it on `dim` are already there."""
+    before = tuple(a for a in dst.shard_axes(dim) if a < axis)
+    return _kept_prefix(cur, dst, dim) == before and all(a < axis for a in cur.shard_axes(dim))
+
+
+def _undo_shards(cur: Layout, dst: Layout, ndim: int):
+    for dim in range(ndim):
+        keep = _kept_prefix(cur, dst, dim)
+        for a in reversed(cur.shard_axes(dim)[len(keep) :]):
+            q = dst.placements[a]
+            if isinstance(q, Shard) and q.dim != dim and _accepts(cur, dst, a, q.dim):
+                step = AllToAll(a, dim, q.dim)
+            else:
+                step = AllGather(a, dim)
+            cur = step.apply(cur)
+            yield step
+
+
+def _accepts(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
+    """Can `axis` start splitting `dim` now, consistent with the target's order on `dim`?"""
+    have = cur.shard_axes(dim)
+    want = dst.shard_axes(dim)
+    return all(a < axis for a in have) and want[: len(have) + 1] == have + (axis,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost
+# ---------------------------------------------------------------------------------------------
+
+
+def step_bytes(step, layout_before: Layout, shape, dtype: torch.dtype) -> int:
+    """Bytes of the local buffer handed to a step (per rank)."""
+    return math.prod(layout_before.local_shape(shape)) * dtype.itemsize
+
+
+def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tuple[float, int]:
+    """(wire bytes per rank, number of steps) of the plan from `src` to `dst`."""
+    if src == dst:
+        return 0.0, 0
+    wire, cur = 0.0, src
+    steps = redistribute_plan(src, dst, shape)
+    for step in steps:
+        n = src.mesh.shape[step.axis]
+        wire += step.factor * (n - 1) / n * step_bytes(step, cur, shape, dtype)
+        cur = step.apply(cur)
+    return wire, len(steps)

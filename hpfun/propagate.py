@@ -1,0 +1,123 @@
+"""Propagate: choose a strategy for every node, in graph order, by communication bytes.
+
+For each op the registry's rule lists candidate strategies given the inputs' current layouts;
+each is priced by the redistributions it needs (a layout an input already reached for another
+consumer is free), and the cheapest wins (ties: fewer steps, then the rule's order). Keeping a
+Partial costs nothing now; it is resolved where a consumer needs it, which for a gradient is
+where the parameter update meets the replicated parameter (bytes of the parameter, not of the
+activations: the cheaper side once tokens outnumber hidden units). Results go
+into `node.meta`: "hpfun_layout" (a Layout, or a tuple for multi-output ops), "hpfun_call",
+"hpfun_rule" and "hpfun_strategy". Partial values stay Partial until a consumer needs otherwise.
+All ops without a rule are reported together.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hpfun.capture import user_line
+from hpfun.errors import MissingRuleError, Problem, ShardingError
+from hpfun.layout import Layout
+from hpfun.mesh import Mesh
+from hpfun.plan import redistribute_cost
+from hpfun.rules import REGISTRY, OpCall, Strategy, TensorArg, TensorMeta
+
+
+def _is_tensor_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def _outputs(node: torch.fx.Node) -> tuple[TensorMeta, ...]:
+    val = node.meta.get("val")
+    vals = [val] if isinstance(val, torch.Tensor) else pytree.tree_leaves(val)
+    return tuple(TensorMeta(tuple(v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor))
+
+
+def op_call(node: torch.fx.Node, mesh: Mesh) -> OpCall:
+    """The OpCall a rule sees for `node`, from the layouts already in `node.meta`."""
+
+    def convert(index):
+        def leaf(x):
+            if _is_tensor_node(x):
+                val = x.meta["val"]
+                return TensorArg(tuple(val.shape), val.dtype, x.meta["hpfun_layout"], index)
+            return x
+        return leaf
+
+    args = tuple(pytree.tree_map(convert(i), a) for i, a in enumerate(node.args))
+    kwargs = {k: pytree.tree_map(convert(len(node.args) + j), v) for j, (k, v) in enumerate(node.kwargs.items())}
+    return OpCall(node.target, args, kwargs, _outputs(node), mesh)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor-valued argument nodes in the order of `Strategy.inputs`."""
+    return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(x)]
+
+
+def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY) -> None:
+    """Annotate every node of `gm` with its chosen strategy and layouts."""
+    reached: set[tuple[torch.fx.Node, Layout]] = set()
+    placeholders = iter(input_layouts)
+    missing: list[Problem] = []
+    replicated = Layout.replicated(mesh)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["hpfun_layout"] = next(placeholders)
+        elif node.op == "get_attr":
+            node.meta["hpfun_layout"] = replicated
+        elif node.op == "call_function" and node.target is operator.getitem:
+            node.meta["hpfun_layout"] = node.args[0].meta["hpfun_layout"][node.args[1]]
+        elif node.op == "call_function":
+            rule = registry.lookup(node.target)
+            call = op_call(node, mesh)
+            if rule is None:
+                missing.append(_missing(node, call))
+                outs = (replicated,) * max(len(call.outputs), 1)
+                node.meta["hpfun_layout"] = outs if _multi(node) else outs[0]
+                continue
+            strategy = _choose(node, call, rule, reached)
+            for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
+                reached.add((producer, layout))
+            node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
+            node.meta["hpfun_layout"] = strategy.outputs if _multi(node) else strategy.outputs[0]
+    if missing:
+        raise MissingRuleError(missing)
+
+
+def _multi(node: torch.fx.Node) -> bool:
+    return not isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _choose(node, call: OpCall, rule, reached) -> Strategy:
+    candidates = rule.strategies(call)
+    if not candidates:
+        layouts = ", ".join(t.layout.placements_str() for t in call.tensors)
+        raise ShardingError(Problem(
+            f"{node.target} ({node.name})", f"the rule offers no strategy for inputs {layouts}",
+            "check the rule's shapes; a rule must at least offer the replicated strategy",
+        ))
+    producers = tensor_inputs(node)
+
+    def price(item):
+        index, strategy = item
+        wire, steps = 0.0, 0
+        for producer, arg, layout in zip(producers, call.tensors, strategy.inputs, strict=True):
+            if (producer, layout) not in reached:
+                w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype)
+                wire, steps = wire + w, steps + s
+        return wire, steps, index
+
+    return min(enumerate(candidates), key=price)[1]
+
+
+def _missing(node, call: OpCall) -> Problem:
+    layouts = ", ".join(t.layout.placements_str() for t in call.tensors) or "no tensor inputs"
+    line = user_line(node.meta.get("stack_trace"))
+    return Problem(
+        f"{node.target}",
+        f"no sharding rule (inputs {layouts})" + (f", from {line}" if line else ""),
+        "add a YAML entry (see rules/README.md) or hpfun.rules.register(op, rule)",
+    )

@@ -1,0 +1,151 @@
+"""What a rule sees (`OpCall`), what it returns (`Strategy`), and the `Rule` base class.
+
+A rule is a pure function of shapes and layouts: `strategies(call)` lists the layouts the op
+can run with; `emit(ctx, ...)` writes the op's local computation into the per-shard graph for
+the chosen strategy (by default the same op, with shape arguments made local).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from hpfun.layout import Layout, Partial, R, Shard
+from hpfun.mesh import Mesh
+
+
+@attrs.frozen
+class TensorArg:
+    """A tensor argument of an op: its global shape, dtype, current layout and argument slot."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: Layout
+    index: int  # position of the top-level argument holding it (a list of tensors shares one)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@attrs.frozen
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@attrs.frozen(eq=False)
+class OpCall:
+    """One op application as rules see it: tensors replaced by `TensorArg`, outputs by `TensorMeta`."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    outputs: tuple[TensorMeta, ...]
+    mesh: Mesh
+
+    @property
+    def tensors(self) -> list[TensorArg]:
+        """Tensor arguments in flattening order (the order of `Strategy.inputs`)."""
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return [x for x in leaves if isinstance(x, TensorArg)]
+
+    def arg(self, index: int, name: str | None = None, default=None):
+        """Positional argument `index`, or keyword `name`, or `default`."""
+        if index is not None and index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default) if name else default
+
+
+@attrs.frozen
+class Strategy:
+    """Layouts an op can run with: one required layout per tensor input, one per output."""
+
+    inputs: tuple[Layout, ...]
+    outputs: tuple[Layout, ...]
+    note: Any = None  # family-specific data for `emit` (e.g. which dims are masked)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-axis strategy building: most rules reason one mesh axis at a time.
+# ---------------------------------------------------------------------------------------------
+
+AxisOption = tuple[tuple, tuple]  # (placement per tensor input, placement per output)
+
+
+def combine_axes(call: OpCall, per_axis: list[list[AxisOption]]) -> list[Strategy]:
+    """Strategies from per-mesh-axis options (cartesian product), keeping those whose shapes divide."""
+    tensors, outputs = call.tensors, call.outputs
+    seen, out = set(), []
+    for combo in itertools.product(*(_dedupe(opts) for opts in per_axis)):
+        ins = tuple(Layout(call.mesh, tuple(c[0][i] for c in combo)) for i in range(len(tensors)))
+        outs = tuple(Layout(call.mesh, tuple(c[1][o] for c in combo)) for o in range(len(outputs)))
+        key = (ins, outs)
+        if key in seen:
+            continue
+        seen.add(key)
+        if all(l.fits(t.shape) for l, t in zip(ins, tensors, strict=True)) and all(
+            l.fits(o.shape) for l, o in zip(outs, outputs, strict=True)
+        ):
+            out.append(Strategy(ins, outs))
+    return out
+
+
+def _dedupe(options):
+    return list(dict.fromkeys(o for o in options if o is not None))
+
+
+def replicated_option(call: OpCall) -> AxisOption:
+    return (R,) * len(call.tensors), (R,) * len(call.outputs)
+
+
+def is_linear_partial(p, reduces=("sum", "avg")) -> bool:
+    return isinstance(p, Partial) and p.reduce in reduces
+
+
+def shard_dim(p) -> int | None:
+    return p.dim if isinstance(p, Shard) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The Rule base class
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Rule:
+    """Base of every rule family. Subclasses add YAML parameters as attrs fields.
+
+    `shape_arg`: position of an argument holding the output's shape (view, expand, full...),
+    rewritten to the local shape when lowering.
+    """
+
+    shape_arg: int | None = None
+    reason: str | None = None  # why a rule is replicate-only, shown in reports
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        raise NotImplementedError
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        """Write the local op into the per-shard graph; returns the new node."""
+        if self.shape_arg is not None:
+            args = list(args)
+            args[self.shape_arg] = list(strategy.outputs[0].local_shape(call.outputs[0].shape))
+        return ctx.call(call.op, tuple(args), kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class Replicated(Rule):
+    """Runs only on replicated inputs (with `reason` saying why); output replicated."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        r = Layout.replicated(call.mesh)
+        return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]

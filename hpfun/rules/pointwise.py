@@ -1,0 +1,88 @@
+"""Pointwise ops (with broadcasting), `*_like` ops and factories.
+
+Algebra behind the Partial rows: a pointwise op f passes `Partial(sum)` through exactly when it
+is linear. Jointly linear ops (add, sub, neg, where in its two values) take every listed tensor
+partial: (a1 + a2) + (b1 + b2) = (a1 + b1) + (a2 + b2). Ops linear in each argument separately
+(mul, div's numerator) take one partial argument, the others replicated: (a1 + a2) * b = a1*b + a2*b.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hpfun.layout import Layout, Partial, R, Shard
+from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+
+
+@attrs.frozen(kw_only=True)
+class Pointwise(Rule):
+    """Elementwise op; inputs broadcast against the output from the right."""
+
+    linear_joint: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    linear_each: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    partial_reduces: tuple[str, ...] = attrs.field(default=("sum", "avg"), converter=tuple)
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            options = [self._follow(call, t, t.layout.placements[a]) for t in call.tensors]
+            per_axis.append([*options, replicated_option(call)])
+        return combine_axes(call, per_axis)
+
+    def _follow(self, call: OpCall, seed, placement):
+        if isinstance(placement, Shard):
+            return _follow_shard(call, seed, placement.dim)
+        if isinstance(placement, Partial) and placement.reduce in self.partial_reduces:
+            return self._follow_partial(call, seed, placement)
+        return None
+
+    def _follow_partial(self, call: OpCall, seed, placement):
+        tensors = call.tensors
+        if seed.index in self.linear_each:
+            partial = {id(seed)}
+        elif seed.index in self.linear_joint and self._joint_args_are_tensors(call):
+            partial = {id(t) for t in tensors if t.index in self.linear_joint}
+        else:
+            return None
+        ins = tuple(placement if id(t) in partial else R for t in tensors)
+        return ins, (placement,) * len(call.outputs)
+
+    def _joint_args_are_tensors(self, call: OpCall) -> bool:
+        # A scalar operand of add/sub would be added once per rank: not linear.
+        indices = {t.index for t in call.tensors}
+        return all(i in indices for i in self.linear_joint if i < len(call.args))
+
+
+def _follow_shard(call: OpCall, seed, dim: int):
+    """Shard every input along the output dim that `seed`'s dim `dim` broadcasts to."""
+    out = call.outputs[0]
+    out_dim = dim + out.ndim - seed.ndim
+    if seed.shape[dim] != out.shape[out_dim]:
+        return None  # a broadcast dim of the seed cannot lead
+    ins = []
+    for t in call.tensors:
+        d = out_dim - (out.ndim - t.ndim)
+        ins.append(Shard(d) if d >= 0 and t.shape[d] == out.shape[out_dim] else R)
+    return tuple(ins), (Shard(out_dim),) * len(call.outputs)
+
+
+@attrs.frozen(kw_only=True)
+class Like(Rule):
+    """`zeros_like`, `full_like`...: only the input's shape matters, so it stays where it is.
+
+    The output takes the input's shards; a Partial input gives a replicated output.
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        src = call.tensors[0].layout
+        out = Layout(call.mesh, tuple(R if isinstance(p, Partial) else p for p in src.placements))
+        return [Strategy((src,) + tuple(t.layout for t in call.tensors[1:]), (out,) * len(call.outputs))]
+
+
+@attrs.frozen(kw_only=True)
+class Factory(Rule):
+    """Ops that make a tensor from a shape (`full`, `zeros`, `scalar_tensor`): replicated output."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        r = Layout.replicated(call.mesh)
+        return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]

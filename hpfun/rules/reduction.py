@@ -1,0 +1,85 @@
+"""Reductions over dims, and normalizations along one dim (softmax and friends).
+
+Reducing a sharded dim reduces each shard locally and leaves the cross-shard reduction pending:
+sum(x) = sum_i sum(x_i) gives `Partial(sum)`; mean over equal shards gives `Partial(avg)`;
+amax gives `Partial(max)`. A pending Partial input passes through a reduction of the same kind:
+sum(x1 + x2) = sum(x1) + sum(x2), max(max(x1), max(x2)) = max over everything.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hpfun.layout import Partial, R, Shard
+from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+
+_REDUCES = (None, "sum", "avg", "max", "min")
+
+
+def _check_reduce(_, __, value):
+    if value not in _REDUCES:
+        raise ValueError(f"reduce must be one of {_REDUCES}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Reduction(Rule):
+    """Reduction of `dim_arg`'s dims (all dims when absent, None or []).
+
+    `reduce`: the Partial left by reducing a sharded dim (None: reduced dims must be replicated).
+    `pass_partials`: Partial inputs that pass through unchanged.
+    """
+
+    reduce: str | None = attrs.field(default=None, validator=_check_reduce)
+    pass_partials: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    dim_arg: int | None = 1
+    keepdim_arg: int | None = 2
+
+    def reduced_dims(self, call: OpCall) -> set[int]:
+        x = call.tensors[0]
+        dims = call.arg(self.dim_arg, "dim") if self.dim_arg is not None else None
+        if dims is None or dims == []:
+            return set(range(x.ndim))
+        dims = [dims] if isinstance(dims, int) else dims
+        return {d % max(x.ndim, 1) for d in dims}
+
+    def out_dim(self, call: OpCall, dim: int, reduced: set[int]) -> int:
+        keepdim = bool(call.arg(self.keepdim_arg, "keepdim", False)) if self.keepdim_arg is not None else False
+        return dim if keepdim else dim - sum(1 for r in reduced if r < dim)
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, reduced = call.tensors[0], self.reduced_dims(call)
+        n_in, n_out = len(call.tensors), len(call.outputs)
+        per_axis = []
+        for p in x.layout.placements:
+            option = None
+            if isinstance(p, Shard) and p.dim not in reduced:
+                option = ((p,) + (R,) * (n_in - 1), (Shard(self.out_dim(call, p.dim, reduced)),) * n_out)
+            elif isinstance(p, Shard) and self.reduce is not None:
+                option = ((p,) + (R,) * (n_in - 1), (Partial(self.reduce),) * n_out)
+            elif isinstance(p, Partial) and p.reduce in self.pass_partials:
+                option = ((p,) + (R,) * (n_in - 1), (p,) * n_out)
+            per_axis.append([option, replicated_option(call)])
+        return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
+class Normalize(Rule):
+    """Op along one dim whose inputs and outputs share a shape (softmax, its backward, cumsum).
+
+    Every other dim may be sharded; the normalized dim must be whole on every rank.
+    """
+
+    dim_arg: int = 1
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        ndim = call.outputs[0].ndim
+        dim = call.arg(self.dim_arg, "dim") % max(ndim, 1)
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            options = [replicated_option(call)]
+            for t in call.tensors:
+                p = t.layout.placements[a]
+                if isinstance(p, Shard) and p.dim != dim:
+                    options.insert(0, ((p,) * len(call.tensors), (p,) * len(call.outputs)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)

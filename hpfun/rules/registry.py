@@ -1,0 +1,215 @@
+"""The op -> rule registry, filled from YAML tables and `register`.
+
+A table maps op overloads (`aten.mm.default`) to a rule family and its parameters. The special
+entry `__default__` is merged under every entry of its file. Keys are strict; an op named in two
+places, an unknown family or class, or an unknown op is an error naming `file:line`. Built-in
+tables come first; folders in `HPFUN_RULES_PATH` (colon-separated) and `load(path)` add to
+them, never replace them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import attrs
+import torch
+import yaml
+
+from hpfun.errors import Problem, RuleFileError
+from hpfun.rules.base import Replicated, Rule
+from hpfun.rules.contraction import Contraction
+from hpfun.rules.gather import Gather, Scatter
+from hpfun.rules.pointwise import Factory, Like, Pointwise
+from hpfun.rules.reduction import Normalize, Reduction
+from hpfun.rules.shape import Cat, Expand, Permute, Reshape, Slice
+
+FAMILIES: dict[str, type[Rule]] = {
+    "pointwise": Pointwise,
+    "like": Like,
+    "factory": Factory,
+    "reduction": Reduction,
+    "normalize": Normalize,
+    "contraction": Contraction,
+    "reshape": Reshape,
+    "permute": Permute,
+    "expand": Expand,
+    "slice": Slice,
+    "cat": Cat,
+    "gather": Gather,
+    "scatter": Scatter,
+    "replicated": Replicated,
+}
+
+
+def builtin_rules_dir() -> Path:
+    """The shipped tables: hpfun/_rules in a wheel, the top-level rules/ in a checkout."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "_rules", package.parent / "rules"):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    raise RuleFileError(f"the built-in rule tables are missing (looked in {package / '_rules'} and {package.parent / 'rules'})")
+
+
+@attrs.define
+class Entry:
+    rule: Rule
+    source: str  # "file:line" or "register()"
+
+
+class Registry:
+    """Op overload -> rule. Built-ins load on first use."""
+
+    def __init__(self):
+        self._entries: dict[object, Entry] = {}
+        self._loaded_builtins = False
+
+    def _ensure_builtins(self):
+        if self._loaded_builtins:
+            return
+        self._loaded_builtins = True
+        self.load(builtin_rules_dir())
+        for folder in filter(None, os.environ.get("HPFUN_RULES_PATH", "").split(":")):
+            self.load(folder)
+
+    def lookup(self, op) -> Rule | None:
+        self._ensure_builtins()
+        entry = self._entries.get(op)
+        return entry.rule if entry else None
+
+    def source(self, op) -> str | None:
+        self._ensure_builtins()
+        entry = self._entries.get(op)
+        return entry.source if entry else None
+
+    def ops(self) -> list:
+        self._ensure_builtins()
+        return list(self._entries)
+
+    def register(self, op, rule: Rule, *, replace: bool = False, source: str = "register()"):
+        op = resolve_op(op) if isinstance(op, str) else op
+        if op is None or not isinstance(rule, Rule):
+            raise RuleFileError(f"register(op, rule) needs an op overload and a Rule instance, got {op!r}, {rule!r}")
+        self._ensure_builtins()
+        if op in self._entries and not replace:
+            raise RuleFileError(
+                f"{op} already has a rule from {self._entries[op].source}",
+                headline="duplicate rule",
+            )
+        self._entries[op] = Entry(rule, source)
+
+    def load(self, path) -> int:
+        """Load a YAML table or a folder of them; all problems are raised together."""
+        path = Path(path)
+        if not path.exists():
+            raise RuleFileError(f"rule path {path} does not exist")
+        files = sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+        problems, parsed = [], []
+        for file in files:
+            parsed += _parse_file(file, problems)
+        seen: dict[object, str] = {}
+        for op, rule, where in parsed:
+            previous = self._entries[op].source if op in self._entries else seen.get(op)
+            if previous:
+                problems.append(Problem(where, f"{op} already has a rule at {previous}", "keep one entry per op"))
+            seen[op] = where
+        if problems:
+            raise RuleFileError(problems)
+        for op, rule, where in parsed:
+            self._entries[op] = Entry(rule, where)
+        return len(parsed)
+
+
+def resolve_op(name: str):
+    """`aten.mm.default` -> torch.ops.aten.mm.default, or None."""
+    parts = name.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _read_entries(file: Path, problems: list):
+    """(key, line, value) for each top-level entry, via PyYAML's safe loader (no arbitrary objects)."""
+    loader = yaml.SafeLoader(file.read_text())
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return []
+        if not isinstance(root, yaml.MappingNode):
+            problems.append(Problem(f"{file}:1", "a rule table must be a mapping of op name to entry"))
+            return []
+        return [(k.value, k.start_mark.line + 1, loader.construct_object(v, deep=True)) for k, v in root.value]
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problems.append(Problem(f"{file}:{mark.line + 1 if mark else 1}", f"invalid YAML: {getattr(err, 'problem', err)}"))
+        return []
+    finally:
+        loader.dispose()
+
+
+def _parse_file(file: Path, problems: list) -> list:
+    entries = _read_entries(file, problems)
+    default = next((v for k, _, v in entries if k == "__default__"), None) or {}
+    out, seen = [], {}
+    for key, line, value in entries:
+        where = f"{file}:{line}"
+        if key == "__default__":
+            continue
+        if key in seen:
+            problems.append(Problem(where, f"{key} is listed twice in this file (first at line {seen[key]})"))
+            continue
+        seen[key] = line
+        op = resolve_op(key)
+        if op is None:
+            problems.append(Problem(where, f"unknown op {key!r}", "write an op overload such as aten.mm.default"))
+            continue
+        rule = _make_rule({**default, **(value or {})}, where, problems)
+        if rule is not None:
+            out.append((op, rule, where))
+    return out
+
+
+def _make_rule(spec, where: str, problems: list) -> Rule | None:
+    if not isinstance(spec, dict):
+        problems.append(Problem(where, f"an entry must be a mapping, got {spec!r}"))
+        return None
+    spec = dict(spec)
+    family = spec.pop("family", None)
+    cls = _rule_class(family, where, problems)
+    if cls is None:
+        return None
+    known = {f.name for f in attrs.fields(cls)}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        problems.append(Problem(where, f"unknown key(s) {unknown} for family {family!r}", f"allowed: {sorted(known | {'family'})}"))
+        return None
+    try:
+        return cls(**spec)
+    except (TypeError, ValueError) as err:
+        problems.append(Problem(where, f"bad parameters for {family!r}: {err}"))
+        return None
+
+
+def _rule_class(family, where: str, problems: list):
+    if family in FAMILIES:
+        return FAMILIES[family]
+    if isinstance(family, str) and ":" in family:
+        module, _, name = family.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as err:
+            problems.append(Problem(where, f"cannot import rule class {family!r}: {err}"))
+            return None
+        if isinstance(cls, type) and issubclass(cls, Rule) and attrs.has(cls):
+            return cls
+        problems.append(Problem(where, f"{family!r} is not an attrs subclass of hpfun.rules.Rule"))
+        return None
+    problems.append(Problem(where, f"unknown family {family!r}", f"use one of {sorted(FAMILIES)} or 'module:Class'"))
+    return None
+
+
+REGISTRY = Registry()

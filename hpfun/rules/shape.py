@@ -1,0 +1,170 @@
+"""Dimension algebra: view/reshape/squeeze/unsqueeze, permute, expand, slicing, cat and split.
+
+All of these move data without arithmetic, so every Partial passes through unchanged
+(view(a1 + a2) = view(a1) + view(a2)); only where each sharded dim goes needs thought.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from hpfun.layout import Layout, Partial, R, Shard
+from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dims of `src` and `dst` whose sizes multiply to the same number.
+
+    >>> view_groups((2, 3, 4), (6, 4))
+    [([0, 1], [0]), ([2], [1])]
+    """
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        if i < len(src):
+            gi.append(i)
+            i += 1
+        if j < len(dst):
+            gj.append(j)
+            j += 1
+        while math.prod(src[d] for d in gi) != math.prod(dst[d] for d in gj):
+            grow_src = math.prod(src[d] for d in gi) < math.prod(dst[d] for d in gj)
+            if grow_src and i < len(src):
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                gj.append(j)
+                j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _major(dims: list[int], shape) -> int | None:
+    return next((d for d in dims if shape[d] != 1), None)
+
+
+@attrs.frozen(kw_only=True)
+class Reshape(Rule):
+    """view, _unsafe_view, reshape, squeeze, unsqueeze: any op fixed by input and output shapes.
+
+    A sharded dim survives when it is the major (first non-1) dim of its group: splitting it in
+    n contiguous blocks splits the group's flattened run, so the group's major output dim
+    (if n divides it). Other sharded dims must be gathered first.
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, out = call.tensors[0], call.outputs[0]
+        if 0 in x.shape or 0 in out.shape:
+            return [_replicated(call)]
+        where = {}
+        for gi, gj in view_groups(x.shape, out.shape):
+            src, dst = _major(gi, x.shape), _major(gj, out.shape)
+            if src is not None and dst is not None:
+                where[src] = dst
+        ins, outs = [], []
+        for p in x.layout.placements:
+            if isinstance(p, Shard) and p.dim in where:
+                ins.append(p), outs.append(Shard(where[p.dim]))
+            elif isinstance(p, Shard):
+                ins.append(R), outs.append(R)
+            else:
+                ins.append(p), outs.append(p)
+        return _with_fallback(call, ins, outs)
+
+
+@attrs.frozen(kw_only=True)
+class Permute(Rule):
+    """permute(x, dims): the shard of input dim `dims[i]` becomes the shard of output dim i."""
+
+    dims_arg: int = 1
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        perm = [d % x.ndim for d in call.arg(self.dims_arg, "dims")]
+        outs = [Shard(perm.index(p.dim)) if isinstance(p, Shard) else p for p in x.layout.placements]
+        return _with_fallback(call, list(x.layout.placements), outs)
+
+
+@attrs.frozen(kw_only=True)
+class Expand(Rule):
+    """expand(x, shape): dims of x align with the output's from the right; size-1 dims broadcast."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, out = call.tensors[0], call.outputs[0]
+        off = out.ndim - x.ndim
+        ins, outs = [], []
+        for p in x.layout.placements:
+            if isinstance(p, Shard) and x.shape[p.dim] == out.shape[p.dim + off]:
+                ins.append(p), outs.append(Shard(p.dim + off))
+            elif isinstance(p, Shard):
+                ins.append(R), outs.append(R)
+            else:
+                ins.append(p), outs.append(p)
+        return _with_fallback(call, ins, outs)
+
+
+@attrs.frozen(kw_only=True)
+class Slice(Rule):
+    """slice/select/narrow/split along `dim_arg`: that dim must be whole; other dims follow.
+
+    `drops_dim`: the op removes the dim (select).
+    """
+
+    dim_arg: int = 1
+    drops_dim: bool = False
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % x.ndim
+        ins, outs = [], []
+        for p in x.layout.placements:
+            if isinstance(p, Shard) and p.dim != dim:
+                ins.append(p), outs.append(Shard(p.dim - (self.drops_dim and p.dim > dim)))
+            elif isinstance(p, Shard):
+                ins.append(R), outs.append(R)
+            else:
+                ins.append(p), outs.append(p)
+        return _with_fallback(call, ins, outs)
+
+
+@attrs.frozen(kw_only=True)
+class Cat(Rule):
+    """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole."""
+
+    dim_arg: int = 1
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        tensors, out = call.tensors, call.outputs[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % out.ndim
+        n = len(tensors)
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            options = [replicated_option(call)]
+            for t in tensors:
+                p = t.layout.placements[a]
+                if (isinstance(p, Shard) and p.dim != dim and t.ndim == out.ndim) or isinstance(p, Partial):
+                    options.insert(0, ((p,) * n, (p,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+
+def _replicated(call: OpCall) -> Strategy:
+    r = Layout.replicated(call.mesh)
+    return Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))
+
+
+def _with_fallback(call: OpCall, ins: list, outs: list) -> list[Strategy]:
+    """The follow strategy of a one-input op (if its shapes divide), then the replicated one."""
+    mesh, x = call.mesh, call.tensors[0]
+    rest = tuple(t.layout for t in call.tensors[1:])
+    strategy = Strategy((Layout(mesh, ins),) + rest, (Layout(mesh, outs),) * len(call.outputs))
+    ok = strategy.inputs[0].fits(x.shape) and all(
+        l.fits(o.shape) for l, o in zip(strategy.outputs, call.outputs, strict=True)
+    )
+    r = _replicated(call)
+    return [strategy, r] if ok and strategy != r else [r]
+
