@@ -15,7 +15,7 @@ True
 """
 
 from hpfun import rules
-from hpfun.api import ShardedFunction, shard
+from hpfun.api import ShardedFunction, redistribute, shard
 from hpfun.errors import (
     CaptureError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
 )
@@ -28,5 +28,5 @@ from hpfun.sharded import Sharded
 __all__ = [
     "CaptureError", "Collective", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
-    "ShardedFunction", "ShardingError", "SpecError", "parse", "rules", "shard",
+    "ShardedFunction", "ShardingError", "SpecError", "parse", "redistribute", "rules", "shard",
 ]

@@ -12,7 +12,7 @@ from hpfun.capture import capture
 from hpfun.errors import Problem, SpecError
 from hpfun.explain import Lowered
 from hpfun.layout import Layout, P
-from hpfun.lower import Program, lower
+from hpfun.lower import LowerContext, Program, lower
 from hpfun.mesh import Mesh
 from hpfun.propagate import propagate
 from hpfun.runtime import simulated
@@ -243,3 +243,26 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, gm) -> list[Layout | Non
     if problems:
         raise SpecError([attrs.evolve(p, where=p.where.replace("args", "outputs", 1)) for p in problems])
     return layouts
+
+
+def redistribute(x: Sharded, layout: Layout) -> Sharded:
+    """Move a `Sharded` value to another layout on the same mesh with the planner's collectives.
+
+    >>> import hpfun, torch
+    >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    >>> x = hpfun.Sharded.from_global(torch.arange(4.0), hpfun.parse("[S(0)] on {dp: 2}"))
+    >>> hpfun.redistribute(x, hpfun.parse("[R] on {dp: 2}")).shards[1].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    mesh = x.layout.mesh
+    layout = layout.normalized(len(x.global_shape))
+    if layout.mesh != mesh:
+        raise SpecError(f"cannot redistribute from mesh {mesh} to mesh {layout.mesh}")
+    ctx = LowerContext(mesh)
+    value = ctx.placeholder("in0")
+    ctx._coords = ctx.placeholder("coords")
+    ctx.consumer = ("redistribute", "redistribute", f"{x.layout.placements_str()} -> {layout.placements_str()}")
+    ctx.graph.output([ctx.redistribute(value, x.layout, layout, x.global_shape, x.dtype)])
+    module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)
+    outs = simulated.run(module, mesh, [[s] for s in x.shards])
+    return Sharded(layout, x.global_shape, tuple(o[0] for o in outs))
