@@ -54,16 +54,18 @@ def _merge_front(ctx, x, shape, dim: int, n: int):
 
 @attrs.frozen
 class AllReduce:
-    """P(reduce) -> R over one axis."""
+    """P(reduce) -> R over one or more axes at once (one collective over their combined group)."""
 
-    axis: int
+    axes: tuple[int, ...]
     reduce: str
     kind = "all_reduce"
     factor = 2.0  # ring all-reduce moves 2(n-1)/n of the buffer
 
     def apply(self, layout: Layout) -> Layout:
-        _require(layout.placements[self.axis] == Partial(self.reduce), self, layout)
-        return layout.with_placement(self.axis, R)
+        for a in self.axes:
+            _require(layout.placements[a] == Partial(self.reduce), self, layout)
+            layout = layout.with_placement(a, R)
+        return layout
 
     def emit(self, ctx, x, local_shape, n):
         return ctx.collective(self, c10d.all_reduce.default, (x, self.reduce), local_shape)
@@ -76,6 +78,7 @@ class AllGather:
     axis: int
     dim: int
     kind = "all_gather"
+    axes = property(lambda self: (self.axis,))
     factor = 1.0
 
     def apply(self, layout: Layout) -> Layout:
@@ -98,6 +101,7 @@ class ReduceScatter:
     dim: int
     reduce: str
     kind = "reduce_scatter"
+    axes = property(lambda self: (self.axis,))
     factor = 1.0
 
     def apply(self, layout: Layout) -> Layout:
@@ -123,6 +127,7 @@ class AllToAll:
     src: int
     dst: int
     kind = "all_to_all"
+    axes = property(lambda self: (self.axis,))
     factor = 1.0
 
     def apply(self, layout: Layout) -> Layout:
@@ -146,6 +151,7 @@ class Chunk:
     axis: int
     dim: int
     kind = "chunk"
+    axes = property(lambda self: (self.axis,))
     factor = 0.0
 
     def apply(self, layout: Layout) -> Layout:
@@ -169,6 +175,7 @@ class ToPartial:
     axis: int
     reduce: str
     kind = "to_partial"
+    axes = property(lambda self: (self.axis,))
     factor = 0.0
 
     def apply(self, layout: Layout) -> Layout:
@@ -189,6 +196,7 @@ class Relabel:
     axis: int
     placement: object
     kind = "relabel"
+    axes = property(lambda self: (self.axis,))
     factor = 0.0
 
     def apply(self, layout: Layout) -> Layout:

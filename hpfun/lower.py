@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
-from hpfun.plan import redistribute_plan, step_bytes
+from hpfun.plan import group_size, redistribute_plan, step_bytes
 from hpfun.propagate import _is_tensor_node, tensor_inputs
 
 aten = torch.ops.aten
@@ -96,13 +96,13 @@ class LowerContext:
         return self._memo(("offset", layout, tuple(shape), dim), make)
 
     def collective(self, step, op, args, local_shape) -> torch.fx.Node:
-        axis = self.mesh.axis_names[step.axis]
-        node = self.call(op, (*args, axis))
-        node.meta["hpfun_axes"] = (axis,)
+        axes = tuple(self.mesh.axis_names[a] for a in step.axes)
+        node = self.call(op, (*args, ",".join(axes)))
+        node.meta["hpfun_axes"] = axes
         waited = self.call(torch.ops._c10d_functional.wait_tensor.default, (node,))
         nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype)
         name, op_name, reason = self.consumer
-        record = Collective(step.kind, (axis,), nbytes, name, op_name, reason)
+        record = Collective(step.kind, axes, nbytes, name, op_name, reason)
         node.meta["hpfun_collective"] = record
         self.collectives.append(record)
         return waited
@@ -112,7 +112,7 @@ class LowerContext:
         cur = src
         for step in redistribute_plan(src, dst, shape):
             self._step_layout, self._step_shape, self._step_dtype = cur, shape, dtype
-            value = step.emit(self, value, list(cur.local_shape(shape)), self.mesh.shape[step.axis])
+            value = step.emit(self, value, list(cur.local_shape(shape)), group_size(self.mesh, step))
             cur = step.apply(cur)
         return value
 

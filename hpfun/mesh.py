@@ -92,13 +92,18 @@ class Mesh:
             r = r * size + c
         return r
 
-    def groups(self, axis: str | int) -> list[list[int]]:
-        """The rank groups that communicate over one axis, each ordered by that axis' coordinate."""
-        a = self.axis_index(axis)
+    def groups(self, axes) -> list[list[int]]:
+        """The rank groups that communicate over some axes (a name, index, tuple of them, or a
+        comma-separated string), each group in rank order."""
+        if isinstance(axes, str):
+            axes = axes.split(",")
+        elif isinstance(axes, int):
+            axes = (axes,)
+        chosen = {self.axis_index(a) for a in axes}
         groups: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
-            groups.setdefault(c[:a] + c[a + 1 :], []).append(r)
+            groups.setdefault(tuple(x for i, x in enumerate(c) if i not in chosen), []).append(r)
         return list(groups.values())
 
     def __str__(self) -> str:

@@ -66,12 +66,15 @@ def _steps(src: Layout, dst: Layout, shape):
             step = Relabel(a, dst.placements[a])
             cur = step.apply(cur)
             yield step
-    for a, p in enumerate(cur.placements):  # 2. all-reduce what must not stay Partial
+    pending: dict[str, list[int]] = {}  # 2. all-reduce what must not stay Partial, axes of one op together
+    for a, p in enumerate(cur.placements):
         q = dst.placements[a]
         if isinstance(p, Partial) and p != q and not (isinstance(q, Shard) and _can_reduce_scatter(cur, dst, a, q.dim)):
-            step = AllReduce(a, p.reduce)
-            cur = step.apply(cur)
-            yield step
+            pending.setdefault(p.reduce, []).append(a)
+    for reduce, axes in pending.items():
+        step = AllReduce(tuple(axes), reduce)
+        cur = step.apply(cur)
+        yield step
     for step in _undo_shards(cur, dst, len(shape)):  # 3. undo splits the target does not share
         cur = step.apply(cur)
         yield step
@@ -128,6 +131,10 @@ def _accepts(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def group_size(mesh, step) -> int:
+    return math.prod(mesh.shape[a] for a in step.axes)
+
+
 def step_bytes(step, layout_before: Layout, shape, dtype: torch.dtype) -> int:
     """Bytes of the local buffer handed to a step (per rank)."""
     return math.prod(layout_before.local_shape(shape)) * dtype.itemsize
@@ -140,7 +147,7 @@ def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tu
     wire, cur = 0.0, src
     steps = redistribute_plan(src, dst, shape)
     for step in steps:
-        n = src.mesh.shape[step.axis]
+        n = group_size(src.mesh, step)
         wire += step.factor * (n - 1) / n * step_bytes(step, cur, shape, dtype)
         cur = step.apply(cur)
     return wire, len(steps)
