@@ -69,9 +69,9 @@ class Registry:
         if self._loaded_builtins:
             return
         self._loaded_builtins = True
-        self.load(builtin_rules_dir())
+        self._load(builtin_rules_dir())
         for folder in filter(None, os.environ.get("HPFUN_RULES_PATH", "").split(":")):
-            self.load(folder)
+            self._load(folder)
 
     def lookup(self, op) -> Rule | None:
         self._ensure_builtins()
@@ -100,7 +100,11 @@ class Registry:
         self._entries[op] = Entry(rule, source)
 
     def load(self, path) -> int:
-        """Load a YAML table or a folder of them; all problems are raised together."""
+        """Load a YAML table or a folder of them (after the built-ins); all problems raised together."""
+        self._ensure_builtins()
+        return self._load(path)
+
+    def _load(self, path) -> int:
         path = Path(path)
         if not path.exists():
             raise RuleFileError(f"rule path {path} does not exist")

@@ -1,0 +1,111 @@
+"""Bad input raises clear errors before anything runs: what was wrong, where, and the fix."""
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.testing.models import MEGATRON, mlp_data, mlp_init, mlp_step
+
+MESH = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+
+
+def _raise(fn, *args, error=hpfun.HpfunError):
+    with pytest.raises(error) as info:
+        fn(*args)
+    assert not isinstance(info.value, (KeyError, AssertionError))
+    return info.value, str(info.value)
+
+
+def test_bad_specs_are_reported_together_with_their_paths():
+    """Unknown axis, axis used twice, too many dims and wrong axis order: one report, every path."""
+    specs = ({"w1": P("xx"), "b1": P("dp", "dp"), "w2": P(None, None, "tp"), "b2": P()}, P("dp"), P(("tp", "dp")))
+    err, text = _raise(hpfun.shard(mlp_step, mesh=MESH, in_specs=specs), mlp_init(), *mlp_data(), error=hpfun.SpecError)
+    assert len(err.problems) == 5
+    assert "args[0]['w1']" in text and "'xx'" in text and "['dp', 'tp']" in text
+    assert "args[0]['b1']" in text and "twice" in text
+    assert "args[0]['w2']" in text and "has 3 entries but the tensor has only 2 dims" in text
+    assert "args[2]" in text and "mesh order" in text
+    assert all(p.fix for p in err.problems)
+
+
+def test_non_divisible_dim_names_path_dim_size_and_axes():
+    """A dim that does not divide names the argument path, dim, size and the axis sizes."""
+    mesh = hpfun.Mesh.simulated((3,), ("dp",))
+    f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(P(), P("dp"), P("dp")))
+    err, text = _raise(f, mlp_init(), *mlp_data(), error=hpfun.SpecError)
+    assert "args[1]: dim 0 of size 8 is not divisible by the mesh axes sharding it (dp=3)" in text
+    assert "args[2]" in text and len(err.problems) == 2
+
+
+def test_spec_tree_mismatch_and_bad_leaf():
+    """Specs that are not a prefix of the arguments, or not P/None, are named by path."""
+    f = hpfun.shard(mlp_step, mesh=MESH, in_specs=({"w1": P()}, P("dp"), P("dp")))
+    _, text = _raise(f, mlp_init(), *mlp_data(), error=hpfun.SpecError)
+    assert "args[0]: spec keys ['w1'] do not match argument keys" in text
+    f = hpfun.shard(mlp_step, mesh=MESH, in_specs=(P(), "dp", P("dp")))
+    _, text = _raise(f, mlp_init(), *mlp_data(), error=hpfun.SpecError)
+    assert "args[1]" in text
+
+
+def test_bad_out_specs():
+    """out_specs naming an unknown axis are reported against the output."""
+    f = hpfun.shard(lambda x: x * 2, mesh=MESH, in_specs=P("dp"), out_specs=P("zz"))
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.SpecError)
+    assert "outputs[0]" in text and "'zz'" in text
+
+
+def test_all_missing_rules_in_one_report_with_source_lines():
+    """Every op without a rule is listed once, with its input layouts and the user's line."""
+
+    def uses_unknown(x):
+        a = torch.special.bessel_j0(x)
+        b = torch.special.bessel_j1(x)
+        return a + b
+
+    f = hpfun.shard(uses_unknown, mesh=MESH, in_specs=P("dp"))
+    err, text = _raise(f, torch.randn(8, 4), error=hpfun.MissingRuleError)
+    assert len(err.problems) == 2
+    assert "aten.special_bessel_j0.default" in text and "aten.special_bessel_j1.default" in text
+    assert "inputs [S(0), R]" in text
+    assert "test_errors.py" in text and "a = torch.special.bessel_j0(x)" in text
+
+
+def test_data_dependent_control_flow_is_a_capture_error():
+    """Reading tensor values in Python control flow names the user's line and the fix."""
+
+    def branchy(x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+    _, text = _raise(hpfun.shard(branchy, mesh=MESH, in_specs=P("dp")), torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "if x.sum() > 0" in text and "torch.where" in text
+
+
+def test_data_dependent_shape_is_a_capture_error():
+    """Ops whose output shape depends on data (nonzero) fail at capture with the user's line."""
+    f = hpfun.shard(lambda x: torch.nonzero(x), mesh=MESH, in_specs=P("dp"))
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "nonzero" in text
+
+
+def test_sharded_input_on_another_mesh():
+    """A Sharded argument must live on the function's mesh."""
+    other = hpfun.Mesh.simulated((2,), ("dp",))
+    x = hpfun.Sharded.from_global(torch.randn(8, 4), P("dp").to_layout(other, 2))
+    _, text = _raise(hpfun.shard(lambda x: x, mesh=MESH, in_specs=P("dp")), x, error=hpfun.SpecError)
+    assert "{dp: 2}" in text
+
+
+def test_bad_mesh_argument():
+    """shard() wants an hpfun.Mesh."""
+    _raise(lambda: hpfun.shard(lambda x: x, mesh=(2, 2), in_specs=P()), error=hpfun.SpecError)
+
+
+def test_megatron_specs_on_a_mesh_without_tp():
+    """Specs naming an axis the mesh lacks are caught before tracing."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(MEGATRON, P("dp"), P("dp")))
+    err, _ = _raise(f, mlp_init(), *mlp_data(), error=hpfun.SpecError)
+    assert len(err.problems) == 3  # w1, b1, w2 name tp
