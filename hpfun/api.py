@@ -44,7 +44,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None):
 class _Leaf:
     """What the cache key records of one argument leaf."""
 
-    kind: str  # "tensor", "sharded" or "static"
+    kind: str  # "tensor" (a global tensor or a Sharded value: same program) or "static"
     shape: tuple | None = None
     dtype: torch.dtype | None = None
     layout: Layout | None = None
@@ -122,7 +122,8 @@ class ShardedFunction:
         out_tree, out_example = out_tree_box[-1]
         propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
-        program = lower(gm, self.mesh, out_layouts)
+        out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
+        program = lower(gm, self.mesh, out_layouts, out_names)
         return _Entry(program, tuple(leaves), out_tree)
 
 
@@ -139,7 +140,7 @@ def _is_sharded(x) -> bool:
 
 def _leaf(path, x, layout) -> _Leaf:
     if isinstance(x, Sharded):
-        return _Leaf("sharded", x.global_shape, x.dtype, x.layout)
+        return _Leaf("tensor", x.global_shape, x.dtype, x.layout)
     if isinstance(x, torch.Tensor):
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout)
     return _Leaf("static", value=x)

@@ -117,8 +117,10 @@ class LowerContext:
         return value
 
 
-def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None]) -> Program:
-    """Build the per-shard program of a propagated graph; `None` keeps an output's layout."""
+def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None) -> Program:
+    """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
+
+    `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need."""
     ctx = LowerContext(mesh)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
@@ -145,7 +147,8 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
         elif node.op == "call_function":
             values[node] = _emit(ctx, node, local)
         elif node.op == "output":
-            return _finish(ctx, gm, node, inputs, output_layouts, local)
+            names = output_names or [f"outputs[{i}]" for i in range(len(node.args[0]))]
+            return _finish(ctx, gm, node, inputs, output_layouts, names, local)
     raise AssertionError("graph without output")
 
 
@@ -157,17 +160,18 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     leaves = [local(x, next(required), f"{node.target}") if _is_tensor_node(x) else x for x in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    out._rename(node.name)  # the report and the collectives' reasons use the global graph's names
     out.meta["hpfun_layout"] = node.meta["hpfun_layout"]
     out.meta["hpfun_origin"] = node.name
     return out
 
 
-def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, local) -> Program:
+def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -> Program:
     outs, layouts = [], []
-    ctx.consumer = ("output", "output", "")
-    for producer, want in zip(node.args[0], output_layouts, strict=True):
+    for producer, want, name in zip(node.args[0], output_layouts, names, strict=True):
+        ctx.consumer = (name, "output", "")
         dst = want if want is not None else producer.meta["hpfun_layout"]
-        outs.append(local(producer, dst, "out_specs"))
+        outs.append(local(producer, dst, f"out_specs of {name}"))
         layouts.append(dst)
     ctx.graph.output(outs)
     module = torch.fx.GraphModule(gm, ctx.graph)
