@@ -1,7 +1,7 @@
 """Redistribution planning and its cost: the short chain of steps from one layout to another.
 
 Order of a plan, chosen so every step's precondition holds and data is smallest when it moves:
-1. axes of size 1 are relabelled (nothing moves);
+1. axes of size 1 are relabelled to R first and to their target last (nothing moves);
 2. Partial axes that must end replicated (or differently Partial) are all-reduced first, while
    the tensor is still split;
 3. per tensor dim, the axes splitting it beyond the prefix it shares with the target are undone,
@@ -59,13 +59,26 @@ def _plan(src: Layout, dst: Layout, shape: tuple) -> tuple:
 
 
 def _steps(src: Layout, dst: Layout, shape):
-    cur = src
-    mesh = src.mesh
-    for a, size in enumerate(mesh.shape):  # 1. size-1 axes
-        if size == 1 and cur.placements[a] != dst.placements[a]:
-            step = Relabel(a, dst.placements[a])
+    cur, mesh = src, src.mesh
+    if src == dst:
+        return
+    unit = [a for a, size in enumerate(mesh.shape) if size == 1]
+    for a in unit:  # 1. size-1 axes hold everything whatever they say: set aside as R, restored last
+        if cur.placements[a] != R:
+            step = Relabel(a, R)
             cur = step.apply(cur)
             yield step
+    target = Layout(mesh, tuple(R if a in unit else p for a, p in enumerate(dst.placements)))
+    for step in _steps_between(cur, target, shape):
+        cur = step.apply(cur)
+        yield step
+    for a in unit:
+        if dst.placements[a] != R:
+            yield Relabel(a, dst.placements[a])
+
+
+def _steps_between(cur: Layout, dst: Layout, shape):
+    mesh = cur.mesh
     pending: dict[str, list[int]] = {}  # 2. all-reduce what must not stay Partial, axes of one op together
     for a, p in enumerate(cur.placements):
         q = dst.placements[a]
