@@ -9,6 +9,7 @@ first axis is the major one, as in `P(("dp", "tp"))`.
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 import attrs
@@ -24,11 +25,20 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 # ---------------------------------------------------------------------------------------------
 
 
+def _as_int(value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise LayoutError(f"Shard(dim) needs an integer dim, got {value!r}") from None
+
+
 @attrs.frozen
 class Shard:
     """The tensor's dim `dim` is split evenly over the mesh axis."""
 
-    dim: int = attrs.field(converter=int)
+    dim: int = attrs.field(converter=_as_int)
 
     def __str__(self) -> str:
         return f"S({self.dim})"
@@ -67,6 +77,8 @@ R = Replicate()
 
 
 def _to_placements(value) -> tuple:
+    if isinstance(value, (Shard, Replicate, Partial)) or not isinstance(value, (tuple, list)):
+        raise LayoutError(f"Layout placements must be a tuple with one placement per mesh axis, got {value!r}")
     return tuple(value)
 
 
@@ -161,6 +173,8 @@ class Layout:
 
     def shard_index(self, dim: int, coords) -> int:
         """Which of the `shard_factor(dim)` blocks of dim `dim` the rank at `coords` holds."""
+        if len(coords) != self.mesh.ndim or any(not 0 <= c < n for c, n in zip(coords, self.mesh.shape)):
+            raise LayoutError(f"coordinates {tuple(coords)} are not on mesh {self.mesh}")
         index = 0
         for a in self.shard_axes(dim):
             index = index * self.mesh.shape[a] + coords[a]
@@ -269,8 +283,9 @@ class P:
 # The notation's one parser
 # ---------------------------------------------------------------------------------------------
 
-_PLACEMENT = re.compile(r"\s*(?:S\(\s*(-?\d+)\s*\)|(R)|P\(\s*(\w+)\s*\))\s*$")
-_MESH_ENTRY = re.compile(r"\s*(\w+)\s*:\s*(\d+)\s*$")
+# digit counts are capped so int() never sees a number Python refuses to convert
+_PLACEMENT = re.compile(r"\s*(?:S\(\s*(-?\d{1,18})\s*\)|(R)|P\(\s*(\w+)\s*\))\s*$")
+_MESH_ENTRY = re.compile(r"\s*(\w+)\s*:\s*(\d{1,18})\s*$")
 
 
 def _parse_placement(text: str):

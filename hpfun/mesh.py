@@ -14,12 +14,16 @@ RUNTIMES = ("simulated", "distributed")
 def _as_shape(value) -> tuple[int, ...]:
     if isinstance(value, int):
         value = (value,)
-    return tuple(int(v) for v in value)
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise LayoutError(f"a mesh shape is a tuple of integers, got {value!r}", headline="invalid mesh")
+    return tuple(value)
 
 
 def _as_names(value) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise LayoutError(f"mesh axis names are a tuple of strings, got {value!r}", headline="invalid mesh")
     return tuple(value)
 
 
