@@ -16,16 +16,18 @@ from hpfun.lower import LowerContext, Program, lower
 from hpfun.mesh import Mesh
 from hpfun.propagate import propagate
 from hpfun.runtime import simulated
-from hpfun.sharded import Sharded
+from hpfun.runtime.distributed import runtime_for
+from hpfun.sharded import Sharded, local_block
 
 
-def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None):
+def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the argument tuple (a `P` or None per leaf or subtree; None
     means replicated); `out_specs` likewise for the outputs, or None to keep the layouts hpfun
     chose. Arguments may be global tensors (split by the specs) or `Sharded` values; outputs are
-    `Sharded`. Python scalars among the arguments are baked into the program.
+    `Sharded`. Python scalars among the arguments are baked into the program. `compile=True`
+    hands the per-shard program to `torch.compile` (inductor).
 
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
@@ -34,10 +36,17 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None):
     tensor(12.)
     """
     if f is None:
-        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
-    return ShardedFunction(f, mesh, in_specs, out_specs)
+    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile)))
+
+
+@attrs.frozen
+class Options:
+    """Compile options; part of the cache key."""
+
+    compile: bool = False
 
 
 @attrs.frozen
@@ -50,12 +59,17 @@ class _Leaf:
     layout: Layout | None = None
     value: object = None
 
+    def describe(self) -> str:
+        if self.kind == "static":
+            return repr(self.value)
+        return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)} {self.layout.placements_str()}"
+
 
 class ShardedFunction:
     """A function traced once per input signature and run as one per-shard program."""
 
-    def __init__(self, fn, mesh: Mesh, in_specs, out_specs):
-        self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
+    def __init__(self, fn, mesh: Mesh, in_specs, out_specs, options: Options = Options()):
+        self.fn, self.mesh, self.in_specs, self.out_specs, self.options = fn, mesh, in_specs, out_specs, options
         self._cache: dict = {}
         self.trace_count = 0
         functools.update_wrapper(self, fn)
@@ -66,13 +80,9 @@ class ShardedFunction:
         program, entry = self._program(args)
         flat, _ = pytree.tree_flatten(args, is_leaf=_is_sharded)
         tensors = [x for x, leaf in zip(flat, entry.leaves, strict=True) if leaf.kind != "static"]
-        per_rank = [[_local(x, lay, r) for x, lay in zip(tensors, program.input_layouts, strict=True)]
-                    for r in range(self.mesh.size)]
-        outs = simulated.run(program.module, self.mesh, per_rank)
-        results = [
-            Sharded(lay, shape, tuple(outs[r][i] for r in range(self.mesh.size)))
-            for i, (lay, shape) in enumerate(zip(program.output_layouts, program.output_shapes, strict=True))
-        ]
+        shards = execute(program, tensors, self.options.compile)
+        results = [Sharded(lay, shape, s) for lay, shape, s in
+                   zip(program.output_layouts, program.output_shapes, shards, strict=True)]
         return pytree.tree_unflatten(results, entry.out_tree)
 
     def lower(self, *args) -> Lowered:
@@ -86,6 +96,8 @@ class ShardedFunction:
         leaves, key = self._signature(args)
         entry = self._cache.get(key)
         if entry is None:
+            if self.mesh.runtime == "distributed":
+                runtime_for(self.mesh).check_same_program(_describe(key))
             entry = self._compile(args, leaves)
             self._cache[key] = entry
         return entry.program, entry
@@ -93,10 +105,8 @@ class ShardedFunction:
     def _signature(self, args):
         flat, tree = pytree.tree_flatten_with_path(args, is_leaf=_is_sharded)
         layouts = _input_layouts(self.mesh, self.in_specs, args)
-        leaves = []
-        for (path, x), layout in zip(flat, layouts, strict=True):
-            leaves.append(_leaf(path, x, layout))
-        key = (tree, tuple(leaves), self.mesh)
+        leaves = tuple(_leaf(x, layout) for (_, x), layout in zip(flat, layouts, strict=True))
+        key = (tree, leaves, self.mesh, self.options)
         try:
             hash(key)
         except TypeError as err:
@@ -127,6 +137,24 @@ class ShardedFunction:
         return _Entry(program, tuple(leaves), out_tree)
 
 
+def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
+    """Run a program on its mesh's runtime; per output, the shards this process holds."""
+    mesh = program.mesh
+    if mesh.runtime == "simulated":
+        per_rank = [[_local(x, lay, mesh.coords(r)) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+                    for r in range(mesh.size)]
+        outs = simulated.run(program.module, mesh, per_rank, compile=compile)
+        return [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
+    runtime = runtime_for(mesh)
+    local = [_local(x, lay, runtime.coords, runtime.device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+    return [(out,) for out in runtime.run(program.module, local, compile=compile)]
+
+
+def _describe(key) -> str:
+    tree, leaves, mesh, options = key
+    return f"args {tree} [{'; '.join(l.describe() for l in leaves)}] on {mesh} with {options}"
+
+
 @attrs.frozen(eq=False)
 class _Entry:
     program: Program
@@ -138,7 +166,7 @@ def _is_sharded(x) -> bool:
     return isinstance(x, Sharded)
 
 
-def _leaf(path, x, layout) -> _Leaf:
+def _leaf(x, layout) -> _Leaf:
     if isinstance(x, Sharded):
         return _Leaf("tensor", x.global_shape, x.dtype, x.layout)
     if isinstance(x, torch.Tensor):
@@ -146,16 +174,12 @@ def _leaf(path, x, layout) -> _Leaf:
     return _Leaf("static", value=x)
 
 
-def _local(x, layout: Layout, rank: int) -> torch.Tensor:
+def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:
+    """The rank's input: its shard of a Sharded value, or its block of a global tensor."""
     if isinstance(x, Sharded):
-        return x.shards[rank]
-    coords = layout.mesh.coords(rank)
-    local = layout.local_shape(x.shape)
-    block = x
-    for d, offset in enumerate(layout.offsets(x.shape, coords)):
-        if local[d] != x.shape[d]:
-            block = block.narrow(d, offset, local[d])
-    return block
+        return x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
+    block = local_block(x, layout, coords)
+    return block.to(device) if device is not None else block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,15 +279,19 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
     >>> hpfun.redistribute(x, hpfun.parse("[R] on {dp: 2}")).shards[1].tolist()
     [0.0, 1.0, 2.0, 3.0]
     """
-    mesh = x.layout.mesh
     layout = layout.normalized(len(x.global_shape))
-    if layout.mesh != mesh:
-        raise SpecError(f"cannot redistribute from mesh {mesh} to mesh {layout.mesh}")
-    ctx = LowerContext(mesh)
+    if layout.mesh != x.layout.mesh:
+        raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
+    program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype)
+    return Sharded(layout, x.global_shape, execute(program, [x])[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Program:
+    ctx = LowerContext(src.mesh)
     value = ctx.placeholder("in0")
     ctx._coords = ctx.placeholder("coords")
-    ctx.consumer = ("redistribute", "redistribute", f"{x.layout.placements_str()} -> {layout.placements_str()}")
-    ctx.graph.output([ctx.redistribute(value, x.layout, layout, x.global_shape, x.dtype)])
+    ctx.consumer = ("redistribute", "redistribute", f"{src.placements_str()} -> {dst.placements_str()}")
+    ctx.graph.output([ctx.redistribute(value, src, dst, shape, dtype)])
     module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)
-    outs = simulated.run(module, mesh, [[s] for s in x.shards])
-    return Sharded(layout, x.global_shape, tuple(o[0] for o in outs))
+    return Program(src.mesh, module, (src,), (shape,), (dst,), (shape,), (dtype,), tuple(ctx.collectives))

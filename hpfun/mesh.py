@@ -63,6 +63,25 @@ class Mesh:
         """A mesh whose ranks all run inside this process (notebooks, tests)."""
         return cls(shape, axis_names, runtime="simulated")
 
+    @classmethod
+    def distributed(cls, shape, axis_names, *, timeout: float | None = None) -> "Mesh":
+        """A mesh over the ranks of a `torch.distributed` job (launched by torchrun).
+
+        Starts the default process group if needed (gloo on CPU, NCCL when CUDA is available)
+        and builds a `DeviceMesh`; collectives time out after `timeout` seconds (default
+        `HPFUN_TIMEOUT` or 300), so a failed or dead rank makes the others fail, not hang.
+        """
+        from hpfun.runtime import distributed
+
+        return distributed.init(shape, axis_names, timeout=timeout)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh) -> "Mesh":
+        """Adopt an existing `torch.distributed.DeviceMesh` (its axis names and groups)."""
+        from hpfun.runtime import distributed
+
+        return distributed.adopt(device_mesh)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

@@ -22,12 +22,13 @@ class Sharded:
 
     layout: Layout
     global_shape: tuple[int, ...] = attrs.field(converter=tuple)
-    shards: tuple[torch.Tensor, ...] = attrs.field(converter=tuple)
+    shards: tuple[torch.Tensor, ...] = attrs.field(converter=tuple)  # one per rank; this rank's only when distributed
 
     def __attrs_post_init__(self):
         mesh = self.layout.mesh
-        if len(self.shards) != mesh.size:
-            raise LayoutError(f"a Sharded value on {mesh} needs {mesh.size} shards, got {len(self.shards)}")
+        expected = mesh.size if mesh.runtime == "simulated" else 1
+        if len(self.shards) != expected:
+            raise LayoutError(f"a Sharded value on {mesh} ({mesh.runtime}) needs {expected} shard(s), got {len(self.shards)}")
         local = self.layout.local_shape(self.global_shape)
         bad = [r for r, s in enumerate(self.shards) if tuple(s.shape) != local]
         if bad:
@@ -35,20 +36,30 @@ class Sharded:
 
     @classmethod
     def from_global(cls, tensor: torch.Tensor, layout: Layout) -> "Sharded":
-        """Split a global tensor by `layout` (Partial axes: rank 0 of the axis holds the value for sum)."""
+        """Split a global tensor by `layout` (Partial axes: rank 0 of the axis holds the value for sum).
+
+        On a distributed mesh every rank passes the same global tensor and keeps its own block.
+        """
         layout = layout.normalized(tensor.ndim)
-        local = layout.local_shape(tensor.shape)
-        shards = []
-        for r in range(layout.mesh.size):
-            coords = layout.mesh.coords(r)
-            block = tensor
-            for d, offset in enumerate(layout.offsets(tensor.shape, coords)):
-                block = block.narrow(d, offset, local[d])
-            for a in layout.partial_axes:
-                if layout.placements[a].reduce == "sum" and coords[a] != 0:
-                    block = torch.zeros_like(block)
-            shards.append(block.contiguous())
+        mesh = layout.mesh
+        ranks = range(mesh.size) if mesh.runtime == "simulated" else [_this_rank(mesh)]
+        shards = [local_block(tensor, layout, mesh.coords(r), partial_zeros=True).contiguous() for r in ranks]
         return cls(layout, tuple(tensor.shape), tuple(shards))
+
+    @classmethod
+    def from_local(cls, tensor: torch.Tensor, layout: Layout, global_shape) -> "Sharded":
+        """This rank's shard of a value laid out by `layout` on a distributed mesh."""
+        if layout.mesh.runtime != "distributed":
+            raise LayoutError("from_local is for distributed meshes; in a simulation give all shards: "
+                              "Sharded(layout, global_shape, shards) or Sharded.from_global")
+        return cls(layout.normalized(len(global_shape)), tuple(global_shape), (tensor,))
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's shard (distributed meshes)."""
+        if self.layout.mesh.runtime != "distributed":
+            raise LayoutError("a simulated Sharded value has one shard per rank: use .shards[rank]")
+        return self.shards[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -59,8 +70,15 @@ class Sharded:
         return self.global_shape
 
     def full(self) -> torch.Tensor:
-        """The global tensor: blocks placed at their offsets, Partial terms reduced."""
+        """The global tensor: blocks placed at their offsets, Partial terms reduced.
+
+        On a distributed mesh this is a collective: every rank must call it.
+        """
         mesh, layout = self.layout.mesh, self.layout
+        if mesh.runtime == "distributed":
+            from hpfun.api import redistribute
+
+            return redistribute(self, Layout.replicated(mesh)).shards[0]
         partial = layout.partial_axes
         out = torch.empty(self.global_shape, dtype=self.dtype)
         blocks: dict[tuple, list[torch.Tensor]] = {}
@@ -76,6 +94,24 @@ class Sharded:
 
     def __repr__(self) -> str:
         return f"Sharded({self.layout}, global_shape={self.global_shape}, dtype={self.dtype})"
+
+
+def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: bool = False) -> torch.Tensor:
+    """The block of a global tensor held at mesh `coords` (a view where possible)."""
+    local = layout.local_shape(tensor.shape)
+    block = tensor
+    for d, offset in enumerate(layout.offsets(tensor.shape, coords)):
+        if local[d] != tensor.shape[d]:
+            block = block.narrow(d, offset, local[d])
+    if partial_zeros and any(layout.placements[a].reduce == "sum" and coords[a] for a in layout.partial_axes):
+        block = torch.zeros_like(block)
+    return block
+
+
+def _this_rank(mesh) -> int:
+    from hpfun.runtime.distributed import runtime_for
+
+    return runtime_for(mesh).index
 
 
 def _reduce_terms(terms: list[torch.Tensor], partials: list[Partial]) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """The simulated runtime: every rank of the mesh in one process, in lockstep.
 
-The per-shard program is interpreted node by node for all ranks; a collective node computes
-every rank's result from the values of the ranks in its group (the group is the set of ranks
-that differ only along the collective's mesh axis).
+The per-shard program is cut at its collectives. The pieces in between run per rank; a
+collective computes every rank's result from the values of the ranks in its group (the ranks
+that differ only along the collective's mesh axes).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.fx.passes.split_module import split_module
 
 from hpfun.mesh import Mesh
 
@@ -52,31 +53,84 @@ COLLECTIVES = {
 }
 
 
-def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[torch.Tensor]]) -> list[list]:
-    """Run the per-shard program on every rank; `inputs_per_rank[r]` excludes `coords`."""
+def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[torch.Tensor]], compile: bool = False) -> list[list]:
+    """Run the per-shard program on every rank; `inputs_per_rank[r]` excludes `coords`.
+
+    The program is cut at its collectives; each piece between them runs per rank as generated
+    code (compiled with inductor when `compile`), each collective in lockstep over its groups.
+    """
+    top = _segments(module, compile)
     ranks = range(mesh.size)
     envs: list[dict] = [{} for _ in ranks]
     coords = [torch.tensor(mesh.coords(r), dtype=torch.int64) for r in ranks]
     feeds = [iter(list(inputs_per_rank[r]) + [coords[r]]) for r in ranks]
-    for node in module.graph.nodes:
+    for node in top.graph.nodes:
         if node.op == "placeholder":
             for r in ranks:
                 envs[r][node] = next(feeds[r])
-        elif node.op == "get_attr":
-            value = getattr(module, node.target)
-            for r in ranks:
-                envs[r][node] = value
-        elif node.op == "call_function" and node.target in COLLECTIVES:
-            _collective(node, mesh, envs)
-        elif node.op == "call_function":
+        elif node.op == "call_module" and node.meta.get("hpfun_collective_piece"):
+            _run_piece_in_lockstep(getattr(top, node.target), node, mesh, envs)
+        elif node.op in ("call_module", "call_function"):
+            fn = getattr(top, node.target) if node.op == "call_module" else node.target
             for r in ranks:
                 env = envs[r]
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = node.target(*args, **kwargs)
+                env[node] = fn(*torch.fx.node.map_arg(node.args, env.__getitem__),
+                               **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
         elif node.op == "output":
             return [list(torch.fx.node.map_arg(node.args[0], envs[r].__getitem__)) for r in ranks]
     raise AssertionError("program without output")
+
+
+def _segments(module: torch.fx.GraphModule, compile: bool) -> torch.fx.GraphModule:
+    """The program split at collectives (cached on the module): pieces alternate compute/collective."""
+    cache = module.__dict__.setdefault("_hpfun_segments", {})
+    if compile not in cache:
+        cache[compile] = _split(module, compile)
+    return cache[compile]
+
+
+def _split(module: torch.fx.GraphModule, compile: bool) -> torch.fx.GraphModule:
+    piece, pieces, waiting = 0, {}, False
+    for node in module.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            piece, waiting = piece + 1, True  # a collective and its wait form a piece of their own
+        elif waiting and node.op == "call_function" and node.target is c10d.wait_tensor.default:
+            pieces[node], piece, waiting = piece, piece + 1, False
+            continue
+        pieces[node] = piece
+    top = split_module(module, None, lambda n: pieces[n], keep_original_order=True)
+    for node in top.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(top, node.target)
+        if any(n.op == "call_function" and n.target in COLLECTIVES for n in sub.graph.nodes):
+            node.meta["hpfun_collective_piece"] = True
+        elif compile:
+            setattr(top, node.target, torch.compile(sub, backend="inductor", dynamic=False))
+    return top
+
+
+def _run_piece_in_lockstep(sub: torch.fx.GraphModule, call, mesh: Mesh, envs):
+    """Interpret a small piece holding a collective node by node for all ranks."""
+    ranks = range(mesh.size)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    local: list[dict] = []
+    for r in ranks:
+        args = torch.fx.node.map_arg(call.args, envs[r].__getitem__)
+        local.append(dict(zip(placeholders, args, strict=True)))
+    for node in sub.graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            _collective(node, mesh, local)
+        elif node.op == "call_function":
+            for r in ranks:
+                env = local[r]
+                env[node] = node.target(*torch.fx.node.map_arg(node.args, env.__getitem__),
+                                        **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+        elif node.op == "output":
+            for r in ranks:
+                envs[r][call] = torch.fx.node.map_arg(node.args[0], local[r].__getitem__)
 
 
 def _collective(node, mesh: Mesh, envs):

@@ -1,0 +1,171 @@
+"""The distributed runtime: the per-shard program on each rank of a `torch.distributed` job.
+
+The mesh value stays a plain value; this module keeps, per mesh, the `DeviceMesh` and the
+process groups its collectives run over. Binding a program replaces each collective's mesh-axis
+tag with the name of the real process group, once per program.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpfun.errors import ShardingError
+from hpfun.mesh import Mesh
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
+
+_RUNTIMES: dict[Mesh, "DistributedRuntime"] = {}
+
+
+def init(shape, axis_names, *, timeout: float | None = None) -> Mesh:
+    """Join (or start) the default process group and build a DeviceMesh for `shape`."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if not dist.is_initialized():
+        _check_launcher_env()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    mesh = Mesh(shape, axis_names, runtime="distributed")
+    if mesh.size != dist.get_world_size():
+        raise ShardingError(
+            f"mesh {mesh} has {mesh.size} ranks but the job has {dist.get_world_size()}",
+            headline="cannot build the mesh",
+        )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device, mesh.shape, mesh_dim_names=mesh.axis_names)
+    _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh, datetime.timedelta(seconds=timeout))
+    return mesh
+
+
+def adopt(device_mesh: DeviceMesh) -> Mesh:
+    """The Mesh value of an existing DeviceMesh (its groups, and their timeouts, are reused)."""
+    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+    mesh = Mesh(tuple(device_mesh.mesh.shape), names, runtime="distributed")
+    _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh)
+    return mesh
+
+
+def runtime_for(mesh: Mesh) -> "DistributedRuntime":
+    if mesh not in _RUNTIMES:
+        raise ShardingError(f"no process groups for mesh {mesh}: build it with hpfun.Mesh.distributed(...) "
+                            "or hpfun.Mesh.from_device_mesh(...) on every rank")
+    return _RUNTIMES[mesh]
+
+
+def _check_launcher_env():
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ShardingError(f"no torch.distributed job: {', '.join(missing)} not set",
+                            headline="cannot build a distributed mesh")
+
+
+class DistributedRuntime:
+    """This rank's view of a distributed mesh: coordinates, groups, bound programs."""
+
+    def __init__(self, mesh: Mesh, device_mesh: DeviceMesh, timeout: datetime.timedelta | None = None):
+        # With a timeout, hpfun makes its own groups with it (DeviceMesh's carry torch's 30-minute
+        # default, which would turn a stuck peer into a long hang); without, the DeviceMesh's are used.
+        self.mesh, self.device_mesh, self.timeout = mesh, device_mesh, timeout
+        self.device = torch.device(device_mesh.device_type)
+        self.coords = tuple(device_mesh.get_coordinate())
+        self.index = mesh.rank(self.coords)  # this rank's position in the mesh (row-major)
+        self.coords_tensor = torch.tensor(self.coords, dtype=torch.int64, device=self.device)
+        self._groups: dict[str, str] = {}
+        self._all = None
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    def group_name(self, axes: str) -> str:
+        """The registered process-group name for a comma-separated list of mesh axes."""
+        if axes not in self._groups:
+            names = axes.split(",")
+            if len(names) == 1 and self.timeout is None:
+                self._groups[axes] = self.device_mesh.get_group(names[0]).group_name
+            else:
+                self._groups[axes] = self._new_group(self.mesh.groups(names)).group_name
+        return self._groups[axes]
+
+    def _new_group(self, groups: list[list[int]]):
+        """Every rank creates every group (torch requires it), in the same order; keeps its own."""
+        ranks = self.device_mesh.mesh.flatten().tolist()
+        mine = None
+        for members in groups:
+            group = dist.new_group([ranks[i] for i in members], timeout=self.timeout)
+            if self.index in members:
+                mine = group
+        return mine
+
+    def all_ranks_group(self):
+        """The default group when the mesh spans the job (it carries the job's timeout)."""
+        if self._all is None and self.mesh.size != dist.get_world_size():
+            self._all = self._new_group([list(range(self.mesh.size))])
+        return self._all
+
+    # -- programs ---------------------------------------------------------------------------------
+
+    def bind(self, module: torch.fx.GraphModule, compile: bool = False):
+        """A copy of the program with axis tags replaced by real group names (cached)."""
+        bound_here = module.__dict__.setdefault("_hpfun_bound", {})
+        key = (self, compile)
+        if key not in bound_here:
+            graph = torch.fx.Graph()
+            graph.output(graph.graph_copy(module.graph, {}))
+            for node in graph.nodes:
+                if node.op == "call_function" and node.target in _COLLECTIVES:
+                    node.args = (*node.args[:-1], self.group_name(node.args[-1]))
+            bound = torch.fx.GraphModule(module, graph)
+            bound_here[key] = torch.compile(bound, backend="inductor", dynamic=False) if compile else bound
+        return bound_here[key]
+
+    def run(self, module, local_inputs, compile: bool = False) -> list[torch.Tensor]:
+        bound = self.bind(module, compile)
+        try:
+            return list(bound(*local_inputs, self.coords_tensor))
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise _peer_failure(self, err) from err
+
+    def check_same_program(self, description: str) -> None:
+        """All ranks compare what they compile; a mismatch fails on every rank, naming ranks and values."""
+        try:
+            self._check_same_program(description)
+        except (RuntimeError, dist.DistBackendError) as err:
+            if isinstance(err, ShardingError):
+                raise
+            raise _peer_failure(self, err) from err
+
+    def _check_same_program(self, description: str) -> None:
+        digest = hashlib.sha256(description.encode()).hexdigest()
+        gathered = [None] * self.mesh.size
+        dist.all_gather_object(gathered, (digest, description), group=self.all_ranks_group())
+        if len({d for d, _ in gathered}) > 1:
+            first = gathered[0][1]
+            odd = [(i, desc) for i, (d, desc) in enumerate(gathered) if d != gathered[0][0]]
+            lines = [f"mesh rank {i} compiles {desc}" for i, desc in odd[:3]]
+            raise ShardingError(
+                [f"mesh rank 0 compiles {first}", *lines],
+                headline="ranks called the sharded function with different arguments "
+                         "(every rank must pass the same shapes, dtypes and layouts)",
+            )
+
+
+def _peer_failure(runtime: DistributedRuntime, err: Exception) -> ShardingError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ShardingError(
+        f"mesh rank {runtime.index} (coords {runtime.coords}) on {runtime.mesh}: {first}",
+        headline="a collective failed: another rank raised, died, timed out or ran a different program",
+    )
+
+
+_COLLECTIVES = {
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+}

@@ -1,0 +1,154 @@
+"""The distributed runtime on real gloo process groups (127.0.0.1, world sizes 2 and 4).
+
+Each test launches one process per rank running tests/dist_worker.py, waits with a bound, and
+always kills what is left."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.testing.models import MLP_LAYOUTS, mlp_data, mlp_init, mlp_step
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world: int, out: Path, timeout: float = 240) -> list[int]:
+    """Run one job; returns the ranks' exit codes. Never leaves a process behind."""
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            log = open(out / f"log-rank{rank}.txt", "w")
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("log-rank*.txt")))
+
+
+def _simulated(name, shape, axes):
+    mesh = hpfun.Mesh.simulated(shape, axes)
+    pspec, xspec, yspec = MLP_LAYOUTS[name]
+    step = hpfun.shard(mlp_step, mesh=mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()))
+    params, (x, y) = mlp_init(), mlp_data()
+    new, loss = step(*step(params, x, y)[:1], x, y)
+    return new | {"loss": loss}
+
+
+def _unsharded():
+    params, (x, y) = mlp_init(), mlp_data()
+    new, loss = mlp_step(*mlp_step(params, x, y)[:1], x, y)
+    return new | {"loss": loss}
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mlp_steps_match_simulated_and_unsharded(world, tmp_path):
+    """Two MLP steps per layout on gloo equal the simulated runtime shard by shard and the unsharded step."""
+    codes = launch("mlp", world, tmp_path)
+    assert codes == [0] * world, _logs(tmp_path)
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+        dist_worker.WORLD = world
+        layouts = dist_worker.mlp_layouts_for_world()
+    finally:
+        sys.path.pop(0)
+    reference = _unsharded()
+    for name, shape, axes in layouts:
+        simulated = _simulated(name, shape, axes)
+        for rank in range(world):
+            got = torch.load(tmp_path / f"{name}-rank{rank}.pt")
+            assert got["traces"] == 1, name  # Sharded inputs reuse the program
+            for key, value in got["shards"].items():
+                expected = simulated[key].shards[rank]
+                if world == 2:  # two terms sum the same in any order: bitwise
+                    assert torch.equal(value, expected), (name, key, rank)
+                else:
+                    assert _rel(value, expected) <= 1e-6, (name, key, rank)
+            for key, value in got["full"].items():
+                assert _rel(value, reference[key]) <= 1e-5, (name, key)
+
+
+def test_compile_option_on_gloo(tmp_path):
+    """compile=True runs the per-shard program through inductor with the same results."""
+    codes = launch("compile", 2, tmp_path, timeout=400)
+    assert codes == [0, 0], _logs(tmp_path)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"compile-rank{rank}.pt")
+        for key in got[False]:
+            assert _rel(got[True][key], got[False][key]) <= 1e-6, key
+
+
+def test_compile_option_in_simulation():
+    """compile=True in the simulated runtime compiles the pieces between collectives, same results."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    f = lambda x, w: torch.relu(x @ w).sum(1)  # noqa: E731
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    plain = hpfun.shard(f, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())
+    compiled = hpfun.shard(f, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P(), compile=True)
+    torch.testing.assert_close(compiled(x, w).full(), plain(x, w).full())
+    torch.testing.assert_close(compiled(x, w).full(), f(x, w))
+
+
+def test_ranks_with_different_arguments_fail_clearly(tmp_path):
+    """A rank passing another shape makes every rank fail with an error naming both signatures."""
+    codes = launch("mismatch", 2, tmp_path)
+    assert codes == [1, 1], _logs(tmp_path)
+    for rank in range(2):
+        text = (tmp_path / f"err-rank{rank}.txt").read_text()
+        assert "ShardingError" in text and "different arguments" in text, text
+        assert "float32[8, 16]" in text and "float32[4, 16]" in text, text
+
+
+@pytest.mark.parametrize("scenario", ["rank_raises", "rank_dies"])
+def test_failed_rank_makes_the_others_fail_not_hang(scenario, tmp_path):
+    """When a rank raises or dies, the surviving rank gets an error within the timeout."""
+    codes = launch(scenario, 2, tmp_path, timeout=120)
+    assert codes[1] != 0 and codes[0] == 1, _logs(tmp_path)
+    elapsed, message = (tmp_path / "err-rank0.txt").read_text().split("\n", 1)
+    assert float(elapsed) < 20 + 10, message  # the worker's timeout, plus slack
+    assert message != "NO ERROR"
+
+
+def test_stalled_rank_makes_the_others_fail_after_the_timeout(tmp_path, monkeypatch):
+    """A rank that stays alive but never joins: the others fail once the mesh's timeout passes."""
+    monkeypatch.setenv("HPFUN_TEST_TIMEOUT", "5")
+    codes = launch("rank_stalls", 2, tmp_path, timeout=120)
+    assert codes[0] == 1, _logs(tmp_path)
+    elapsed, message = (tmp_path / "err-rank0.txt").read_text().split("\n", 1)
+    assert 4 <= float(elapsed) < 5 + 15, message
+    assert message != "NO ERROR"
+
+
+def test_distributed_mesh_needs_a_job(monkeypatch):
+    """Mesh.distributed outside torchrun says so instead of hanging."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(hpfun.ShardingError, match="RANK"):
+        hpfun.Mesh.distributed((2,), ("dp",))
