@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from hpfun.capture import capture
 from hpfun.errors import Problem, SpecError
 from hpfun.explain import Lowered
+from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
 from hpfun.lower import LowerContext, Program, lower
 from hpfun.mesh import Mesh
@@ -129,6 +130,7 @@ class ShardedFunction:
             return out_flat
 
         gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos])
+        fold_contractions(gm)
         out_tree, out_example = out_tree_box[-1]
         propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)

@@ -2,7 +2,10 @@
 
 For each op the registry's rule lists candidate strategies given the inputs' current layouts;
 each is priced by the redistributions it needs (a layout an input already reached for another
-consumer is free), and the cheapest wins (ties: fewer steps, then the rule's order). Keeping a
+consumer is free) plus the local work it leaves each rank (WORK_BYTES per flop or element
+touched: without it, a contraction would rather gather its small operand than resolve a Partial
+one, and compute unsharded from there on), and the cheapest wins (ties: fewer steps, then the
+rule's order). Keeping a
 Partial costs nothing now; it is resolved where a consumer needs it, which for a gradient is
 where the parameter update meets the replicated parameter (bytes of the parameter, not of the
 activations: the cheaper side once tokens outnumber hidden units). Results go
@@ -13,6 +16,7 @@ All ops without a rule are reported together.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -108,9 +112,21 @@ def _choose(node, call: OpCall, rule, reached) -> Strategy:
             if (producer, layout) not in reached:
                 w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype)
                 wire, steps = wire + w, steps + s
-        return wire, steps, index
+        return wire + WORK_BYTES * local_work(rule, call, strategy), steps, index
 
     return min(enumerate(candidates), key=price)[1]
+
+
+WORK_BYTES = 1.0  # cost of one flop (or element touched) per rank, in bytes of communication
+
+
+def local_work(rule, call: OpCall, strategy: Strategy) -> float:
+    """Work one rank does under `strategy`: the rule's estimate (flops), else elements touched."""
+    if hasattr(rule, "work"):
+        return rule.work(call, strategy)
+    shapes = [(t.shape, l) for t, l in zip(call.tensors, strategy.inputs, strict=True)]
+    shapes += [(o.shape, l) for o, l in zip(call.outputs, strategy.outputs, strict=True)]
+    return float(sum(math.prod(l.local_shape(shape)) for shape, l in shapes))
 
 
 def _missing(node, call: OpCall) -> Problem:

@@ -415,7 +415,7 @@ def test_shard_dim_beyond_tensor_is_layout_error():
     (lambda m: Layout(m, (R,)), "needs 2 placements, got 1"),
     (lambda m: Layout(m, (R, "R")), "Shard, Replicate or Partial"),
     (lambda m: Partial("prod"), "reduce must be one of"),
-    (lambda m: hpfun.Sharded(Layout.replicated(m), (2,), (torch.zeros(2),)), "needs 4 shards"),
+    (lambda m: hpfun.Sharded(Layout.replicated(m), (2,), (torch.zeros(2),)), "needs 4 shard"),
     (lambda m: hpfun.Sharded(Layout.replicated(m), (2,), (torch.zeros(3),) * 4), "local shape"),
 ])
 def test_bad_values_raise_layout_error(make, needle):
