@@ -72,14 +72,18 @@ class ShardedFunction:
     def __init__(self, fn, mesh: Mesh, in_specs, out_specs, options: Options = Options()):
         self.fn, self.mesh, self.in_specs, self.out_specs, self.options = fn, mesh, in_specs, out_specs, options
         self._cache: dict = {}
+        self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self.trace_count = 0
         functools.update_wrapper(self, fn)
 
     # -- public ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
-        program, entry = self._program(args)
-        flat, _ = pytree.tree_flatten(args, is_leaf=_is_sharded)
+        flat, tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
+        entry = self._fast.get((tree, tuple(map(_fast_leaf, flat))))
+        if entry is None:
+            entry = self._program(args)[1]
+        program = entry.program
         tensors = [x for x, leaf in zip(flat, entry.leaves, strict=True) if leaf.kind != "static"]
         shards = execute(program, tensors, self.options.compile)
         results = [Sharded(lay, shape, s) for lay, shape, s in
@@ -101,6 +105,10 @@ class ShardedFunction:
                 runtime_for(self.mesh).check_same_program(_describe(key))
             entry = self._compile(args, leaves)
             self._cache[key] = entry
+        flat, tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
+        fast = (tree, tuple(map(_fast_leaf, flat)))
+        if _hashable(fast):
+            self._fast[fast] = entry
         return entry.program, entry
 
     def _signature(self, args):
@@ -162,6 +170,22 @@ class _Entry:
     program: Program
     leaves: tuple
     out_tree: object
+
+
+def _fast_leaf(x):
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.dtype, x.device)
+    if isinstance(x, Sharded):
+        return (x.layout, x.global_shape, x.dtype)
+    return ("static", type(x), x)
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_sharded(x) -> bool:

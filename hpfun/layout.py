@@ -8,6 +8,7 @@ first axis is the major one, as in `P(("dp", "tp"))`.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -82,7 +83,7 @@ def _to_placements(value) -> tuple:
     return tuple(value)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Layout:
     """How one tensor is laid out on a mesh: one placement per mesh axis.
 
@@ -166,10 +167,7 @@ class Layout:
 
     def local_shape(self, global_shape) -> tuple[int, ...]:
         """Shape of every rank's shard (all shards have the same shape)."""
-        problems = self.problems(global_shape)
-        if problems:
-            raise LayoutError(problems)
-        return tuple(s // self.shard_factor(d) for d, s in enumerate(global_shape))
+        return _local_shape(self, tuple(global_shape))
 
     def shard_index(self, dim: int, coords) -> int:
         """Which of the `shard_factor(dim)` blocks of dim `dim` the rank at `coords` holds."""
@@ -190,6 +188,14 @@ class Layout:
 
     def __str__(self) -> str:
         return f"{self.placements_str()} on {self.mesh}"
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_shape(layout: Layout, global_shape: tuple) -> tuple[int, ...]:
+    problems = layout.problems(global_shape)
+    if problems:
+        raise LayoutError(problems)
+    return tuple(s // layout.shard_factor(d) for d, s in enumerate(global_shape))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def _as_names(value) -> tuple[str, ...]:
     return tuple(value)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Mesh:
     """An N-D grid of ranks with named axes.
 
