@@ -16,6 +16,7 @@ from hpfun.layout import Layout, P
 from hpfun.lower import LowerContext, Program, lower
 from hpfun.mesh import Mesh
 from hpfun.propagate import propagate
+from hpfun.rng import draw_seed
 from hpfun.runtime import simulated
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
@@ -150,14 +151,18 @@ class ShardedFunction:
 def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
     """Run a program on its mesh's runtime; per output, the shards this process holds."""
     mesh = program.mesh
+    seed = draw_seed() if program.uses_seed else _NO_SEED
     if mesh.runtime == "simulated":
         per_rank = [[_local(x, lay, mesh.coords(r)) for x, lay in zip(tensors, program.input_layouts, strict=True)]
                     for r in range(mesh.size)]
-        outs = simulated.run(program.module, mesh, per_rank, compile=compile)
+        outs = simulated.run(program.module, mesh, per_rank, seed, compile=compile)
         return [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
     runtime = runtime_for(mesh)
     local = [_local(x, lay, runtime.coords, runtime.device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
-    return [(out,) for out in runtime.run(program.module, local, compile=compile)]
+    return [(out,) for out in runtime.run(program.module, local, seed, program.uses_seed, compile=compile)]
+
+
+_NO_SEED = torch.zeros(1, dtype=torch.int64)
 
 
 def _describe(key) -> str:
@@ -315,8 +320,7 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
 @functools.lru_cache(maxsize=256)
 def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Program:
     ctx = LowerContext(src.mesh)
-    value = ctx.placeholder("in0")
-    ctx._coords = ctx.placeholder("coords")
+    (value,) = ctx.begin(1)
     ctx.consumer = ("redistribute", "redistribute", f"{src.placements_str()} -> {dst.placements_str()}")
     ctx.graph.output([ctx.redistribute(value, src, dst, shape, dtype)])
     module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)

@@ -48,6 +48,8 @@ class Lowered:
         if node.op == "placeholder":
             if node.name == "coords":
                 return "  %coords: this rank's mesh coordinates"
+            if node.name == "seed":
+                return "  %seed: this call's random seed" + ("" if node.users else " (unused)")
             layout, shape = next(inputs)
             return f"  %{node.name}: global {list(shape)} {layout.placements_str()}"
         if node.op == "output":

@@ -2,8 +2,11 @@
 
 Each op is emitted by its rule for the chosen strategy (local shapes in shape arguments,
 masked lookups...), after redistributing any input whose layout differs from the one the
-strategy needs. Rank-dependent values come from the graph's last input, `coords` (this rank's
-mesh coordinates as an int64 tensor), so the program does not depend on the rank.
+strategy needs. Rank-dependent values come from the graph's input `coords` (this rank's mesh
+coordinates as an int64 tensor), so the program does not depend on the rank; random ops read
+the call's seed from the last input, `seed`.
+
+Program inputs: the tensor arguments, then `coords`, then `seed`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Program:
     output_shapes: tuple[tuple[int, ...], ...]
     output_dtypes: tuple[torch.dtype, ...]
     collectives: tuple[Collective, ...]
+    uses_seed: bool = False  # the program draws random numbers: each call needs a seed
 
 
 class LowerContext:
@@ -59,8 +63,40 @@ class LowerContext:
         self.graph = torch.fx.Graph()
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
-        self._coords = None
+        self._coords = self.seed = None
         self._cache: dict = {}
+        self._random_ops = 0
+
+    def begin(self, n_inputs: int) -> list[torch.fx.Node]:
+        """The program's inputs: `n_inputs` tensors, then `coords` and `seed`."""
+        inputs = [self.placeholder(f"in{i}") for i in range(n_inputs)]
+        self._coords, self.seed = self.placeholder("coords"), self.placeholder("seed")
+        return inputs
+
+    def next_random_op(self) -> int:
+        """A number for each random op, in program order (the same for every layout)."""
+        self._random_ops += 1
+        return self._random_ops
+
+    def global_index(self, layout: Layout, shape) -> torch.fx.Node:
+        """Global row-major index of each element of this rank's block (int64, local shape)."""
+
+        def make():
+            local, total, stride = layout.local_shape(shape), None, 1
+            for d in reversed(range(len(shape))):
+                idx = self.call(aten.arange.default, (local[d],), {"dtype": torch.int64})
+                if layout.shard_axes(d):
+                    idx = self.call(aten.add.Tensor, (idx, self.shard_offset(layout, shape, d)))
+                if stride != 1:
+                    idx = self.call(aten.mul.Tensor, (idx, stride))
+                view = [1] * len(shape)
+                view[d] = local[d]
+                idx = self.call(aten.view.default, (idx, view))
+                total = idx if total is None else self.call(aten.add.Tensor, (idx, total))
+                stride *= shape[d]
+            return total if total is not None else self.call(aten.zeros.default, ([],), {"dtype": torch.int64})
+
+        return self._memo(("index", layout, tuple(shape)), make)
 
     def call(self, op, args, kwargs=None) -> torch.fx.Node:
         return self.graph.call_function(op, tuple(args), dict(kwargs or {}))
@@ -125,9 +161,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, node in enumerate(inputs):
-        values[node] = ctx.placeholder(f"in{i}")
-    ctx._coords = ctx.placeholder("coords")
+    values.update(zip(inputs, ctx.begin(len(inputs)), strict=True))
 
     def local(producer, dst: Layout, reason_for: str):
         key = (producer, dst)
@@ -185,4 +219,5 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -
         output_shapes=tuple(tuple(v.shape) for v in vals),
         output_dtypes=tuple(v.dtype for v in vals),
         collectives=tuple(ctx.collectives),
+        uses_seed=bool(ctx.seed.users),
     )

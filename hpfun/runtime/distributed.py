@@ -124,10 +124,13 @@ class DistributedRuntime:
             bound_here[key] = torch.compile(bound, backend="inductor", dynamic=False) if compile else bound
         return bound_here[key]
 
-    def run(self, module, local_inputs, compile: bool = False) -> list[torch.Tensor]:
+    def run(self, module, local_inputs, seed: torch.Tensor, uses_seed: bool, compile: bool = False) -> list[torch.Tensor]:
         bound = self.bind(module, compile)
         try:
-            return list(bound(*local_inputs, self.coords_tensor))
+            if uses_seed:  # every rank draws with rank 0's seed, whatever its own generator says
+                seed = seed.to(self.device)
+                dist.broadcast(seed, self.device_mesh.mesh.flatten()[0].item(), group=self.all_ranks_group())
+            return list(bound(*local_inputs, self.coords_tensor, seed))
         except (RuntimeError, dist.DistBackendError) as err:
             raise _peer_failure(self, err) from err
 

@@ -1,0 +1,95 @@
+"""Random ops: every element's value is a function of (seed, op number, global index).
+
+So the layout is free: a value drawn split is the same tensor as drawn whole. Ops that take a
+tensor only for its shape (`rand_like`, `uniform`, `bernoulli.p`) draw in that tensor's layout
+where it stands (a Partial one gives a replicated draw); `bernoulli(probs)` and dropout read
+their input, so it must not be Partial; factories (`rand(shape)`) draw replicated.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from hpfun import rng
+from hpfun.layout import Layout, Partial, R
+from hpfun.rules.base import OpCall, Rule, Strategy
+
+KINDS = ("rand", "randn", "uniform", "normal", "bernoulli_p", "bernoulli", "randint", "randperm", "dropout")
+
+
+def _check_kind(_, __, value):
+    if value not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {value!r}")
+
+
+def _without_partial(layout: Layout) -> Layout:
+    return Layout(layout.mesh, tuple(R if isinstance(p, Partial) else p for p in layout.placements))
+
+
+@attrs.frozen(kw_only=True)
+class Random(Rule):
+    kind: str = attrs.field(validator=_check_kind)
+    reads_input: bool = False  # bernoulli(probs), dropout: the input's values matter
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        if not call.tensors or self.kind == "randperm":
+            r = Layout.replicated(call.mesh)
+            return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
+        src = call.tensors[0].layout
+        out = _without_partial(src)
+        first = out if self.reads_input else src  # shape only: the input stays where it is
+        return [Strategy((first,) + tuple(t.layout for t in call.tensors[1:]), (out,) * len(call.outputs))]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        out = call.outputs[0]
+        index = ctx.global_index(strategy.outputs[0], out.shape)
+        params = _PARAMS[self.kind](args)
+        return ctx.call(sample, (self.kind, index, ctx.seed, ctx.next_random_op(), out.dtype, *params))
+
+
+def _arg(args, i, default):
+    return args[i] if len(args) > i and args[i] is not None else default
+
+
+_PARAMS = {
+    "rand": lambda a: (0.0, 1.0),
+    "randn": lambda a: (0.0, 1.0),
+    "uniform": lambda a: (_arg(a, 1, 0.0), _arg(a, 2, 1.0)),
+    "normal": lambda a: (_arg(a, 1, 0.0), _arg(a, 2, 1.0)),
+    "bernoulli_p": lambda a: (_arg(a, 1, 0.5),),
+    "bernoulli": lambda a: (a[0],),
+    "randint": lambda a: (a[0], a[1]) if len(a) > 2 and not isinstance(a[1], (list, tuple)) else (0, a[0]),
+    "randperm": lambda a: (),
+    "dropout": lambda a: (a[0], a[1], _arg(a, 2, True)),
+}
+
+
+def sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: torch.dtype, *params):
+    """The local block of one random op's output (a pure function of seed, op and global index)."""
+    w = rng.words(index, seed, op)
+    if kind in ("rand", "uniform"):
+        low, high = params
+        u = rng.uniform(w, dtype)
+        return u if (low, high) == (0.0, 1.0) else u * (high - low) + low
+    if kind in ("randn", "normal"):
+        mean, std = params
+        z = rng.normal(w, dtype)
+        return z if (mean, std) == (0.0, 1.0) else z * std + mean
+    if kind in ("bernoulli_p", "bernoulli"):
+        p = params[0]
+        return (rng.uniform(w, torch.float64 if _is_double(p) else torch.float32) < p).to(dtype)
+    if kind == "randint":
+        low, high = params
+        return (rng.below(w, high - low) + low).to(dtype)
+    if kind == "randperm":
+        return torch.argsort(rng.sort_keys(w)).to(dtype)
+    x, p, train = params
+    if not train or p == 0:
+        return x, torch.ones_like(x, dtype=torch.bool)
+    keep = rng.uniform(w, torch.float32) >= p
+    return x * keep * (1.0 / (1.0 - p)), keep
+
+
+def _is_double(p) -> bool:
+    return isinstance(p, torch.Tensor) and p.dtype == torch.float64
