@@ -23,10 +23,11 @@ from hpfun.explain import Lowered
 from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
 from hpfun.lower import Collective
 from hpfun.mesh import Mesh
+from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
 
 __all__ = [
     "CaptureError", "Collective", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
-    "ShardedFunction", "ShardingError", "SpecError", "parse", "redistribute", "rules", "shard",
+    "ShardedFunction", "ShardingError", "SpecError", "parse", "random_seed", "redistribute", "rules", "shard",
 ]
