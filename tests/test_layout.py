@@ -1,7 +1,8 @@
 """Properties of the value classes: Mesh, placements, Layout, P, the notation's parser, Sharded.
 
-The strategies here generate small meshes (<= 8 ranks, 1-3 axes, size-1 axes included),
-layouts on them (several axes may split one dim) and global shapes those layouts divide.
+Meshes, layouts and divisible shapes come from `hpfun.testing`: here small meshes (<= 8 ranks,
+1-3 axes, size-1 axes included, any axis names), layouts on them (several axes may split one
+dim) and global shapes those layouts divide.
 """
 
 import math
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 import hpfun
 from hpfun import Layout, LayoutError, Mesh, P, Partial, Replicate, Shard, SpecError
+from hpfun.testing import divisible_shapes, layouts, meshes
 
 R = Replicate()
 REDUCES = ("sum", "avg", "max", "min")
@@ -26,17 +28,7 @@ axis_names = st.one_of(
     st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}", fullmatch=True),
 )
 
-
-@st.composite
-def meshes(draw, max_ranks=8):
-    """1-3 axes of size >= 1 (size 1 included), at most `max_ranks` ranks, distinct names."""
-    ndim = draw(st.integers(1, 3))
-    shape = []
-    for _ in range(ndim):
-        budget = max_ranks // math.prod(shape)
-        shape.append(draw(st.sampled_from([n for n in (1, 2, 2, 3, 4, 8) if n <= budget])))
-    names = draw(st.lists(axis_names, min_size=ndim, max_size=ndim, unique=True))
-    return Mesh.simulated(tuple(shape), tuple(names))
+MESHES = meshes(ndims=(1, 2, 3), sizes=(1, 2, 2, 3, 4, 8), names=axis_names)
 
 
 @st.composite
@@ -50,27 +42,11 @@ def placements(draw, ndim, reduces=REDUCES):
 
 
 @st.composite
-def layouts(draw, mesh, ndim, reduces=REDUCES):
-    """A layout of a `ndim`-dim tensor on `mesh`; half the time all its Shard axes split one dim."""
-    chosen = [draw(placements(ndim, reduces)) for _ in mesh.shape]
-    if ndim and draw(st.booleans()):
-        dim = draw(st.integers(0, ndim - 1))
-        chosen = [Shard(dim) if isinstance(p, Shard) else p for p in chosen]
-    return Layout(mesh, tuple(chosen))
-
-
-@st.composite
-def divisible_shapes(draw, layout, ndim, max_multiple=3):
-    """A global shape `layout` divides: each dim a multiple of its shard factor (numel <= 216)."""
-    return tuple(layout.shard_factor(d) * draw(st.integers(1, max_multiple)) for d in range(ndim))
-
-
-@st.composite
 def cases(draw, reduces=REDUCES, min_ndim=0):
     """(mesh, layout, global shape) with the shape divisible by the layout."""
-    mesh = draw(meshes())
+    mesh = draw(MESHES)
     ndim = draw(st.sampled_from([0, 1, 1, 2, 2, 3]).filter(lambda n: n >= min_ndim))
-    layout = draw(layouts(mesh, ndim, reduces))
+    layout = draw(layouts(mesh, ndim, allow_partial=reduces))
     return mesh, layout, draw(divisible_shapes(layout, ndim))
 
 
@@ -108,7 +84,7 @@ def test_layout_to_spec_and_back(case):
 @given(st.data())
 def test_spec_to_layout_and_back(data):
     """P -> layout -> P is the identity on canonical specs (no trailing None)."""
-    mesh = data.draw(meshes())
+    mesh = data.draw(MESHES)
     ndim = data.draw(st.integers(0, 3))
     spec = data.draw(specs(mesh, ndim))
     assert P.from_layout(spec.to_layout(mesh, ndim), ndim) == spec
@@ -117,7 +93,7 @@ def test_spec_to_layout_and_back(data):
 @given(st.data())
 def test_trailing_none_only_pads(data):
     """Appending None entries to a spec does not change its layout."""
-    mesh = data.draw(meshes())
+    mesh = data.draw(MESHES)
     ndim = data.draw(st.integers(0, 3))
     spec = data.draw(specs(mesh, ndim))
     padded = P(*spec.dims, *[None] * (ndim - len(spec.dims)))
@@ -143,7 +119,7 @@ def test_parse_placement_round_trip(placement):
     assert hpfun.parse(str(placement)) == placement
 
 
-@given(meshes())
+@given(MESHES)
 def test_parse_mesh_round_trip(mesh):
     """parse(str(mesh)) == mesh for simulated meshes."""
     assert hpfun.parse(str(mesh)) == mesh
@@ -152,8 +128,9 @@ def test_parse_mesh_round_trip(mesh):
 @given(st.data())
 def test_parse_layout_round_trip(data):
     """parse(str(layout)) == layout, and the placement list alone parses to the placements."""
-    mesh = data.draw(meshes())
-    layout = data.draw(layouts(mesh, ndim=data.draw(st.integers(0, 3))))
+    mesh = data.draw(MESHES)
+    ndim = data.draw(st.integers(0, 3))
+    layout = Layout(mesh, tuple(data.draw(placements(ndim)) for _ in mesh.shape))  # Partial reduces mixed
     assert hpfun.parse(str(layout)) == layout
     assert hpfun.parse(layout.placements_str()) == layout.placements
 
@@ -243,9 +220,9 @@ def test_offsets_example():
 @given(st.data())
 def test_normalized_makes_shard_dims_non_negative(data):
     """Layout.normalized(ndim) maps Shard(d - ndim) to Shard(d), keeps the rest, and is idempotent."""
-    mesh = data.draw(meshes())
+    mesh = data.draw(MESHES)
     ndim = data.draw(st.integers(1, 3))
-    layout = data.draw(layouts(mesh, ndim))
+    layout = data.draw(layouts(mesh, ndim, allow_partial=True))
     flips = data.draw(st.lists(st.booleans(), min_size=mesh.ndim, max_size=mesh.ndim))
     negative = Layout(mesh, tuple(
         Shard(p.dim - ndim) if isinstance(p, Shard) and flip else p
@@ -380,7 +357,7 @@ def test_bad_spec_reports_all_problems():
 @given(st.data())
 def test_any_spec_gives_layout_or_spec_error(data):
     """to_layout of any spec (unknown, repeated, unordered axes, too many entries) returns a layout or raises SpecError."""
-    mesh = data.draw(meshes())
+    mesh = data.draw(MESHES)
     entry = st.none() | axis_names | st.sampled_from(mesh.axis_names) | st.lists(
         st.sampled_from(mesh.axis_names) | axis_names, max_size=3).map(tuple)
     spec = P(*data.draw(st.lists(entry, max_size=4)))
