@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test validate-nightly clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# every rule against unsharded ground truth, with many more examples than the suite draws
+validate-nightly: $(STAMP)
+	$(PY) -m hpfun.validate --max-examples 200
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .hypothesis

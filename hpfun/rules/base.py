@@ -59,10 +59,17 @@ class OpCall:
         return [x for x in leaves if isinstance(x, TensorArg)]
 
     def arg(self, index: int, name: str | None = None, default=None):
-        """Positional argument `index`, or keyword `name`, or `default`."""
+        """Positional argument `index`, or keyword `name` (by default the schema's name for
+        position `index`), or `default`."""
         if index is not None and index < len(self.args):
             return self.args[index]
+        name = name or _schema_name(self.op, index)
         return self.kwargs.get(name, default) if name else default
+
+
+def _schema_name(op, index: int | None) -> str | None:
+    arguments = op._schema.arguments if hasattr(op, "_schema") else ()
+    return arguments[index].name if index is not None and index < len(arguments) else None
 
 
 @attrs.frozen

@@ -1,4 +1,5 @@
-"""Einsum-style contractions: mm, bmm, addmm, baddbmm.
+"""Einsum-style contractions: mm, bmm, addmm, baddbmm; and ops with the same index structure
+that are not sums of products (cdist, grid_sampler), whose contracted dims must be whole.
 
 Per mesh axis, with the equation "mk,kn->mn":
 - a letter kept in the output (m, n, a batch b) may be sharded: every operand holding it is
@@ -7,6 +8,9 @@ Per mesh axis, with the equation "mk,kn->mn":
   a @ b = sum_i a[:, K_i] @ b[K_i, :];
 - the op is linear in each operand: one operand `Partial` and the others replicated gives `Partial`.
 An additive `bias` follows the output: sharded alongside it, or Partial with it.
+`sums: false`: contracted letters are not summed over (cdist's p-norm), so they must be whole.
+`linear`: the operands the op is linear in (default all); only those may be Partial.
+"..." in a term stands for the leading (batch) dims, aligned from the right.
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
 
 
+_BATCH = "ABCDEFGH"
+
+
 def _parse_equation(text: str):
     lhs, out = text.replace(" ", "").split("->")
     return tuple(lhs.split(",")), out
+
+
+def _expand(term: str, ndim: int) -> str:
+    """A term with "..." written out for a tensor of `ndim` dims (batch letters right-aligned)."""
+    if "..." not in term:
+        return term
+    n = ndim - (len(term) - 3)
+    return term.replace("...", _BATCH[len(_BATCH) - n :])
 
 
 @attrs.frozen(kw_only=True)
@@ -27,6 +42,8 @@ class Contraction(Rule):
     equation: str = "mk,kn->mn"
     operands: tuple[int, ...] = attrs.field(default=(0, 1), converter=tuple)
     bias: int | None = None
+    sums: bool = True
+    linear: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         per_axis = []
@@ -37,7 +54,10 @@ class Contraction(Rule):
 
     def _letters(self, call: OpCall, t) -> str | None:
         terms, _ = _parse_equation(self.equation)
-        return terms[self.operands.index(t.index)] if t.index in self.operands else None
+        return _expand(terms[self.operands.index(t.index)], t.ndim) if t.index in self.operands else None
+
+    def _out_letters(self, call: OpCall) -> str:
+        return _expand(_parse_equation(self.equation)[1], call.outputs[0].ndim)
 
     def _seed(self, call: OpCall, seed, p):
         if isinstance(p, Partial) and p.reduce in ("sum", "avg"):
@@ -47,14 +67,16 @@ class Contraction(Rule):
         letters = self._letters(call, seed)
         if letters is not None:
             return self._letter_option(call, letters[p.dim])
-        _, out = _parse_equation(self.equation)  # the bias: its dim aligns with the output's
+        out = self._out_letters(call)  # the bias: its dim aligns with the output's
         out_dim = p.dim + len(out) - seed.ndim
         if seed.shape[p.dim] != call.outputs[0].shape[out_dim]:
             return None
         return self._letter_option(call, out[out_dim])
 
     def _letter_option(self, call: OpCall, letter: str):
-        _, out = _parse_equation(self.equation)
+        out = self._out_letters(call)
+        if letter not in out and not self.sums:
+            return None
         out_p = Shard(out.index(letter)) if letter in out else Partial("sum")
         ins = []
         for t in call.tensors:
@@ -73,6 +95,8 @@ class Contraction(Rule):
         return Shard(d) if d >= 0 and bias.shape[d] == out.shape[out_p.dim] else R
 
     def _partial_option(self, call: OpCall, seed, p):
+        if self.linear is not None and seed.index not in self.linear:
+            return None
         ins = []
         for t in call.tensors:
             is_bias = t.index == self.bias

@@ -1,4 +1,4 @@
-"""Reductions over dims, and normalizations along one dim (softmax and friends).
+"""Reductions over dims, and ops along some dims with the others passing through (softmax, sort...).
 
 Reducing a sharded dim reduces each shard locally and leaves the cross-shard reduction pending:
 sum(x) = sum_i sum(x_i) gives `Partial(sum)`; mean over equal shards gives `Partial(avg)`;
@@ -64,22 +64,57 @@ class Reduction(Rule):
 
 @attrs.frozen(kw_only=True)
 class Normalize(Rule):
-    """Op along one dim whose inputs and outputs share a shape (softmax, its backward, cumsum).
+    """Op along some dims whose other dims pass through with their index (softmax and its
+    backward, cumsum, sort, topk, flip, fft): the dims it works along must be whole on every
+    rank, every other dim may be split (all tensors and outputs split alike).
 
-    Every other dim may be sharded; the normalized dim must be whole on every rank.
+    `dim_arg`: the argument naming the dim or dims (`dim_default` when absent; None: all dims).
+    `pass_partials`: Partial inputs that pass through, for ops linear in their inputs jointly
+    (cumsum(a1 + a2) = cumsum(a1) + cumsum(a2); flip moves data, so any Partial passes).
     """
 
-    dim_arg: int = 1
+    dim_arg: int | None = 1
+    dim_default: int | None = None
+    pass_partials: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    def whole_dims(self, call: OpCall) -> set[int]:
+        ndim = max(call.outputs[0].ndim, 1)
+        dims = call.arg(self.dim_arg, default=self.dim_default) if self.dim_arg is not None else None
+        if dims is None:
+            return set(range(ndim))
+        return {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
 
     def strategies(self, call: OpCall) -> list[Strategy]:
-        ndim = call.outputs[0].ndim
-        dim = call.arg(self.dim_arg, "dim") % max(ndim, 1)
+        whole, n_in, n_out = self.whole_dims(call), len(call.tensors), len(call.outputs)
         per_axis = []
         for a in range(call.mesh.ndim):
             options = [replicated_option(call)]
             for t in call.tensors:
                 p = t.layout.placements[a]
-                if isinstance(p, Shard) and p.dim != dim:
-                    options.insert(0, ((p,) * len(call.tensors), (p,) * len(call.outputs)))
+                passes = isinstance(p, Partial) and p.reduce in self.pass_partials
+                if (isinstance(p, Shard) and p.dim not in whole) or passes:
+                    options.insert(0, ((p,) * n_in, (p,) * n_out))
             per_axis.append(options)
         return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
+class Pad(Normalize):
+    """constant_pad_nd, reflection_pad*, replication_pad*: `pad_arg` lists (before, after) pairs
+    from the last dim backwards; a padded (or cropped) dim must be whole, the others pass.
+
+    Reflection and replication pads move data, so a Partial passes (`pass_partials`); a
+    constant pad is linear only with fill 0: pad(a1 + a2, 0) = pad(a1, 0) + pad(a2, 0).
+    """
+
+    dim_arg: int | None = None
+    pad_arg: int = 1
+    fill_arg: int | None = None
+
+    def whole_dims(self, call: OpCall) -> set[int]:
+        pad, ndim = call.arg(self.pad_arg), call.outputs[0].ndim
+        return {ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        linear = self.fill_arg is None or call.arg(self.fill_arg, default=0) == 0
+        return Normalize.strategies(self if linear else attrs.evolve(self, pass_partials=()), call)

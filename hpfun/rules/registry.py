@@ -22,8 +22,8 @@ from hpfun.rules.base import Replicated, Rule
 from hpfun.rules.contraction import Contraction
 from hpfun.rules.gather import Gather, Scatter
 from hpfun.rules.pointwise import Factory, Like, Pointwise
-from hpfun.rules.reduction import Normalize, Reduction
-from hpfun.rules.shape import Cat, Expand, Permute, Reshape, Slice
+from hpfun.rules.reduction import Normalize, Pad, Reduction
+from hpfun.rules.shape import Cat, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
 
 FAMILIES: dict[str, type[Rule]] = {
     "pointwise": Pointwise,
@@ -31,12 +31,15 @@ FAMILIES: dict[str, type[Rule]] = {
     "factory": Factory,
     "reduction": Reduction,
     "normalize": Normalize,
+    "pad": Pad,
     "contraction": Contraction,
     "reshape": Reshape,
     "permute": Permute,
     "expand": Expand,
     "slice": Slice,
     "cat": Cat,
+    "diagonal": Diagonal,
+    "slice_scatter": SliceScatter,
     "gather": Gather,
     "scatter": Scatter,
     "replicated": Replicated,

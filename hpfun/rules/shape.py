@@ -1,4 +1,5 @@
-"""Dimension algebra: view/reshape/squeeze/unsqueeze, permute, expand, slicing, cat and split.
+"""Dimension algebra: view/reshape/squeeze/unsqueeze, permute, expand/repeat, slicing, cat,
+split, diagonal and slice_scatter.
 
 All of these move data without arithmetic, so every Partial passes through unchanged
 (view(a1 + a2) = view(a1) + view(a2)); only where each sharded dim goes needs thought.
@@ -150,6 +151,58 @@ class Cat(Rule):
                     options.insert(0, ((p,) * n, (p,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
+class Diagonal(Rule):
+    """diagonal(x, offset, dim1, dim2): dim1 and dim2 must be whole; the other dims keep their
+    order in front of the diagonal, which becomes the last dim."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        pair = {call.arg(2, default=0) % x.ndim, call.arg(3, default=1) % x.ndim}
+        rest = [d for d in range(x.ndim) if d not in pair]
+        ins, outs = [], []
+        for p in x.layout.placements:
+            if isinstance(p, Shard) and p.dim in pair:
+                ins.append(R), outs.append(R)
+            else:
+                ins.append(p), outs.append(Shard(rest.index(p.dim)) if isinstance(p, Shard) else p)
+        return _with_fallback(call, ins, outs)
+
+
+@attrs.frozen(kw_only=True)
+class SliceScatter(Rule):
+    """slice_scatter / select_scatter(x, src, dim, ...): x with a slice along `dim` replaced by
+    src. `dim` must be whole; every other dim of x is split like src's matching dim. The op
+    moves data, so x and src may be Partial together: the slice of a sum is the sum of slices.
+
+    `drops_dim`: src lacks `dim` (select_scatter).
+    """
+
+    dim_arg: int = 2
+    drops_dim: bool = False
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, src = call.tensors[0], call.tensors[1]
+        dim = call.arg(self.dim_arg, default=0) % x.ndim
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p, q = x.layout.placements[a], src.layout.placements[a]
+            options = [replicated_option(call)]
+            for d in (p.dim if isinstance(p, Shard) else None, self._x_dim(q, dim)):
+                if d is not None and d != dim:
+                    options.insert(0, ((Shard(d), Shard(d - (self.drops_dim and d > dim))), (Shard(d),)))
+            partial = p if isinstance(p, Partial) else q if isinstance(q, Partial) else None
+            if partial is not None:
+                options.insert(0, ((partial, partial), (partial,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+    def _x_dim(self, q, dim: int) -> int | None:
+        if not isinstance(q, Shard):
+            return None
+        return q.dim + (self.drops_dim and q.dim >= dim)
 
 
 def _replicated(call: OpCall) -> Strategy:

@@ -1,0 +1,541 @@
+"""Check every sharding rule against unsharded ground truth: `python -m hpfun.validate`.
+
+For each op in the registry, hypothesis draws a mesh (1-D or 2-D, at most 8 ranks), a layout
+per tensor input (several axes on one dim, Partial for floating inputs) and the op's arguments,
+runs the op through `hpfun.shard` on the simulated mesh and whole, and compares. Arguments come
+from torch's OpInfo samples: each sample is traced the way hpfun captures (functionalized,
+decomposed) and every op call in the trace becomes a case with its real arguments. OpInfo
+shapes (5, 10, 20) rarely divide a mesh, so for families whose integer arguments are dims,
+never sizes (pointwise, reductions, normalizations, contractions), a case is also rescaled to
+sizes the mesh divides. Each op gets a time budget.
+
+Results, one line per op: `ok`; `INCORRECT` (wrong values, with the smallest failing mesh,
+layouts and shapes found); `CRASH` (an exception other than a clean hpfun error); `MISSING` (an
+op in an OpInfo trace without a rule); `NO INPUTS` (no sample reaches the op, or every example
+was refused); `SKIPPED` (capture decomposes the op, so its rule never runs; random ops). The
+exit code is 1 when any rule is incorrect or crashes.
+
+    python -m hpfun.validate                      # every rule, 10 examples each
+    python -m hpfun.validate --op aten.mm.default --max-examples 200 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import sys
+import time
+import warnings
+
+import attrs
+import hypothesis
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from hpfun.capture import decompositions
+from hpfun.errors import HpfunError
+from hpfun.layout import REDUCE_OPS, Layout, Partial
+from hpfun.rules.base import OpCall, Rule, TensorArg, TensorMeta
+from hpfun.rules.registry import FAMILIES, REGISTRY, resolve_op
+from hpfun.sharded import Sharded
+from hpfun.testing import ShardedMismatch, assert_sharded_equal
+from hpfun.testing.strategies import layouts, meshes, sharded_values
+
+# Families whose integer arguments are dims, never sizes or indices: their cases can take
+# other sizes. Families that only move data must match bitwise.
+RESCALABLE = tuple(FAMILIES[f] for f in ("pointwise", "like", "reduction", "normalize", "contraction"))
+MOVES_DATA = tuple(FAMILIES[f] for f in ("reshape", "permute", "expand", "slice", "cat", "gather", "like"))
+MAX_RANKS = 8
+
+# capture's table, built once: building it takes about 20 ms, as long as tracing a sample
+_decompositions = functools.cache(decompositions)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases: one op call with real arguments
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class OpCase:
+    """One call of `op` with real arguments, from the OpInfo named `source`."""
+
+    op: object
+    args: tuple
+    kwargs: dict
+    source: str
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [x for x in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(x, torch.Tensor)]
+
+    def call(self, *tensors):
+        """The op on `tensors` in place of this case's tensor arguments."""
+        case = self.with_tensors(tensors)
+        return self.op(*case.args, **case.kwargs)
+
+    def with_tensors(self, tensors, source: str | None = None) -> "OpCase":
+        """This case with `tensors` in place of its tensor arguments."""
+        leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
+        fresh = iter(tensors)
+        args, kwargs = pytree.tree_unflatten([next(fresh) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+        return OpCase(self.op, args, kwargs, source or self.source)
+
+    def signature(self) -> tuple:
+        shapes = tuple((tuple(t.shape), t.dtype) for t in self.tensors)
+        return shapes, repr([x for x in pytree.tree_leaves((self.args, self.kwargs)) if not isinstance(x, torch.Tensor)])
+
+    def __str__(self) -> str:
+        def show(x):
+            return f"<{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}>" if isinstance(x, torch.Tensor) else repr(x)
+
+        args = [show(a) if not isinstance(a, (list, tuple)) else f"[{', '.join(map(show, a))}]" for a in self.args]
+        args += [f"{k}={show(v)}" for k, v in self.kwargs.items()]
+        return f"{self.op}({', '.join(args)}) from OpInfo {self.source}"
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs a traced graph on real inputs and keeps every op call's real arguments."""
+
+    def __init__(self, gm, source: str):
+        super().__init__(gm)
+        self.source, self.calls = source, []
+
+    def run_node(self, n):
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
+            self.calls.append(OpCase(n.target, args, kwargs, self.source))
+        return super().run_node(n)
+
+
+def traced_calls(fn, tensors: list, source: str) -> list[OpCase]:
+    """Every op call of `fn(*tensors)` as hpfun captures it (functionalized, decomposed)."""
+    gm = make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=_decompositions(),
+                 tracing_mode="fake")(*tensors)
+    recorder = _Recorder(gm, source)
+    recorder.run(*tensors)
+    return recorder.calls
+
+
+# ---------------------------------------------------------------------------------------------
+# The OpInfo index: op overload -> cases, and which OpInfos reach each op
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Index:
+    """Cases per op overload, and the OpInfos whose traces reach each op (rule or not)."""
+
+    cases: dict = attrs.Factory(dict)  # op -> [OpCase]
+    seen_by: dict = attrs.Factory(dict)  # op -> {OpInfo name}
+
+    def add(self, case: OpCase, limit: int) -> None:
+        self.seen_by.setdefault(case.op, set()).add(case.source)
+        known = self.cases.setdefault(case.op, [])
+        if len(known) < limit and case.signature() not in {c.signature() for c in known}:
+            known.append(case)
+
+
+def opinfo_db():
+    """torch's OpInfo table (needs the `expecttest` package, in hpfun's dev extra)."""
+    try:
+        from torch.testing._internal.common_methods_invocations import op_db
+    except ImportError as err:
+        raise SystemExit(f"hpfun.validate needs torch's OpInfo tables: {err} (pip install expecttest)") from None
+    return op_db
+
+
+def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
+    """Trace up to 2 * `samples` samples of each OpInfo (the first `samples`, then new kinds of
+    arguments) and the backward of the first; keep `cases_per_op` distinct cases per op."""
+    index = Index()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for info in opinfo_db():
+            for case in _opinfo_calls(info, samples):
+                index.add(case, cases_per_op)
+    return index
+
+
+def _opinfo_calls(info, samples: int) -> list[OpCase]:
+    dtype = _dtype(info)
+    if dtype is None:
+        return []
+    calls = []
+    try:
+        chosen = itertools.islice(_chosen_samples(info.sample_inputs("cpu", dtype), samples), 2 * samples)
+        for i, sample in enumerate(chosen):
+            calls += _sample_calls(info, sample, backward=i == 0 and info.supports_autograd and dtype.is_floating_point)
+    except Exception:  # a sample generator that fails here only means fewer cases
+        pass
+    return calls
+
+
+def _chosen_samples(samples, first: int):
+    """The first `first` samples, then the first of each new kind of arguments (a Python
+    scalar where a tensor was, another keyword...), which often reaches another overload."""
+    kinds = set()
+    for i, sample in enumerate(samples):
+        leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+        kind = (str(spec), tuple(type(x).__name__ for x in leaves))
+        if i < first or kind not in kinds:
+            yield sample
+        kinds.add(kind)
+
+
+def _dtype(info):
+    dtypes = info.dtypes
+    return next((d for d in (torch.float64, torch.float32, torch.int64, torch.bool) if d in dtypes), None)
+
+
+def _sample_calls(info, sample, backward: bool) -> list[OpCase]:
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def forward(*tensors):
+        full = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            full[i] = t
+        x, args, kwargs = pytree.tree_unflatten(full, spec)
+        return info.op(x, *args, **kwargs)
+
+    tensors = [leaves[i] for i in where]
+    calls = _try_trace(forward, tensors, info.name)
+    if backward and calls:
+        calls += _try_trace(_vjp(forward), tensors, info.name)
+    return calls
+
+
+def _vjp(forward):
+    def backward(*tensors):
+        out, pull = torch.func.vjp(forward, *tensors)
+        return pull(pytree.tree_map_only(torch.Tensor, torch.ones_like, out))
+    return backward
+
+
+def _try_trace(fn, tensors, source) -> list[OpCase]:
+    try:
+        return traced_calls(fn, tensors, source)
+    except Exception:  # samples hpfun cannot capture (data-dependent shapes...) give no cases
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawing examples
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors(case: OpCase) -> list[int]:
+    """Axis sizes that split some dim of the case (2 always: Partial needs no split)."""
+    dims = {n for t in case.tensors for n in t.shape}
+    return sorted({2} | {d for d in range(2, MAX_RANKS + 1) for n in dims if n % d == 0})
+
+
+def _factors(mesh) -> list[int]:
+    subsets = itertools.chain.from_iterable(itertools.combinations(mesh.shape, k) for k in range(1, mesh.ndim + 1))
+    return sorted({math.prod(s) for s in subsets} - {1}) or [2]
+
+
+@st.composite
+def _rescaled(draw, case: OpCase, mesh) -> OpCase:
+    """The case with every size other than 0 and 1 mapped to a multiple of the mesh's axes
+    (equal sizes to equal sizes, so contractions stay consistent), fresh values of each dtype."""
+    sizes = sorted({n for t in case.tensors for n in t.shape} - {0, 1})
+    choices = sorted({f * k for f in _factors(mesh) for k in (1, 2, 3)})
+    new = {n: draw(st.sampled_from(choices)) for n in sizes}
+    seed = draw(st.integers(0, 2**31 - 1))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [_like(t, tuple(new.get(n, n) for n in t.shape), generator) for t in case.tensors]
+    return case.with_tensors(tensors, f"{case.source}, rescaled")
+
+
+def _like(template: torch.Tensor, shape, generator) -> torch.Tensor:
+    """Random values of the template's dtype (non-negative where the template is)."""
+    if template.dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if not template.is_floating_point():
+        return torch.randint(-3, 4, shape, generator=generator).to(template.dtype)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64)
+    nonnegative = template.numel() and bool((template >= 0).all())
+    return (values.abs() if nonnegative else values).to(template.dtype)
+
+
+@st.composite
+def examples(draw, rule: Rule, cases: list[OpCase]):
+    """(mesh, case): an OpInfo case on a mesh fitted to its sizes, or a rescaled one."""
+    case = draw(st.sampled_from(cases))
+    if isinstance(rule, RESCALABLE) and draw(st.booleans()):
+        mesh = draw(meshes(MAX_RANKS, ndims=(1, 2), sizes=(1, 2, 3, 4, 8)))
+        return mesh, draw(_rescaled(case, mesh))
+    return draw(meshes(MAX_RANKS, ndims=(1, 2), sizes=_divisors(case))), case
+
+
+@st.composite
+def inputs(draw, rule: Rule, case: OpCase, mesh) -> list[Sharded]:
+    """A Sharded value per tensor of the case. A floating input is Partial at times, with the
+    reduces the rule lets through without a collective when it has some (the algebra to
+    check), else any reduce (which checks the redistribution in front of the op)."""
+    values, outputs = [], _output_metas(case)
+    for i, t in enumerate(case.tensors):
+        floating = t.dtype in (torch.float32, torch.float64)  # Partial terms are exact on their grid
+        partial = (_passed_partials(rule, case, outputs, mesh, i) or True) if floating else False
+        layout = draw(layouts(mesh, tuple(t.shape), allow_partial=partial))
+        values.append(draw(sharded_values(t, layout)))
+    return values
+
+
+def _passed_partials(rule: Rule, case: OpCase, outputs: tuple, mesh, i: int) -> tuple[str, ...]:
+    """Reduces r such that some strategy of the rule keeps tensor `i` Partial(r) on axis 0."""
+    replicated = Layout.replicated(mesh)
+    passed = []
+    for reduce in REDUCE_OPS:
+        given = replicated.with_placement(0, Partial(reduce))
+        layouts_in = [given if j == i else replicated for j in range(len(case.tensors))]
+        if any(s.inputs[i] == given for s in rule.strategies(_op_call(case, outputs, mesh, layouts_in))):
+            passed.append(reduce)
+    return tuple(passed)
+
+
+def _output_metas(case: OpCase) -> tuple[TensorMeta, ...]:
+    outputs = pytree.tree_leaves(case.call(*case.tensors))
+    return tuple(TensorMeta(tuple(o.shape), o.dtype) for o in outputs if isinstance(o, torch.Tensor))
+
+
+def _op_call(case: OpCase, outputs: tuple, mesh, layouts_in: list) -> OpCall:
+    """The OpCall the rule sees for this case with these input layouts (as propagate builds it)."""
+    given = iter(layouts_in)
+
+    def convert(index):
+        return lambda x: TensorArg(tuple(x.shape), x.dtype, next(given), index) if isinstance(x, torch.Tensor) else x
+
+    args = tuple(pytree.tree_map(convert(i), a) for i, a in enumerate(case.args))
+    kwargs = {k: pytree.tree_map(convert(len(case.args) + j), v) for j, (k, v) in enumerate(case.kwargs.items())}
+    return OpCall(case.op, args, kwargs, outputs, mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking one op
+# ---------------------------------------------------------------------------------------------
+
+STATUSES = ("ok", "INCORRECT", "CRASH", "MISSING", "NO INPUTS", "SKIPPED")
+
+
+@attrs.define
+class OpResult:
+    """What validation found for one op; `detail` is the reproducer or the reason."""
+
+    op: object
+    status: str
+    note: str = ""
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@attrs.define
+class _Run:
+    """State of one op's hypothesis run (what hypothesis's final error cannot carry)."""
+
+    deadline: float
+    valid: int = 0
+    refused: list = attrs.Factory(list)
+    mismatch: str | None = None
+    crash: str | None = None
+    context: str = ""
+
+
+def check_op(op, rule: Rule, cases: list[OpCase], *, registry, max_examples: int, seed: int, budget_s: float) -> OpResult:
+    """Run `max_examples` drawn examples of `op` (within `budget_s` seconds) and classify."""
+    start = time.monotonic()
+    run = _Run(deadline=start + budget_s)
+
+    @hypothesis.seed(seed)
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=False,
+              report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+              verbosity=Verbosity.quiet, phases=(Phase.generate, Phase.shrink))
+    @hypothesis.given(st.data())
+    def explore(data):
+        _example(data, rule, cases, registry, run)
+
+    try:
+        explore()
+    except Exception:  # noqa: BLE001 - the run's own record says what failed
+        pass
+    return _classify(op, run, time.monotonic() - start)
+
+
+def _example(data, rule: Rule, cases: list[OpCase], registry, run: _Run) -> None:
+    hypothesis.assume(time.monotonic() < run.deadline or run.mismatch or run.crash)
+    mesh, case = data.draw(examples(rule, cases))
+    try:
+        case.call(*case.tensors)
+    except Exception:  # the op rejects these arguments (a rescaled case): not a case
+        hypothesis.reject()
+    run.context = f"mesh {mesh}, case {case}"
+    try:
+        _compare(data, rule, case, mesh, registry, run)
+    except ShardedMismatch as err:
+        run.mismatch = f"{err}\n  case: {case}"
+        raise
+    except HpfunError as err:
+        run.refused.append(_first_line(err))
+        hypothesis.reject()
+    except Exception as err:
+        run.crash = f"{type(err).__name__}: {_first_line(err)}\n  {run.context}"
+        raise
+    run.valid += 1
+
+
+def _compare(data, rule: Rule, case: OpCase, mesh, registry, run: _Run) -> None:
+    values = data.draw(inputs(rule, case, mesh))
+    run.context = _context(case, mesh, values)
+    exact = isinstance(rule, MOVES_DATA) and not any(v.layout.partial_axes for v in values)
+    assert_sharded_equal(case.call, values, mesh, None, exact=exact, registry=registry)
+
+
+def _context(case: OpCase, mesh, values) -> str:
+    inputs = "; ".join(f"{v.layout.placements_str()} {tuple(v.global_shape)}" for v in values)
+    return f"mesh {mesh}, inputs {inputs}, case {case}"
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _classify(op, run: _Run, seconds: float) -> OpResult:
+    if run.mismatch:
+        return OpResult(op, "INCORRECT", run.mismatch.splitlines()[0], run.mismatch, seconds)
+    if run.crash:
+        return OpResult(op, "CRASH", _first_line(Exception(run.crash)), run.crash, seconds)
+    if not run.valid:
+        why = f"every example refused: {run.refused[0]}" if run.refused else "no example had valid arguments"
+        return OpResult(op, "NO INPUTS", why, seconds=seconds)
+    refused = f", {len(run.refused)} refused" if run.refused else ""
+    return OpResult(op, "ok", f"{run.valid} examples{refused}", seconds=seconds)
+
+
+def _untestable(op, cases: list[OpCase]) -> OpResult | None:
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return OpResult(op, "SKIPPED", "random op: its values depend on the generator")
+    if op.__name__.startswith(("empty", "new_empty")):
+        return OpResult(op, "SKIPPED", "its values are uninitialized memory")
+    if cases:
+        return None
+    if op in _decompositions():
+        return OpResult(op, "SKIPPED", "capture decomposes it into other ops, so its rule never runs")
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return OpResult(op, "SKIPPED", "a composite the dispatcher expands before capture: its rule never runs")
+    return OpResult(op, "NO INPUTS", "no OpInfo sample reaches it")
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Report:
+    results: list[OpResult]
+    seconds: float
+    seed: int = 0
+    max_examples: int = 10
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    def of(self, status: str) -> list[OpResult]:
+        return [r for r in self.results if r.status == status]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.count("INCORRECT") or self.count("CRASH"))
+
+    def details(self) -> list[str]:
+        """The reproducer of every incorrect or crashing rule."""
+        lines = []
+        for r in self.of("INCORRECT") + self.of("CRASH"):
+            lines += ["", f"{r.status} {r.op}:", *(f"  {line}" for line in r.detail.splitlines()),
+                      f"  reproduce: python -m hpfun.validate --op {r.op} --seed {self.seed} --max-examples {self.max_examples}"]
+        return lines
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{self.count(s)} {s.lower()}" for s in STATUSES)
+        return f"summary: {counts} ({self.seconds:.0f} s)"
+
+    def __str__(self) -> str:
+        return "\n".join([*map(line, self.results), *self.details(), "", self.summary()])
+
+
+def line(result: OpResult, width: int = 100) -> str:
+    """One op's line: status, op, what was found (cut to `width` characters)."""
+    note = result.note if len(result.note) <= width else result.note[: width - 3] + "..."
+    return f"{result.status:<10} {str(result.op):<44} {note}"
+
+
+def validate(registry=REGISTRY, ops=None, *, index: Index | None = None, max_examples: int = 10, seed: int = 0,
+             budget_s: float = 20.0, progress=None) -> Report:
+    """Check the rules of `ops` (default: every op in `registry`, and list the ops that OpInfo
+    traces reach without a rule). `index`: the OpInfo index, traced here when None (about 20 s).
+
+    >>> import torch
+    >>> report = validate(ops=[torch.ops.aten.neg.default], max_examples=3)
+    >>> [(str(r.op), r.status) for r in report.results]
+    [('aten.neg.default', 'ok')]
+    """
+    start = time.monotonic()
+    targets = list(registry.ops()) if ops is None else list(ops)
+    index = index or opinfo_index()
+    missing = sorted((op for op in index.seen_by if registry.lookup(op) is None and op not in targets), key=str)
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for op in sorted(targets, key=str) + (missing if ops is None else []):
+            results.append(_check(op, registry, index, max_examples=max_examples, seed=seed, budget_s=budget_s))
+            if progress:
+                progress(results[-1])
+    return Report(results, time.monotonic() - start, seed, max_examples)
+
+
+def _check(op, registry, index: Index, **options) -> OpResult:
+    rule = registry.lookup(op)
+    if rule is None:
+        sources = ", ".join(sorted(index.seen_by.get(op, ()))[:4])
+        return OpResult(op, "MISSING", f"no rule; reached from OpInfo {sources}" if sources else "no rule")
+    cases = index.cases.get(op, [])
+    return _untestable(op, cases) or check_op(op, rule, cases, registry=registry, **options)
+
+
+def resolve(name: str, registry=REGISTRY) -> list:
+    """Overloads named by `name`: `aten.mm.default`, or all registered overloads of `mm` / `aten.mm`."""
+    op = resolve_op(name)
+    if op is not None:
+        return [op]
+    packet = name.split(".")[-1]
+    found = [op for op in registry.ops() if str(op).split(".")[1] == packet]
+    if not found:
+        raise SystemExit(f"hpfun.validate: no registered op named {name!r}; write e.g. aten.mm.default or mm")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpfun.validate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", action="append", help="an op (aten.mm.default, or mm for all its overloads); repeatable")
+    parser.add_argument("--max-examples", type=int, default=10, help="examples per op (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per op before it stops drawing (default 20)")
+    args = parser.parse_args(argv)
+    ops = [op for name in args.op for op in resolve(name)] if args.op else None
+    report = validate(ops=ops, max_examples=args.max_examples, seed=args.seed, budget_s=args.budget,
+                      progress=lambda r: print(line(r), flush=True))
+    print("\n".join([*report.details(), "", report.summary()]))
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
