@@ -14,6 +14,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun.errors import Problem, ShardingError
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.mesh import Mesh
 
@@ -156,3 +157,21 @@ class Replicated(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         r = Layout.replicated(call.mesh)
         return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
+
+
+@attrs.frozen(kw_only=True)
+class DataDependent(Replicated):
+    """Ops whose output shape depends on the input's values (nonzero): no block of the input
+    determines a block of the output, so a split input is an error naming the dim; a
+    replicated or Partial input runs whole (after its reduction)."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        problems = [
+            Problem(str(call.op), f"its output shape depends on the values of input {i}, whose dim {p.dim} "
+                    f"is split over mesh axis {call.mesh.axis_names[a]!r}",
+                    "compute it outside the sharded function, or keep that input replicated")
+            for i, t in enumerate(call.tensors) for a, p in enumerate(t.layout.placements) if isinstance(p, Shard)
+        ]
+        if problems:
+            raise ShardingError(problems)
+        return super().strategies(call)

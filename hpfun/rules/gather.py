@@ -30,13 +30,18 @@ def _masked_index(ctx, layout, shape, dim: int, index, local_size: int, fill: in
     return ctx.call(aten.where.ScalarOther, (inside, local, fill)), inside
 
 
+def _dim(call: OpCall, x) -> int:
+    """The op's `dim` argument, made non-negative (a 0-d tensor takes dim 0 or -1)."""
+    return call.arg(1) % max(x.ndim, 1)
+
+
 @attrs.frozen(kw_only=True)
 class Gather(Rule):
     """gather(x, dim, index): output has index's shape."""
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         x, index = call.tensors[0], call.tensors[1]
-        gdim = call.arg(1, "dim") % x.ndim
+        gdim = _dim(call, x)
         per_axis = []
         for a in range(call.mesh.ndim):
             p, q = x.layout.placements[a], index.layout.placements[a]
@@ -47,14 +52,18 @@ class Gather(Rule):
                 options.insert(0, ((p, p), (p,)))
             elif isinstance(p, Partial) and p.reduce in ("sum", "avg"):
                 options.insert(0, ((p, R), (p,)))
-            if isinstance(q, Shard):
+            # out[i, j] = x[i, index[i, j]] (gdim 1): a block of index along gdim reads all of x's
+            # row, but a block along another dim reads the same block of x's rows
+            if isinstance(q, Shard) and q.dim == gdim:
                 options.insert(1, ((R, q), (q,)))
+            elif isinstance(q, Shard) and index.shape[q.dim] == x.shape[q.dim]:
+                options.insert(1, ((q, q), (q,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
         x_layout, x = strategy.inputs[0], call.tensors[0]
-        gdim = call.arg(1, "dim") % x.ndim
+        gdim = _dim(call, x)
         if not x_layout.shard_axes(gdim):
             return super().emit(ctx, call, strategy, args, kwargs)
         local_size = x_layout.local_shape(x.shape)[gdim]
@@ -72,7 +81,7 @@ class Scatter(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         tensors = call.tensors
         x, index = tensors[0], tensors[1]
-        sdim = call.arg(1, "dim") % x.ndim
+        sdim = _dim(call, x)
         n = len(tensors)
         per_axis = []
         for a in range(call.mesh.ndim):
@@ -92,7 +101,7 @@ class Scatter(Rule):
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
         x_layout, x = strategy.inputs[0], call.tensors[0]
-        sdim = call.arg(1, "dim") % x.ndim
+        sdim = _dim(call, x)
         if not x_layout.shard_axes(sdim):
             return super().emit(ctx, call, strategy, args, kwargs)
         local_shape = list(x_layout.local_shape(x.shape))
@@ -102,3 +111,118 @@ class Scatter(Rule):
         padded = ctx.call(aten.cat.default, ([args[0], pad], sdim))
         out = ctx.call(call.op, (padded, sdim, index) + tuple(args[3:]), kwargs)
         return ctx.call(aten.slice.Tensor, (out, sdim, 0, size))
+
+
+
+@attrs.frozen(kw_only=True)
+class Embedding(Rule):
+    """embedding(weight, ids): rows of weight (V, D) picked by ids; output ids.shape + (D,).
+
+    Per mesh axis: weight split on V (the vocab) is a masked local lookup giving Partial(sum),
+    as in gather; weight split on D gives the output split on its last dim; ids split on a dim
+    give the output split on it; a Partial weight gives a Partial output (a lookup is linear).
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        w, ids = call.tensors[0], call.tensors[1]
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p, q = w.layout.placements[a], ids.layout.placements[a]
+            options = [replicated_option(call)]
+            if p == Shard(0):
+                options.insert(0, ((p, R), (Partial("sum"),)))
+            elif p == Shard(1):
+                options.insert(0, ((p, R), (Shard(ids.ndim),)))
+            elif isinstance(p, Partial) and p.reduce in ("sum", "avg"):
+                options.insert(0, ((p, R), (p,)))
+            if isinstance(q, Shard):
+                options.insert(1, ((R, q), (q,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        w_layout, w = strategy.inputs[0], call.tensors[0]
+        if not w_layout.shard_axes(0):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        local_size = w_layout.local_shape(w.shape)[0]
+        ids, inside = _masked_index(ctx, w_layout, w.shape, 0, args[1], local_size, 0)
+        found = ctx.call(aten.embedding.default, (args[0], ids))
+        return ctx.call(aten.where.ScalarOther, (ctx.call(aten.unsqueeze.default, (inside, -1)), found, 0))
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingBackward(Rule):
+    """embedding_dense_backward(grad, ids, num_weights, padding_idx, scale_grad_by_freq) -> (V, D).
+
+    The gradient adds each grad row into the row its id names: linear in grad. Per mesh axis:
+    grad split on D gives the output split on D; grad and ids split alike on a token dim give
+    Partial(sum) (each rank adds its tokens; needs global counts, so not with scale_grad_by_freq);
+    a Partial grad gives a Partial output; replicated inputs may also give the output split on
+    V, each rank adding only the ids in its block (the others go to a padding row, cut off).
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        grad, ids = call.tensors[0], call.tensors[1]
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            g, q = grad.layout.placements[a], ids.layout.placements[a]
+            options = [replicated_option(call), ((R, R), (Shard(0),))]
+            if g == Shard(grad.ndim - 1):
+                options.insert(0, ((g, R), (Shard(1),)))
+            elif isinstance(g, Partial) and g.reduce in ("sum", "avg"):
+                options.insert(0, ((g, R), (g,)))
+            token_dims = {p.dim for p in (g, q) if isinstance(p, Shard) and p.dim < ids.ndim}
+            for d in () if call.arg(4, default=False) else token_dims:
+                options.insert(0, ((Shard(d), Shard(d)), (Partial("sum"),)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        out_layout, shape = strategy.outputs[0], call.outputs[0].shape
+        if not out_layout.shard_axes(0):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        grad, ids = args[0], args[1]
+        padding_idx = call.arg(3, default=-1)
+        if padding_idx >= 0:  # rows of the padding id get no gradient; its local index varies by rank
+            keep = ctx.call(aten.ne.Scalar, (ids, padding_idx))
+            grad = ctx.call(aten.where.ScalarOther, (ctx.call(aten.unsqueeze.default, (keep, -1)), grad, 0))
+        size = out_layout.local_shape(shape)[0]
+        local, _ = _masked_index(ctx, out_layout, shape, 0, ids, size, size)
+        out = ctx.call(aten.embedding_dense_backward.default, (grad, local, size + 1, -1, call.arg(4, default=False)))
+        return ctx.call(aten.slice.Tensor, (out, 0, 0, size))
+
+
+@attrs.frozen(kw_only=True)
+class IndexSelect(Rule):
+    """index_select(x, dim, index): x along `dim` picked by a 1-D index.
+
+    x split along `dim` is a masked local lookup giving Partial(sum) (as gather); x split on
+    another dim keeps it; index split gives the output split along `dim`; a Partial x passes.
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, index = call.tensors[0], call.tensors[1]
+        dim = _dim(call, x)
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p, q = x.layout.placements[a], index.layout.placements[a]
+            options = [replicated_option(call)]
+            if isinstance(p, Shard):
+                options.insert(0, ((p, R), (Partial("sum") if p.dim == dim else p,)))
+            elif isinstance(p, Partial) and p.reduce in ("sum", "avg"):
+                options.insert(0, ((p, R), (p,)))
+            if isinstance(q, Shard):
+                options.insert(1, ((R, q), (Shard(dim),)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        x_layout, x = strategy.inputs[0], call.tensors[0]
+        dim = _dim(call, x)
+        if not x_layout.shard_axes(dim):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        local_size = x_layout.local_shape(x.shape)[dim]
+        index, inside = _masked_index(ctx, x_layout, x.shape, dim, args[2], local_size, 0)
+        found = ctx.call(aten.index_select.default, (args[0], dim, index))
+        mask = ctx.call(aten.view.default, (inside, [-1] + [1] * (x.ndim - dim - 1)))
+        return ctx.call(aten.where.ScalarOther, (mask, found, 0))

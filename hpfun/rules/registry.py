@@ -18,9 +18,10 @@ import torch
 import yaml
 
 from hpfun.errors import Problem, RuleFileError
-from hpfun.rules.base import Replicated, Rule
+from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
-from hpfun.rules.gather import Gather, Scatter
+from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
+from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.pointwise import Factory, Like, Pointwise
 from hpfun.rules.reduction import Normalize, Pad, Reduction
 from hpfun.rules.shape import Cat, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
@@ -42,7 +43,13 @@ FAMILIES: dict[str, type[Rule]] = {
     "slice_scatter": SliceScatter,
     "gather": Gather,
     "scatter": Scatter,
+    "embedding": Embedding,
+    "embedding_backward": EmbeddingBackward,
+    "index_select": IndexSelect,
+    "index": Index,
+    "index_put": IndexPut,
     "replicated": Replicated,
+    "data_dependent": DataDependent,
 }
 
 
