@@ -20,8 +20,10 @@ import yaml
 from hpfun.errors import Problem, RuleFileError
 from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
+from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
 from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
 from hpfun.rules.index import Index, IndexPut
+from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise
 from hpfun.rules.reduction import Normalize, Pad, Reduction
 from hpfun.rules.shape import Cat, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
@@ -48,6 +50,14 @@ FAMILIES: dict[str, type[Rule]] = {
     "index_select": IndexSelect,
     "index": Index,
     "index_put": IndexPut,
+    "pool": Pool,
+    "convolution": Convolution,
+    "convolution_backward": ConvolutionBackward,
+    "layer_norm": LayerNorm,
+    "layer_norm_backward": LayerNormBackward,
+    "group_norm": GroupNorm,
+    "group_norm_backward": GroupNormBackward,
+    "batch_norm": BatchNorm,
     "replicated": Replicated,
     "data_dependent": DataDependent,
 }
