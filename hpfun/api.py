@@ -22,14 +22,17 @@ from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
 
 
-def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False):
+def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False, rng: str = "philox"):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the argument tuple (a `P` or None per leaf or subtree; None
     means replicated); `out_specs` likewise for the outputs, or None to keep the layouts hpfun
     chose. Arguments may be global tensors (split by the specs) or `Sharded` values; outputs are
     `Sharded`. Python scalars among the arguments are baked into the program. `compile=True`
-    hands the per-shard program to `torch.compile` (inductor).
+    hands the per-shard program to `torch.compile` (inductor). Random ops draw from a
+    counter-based generator whose values do not depend on the mesh or layouts
+    (`rng="philox"`); `rng="native"` uses torch's generator per block instead: faster, but
+    the values change with the layout.
 
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
@@ -38,10 +41,12 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False
     tensor(12.)
     """
     if f is None:
-        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile)
+        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile, rng=rng)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
-    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile)))
+    if rng not in ("philox", "native"):
+        raise SpecError(f"rng must be 'philox' or 'native', got {rng!r}", headline="bad option")
+    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng))
 
 
 @attrs.frozen
@@ -49,6 +54,7 @@ class Options:
     """Compile options; part of the cache key."""
 
     compile: bool = False
+    rng: str = "philox"
 
 
 @attrs.frozen
@@ -144,7 +150,7 @@ class ShardedFunction:
         propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
         out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
-        program = lower(gm, self.mesh, out_layouts, out_names)
+        program = lower(gm, self.mesh, out_layouts, out_names, rng=self.options.rng)
         return _Entry(program, tuple(leaves), out_tree)
 
 

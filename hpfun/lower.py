@@ -58,8 +58,8 @@ class Program:
 class LowerContext:
     """What rules and redistribution steps use to write into the per-shard graph."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, rng: str = "philox"):
+        self.mesh, self.rng = mesh, rng
         self.graph = torch.fx.Graph()
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
@@ -153,11 +153,12 @@ class LowerContext:
         return value
 
 
-def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None) -> Program:
+def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
+          rng: str = "philox") -> Program:
     """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
 
     `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need."""
-    ctx = LowerContext(mesh)
+    ctx = LowerContext(mesh, rng)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -6,8 +6,9 @@ so each rank computes exactly its block of the tensor the unsharded program woul
 any mesh, any layout, CPU or CUDA.
 
 The generator is written with int64 torch ops holding 32-bit words. Run eagerly it makes about
-a hundred passes over memory, so large draws go through one `torch.compile`d kernel (bitwise
-equal to the eager code, compiled once per process); small draws stay eager.
+a hundred passes over memory, so large draws go through `torch.compile` (see `compiled`):
+generator and distribution fuse into one loop writing only the result, bitwise equal to the
+eager code, compiled once per process and kind of draw; small draws stay eager.
 
 Seeding: each call of a sharded function that uses random numbers draws its seed from torch's
 default generator, so `torch.manual_seed(s)` reproduces a run and successive calls differ;
@@ -47,25 +48,31 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
     return c0, c1, c2, c3
 
 
-def _words(index: torch.Tensor, seed: torch.Tensor, op: int):
+def words(index: torch.Tensor, seed: torch.Tensor, op: int):
     """Four random 32-bit words per element of `index` (global element indices, int64)."""
     k0, k1 = seed[0] & MASK, (seed[0] >> 32) & MASK
     return philox4x32(index & MASK, (index >> 32) & MASK, torch.full_like(index, op), torch.zeros_like(index), k0, k1)
 
 
-_compiled = None
+_compiled: dict = {}
 _lock = threading.Lock()
 
 
-def words(index: torch.Tensor, seed: torch.Tensor, op: int):
-    """`_words`, through the compiled kernel for large draws."""
-    global _compiled
-    if index.numel() < COMPILE_ABOVE:
-        return _words(index, seed, op)
-    with _lock:
-        if _compiled is None:
-            _compiled = torch.compile(_words, dynamic=True)
-    return _compiled(index, seed, op)
+def compiled(fn):
+    """`fn` as one compiled kernel (shapes dynamic), compiled at first use.
+
+    Callers choose it by the *global* size of a draw (COMPILE_ABOVE), never the local one: the
+    compiled transcendental functions may differ from eager ones in the last bit, and every
+    layout must take the same path to draw the same values.
+    """
+
+    def run(*args):
+        with _lock:
+            if fn not in _compiled:
+                _compiled[fn] = torch.compile(fn, dynamic=True)
+        return _compiled[fn](*args)
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------

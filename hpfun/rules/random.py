@@ -8,6 +8,8 @@ their input, so it must not be Partial; factories (`rand(shape)`) draw replicate
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -45,7 +47,9 @@ class Random(Rule):
         out = call.outputs[0]
         index = ctx.global_index(strategy.outputs[0], out.shape)
         params = _PARAMS[self.kind](args)
-        return ctx.call(sample, (self.kind, index, ctx.seed, ctx.next_random_op(), out.dtype, *params))
+        large = math.prod(out.shape) >= rng.COMPILE_ABOVE  # by global size: the same path for every layout
+        draw = native_sample if ctx.rng == "native" else sample if large else _sample
+        return ctx.call(draw, (self.kind, index, ctx.seed, ctx.next_random_op(), out.dtype, *params))
 
 
 def _arg(args, i, default):
@@ -65,9 +69,12 @@ _PARAMS = {
 }
 
 
-def sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: torch.dtype, *params):
+def _sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: torch.dtype, *params):
     """The local block of one random op's output (a pure function of seed, op and global index)."""
-    w = rng.words(index, seed, op)
+    return _from_words(kind, rng.words(index, seed, op), dtype, *params)
+
+
+def _from_words(kind: str, w, dtype: torch.dtype, *params):
     if kind in ("rand", "uniform"):
         low, high = params
         u = rng.uniform(w, dtype)
@@ -89,6 +96,19 @@ def sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: t
         return x, torch.ones_like(x, dtype=torch.bool)
     keep = rng.uniform(w, torch.float32) >= p
     return x * keep * (1.0 / (1.0 - p)), keep
+
+
+sample = rng.compiled(_sample)
+
+
+def native_sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: torch.dtype, *params):
+    """rng="native": torch's generator, one stream per (seed, op, block): fast, disjoint across
+    blocks, identical where a block is replicated, but the values depend on the layout."""
+    first = int(index.reshape(-1)[0]) if index.numel() else 0
+    g = torch.Generator(device=index.device).manual_seed(hash((int(seed[0]), op, first)) & (2**63 - 1))
+    shape = (params[0].shape if kind in ("bernoulli", "dropout") else index.shape)
+    w = [torch.randint(0, 2**32, shape, generator=g, dtype=torch.int64, device=index.device) for _ in range(2)]
+    return _from_words(kind, w, dtype, *params)
 
 
 def _is_double(p) -> bool:

@@ -60,3 +60,17 @@ MLP_LAYOUTS = {
     "class": (CLASS_SHARDED, P(), P()),
     "dp_class": (CLASS_SHARDED, P("dp"), P("dp")),
 }
+
+
+def mlp_dropout_loss(params: dict, x: torch.Tensor, y: torch.Tensor, p: float = 0.25):
+    """The MLP with dropout on the hidden layer; returns (loss, dropout mask) for checking."""
+    h = torch.relu(x @ params["w1"] + params["b1"])
+    mask = F.dropout(torch.ones_like(h), p, training=True)  # 0 or 1/(1-p) per element
+    logits = (h * mask) @ params["w2"] + params["b2"]
+    return F.cross_entropy(logits, y), mask
+
+
+def mlp_dropout_step(params: dict, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1):
+    """One SGD step with dropout: returns (new params, loss, mask)."""
+    grads, (loss, mask) = torch.func.grad_and_value(mlp_dropout_loss, has_aux=True)(params, x, y)
+    return {k: p - lr * grads[k] for k, p in params.items()}, loss, mask

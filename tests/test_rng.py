@@ -1,0 +1,196 @@
+"""Random numbers under sharding: the same values for every layout and mesh, right distributions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hpfun
+from hpfun import P, rng
+from hpfun.rules.random import _sample, sample
+from hpfun.testing.models import MEGATRON, REPLICATED, mlp_data, mlp_dropout_step, mlp_init
+
+KAT = [  # Random123's published Philox4x32-10 known answers: counter, key -> output
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", KAT)
+def test_philox_known_answers(counter, key, expected):
+    """The int64 Philox 4x32-10 reproduces the published known-answer vectors."""
+    words = rng.philox4x32(*(torch.tensor([c]) for c in counter), *(torch.tensor([k]) for k in key))
+    assert tuple(int(w) for w in words) == expected
+
+
+RANDOM_OPS = {
+    "rand": lambda x: torch.rand(x.shape),
+    "randn": lambda x: torch.randn(x.shape, dtype=torch.float64),
+    "rand_like": lambda x: torch.rand_like(x),
+    "randn_like": lambda x: torch.randn_like(x),
+    "uniform_": lambda x: torch.empty_like(x).uniform_(-2.0, 3.0),
+    "normal_": lambda x: torch.empty_like(x).normal_(1.0, 2.0),
+    "bernoulli_p": lambda x: torch.bernoulli(torch.full_like(x, 0.3)),
+    "bernoulli_probs": lambda x: torch.bernoulli(torch.sigmoid(x)),
+    "dropout": lambda x: F.dropout(x, 0.4),
+    "randint": lambda x: torch.randint(3, 17, x.shape).float(),
+    "randperm": lambda x: torch.randperm(x.shape[0]).float(),
+    "rand_bf16": lambda x: torch.rand(x.shape, dtype=torch.bfloat16).float(),
+}
+MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
+
+
+@st.composite
+def layouts(draw):
+    """A mesh of 1-8 ranks and a spec splitting any dim of an (8, 8, 4) tensor, axes may share a dim."""
+    shape = draw(st.sampled_from(MESHES))
+    names = ("a", "b")[: len(shape)]
+    entries = [[], [], []]
+    for name, size in zip(names, shape, strict=True):
+        choices = [d for d in range(3) if (8, 8, 4)[d] % (size * math.prod(dict(zip(names, shape))[n] for n in entries[d])) == 0]
+        dim = draw(st.sampled_from([None] + choices))
+        if dim is not None:
+            entries[dim].append(name)
+    return hpfun.Mesh.simulated(shape, names), P(*[tuple(e) if e else None for e in entries])
+
+
+@settings(max_examples=80)
+@given(op=st.sampled_from(sorted(RANDOM_OPS)), case=layouts(), seed=st.integers(0, 2**40))
+def test_values_do_not_depend_on_mesh_or_layout(op, case, seed):
+    """.full() of a random op's sharded output is bitwise the one-device draw with the same seed."""
+    mesh, spec = case
+    x = torch.randn(8, 8, 4)
+    one = hpfun.shard(RANDOM_OPS[op], mesh=hpfun.Mesh.simulated((1,), ("a",)), in_specs=P())
+    sharded = hpfun.shard(RANDOM_OPS[op], mesh=mesh, in_specs=spec)
+    with hpfun.random_seed(seed):
+        expected = one(x).full()
+    with hpfun.random_seed(seed):
+        got = sharded(x)
+    assert torch.equal(got.full(), expected), (op, str(mesh), str(spec), got.layout)
+    for group in _replica_groups(got.layout):  # replicated placements: identical on every rank
+        assert all(torch.equal(got.shards[r], got.shards[group[0]]) for r in group)
+
+
+def _replica_groups(layout):
+    axes = [a for a, p in enumerate(layout.placements) if isinstance(p, hpfun.Replicate)]
+    return layout.mesh.groups(tuple(layout.mesh.axis_names[a] for a in axes)) if axes else []
+
+
+def test_manual_seed_reproduces_and_successive_calls_differ():
+    """torch.manual_seed(s) reproduces a run; successive calls draw new numbers."""
+    f = hpfun.shard(lambda x: torch.rand_like(x), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))
+    x = torch.empty(8)
+    torch.manual_seed(5)
+    first, second = f(x).full(), f(x).full()
+    torch.manual_seed(5)
+    assert torch.equal(f(x).full(), first) and not torch.equal(first, second)
+
+
+def test_native_rng_is_disjoint_per_block_and_same_where_replicated():
+    """rng="native": blocks differ, replicated ranks agree, and the shape is right."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("a", "b"))
+    f = hpfun.shard(lambda x: torch.rand_like(x), mesh=mesh, in_specs=P("a"), rng="native")
+    out = f(torch.empty(8, 4))
+    assert torch.equal(out.shards[0], out.shards[1]) and not torch.equal(out.shards[0], out.shards[2])
+    assert out.full().shape == (8, 4) and 0 <= out.full().min() and out.full().max() < 1
+
+
+LAYOUTS = {"one": ((1,), ("dp",), REPLICATED, P(), P()), "dp": ((2,), ("dp",), REPLICATED, P("dp"), P("dp")),
+           "tp": ((2,), ("tp",), MEGATRON, P(), P()), "dp_tp": ((2, 2), ("dp", "tp"), MEGATRON, P("dp"), P("dp"))}
+
+
+def test_dropout_training_step_is_identical_across_layouts():
+    """A step with dropout draws bitwise-equal masks and equal losses under DP, TP, DP x TP and on one device."""
+    params, (x, y) = mlp_init(), mlp_data()
+    results = {}
+    for name, (shape, axes, pspec, xspec, yspec) in LAYOUTS.items():
+        step = hpfun.shard(mlp_dropout_step, mesh=hpfun.Mesh.simulated(shape, axes),
+                           in_specs=(pspec, xspec, yspec), out_specs=(pspec, P(), P()))
+        with hpfun.random_seed(11):
+            new, loss, mask = step(params, x, y)
+        results[name] = (loss.full(), mask.full(), new["w1"].full())
+    loss0, mask0, w0 = results["one"]
+    assert 0.15 < (mask0 == 0).float().mean() < 0.35  # p = 0.25
+    for name, (loss, mask, w1) in results.items():
+        assert torch.equal(mask, mask0), name
+        torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributions (fixed seeds: deterministic)
+# ---------------------------------------------------------------------------------------------
+
+N = 1 << 16
+INDEX = torch.arange(N, dtype=torch.int64)
+SEED = torch.tensor([987654321], dtype=torch.int64)
+
+
+def _ks(sorted_values: torch.Tensor, cdf) -> float:
+    """Kolmogorov-Smirnov distance of a sorted sample to a CDF."""
+    n = sorted_values.numel()
+    model = cdf(sorted_values.double())
+    ranks = torch.arange(1, n + 1, dtype=torch.float64) / n
+    return max((ranks - model).abs().max().item(), (model - (ranks - 1 / n)).abs().max().item())
+
+
+def test_uniform_moments_and_goodness_of_fit():
+    """rand: mean 1/2, variance 1/12, KS distance to U(0,1) below the 1% critical value."""
+    u = _sample("rand", INDEX, SEED, 1, torch.float32, 0.0, 1.0)
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 4 * math.sqrt(1 / 12 / N)
+    assert abs(u.var().item() - 1 / 12) < 0.002
+    assert _ks(u.sort().values, lambda v: v) < 1.63 / math.sqrt(N)
+
+
+def test_normal_moments_and_goodness_of_fit():
+    """randn: mean 0, variance 1, KS distance to N(0,1) below the 1% critical value."""
+    z = _sample("randn", INDEX, SEED, 2, torch.float64, 0.0, 1.0)
+    assert abs(z.mean().item()) < 4 / math.sqrt(N)
+    assert abs(z.var().item() - 1) < 0.03
+    assert _ks(z.sort().values, torch.special.ndtr) < 1.63 / math.sqrt(N)
+
+
+def test_bernoulli_rate_and_randint_frequencies():
+    """bernoulli hits its rate; randint covers [low, high) evenly (chi-square at 1%)."""
+    b = _sample("bernoulli_p", INDEX, SEED, 3, torch.float32, 0.3)
+    assert abs(b.mean().item() - 0.3) < 4 * math.sqrt(0.21 / N)
+    r = _sample("randint", INDEX, SEED, 4, torch.int64, 3, 13)
+    counts = torch.bincount(r - 3, minlength=10).double()
+    assert r.min() == 3 and r.max() == 12
+    assert ((counts - N / 10) ** 2 / (N / 10)).sum().item() < 21.67  # chi-square, 9 dof, 1%
+
+
+def test_randperm_is_a_permutation_and_ops_are_independent():
+    """randperm gives a permutation; different op numbers give uncorrelated streams."""
+    perm = _sample("randperm", torch.arange(1000), SEED, 5, torch.int64)
+    assert torch.equal(perm.sort().values, torch.arange(1000))
+    a = _sample("rand", INDEX, SEED, 6, torch.float64, 0.0, 1.0)
+    b = _sample("rand", INDEX, SEED, 7, torch.float64, 0.0, 1.0)
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 4 / math.sqrt(N)
+
+
+def test_compiled_kernel_matches_the_eager_generator():
+    """The compiled kernel draws the eager generator's words bit for bit (normals: to the last bit
+    of log/cos, which is why the path is chosen by global size, the same for every layout)."""
+    index = torch.arange(rng.COMPILE_ABOVE + 1000, dtype=torch.int64)
+    assert torch.equal(sample("rand", index, SEED, 9, torch.float32, 0.0, 1.0),
+                       _sample("rand", index, SEED, 9, torch.float32, 0.0, 1.0))
+    torch.testing.assert_close(sample("randn", index, SEED, 9, torch.float32, 0.0, 1.0),
+                               _sample("randn", index, SEED, 9, torch.float32, 0.0, 1.0), rtol=0, atol=2e-6)
+
+
+def test_large_draws_are_layout_invariant_across_the_compile_threshold():
+    """A draw above the threshold globally, below it per rank, equals the one-device draw bitwise."""
+    x = torch.empty(rng.COMPILE_ABOVE // 64 * 2, 64)
+    draw = lambda x: torch.randn_like(x)  # noqa: E731
+    with hpfun.random_seed(3):
+        one = hpfun.shard(draw, mesh=hpfun.Mesh.simulated((1,), ("a",)), in_specs=P())(x).full()
+    with hpfun.random_seed(3):
+        eight = hpfun.shard(draw, mesh=hpfun.Mesh.simulated((8,), ("a",)), in_specs=P("a"))(x)
+    assert eight.shards[0].numel() < rng.COMPILE_ABOVE <= x.numel()
+    assert torch.equal(eight.full(), one)
