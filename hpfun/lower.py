@@ -140,6 +140,7 @@ class LowerContext:
         name, op_name, reason = self.consumer
         record = Collective(step.kind, axes, nbytes, name, op_name, reason)
         node.meta["hpfun_collective"] = record
+        node.meta["hpfun_step_layouts"] = (self._step_layout, step.apply(self._step_layout))  # for reports
         self.collectives.append(record)
         return waited
 
@@ -198,6 +199,8 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     out._rename(node.name)  # the report and the collectives' reasons use the global graph's names
     out.meta["hpfun_layout"] = node.meta["hpfun_layout"]
     out.meta["hpfun_origin"] = node.name
+    out.meta["hpfun_inputs"] = strategy.inputs  # for reports: the layouts the op ran with
+    out.meta["hpfun_outputs"] = call.outputs  # for reports: global shapes and dtypes
     return out
 
 
