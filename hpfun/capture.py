@@ -5,6 +5,21 @@ functionalized (no in-place ops) and decomposed to core ATen. On top of torch's 
 decompositions, softmax/log_softmax and the NLL loss are decomposed too: as reductions,
 pointwise ops and gather/scatter, their general rules shard them along any dim (the
 vocab-parallel loss), where a fused kernel would need its dim whole.
+
+Composites, decided one by one (each choice is tested in tests/test_composites.py):
+- decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and
+  var / var_mean in two passes of reductions: over a split batch the statistics become
+  per-channel Partial sums (a sync batch norm at the cost of all-reducing C values), where the
+  whole op would gather the activations. Scaled-dot-product attention: torch's core table
+  decomposes the CPU flash forward, but autograd records the fused backward above it, which
+  would then read the forward's attention weights as its logsumexp (measured: wrong
+  gradients); the backward is decomposed too, from its math. Both directions are then
+  matmuls (folded into einsums) and softmax pieces that stay split on batch and heads.
+- kept whole: native_layer_norm (torch's decomposition is about 20x slower on CPU at
+  (8, 512, 768); the rule splits every leading dim, which sequence parallelism needs; its
+  backward is decomposed by the core table); native_group_norm (likewise); embedding, whose
+  rule looks a split vocab up locally; its backward is torch's decomposition into index_put,
+  whose rule does the same.
 """
 
 from __future__ import annotations
@@ -26,13 +41,78 @@ aten = torch.ops.aten
 _DECOMPOSE_TOO = [
     aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
     aten.nll_loss_forward, aten.nll_loss_backward,
+    aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
 ]
 
 
 def decompositions() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_DECOMPOSE_TOO))
+    table.update(_OWN)
     return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Decompositions hpfun adds (torch's would reach prims, or mismatch autograd's backward)
+# ---------------------------------------------------------------------------------------------
+
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """Two passes of reductions: over a split dim, each is a Partial sum (a small all-reduce)."""
+    if x.is_complex():
+        return NotImplemented
+    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else [d % x.ndim for d in dim]
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    mean = aten.mean.dim(x, dims, True)
+    centered = aten.sub.Tensor(x, mean)
+    squares = aten.sum.dim_IntList(aten.mul.Tensor(centered, centered), dims, keepdim)
+    var = aten.div.Scalar(squares, max(count - (1 if correction is None else correction), 0))
+    return var, mean if keepdim else aten.squeeze.dims(mean, dims)
+
+
+def _var(x, dim=None, *, correction=None, keepdim=False):
+    out = _var_mean(x, dim, correction=correction, keepdim=keepdim)
+    return out if out is NotImplemented else out[0]
+
+
+def _attention_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    """The CPU flash attention backward from its math, the softmax recomputed from q and k.
+
+    Capture decomposes the forward (torch's core table), whose second output is then the
+    attention weights where the fused op's is logsumexp; the fused backward, recorded by
+    autograd above the decomposition, would read that tensor as logsumexp (wrong gradients).
+    """
+    if dropout_p:
+        return NotImplemented
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: k and v heads serve `groups` q heads
+    k_all, v_all = (aten.repeat_interleave.self_int(t, groups, 1) if groups > 1 else t for t in (k, v))
+    scores = aten.mul.Scalar(torch.matmul(q, k_all.transpose(-2, -1)), scale)
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(keep), float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(attn_mask), float("-inf"))
+    elif attn_mask is not None:
+        scores = aten.add.Tensor(scores, attn_mask)
+    p = aten._softmax.default(scores, -1, False)
+    grad_v = torch.matmul(p.transpose(-2, -1), grad_out)
+    grad_p = torch.matmul(grad_out, v_all.transpose(-2, -1))
+    grad_scores = aten._softmax_backward_data.default(grad_p, p, -1, p.dtype)
+    grad_q = aten.mul.Scalar(torch.matmul(grad_scores, k_all), scale)
+    grad_k = aten.mul.Scalar(torch.matmul(grad_scores.transpose(-2, -1), q), scale)
+    if groups > 1:
+        grad_k, grad_v = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (grad_k, grad_v))
+    return grad_q, grad_k, grad_v
+
+
+_OWN = {
+    aten.var_mean.correction: _var_mean,
+    aten.var.correction: _var,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_backward,
+}
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

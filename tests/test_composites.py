@@ -1,0 +1,133 @@
+"""What capture keeps whole and what it decomposes, and that each choice shards correctly:
+attention forward and backward, training-mode batch norm and var, layer norm, embedding."""
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+from hpfun.capture import capture
+
+aten = torch.ops.aten
+
+
+def _ops(fn, *tensors) -> collections.Counter:
+    gm = capture(lambda *ts: list(torch.utils._pytree.tree_leaves(fn(*ts))), [(t.shape, t.dtype) for t in tensors])
+    return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _check(fn, args, in_specs, mesh_shape, names, tol=1e-5):
+    """fn sharded (outputs replicated) equals fn whole; returns the program's collectives."""
+    mesh = hpfun.Mesh.simulated(mesh_shape, names)
+    f = hpfun.shard(fn, mesh=mesh, in_specs=in_specs, out_specs=P())
+    got, expected = f(*args), fn(*args)
+    for g, e in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected), strict=True):
+        torch.testing.assert_close(g.full(), e, rtol=tol, atol=tol)
+    return f.lower(*args).collectives
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: decomposed forward and backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _attention_grads(**kwargs):
+    def grads(q, k, v, *mask):
+        def loss(q, k, v):
+            out = F.scaled_dot_product_attention(q, k, v, *mask, **kwargs)
+            return (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum()
+        return torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return grads
+
+
+ATTENTION = {  # name: (sdpa kwargs, k/v heads, mask)
+    "causal": ({"is_causal": True}, 4, None),
+    "scaled": ({"scale": 0.3}, 4, None),
+    "float_mask": ({}, 4, torch.randn(8, 8, dtype=torch.float64)),
+    "bool_mask": ({}, 4, torch.rand(8, 8) > 0.3),
+    "grouped_query": ({"is_causal": True, "enable_gqa": True}, 2, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+@pytest.mark.parametrize("spec", [P(None, "tp"), P("tp")], ids=["heads", "batch"])
+def test_attention_backward_is_exact_and_local(name, spec):
+    """F.scaled_dot_product_attention forward and backward, split on heads or batch, equal the
+    unsharded gradients with no collective (capture decomposes both directions)."""
+    kwargs, kv_heads, mask = ATTENTION[name]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 8, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 8, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    args = (q, k, v) + (() if mask is None else (mask,))
+    collectives = _check(_attention_grads(**kwargs), args, (spec, spec, spec, P())[: len(args)], (2,), ("tp",), tol=1e-10)
+    assert all(c.node.startswith("outputs") for c in collectives)  # only the out_specs' gathers
+
+
+def test_attention_backward_op_is_decomposed():
+    """The fused CPU backward would read the decomposed forward's attention weights as its
+    logsumexp (wrong gradients), so capture writes the backward out too."""
+    q = torch.randn(2, 4, 8, 4)
+    ops = _ops(_attention_grads(is_causal=True), q, q, q)
+    assert aten._scaled_dot_product_flash_attention_for_cpu_backward.default not in ops
+    assert aten._scaled_dot_product_flash_attention_for_cpu.default not in ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch norm and var: decomposed into reductions (a split batch costs per-channel all-reduces)
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch_norm_step(params, x):
+    def loss(params, x):
+        h = F.batch_norm(x, None, None, params["w"], params["b"], training=True)
+        return (h * h.detach().sign()).mean()
+    return torch.func.grad_and_value(loss)(params, x)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_training_batch_norm_on_a_split_batch_is_sync_batch_norm(mesh_shape):
+    """Batch statistics over a split batch: every collective moves per-channel values or less."""
+    C = 6
+    params = {"w": torch.randn(C), "b": torch.randn(C)}
+    x = torch.randn(8, C, 4, 4)
+    collectives = _check(_batch_norm_step, (params, x), ({"w": P(), "b": P()}, P("dp")), mesh_shape, ("dp",))
+    assert collectives and all(c.bytes <= C * 4 for c in collectives)
+    ops = _ops(lambda w, b, x: _batch_norm_step({"w": w, "b": b}, x), params["w"], params["b"], x)
+    assert aten.native_batch_norm.default not in ops
+
+
+def test_var_over_a_split_dim_reduces_partial_sums():
+    """x.var over a split dim (decomposed in two passes) moves only reduced-size values."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    collectives = _check(lambda x: torch.var_mean(x, 0, correction=1), (x,), (P("dp"),), (4,), ("dp",), tol=1e-10)
+    assert collectives and all(c.bytes <= 6 * 8 for c in collectives)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept whole: layer norm (forward), embedding (forward)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layer_norm_forward_is_kept_whole_and_shards_on_leading_dims():
+    """native_layer_norm stays one op (about 20x faster than torch's decomposition on CPU); a
+    sequence-split layer norm with its backward needs only the weight gradients' all-reduces."""
+    x, w, b = torch.randn(4, 8, 16), torch.randn(16), torch.randn(16)
+
+    def grads(x, w, b):
+        return torch.func.grad(lambda x, w, b: F.layer_norm(x, (16,), w, b).pow(3).sum(), argnums=(0, 1, 2))(x, w, b)
+
+    assert _ops(grads, x, w, b)[aten.native_layer_norm.default] == 1
+    collectives = _check(grads, (x, w, b), (P(None, "sp"), P(), P()), (2,), ("sp",), tol=1e-4)
+    kinds = sorted((c.kind, c.bytes) for c in collectives)  # grad_x gathered for the out_spec; grad_w, grad_b summed
+    assert kinds == [("all_gather", 4 * 4 * 16 * 4), ("all_reduce", 16 * 4), ("all_reduce", 16 * 4)]
+
+
+def test_embedding_is_kept_and_its_backward_is_index_put():
+    """F.embedding captures as aten.embedding; its backward as index_put (torch's decomposition),
+    both of which look up a split vocab locally."""
+    ids, w = torch.randint(0, 8, (4, 3)), torch.randn(8, 4)
+    ops = _ops(lambda ids, w: torch.func.grad(lambda w: F.embedding(ids, w).pow(2).sum())(w), ids, w)
+    assert ops[aten.embedding.default] == 1 and ops[aten.index_put.default] == 1
