@@ -25,9 +25,11 @@ from hpfun.lower import Collective
 from hpfun.mesh import Mesh
 from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
+from hpfun.visualize import visualize  # after the submodule import: hpfun.visualize is the function
 
 __all__ = [
     "CaptureError", "Collective", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "parse", "random_seed", "redistribute", "rules", "shard",
+    "visualize",
 ]

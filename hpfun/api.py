@@ -99,8 +99,10 @@ class ShardedFunction:
 
     def lower(self, *args) -> Lowered:
         """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""
-        program, _ = self._program(args)
-        return Lowered(program)
+        program, entry = self._program(args)
+        tensors = [(path, leaf) for path, leaf in zip(_leaf_paths(args), entry.leaves, strict=True) if leaf.kind != "static"]
+        return Lowered(program, input_paths=[p for p, _ in tensors], input_dtypes=[l.dtype for _, l in tensors],
+                       output_paths=_leaf_paths(pytree.tree_unflatten([0] * entry.out_tree.num_leaves, entry.out_tree), "outputs"))
 
     # -- compile and cache --------------------------------------------------------------------------
 
@@ -226,6 +228,11 @@ def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:
 
 def _path_str(path) -> str:
     return "args" + pytree.keystr(path)
+
+
+def _leaf_paths(tree, prefix: str = "args") -> list[str]:
+    """The path of every leaf ("args[0]['w1']"), Sharded values as leaves."""
+    return [prefix + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]]
 
 
 def broadcast_prefix(specs, tree, problems: list, path=()) -> list:

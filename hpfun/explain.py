@@ -1,10 +1,56 @@
-"""Reports on a lowered program: the per-shard graph with layouts, and its collectives."""
+"""The lowered report: the per-shard program with its layouts, its collectives and their cost.
+
+A report is data first: `Lowered.to_dict()` is a plain dict with the schema below, and every
+view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a report read back
+with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
+be compared by diffing their `to_json()`.
+
+Schema "hpfun.lowered", version 1 (layouts in the compact notation, on the report's mesh;
+shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
+names for the ops it came from):
+
+    schema: "hpfun.lowered"      version: 1
+    mesh: {shape: [2, 2], axis_names: ["dp", "tp"]}
+    inputs: [{name, path, shape, local_shape, dtype, layout}]          one per tensor argument
+    outputs: [{path, node, shape, local_shape, dtype, layout}]         one per output leaf
+    nodes: [{name, kind, op, args, inputs, outputs, shapes, collective}]   the program, in order
+        kind: input | coords | seed | constant | op | collective | local | output
+              op: the result of a global-graph op; local: glue the lowering added (masks,
+              offsets, waits, reshapes around collectives)
+        op: the target ("aten.mm.default"), or null; args: each argument as text
+        inputs, outputs: layouts the node reads and writes (null where not recorded: local glue)
+        shapes: global shape of each output (null where not recorded)
+        collective: index into `collectives` (collective nodes only), else null
+    collectives: [{kind, axes, bytes, group_size, node, op, reason}]   in program order
+        bytes: the local buffer each rank hands to it; node/op: what needed it; reason: why
+
+Versions only grow fields; a field's meaning never changes within a version.
+"""
 
 from __future__ import annotations
 
+import html
+import json
+import math
+import operator
+
+import attrs
 import torch
 
+from hpfun.collectives import COMMUNICATING
+from hpfun.errors import HpfunError, Problem
+from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
+from hpfun.mesh import Mesh
+from hpfun.plan import CostModel
+
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 1
+_FACTOR = {step.kind: step.factor for step in COMMUNICATING}  # bytes on the wire per buffer byte
+
+
+# ---------------------------------------------------------------------------------------------
+# From a Program to the report's dict
+# ---------------------------------------------------------------------------------------------
 
 
 def _arg(a) -> str:
@@ -16,58 +62,341 @@ def _arg(a) -> str:
 
 
 def _op_name(target) -> str:
-    return str(target).replace("aten.", "").replace("_c10d_functional.", "c10d.")
+    return getattr(target, "__name__", str(target)) if target is operator.getitem else str(target)
+
+
+def _dtype(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _layouts(value) -> list[str]:
+    return [l.placements_str() for l in (value if isinstance(value, tuple) else (value,))]
+
+
+def _kind(node: torch.fx.Node, inputs: dict) -> str:
+    if node.op == "placeholder":
+        return "input" if node in inputs else node.name
+    if node.op in ("output", "get_attr"):
+        return {"output": "output", "get_attr": "constant"}[node.op]
+    return "collective" if "hpfun_collective" in node.meta else "op" if "hpfun_origin" in node.meta else "local"
+
+
+def _node_layouts(node: torch.fx.Node, program: Program, inputs: dict):
+    """(input layouts, output layouts) a node was lowered with, or (None, None) for glue."""
+    if node in inputs:
+        return [], [program.input_layouts[inputs[node]].placements_str()]
+    if node.op == "output":
+        return [l.placements_str() for l in program.output_layouts], []
+    if "hpfun_step_layouts" in node.meta:
+        before, after = node.meta["hpfun_step_layouts"]
+        return [before.placements_str()], [after.placements_str()]
+    if "hpfun_inputs" in node.meta:
+        return _layouts(tuple(node.meta["hpfun_inputs"])), _layouts(node.meta["hpfun_layout"])
+    if node.target is operator.getitem and isinstance(node.args[0].meta.get("hpfun_layout"), tuple):
+        parent = node.args[0].meta["hpfun_layout"]
+        return _layouts(parent), [parent[node.args[1]].placements_str()]
+    return None, None
+
+
+def _node_shapes(node: torch.fx.Node, program: Program, inputs: dict):
+    if node in inputs:
+        return [list(program.input_shapes[inputs[node]])]
+    metas = node.meta.get("hpfun_outputs")
+    return [list(m.shape) for m in metas] if metas is not None else None
+
+
+def _node_dict(node: torch.fx.Node, program: Program, given: dict, index: dict) -> dict:
+    """`given`: the program's input placeholders -> their position; `index`: collective -> position."""
+    inputs, outputs = _node_layouts(node, program, given)
+    args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+    record = node.meta.get("hpfun_collective")
+    return {
+        "name": node.name, "kind": _kind(node, given),
+        "op": None if node.op in ("placeholder", "output") else _op_name(node.target),
+        "args": args if node.op != "placeholder" else [],
+        "inputs": inputs, "outputs": outputs,
+        "shapes": _node_shapes(node, program, given),
+        "collective": index[id(record)] if record is not None else None,
+    }
+
+
+def _tensor_dict(layout: Layout, shape, dtype) -> dict:
+    return {"shape": list(shape), "local_shape": list(layout.local_shape(shape)), "dtype": _dtype(dtype),
+            "layout": layout.placements_str()}
+
+
+def _collective_dict(c: Collective, mesh: Mesh) -> dict:
+    group = math.prod(mesh.axis_size(a) for a in c.axes)
+    return {"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": group,
+            "node": c.node, "op": c.op, "reason": c.reason}
+
+
+def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None) -> dict:
+    """The report's dict (schema in the module docstring) of a lowered program; argument and
+    output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
+    n, n_out = len(program.input_layouts), len(program.output_layouts)
+    paths = list(input_paths or [f"in{i}" for i in range(n)])
+    dtypes = list(input_dtypes or [None] * n)
+    out_paths = list(output_paths or [f"outputs[{i}]" for i in range(n_out)])
+    nodes = list(program.module.graph.nodes)
+    outputs = nodes[-1].args[0]
+    index = {id(c): i for i, c in enumerate(program.collectives)}
+    placeholders = [node for node in nodes if node.op == "placeholder"]
+    given = {node: i for i, node in enumerate(placeholders[:n])}
+    return {
+        "schema": SCHEMA, "version": SCHEMA_VERSION,
+        "mesh": {"shape": list(program.mesh.shape), "axis_names": list(program.mesh.axis_names)},
+        "inputs": [{"name": f"in{i}", "path": path, **_tensor_dict(layout, shape, dtype)} for i, (path, layout, shape, dtype)
+                   in enumerate(zip(paths, program.input_layouts, program.input_shapes, dtypes, strict=True))],
+        "outputs": [{"path": path, "node": node.name, **_tensor_dict(layout, shape, dtype)} for path, node, layout, shape, dtype
+                    in zip(out_paths, outputs, program.output_layouts, program.output_shapes,
+                           program.output_dtypes, strict=True)],
+        "nodes": [_node_dict(node, program, given, index) for node in nodes],
+        "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
+    }
+
+
+
+def _json_value(value) -> str:
+    if not isinstance(value, list) or not value:
+        return json.dumps(value)
+    return "[\n" + ",\n".join(f"  {json.dumps(item)}" for item in value) + "\n ]"
+
+
+def _check_schema(data) -> None:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise HpfunError(Problem("report", f"not an {SCHEMA} report", "pass what Lowered.to_json() wrote"),
+                         headline="cannot read the lowered report")
+    if data.get("version") != SCHEMA_VERSION:
+        raise HpfunError(Problem("report", f"schema version {data.get('version')!r}; this hpfun reads version {SCHEMA_VERSION}",
+                                 "read it with the hpfun version that wrote it"), headline="cannot read the lowered report")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost under the alpha-beta model
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AxisCost:
+    """Communication per rank over one group of mesh axes ("tp", or "dp,tp" for a collective
+    over both at once)."""
+
+    collectives: int
+    bytes: int  # the buffers handed to the collectives
+    wire_bytes: float  # what ring algorithms send: factor * (n - 1) / n * bytes (2x for all-reduce)
+    seconds: float  # alpha per collective + wire bytes / beta
+
+
+@attrs.frozen
+class Cost:
+    """What `Lowered.cost()` returns: per axis group, and totals, under `model`."""
+
+    per_axis: dict
+    model: CostModel
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.per_axis.values())
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(a.wire_bytes for a in self.per_axis.values())
+
+    @property
+    def seconds(self) -> float:
+        return sum(a.seconds for a in self.per_axis.values())
+
+    def __str__(self) -> str:
+        if not self.per_axis:
+            return "communication per rank: none"
+        parts = [f"{axes} {a.bytes} B in {a.collectives} collective{'s' * (a.collectives != 1)}"
+                 for axes, a in self.per_axis.items()]
+        return f"communication per rank: {', '.join(parts)}; about {self.seconds * 1e6:.1f} us"
+
+
+def _wire_bytes(c: dict) -> float:
+    n = c["group_size"]
+    return _FACTOR[c["kind"]] * (n - 1) / n * c["bytes"]
+
+
+def _seconds(c: dict, model: CostModel) -> float:
+    """alpha + wire bytes / beta, with the slowest parameters among the collective's axes."""
+    params = [model.per_axis.get(a, (model.alpha, model.beta)) for a in c["axes"]]
+    return max(p[0] for p in params) + _wire_bytes(c) / min(p[1] for p in params)
+
+
+def cost(collectives: list[dict], model: CostModel) -> Cost:
+    """Sum the report's collectives per axis group under `model`."""
+    groups: dict[str, list[dict]] = {}
+    for c in collectives:
+        groups.setdefault(",".join(c["axes"]), []).append(c)
+    per_axis = {axes: AxisCost(len(cs), sum(c["bytes"] for c in cs), sum(map(_wire_bytes, cs)),
+                               sum(_seconds(c, model) for c in cs)) for axes, cs in groups.items()}
+    return Cost(per_axis, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowered
+# ---------------------------------------------------------------------------------------------
 
 
 class Lowered:
-    """What `f.lower(*args)` returns: `str()` shows the per-shard program, `.collectives` lists
-    every collective with its mesh axes, bytes per rank and the node that needed it."""
+    """What `f.lower(*args)` returns: the per-shard program with every node's layouts, every
+    collective with its mesh axes, bytes per rank, the op that needed it and why, and `cost()`.
 
-    def __init__(self, program: Program):
+    `str()` is the readable report, `to_json()` the same as data (schema in `hpfun.explain`),
+    `_repr_html_` the notebook view. `program` is the runnable `Program` (None for a report
+    read back with `from_json`).
+
+    >>> import torch, hpfun
+    >>> mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    >>> f = hpfun.shard(lambda x, w: x @ w, mesh=mesh, in_specs=(hpfun.P(), hpfun.P("tp", None)), out_specs=hpfun.P())
+    >>> lowered = f.lower(torch.randn(4, 8), torch.randn(8, 3))
+    >>> c = lowered.collectives[0]
+    >>> c.kind, c.axes, c.bytes, c.node
+    ('all_reduce', ('tp',), 48, 'outputs')
+    >>> lowered.cost().per_axis["tp"].bytes
+    48
+    >>> hpfun.Lowered.from_json(lowered.to_json()) == lowered
+    True
+    """
+
+    def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None):
         self.program = program
+        self._data = report(program, input_paths, input_dtypes, output_paths)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Lowered":
+        """A report from `to_dict()`'s output (no runnable program)."""
+        _check_schema(data)
+        lowered = cls.__new__(cls)
+        lowered.program, lowered._data = None, json.loads(json.dumps(data))
+        return lowered
+
+    @classmethod
+    def from_json(cls, text: str) -> "Lowered":
+        """A report from `to_json()`'s output (no runnable program)."""
+        return cls.from_dict(json.loads(text))
+
+    def to_dict(self) -> dict:
+        """The report as plain data (a copy), in the documented schema."""
+        return json.loads(json.dumps(self._data))
+
+    def to_json(self) -> str:
+        """The report as JSON, keys in a fixed order and one line per input, output, node and
+        collective: diff two versions of a program with it."""
+        fields = [f" {json.dumps(k)}: {_json_value(v)}" for k, v in self._data.items()]
+        return "{\n" + ",\n".join(fields) + "\n}\n"
+
+    # -- views ----------------------------------------------------------------------------------
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh.simulated(tuple(self._data["mesh"]["shape"]), tuple(self._data["mesh"]["axis_names"]))
 
     @property
     def collectives(self) -> list[Collective]:
-        return list(self.program.collectives)
+        return [Collective(c["kind"], tuple(c["axes"]), c["bytes"], c["node"], c["op"], c["reason"])
+                for c in self._data["collectives"]]
+
+    @property
+    def nodes(self) -> list[dict]:
+        """Every node of the per-shard program: name, kind, op, args, inputs, outputs, shapes."""
+        return self.to_dict()["nodes"]
+
+    @property
+    def inputs(self) -> list[dict]:
+        return self.to_dict()["inputs"]
+
+    @property
+    def outputs(self) -> list[dict]:
+        return self.to_dict()["outputs"]
+
+    def node(self, name: str) -> dict:
+        """The node called `name` (as in `str(lowered)`, without the %)."""
+        found = [n for n in self.nodes if n["name"] == name]
+        if not found:
+            raise HpfunError(f"the program has no node {name!r}", headline="no such node")
+        return found[0]
+
+    def layout(self, layout: str) -> Layout:
+        """A layout string of the report as a `Layout` on its mesh."""
+        return Layout(self.mesh, parse(layout))
 
     @property
     def graph(self) -> torch.fx.Graph:
+        if self.program is None:
+            raise HpfunError("a report read from JSON has no graph; lower the function again", headline="no program")
         return self.program.module.graph
 
-    def __str__(self) -> str:
-        p = self.program
-        lines = [f"per-shard program on mesh {p.mesh} ({p.mesh.size} ranks)"]
-        inputs = iter(zip(p.input_layouts, p.input_shapes, strict=True))
-        for node in self.graph.nodes:
-            lines.append(self._line(node, inputs))
-        lines.append(f"collectives ({len(p.collectives)}):")
-        lines += [f"  {c}" for c in p.collectives] or ["  none"]
-        return "\n".join(lines)
+    def cost(self, model: CostModel | None = None) -> Cost:
+        """Bytes per mesh axis group and estimated seconds under the alpha-beta `model`
+        (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`; default one if None)."""
+        return cost(self._data["collectives"], model or CostModel())
 
-    def _line(self, node, inputs) -> str:
-        if node.op == "placeholder":
-            if node.name == "coords":
-                return "  %coords: this rank's mesh coordinates"
-            if node.name == "seed":
-                return "  %seed: this call's random seed" + ("" if node.users else " (unused)")
-            layout, shape = next(inputs)
-            return f"  %{node.name}: global {list(shape)} {layout.placements_str()}"
-        if node.op == "output":
-            outs = zip(self.program.output_layouts, self.program.output_shapes, strict=True)
-            shown = ", ".join(f"{_arg(n)} {l.placements_str()}" for n, (l, _) in zip(node.args[0], outs, strict=True))
-            return f"  return {shown}"
-        if node.op == "get_attr":
-            return f"  %{node.name} = constant {node.target}"
-        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
-        text = f"  %{node.name} = {_op_name(node.target)}({args})"
-        if "hpfun_collective" in node.meta:
-            c = node.meta["hpfun_collective"]
-            text += f"    # {c.kind} over {', '.join(c.axes)}, {c.bytes} B"
-        elif "hpfun_layout" in node.meta:
-            layout = node.meta["hpfun_layout"]
-            shown = layout.placements_str() if hasattr(layout, "placements_str") else ", ".join(l.placements_str() for l in layout)
-            text += f"    # {shown}"
-        return text
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Lowered) and self._data == other._data
+
+    __hash__ = None
+
+    def __str__(self) -> str:
+        return render_text(self._data, self.cost())
 
     def __repr__(self) -> str:
-        return f"<Lowered: {len(self.program.collectives)} collectives on {self.program.mesh}>"
+        return f"<Lowered: {len(self._data['collectives'])} collectives on {self.mesh}>"
+
+    def _repr_html_(self) -> str:
+        from hpfun.visualize import lowered_html
+
+        return lowered_html(self._data, self.cost(), render_text(self._data, self.cost()))
+
+
+# ---------------------------------------------------------------------------------------------
+# The text view
+# ---------------------------------------------------------------------------------------------
+
+
+def short_op(op: str) -> str:
+    return op.replace("aten.", "").replace("_c10d_functional.", "c10d.")
+
+
+def render_text(data: dict, total: Cost) -> str:
+    mesh = Mesh.simulated(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+    inputs = iter(data["inputs"])
+    seed_used = any("%seed" in a for n in data["nodes"] for a in n["args"])
+    lines = [f"per-shard program on mesh {mesh} ({mesh.size} ranks)"]
+    lines += [f"  {_node_line(node, mesh, inputs, seed_used, data)}" for node in data["nodes"]]
+    lines.append(f"collectives ({len(data['collectives'])}):")
+    lines += [f"  {c['kind']} over {', '.join(c['axes'])}: {c['bytes']} B for {c['node']} ({c['op']}): {c['reason']}"
+              for c in data["collectives"]] or ["  none"]
+    lines.append(str(total))
+    return "\n".join(lines)
+
+
+def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> str:
+    kind, name = node["kind"], node["name"]
+    if kind == "input":
+        x = next(inputs)
+        return f"%{name}: global {x['shape']} {x['layout']}, local {x['local_shape']} {x['dtype'] or ''}  ({x['path']})"
+    if kind == "coords":
+        return "%coords: this rank's mesh coordinates"
+    if kind == "seed":
+        return "%seed: this call's random seed" + ("" if seed_used else " (unused)")
+    if kind == "output":
+        return "return " + ", ".join(f"%{o['node']} {o['layout']}" for o in data["outputs"])
+    text = f"%{name} = {short_op(node['op'])}({', '.join(node['args'])})"
+    if kind == "collective":
+        c = data["collectives"][node["collective"]]
+        return f"{text}    # {c['kind']} over {', '.join(c['axes'])}, {c['bytes']} B: {node['inputs'][0]} -> {node['outputs'][0]}"
+    if node["outputs"] is not None:
+        reads = ", ".join(node["inputs"])
+        return f"{text}    # {reads + ' ' if reads else ''}-> {_outputs_text(node, mesh)}"
+    return text
+
+
+def _outputs_text(node: dict, mesh: Mesh) -> str:
+    if node["shapes"] is None:
+        return ", ".join(node["outputs"])
+    return ", ".join(f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
+                     for lay, shape in zip(node["outputs"], node["shapes"], strict=True))

@@ -189,6 +189,12 @@ class Layout:
     def __str__(self) -> str:
         return f"{self.placements_str()} on {self.mesh}"
 
+    def _repr_html_(self) -> str:
+        """Notebooks show which rank holds which block (blocks numbered: a layout has no shape)."""
+        from hpfun.visualize import visualize
+
+        return visualize(self)._repr_html_()
+
 
 @functools.lru_cache(maxsize=65536)
 def _local_shape(layout: Layout, global_shape: tuple) -> tuple[int, ...]:

@@ -95,6 +95,12 @@ class Sharded:
     def __repr__(self) -> str:
         return f"Sharded({self.layout}, global_shape={self.global_shape}, dtype={self.dtype})"
 
+    def _repr_html_(self) -> str:
+        """Notebooks show which rank holds which block of the global tensor."""
+        from hpfun.visualize import visualize
+
+        return visualize(self)._repr_html_()
+
 
 def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: bool = False) -> torch.Tensor:
     """The block of a global tensor held at mesh `coords` (a view where possible)."""
