@@ -8,6 +8,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun import debug
 from hpfun.capture import capture
 from hpfun.errors import Problem, SpecError
 from hpfun.explain import Lowered
@@ -99,9 +100,11 @@ class ShardedFunction:
 
     def lower(self, *args) -> Lowered:
         """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""
-        program, entry = self._program(args)
+        return self._lowered(args, self._program(args)[1])
+
+    def _lowered(self, args, entry: "_Entry") -> Lowered:
         tensors = [(path, leaf) for path, leaf in zip(_leaf_paths(args), entry.leaves, strict=True) if leaf.kind != "static"]
-        return Lowered(program, input_paths=[p for p, _ in tensors], input_dtypes=[l.dtype for _, l in tensors],
+        return Lowered(entry.program, input_paths=[p for p, _ in tensors], input_dtypes=[l.dtype for _, l in tensors],
                        output_paths=_leaf_paths(pytree.tree_unflatten([0] * entry.out_tree.num_leaves, entry.out_tree), "outputs"))
 
     # -- compile and cache --------------------------------------------------------------------------
@@ -153,7 +156,10 @@ class ShardedFunction:
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
         out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
         program = lower(gm, self.mesh, out_layouts, out_names, rng=self.options.rng)
-        return _Entry(program, tuple(leaves), out_tree)
+        entry = _Entry(program, tuple(leaves), out_tree)
+        if level := debug.level():  # HPFUN_DEBUG, read at each compile
+            debug.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(args, entry), level)
+        return entry
 
 
 def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
