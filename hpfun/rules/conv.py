@@ -6,8 +6,9 @@ Spatial dims are whole everywhere here (a split one would need halo exchange). T
 - convolution(x (N, C, ...), w (O, C/g, ...)) is a contraction over C and the kernel window:
   a split batch stays split; out-channels split in w give out-channels split in the output;
   in-channels split in x and w give Partial(sum) (the bias, added once, must be Partial too);
-  with groups > 1, whole groups split together (x's C and w's O) keep the output split, each
-  rank convolving its groups. A transposed weight is (C, O/g, ...): its two leading dims swap.
+  with groups > 1, whole groups split together (x's C and w's dim 0, which leads with the
+  groups in both weight layouts) keep the output split, each rank convolving its groups. A
+  transposed weight is (C, O/g, ...): its channel dims swap.
 """
 
 from __future__ import annotations
