@@ -155,7 +155,8 @@ class ShardedFunction:
         propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
         out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
-        program = lower(gm, self.mesh, out_layouts, out_names, rng=self.options.rng)
+        in_names = [path for path, leaf in zip(_leaf_paths(args), leaves, strict=True) if leaf.kind != "static"]
+        program = lower(gm, self.mesh, out_layouts, out_names, rng=self.options.rng, input_names=in_names)
         entry = _Entry(program, tuple(leaves), out_tree)
         if level := debug.level():  # HPFUN_DEBUG, read at each compile
             debug.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(args, entry), level)

@@ -42,9 +42,11 @@ def log_compile(name: str, gm: torch.fx.GraphModule, lowered: Lowered, debug_lev
     """Log one compile of function `name` (the propagated global graph and its report)."""
     _make_visible()
     LAYOUTS.debug("%s: compiled for mesh %s, %d nodes", name, lowered.mesh, len(gm.graph.nodes))
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    paths = {node: x["path"] for node, x in zip(placeholders, lowered.inputs, strict=True)}
     for node in gm.graph.nodes:
         if "hpfun_layout" in node.meta:
-            LAYOUTS.debug("%s: %s", name, _node_text(node))
+            LAYOUTS.debug("%s: %s", name, _node_text(node, paths))
     if debug_level >= 2:
         for c in lowered.collectives:
             COLLECTIVES.debug("%s: %s", name, c)
@@ -53,14 +55,14 @@ def log_compile(name: str, gm: torch.fx.GraphModule, lowered: Lowered, debug_lev
         PROGRAM.debug("%s:\n%s", name, lowered)
 
 
-def _node_text(node: torch.fx.Node) -> str:
+def _node_text(node: torch.fx.Node, paths: dict) -> str:
     """`%mm = aten.mm.default: [S(0), R], [R, S(1)] -> [S(0), S(1)] global [8, 32]`"""
     out = node.meta["hpfun_layout"]
     outs = ", ".join(l.placements_str() for l in (out if isinstance(out, tuple) else (out,)))
     val = node.meta.get("val")
     shape = f" global {list(val.shape)}" if isinstance(val, torch.Tensor) else ""
     if node.op == "placeholder":
-        return f"%{node.name} (input): {outs}{shape}"
+        return f"%{node.name} ({paths[node]}): {outs}{shape}"
     strategy = node.meta.get("hpfun_strategy")
     ins = ", ".join(l.placements_str() for l in strategy.inputs) + " " if strategy and strategy.inputs else ""
     return f"%{node.name} = {node.target}: {ins}-> {outs}{shape}"

@@ -155,15 +155,17 @@ class LowerContext:
 
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
-          rng: str = "philox") -> Program:
+          rng: str = "philox", input_names=None) -> Program:
     """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
 
-    `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need."""
+    `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need;
+    `input_names` (e.g. "args[0]['wo']") name the inputs in the collectives' reasons."""
     ctx = LowerContext(mesh, rng)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values.update(zip(inputs, ctx.begin(len(inputs)), strict=True))
+    labels = dict(zip(inputs, input_names, strict=True)) if input_names else {}
 
     def local(producer, dst: Layout, reason_for: str):
         key = (producer, dst)
@@ -171,7 +173,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]
             if src != dst:
                 ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
-                                f"{producer.name} is {src.placements_str()}")
+                                f"{labels.get(producer, producer.name)} is {src.placements_str()}")
             reached[key] = ctx.redistribute(values[producer], src, dst, tuple(val.shape), val.dtype)
         return reached[key]
 

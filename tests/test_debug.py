@@ -47,7 +47,8 @@ def test_level_1_layouts(monkeypatch, caplog):
     layouts = logs["hpfun.layouts"]
     assert layouts[0] == "mlp_step: compiled for mesh {dp: 2, tp: 2}, " + layouts[0].split(", ")[-1]
     assert "mlp_step: %mm = aten.mm.default: [S(0), R], [R, S(1)] -> [S(0), S(1)] global [8, 32]" in layouts
-    assert sum(" (input): " in m for m in layouts) == 6
+    assert "mlp_step: %arg0_1 (args[0]['w1']): [R, S(1)] global [16, 32]" in layouts
+    assert sum(" (args[" in m for m in layouts) == 6
     assert int(layouts[0].split(", ")[-1].split()[0]) >= len(layouts) - 1
 
 

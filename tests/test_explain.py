@@ -193,3 +193,11 @@ def test_docstring_examples(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_reasons_name_inputs_by_their_path():
+    """A collective on an argument names it by its path, not the traced graph's placeholder."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    f = hpfun.shard(lambda d: torch.cumsum(d["x"], 0), mesh=mesh, in_specs=({"x": P("tp")},), out_specs=P())
+    (c,) = f.lower({"x": torch.ones(4)}).collectives
+    assert (c.kind, c.reason) == ("all_gather", "aten.cumsum.default needs [R], args[0]['x'] is [S(0)]")
