@@ -80,19 +80,25 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
             if rule is None:
                 missing.append(_missing(node, call))
                 outs = (replicated,) * max(len(call.outputs), 1)
-                node.meta["hpfun_layout"] = outs if _multi(node) else outs[0]
+                node.meta["hpfun_layout"] = _placed(node, outs)
                 continue
             strategy = _choose(node, call, rule, reached)
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
             node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
-            node.meta["hpfun_layout"] = strategy.outputs if _multi(node) else strategy.outputs[0]
+            node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
     if missing:
         raise MissingRuleError(missing)
 
 
-def _multi(node: torch.fx.Node) -> bool:
-    return not isinstance(node.meta.get("val"), torch.Tensor)
+def _placed(node: torch.fx.Node, layouts: tuple):
+    """A node's layout: one Layout, or for a tuple output one per element (None where it holds
+    no tensor, e.g. convolution_backward's skipped grad_input), so getitem indices line up."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return layouts[0]
+    tensors = iter(layouts)
+    return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
 def _choose(node, call: OpCall, rule, reached) -> Strategy:

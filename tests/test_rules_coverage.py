@@ -537,8 +537,6 @@ def test_convolution_backward(data, name, mask):
     check_op(data.draw, aten.convolution_backward.default, fn, (_rand(*grad.shape), x, w), partial=(0,))
 
 
-@pytest.mark.xfail(strict=True, reason="propagate drops None outputs, so getitem indices after a None shift "
-                   "(convolution_backward without grad_input: the first layer of a CNN)")
 def test_convolution_backward_without_grad_input():
     """convolution_backward with output_mask [False, True, True] (the input needs no gradient)."""
     x, w, b = _conv_inputs("plain")
