@@ -16,6 +16,7 @@ True
 
 from hpfun import rules
 from hpfun.api import ShardedFunction, redistribute, shard
+from hpfun.constrain import constrain
 from hpfun.debug import explain_cache_miss
 from hpfun.errors import (
     CaptureError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
@@ -29,7 +30,7 @@ from hpfun.sharded import Sharded
 from hpfun.visualize import visualize  # after the submodule import: hpfun.visualize is the function
 
 __all__ = [
-    "CaptureError", "Collective", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "CaptureError", "Collective", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "parse", "random_seed", "redistribute", "rules",
     "shard", "visualize",

@@ -145,24 +145,57 @@ def fake_inputs(metas) -> tuple[FakeTensorMode, list]:
 
 
 def capture(flat_fn, metas) -> torch.fx.GraphModule:
-    """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype)."""
+    """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype).
+
+    The first trace runs the function as written (torch.func transforms and autograd.Functions
+    such as `hpfun.constrain` compose there); only if it recorded in-place ops is the graph
+    traced again through functionalization, keeping each node's source line.
+    """
     _, fakes = fake_inputs(metas)
-    traced = make_fx(
-        torch.func.functionalize(flat_fn, remove="mutations"),
-        decomposition_table=decompositions(),
-        tracing_mode="fake",
-        record_stack_traces=True,
-    )
+    gm = _trace(flat_fn, fakes)
+    if _mutates(gm):
+        gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), fakes)
+        _reject_argument_mutation(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _trace(fn, fakes) -> torch.fx.GraphModule:
+    traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame):
-            gm = traced(*fakes)
+            return traced(*fakes)
     except CaptureError:
         raise
     except Exception as err:  # re-raised with the user's line: tracing errors come in many types
         raise CaptureError(_describe(err)) from err
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in gm.graph.nodes)
+
+
+def _reject_argument_mutation(gm: torch.fx.GraphModule) -> None:
+    """Functionalization writes mutated arguments back with copy_: a sharded function may not."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bad = [n for n in gm.graph.nodes if n.target is aten.copy_.default and n.args[0] in inputs]
+    if bad:
+        raise CaptureError([f"argument tensor {inputs.index(n.args[0])} is modified in place"
+                            + (f" at {user_line(n.meta.get('stack_trace'))}" if n.meta.get("stack_trace") else "")
+                            for n in bad] + ["a sharded function must be pure: return new values instead "
+                                             "(e.g. y = x * 2, not x.mul_(2))"])
+
+
+def _replaying(gm: torch.fx.GraphModule):
+    """Run `gm` node by node so the re-trace inherits each node's metadata (its source line)."""
+
+    def run(*args):
+        with torch.fx.traceback.preserve_node_meta():
+            return torch.fx.Interpreter(gm).run(*args)
+
+    return run
 
 
 def _describe(err: Exception) -> str:

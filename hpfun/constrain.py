@@ -1,0 +1,79 @@
+"""`hpfun.constrain(x, spec)`: pin the layout of an intermediate value (and of its gradient).
+
+Propagation picks intermediate layouts by cost; sometimes the user knows better, e.g. sequence
+parallelism keeps the activations around each norm split along the sequence. `constrain` is an
+identity whose rule demands the given layout, so the producer's value is redistributed to it
+right there (a Partial value to a split one is a reduce-scatter), and the backward pass gets
+the same constraint on the gradient.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from hpfun.errors import SpecError
+from hpfun.layout import P
+from hpfun.rules.base import OpCall, Rule, Strategy
+
+
+def _encode(spec: P) -> str:
+    return ";".join("" if e is None else e if isinstance(e, str) else "+".join(e) for e in spec.dims)
+
+
+def _decode(text: str) -> P:
+    return P(*[None if not e else tuple(e.split("+")) if "+" in e else e for e in text.split(";")] if text else [])
+
+
+# A plain op (no autograd wrapper of its own: `_Constrain` is its autograd, which composes with
+# torch.func transforms where torch.library.custom_op's generated one does not).
+_LIB = torch.library.Library("hpfun", "DEF")
+_LIB.define("constrain(Tensor x, str spec) -> Tensor")
+_LIB.impl("constrain", lambda x, spec: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("hpfun::constrain", lambda x, spec: torch.empty_like(x), lib=_LIB)
+_constrain = torch.ops.hpfun.constrain.default
+
+
+class _Constrain(torch.autograd.Function):
+    @staticmethod
+    def forward(x, spec):
+        return _constrain(x, spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _constrain(grad, ctx.spec), None
+
+
+def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
+    """Inside a sharded function: `x`, laid out as `spec` on the function's mesh (an identity).
+
+    >>> import hpfun, torch
+    >>> mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    >>> f = hpfun.shard(lambda x: hpfun.constrain(x * 2, hpfun.P(None, "tp")), mesh=mesh, in_specs=hpfun.P())
+    >>> f(torch.ones(2, 4)).layout.placements
+    (Shard(dim=1),)
+    """
+    if not isinstance(spec, P):
+        raise SpecError(f"constrain needs an hpfun.P spec, got {spec!r}")
+    return _Constrain.apply(x, _encode(spec))
+
+
+@attrs.frozen(kw_only=True)
+class Constrain(Rule):
+    """The rule of `hpfun::constrain`: input and output take the spec's layout."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        spec = _decode(call.args[1])
+        problems = spec.problems(call.mesh, x.ndim)
+        if problems:
+            raise SpecError(problems, headline="bad hpfun.constrain spec")
+        layout = spec.to_layout(call.mesh, x.ndim)
+        return [Strategy((layout,), (layout,))]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        return ctx.call(torch.ops.aten.alias.default, (args[0],))
