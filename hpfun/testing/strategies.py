@@ -26,7 +26,7 @@ _LIMIT = 2.0**12
 
 @st.composite
 def meshes(draw, max_ranks: int = 8, ndims=(1, 2), sizes=(1, 2, 3, 4, 8), names=None) -> Mesh:
-    """A simulated mesh with `ndims` axes (one of them), sizes drawn from `sizes`, at most
+    """A simulated mesh: its number of axes drawn from `ndims`, sizes from `sizes`, at most
     `max_ranks` ranks. `names` is a strategy for axis names; default `dp, tp, pp, ep`.
 
     >>> from hypothesis import given
@@ -65,7 +65,10 @@ def layouts(draw, mesh: Mesh, shape, *, allow_partial=False) -> Layout:
     >>> check()
     """
     ndim = shape if isinstance(shape, int) else len(shape)
-    fits = (lambda placements: True) if isinstance(shape, int) else (lambda placements: Layout(mesh, placements).fits(shape))
+
+    def fits(placements) -> bool:
+        return isinstance(shape, int) or Layout(mesh, placements).fits(shape)
+
     reduces = _reduces(allow_partial)
     extra = [Partial(draw(st.sampled_from(reduces)))] if reduces else []
     chosen: list = []
