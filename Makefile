@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo test validate-nightly clean
+.PHONY: setup demo test validate-nightly docs clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,18 @@ test: $(STAMP)
 # every rule against unsharded ground truth, with many more examples than the suite draws
 validate-nightly: $(STAMP)
 	$(PY) -m hpfun.validate --max-examples 200
+
+# Notebook 03 (committed with its outputs) as HTML, and a screenshot of it by headless Chromium,
+# so a person can see the report's and the layouts' HTML views render. Chromium comes from apt.
+DOCS := build/docs
+docs: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	$(PY) -m nbconvert --to html --output-dir $(DOCS) notebooks/03_tensor_parallel_block.ipynb
+	profile=$$(mktemp -d) && chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
+		--disable-background-networking --disable-component-update --disable-sync --user-data-dir=$$profile \
+		--hide-scrollbars --window-size=1280,6000 --screenshot=$(CURDIR)/$(DOCS)/03_tensor_parallel_block.png \
+		file://$(CURDIR)/$(DOCS)/03_tensor_parallel_block.html; status=$$?; rm -rf $$profile; exit $$status
+	@echo "wrote $(DOCS)/03_tensor_parallel_block.html and $(DOCS)/03_tensor_parallel_block.png"
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .hypothesis
