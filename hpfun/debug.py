@@ -58,7 +58,7 @@ def log_compile(name: str, gm: torch.fx.GraphModule, lowered: Lowered, debug_lev
 def _node_text(node: torch.fx.Node, paths: dict) -> str:
     """`%mm = aten.mm.default: [S(0), R], [R, S(1)] -> [S(0), S(1)] global [8, 32]`"""
     out = node.meta["hpfun_layout"]
-    outs = ", ".join(l.placements_str() for l in (out if isinstance(out, tuple) else (out,)))
+    outs = ", ".join("-" if l is None else l.placements_str() for l in (out if isinstance(out, tuple) else (out,)))
     val = node.meta.get("val")
     shape = f" global {list(val.shape)}" if isinstance(val, torch.Tensor) else ""
     if node.op == "placeholder":

@@ -70,7 +70,7 @@ def _dtype(dtype) -> str | None:
 
 
 def _layouts(value) -> list[str]:
-    return [l.placements_str() for l in (value if isinstance(value, tuple) else (value,))]
+    return ["-" if l is None else l.placements_str() for l in (value if isinstance(value, tuple) else (value,))]
 
 
 def _kind(node: torch.fx.Node, inputs: dict) -> str:
@@ -99,10 +99,15 @@ def _node_layouts(node: torch.fx.Node, program: Program, inputs: dict):
 
 
 def _node_shapes(node: torch.fx.Node, program: Program, inputs: dict):
+    """Global shape per output, aligned with its layouts (None where an output holds no tensor)."""
     if node in inputs:
         return [list(program.input_shapes[inputs[node]])]
     metas = node.meta.get("hpfun_outputs")
-    return [list(m.shape) for m in metas] if metas is not None else None
+    if metas is None:
+        return None
+    shapes = iter(metas)
+    layout = node.meta["hpfun_layout"]
+    return [None if l is None else list(next(shapes).shape) for l in (layout if isinstance(layout, tuple) else (layout,))]
 
 
 def _node_dict(node: torch.fx.Node, program: Program, given: dict, index: dict) -> dict:
@@ -398,5 +403,5 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
 def _outputs_text(node: dict, mesh: Mesh) -> str:
     if node["shapes"] is None:
         return ", ".join(node["outputs"])
-    return ", ".join(f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
+    return ", ".join(lay if shape is None else f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
                      for lay, shape in zip(node["outputs"], node["shapes"], strict=True))

@@ -201,3 +201,16 @@ def test_reasons_name_inputs_by_their_path():
     f = hpfun.shard(lambda d: torch.cumsum(d["x"], 0), mesh=mesh, in_specs=({"x": P("tp")},), out_specs=P())
     (c,) = f.lower({"x": torch.ones(4)}).collectives
     assert (c.kind, c.reason) == ("all_gather", "aten.cumsum.default needs [R], args[0]['x'] is [S(0)]")
+
+
+def test_ops_with_outputs_that_hold_no_tensor():
+    """convolution_backward without grad_input: its missing outputs show as "-" with no shape."""
+    import torch.nn.functional as F
+
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    grad_w = hpfun.shard(lambda x, w: torch.func.grad(lambda w: F.conv2d(x, w).sum())(w), mesh=mesh, in_specs=(P("dp"), P()))
+    lowered = grad_w.lower(torch.randn(4, 3, 6, 6), torch.randn(5, 3, 3, 3))
+    (node,) = [n for n in lowered.nodes if n["op"] == "aten.convolution_backward.default"]
+    assert (node["outputs"], node["shapes"]) == (["-", "[P(sum)]", "-"], [None, [5, 3, 3, 3], None])
+    assert "-> -, [P(sum)] local [5, 3, 3, 3], -" in str(lowered)
+    assert hpfun.Lowered.from_json(lowered.to_json()) == lowered
