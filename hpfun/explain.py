@@ -29,10 +29,10 @@ Versions only grow fields; a field's meaning never changes within a version.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import operator
+import re
 
 import attrs
 import torch
@@ -105,9 +105,9 @@ def _node_shapes(node: torch.fx.Node, program: Program, inputs: dict):
     metas = node.meta.get("hpfun_outputs")
     if metas is None:
         return None
-    shapes = iter(metas)
-    layout = node.meta["hpfun_layout"]
-    return [None if l is None else list(next(shapes).shape) for l in (layout if isinstance(layout, tuple) else (layout,))]
+    shapes, layout = iter(metas), node.meta["hpfun_layout"]
+    layouts = layout if isinstance(layout, tuple) else (layout,)
+    return [None if l is None else list(next(shapes).shape) for l in layouts]
 
 
 def _node_dict(node: torch.fx.Node, program: Program, given: dict, index: dict) -> dict:
@@ -140,26 +140,29 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
     """The report's dict (schema in the module docstring) of a lowered program; argument and
     output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
     n, n_out = len(program.input_layouts), len(program.output_layouts)
-    paths = list(input_paths or [f"in{i}" for i in range(n)])
-    dtypes = list(input_dtypes or [None] * n)
-    out_paths = list(output_paths or [f"outputs[{i}]" for i in range(n_out)])
     nodes = list(program.module.graph.nodes)
-    outputs = nodes[-1].args[0]
+    given = {node: i for i, node in enumerate([x for x in nodes if x.op == "placeholder"][:n])}
     index = {id(c): i for i, c in enumerate(program.collectives)}
-    placeholders = [node for node in nodes if node.op == "placeholder"]
-    given = {node: i for i, node in enumerate(placeholders[:n])}
     return {
         "schema": SCHEMA, "version": SCHEMA_VERSION,
         "mesh": {"shape": list(program.mesh.shape), "axis_names": list(program.mesh.axis_names)},
-        "inputs": [{"name": f"in{i}", "path": path, **_tensor_dict(layout, shape, dtype)} for i, (path, layout, shape, dtype)
-                   in enumerate(zip(paths, program.input_layouts, program.input_shapes, dtypes, strict=True))],
-        "outputs": [{"path": path, "node": node.name, **_tensor_dict(layout, shape, dtype)} for path, node, layout, shape, dtype
-                    in zip(out_paths, outputs, program.output_layouts, program.output_shapes,
-                           program.output_dtypes, strict=True)],
+        "inputs": _inputs(program, input_paths or [f"in{i}" for i in range(n)], input_dtypes or [None] * n),
+        "outputs": _outputs(program, nodes[-1].args[0], output_paths or [f"outputs[{i}]" for i in range(n_out)]),
         "nodes": [_node_dict(node, program, given, index) for node in nodes],
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
     }
 
+
+def _inputs(program: Program, paths, dtypes) -> list[dict]:
+    rows = zip(paths, program.input_layouts, program.input_shapes, dtypes, strict=True)
+    return [{"name": f"in{i}", "path": path, **_tensor_dict(layout, shape, dtype)}
+            for i, (path, layout, shape, dtype) in enumerate(rows)]
+
+
+def _outputs(program: Program, nodes, paths) -> list[dict]:
+    rows = zip(paths, nodes, program.output_layouts, program.output_shapes, program.output_dtypes, strict=True)
+    return [{"path": path, "node": node.name, **_tensor_dict(layout, shape, dtype)}
+            for path, node, layout, shape, dtype in rows]
 
 
 def _json_value(value) -> str:
@@ -173,8 +176,9 @@ def _check_schema(data) -> None:
         raise HpfunError(Problem("report", f"not an {SCHEMA} report", "pass what Lowered.to_json() wrote"),
                          headline="cannot read the lowered report")
     if data.get("version") != SCHEMA_VERSION:
-        raise HpfunError(Problem("report", f"schema version {data.get('version')!r}; this hpfun reads version {SCHEMA_VERSION}",
-                                 "read it with the hpfun version that wrote it"), headline="cannot read the lowered report")
+        what = f"schema version {data.get('version')!r}; this hpfun reads version {SCHEMA_VERSION}"
+        raise HpfunError(Problem("report", what, "read it with the hpfun version that wrote it"),
+                         headline="cannot read the lowered report")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +235,7 @@ def _seconds(c: dict, model: CostModel) -> float:
     return max(p[0] for p in params) + _wire_bytes(c) / min(p[1] for p in params)
 
 
-def cost(collectives: list[dict], model: CostModel) -> Cost:
+def price(collectives: list[dict], model: CostModel) -> Cost:
     """Sum the report's collectives per axis group under `model`."""
     groups: dict[str, list[dict]] = {}
     for c in collectives:
@@ -298,7 +302,7 @@ class Lowered:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh.simulated(tuple(self._data["mesh"]["shape"]), tuple(self._data["mesh"]["axis_names"]))
+        return _mesh(self._data)
 
     @property
     def collectives(self) -> list[Collective]:
@@ -338,7 +342,7 @@ class Lowered:
     def cost(self, model: CostModel | None = None) -> Cost:
         """Bytes per mesh axis group and estimated seconds under the alpha-beta `model`
         (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`; default one if None)."""
-        return cost(self._data["collectives"], model or CostModel())
+        return price(self._data["collectives"], model or CostModel())
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Lowered) and self._data == other._data
@@ -346,7 +350,7 @@ class Lowered:
     __hash__ = None
 
     def __str__(self) -> str:
-        return render_text(self._data, self.cost())
+        return _render_text(self._data, self.cost())
 
     def __repr__(self) -> str:
         return f"<Lowered: {len(self._data['collectives'])} collectives on {self.mesh}>"
@@ -354,7 +358,8 @@ class Lowered:
     def _repr_html_(self) -> str:
         from hpfun.visualize import lowered_html
 
-        return lowered_html(self._data, self.cost(), render_text(self._data, self.cost()))
+        total = self.cost()
+        return lowered_html(self._data, total, _render_text(self._data, total))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,14 +367,18 @@ class Lowered:
 # ---------------------------------------------------------------------------------------------
 
 
-def short_op(op: str) -> str:
+def _mesh(data: dict) -> Mesh:
+    return Mesh.simulated(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+
+
+def _short_op(op: str) -> str:
     return op.replace("aten.", "").replace("_c10d_functional.", "c10d.")
 
 
-def render_text(data: dict, total: Cost) -> str:
-    mesh = Mesh.simulated(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+def _render_text(data: dict, total: Cost) -> str:
+    mesh = _mesh(data)
     inputs = iter(data["inputs"])
-    seed_used = any("%seed" in a for n in data["nodes"] for a in n["args"])
+    seed_used = any(re.search(r"%seed\b", a) for n in data["nodes"] for a in n["args"])
     lines = [f"per-shard program on mesh {mesh} ({mesh.size} ranks)"]
     lines += [f"  {_node_line(node, mesh, inputs, seed_used, data)}" for node in data["nodes"]]
     lines.append(f"collectives ({len(data['collectives'])}):")
@@ -383,17 +392,19 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
     kind, name = node["kind"], node["name"]
     if kind == "input":
         x = next(inputs)
-        return f"%{name}: global {x['shape']} {x['layout']}, local {x['local_shape']} {x['dtype'] or ''}  ({x['path']})"
+        dtype = f" {x['dtype']}" if x["dtype"] else ""
+        return f"%{name}: global {x['shape']} {x['layout']}, local {x['local_shape']}{dtype}  ({x['path']})"
     if kind == "coords":
         return "%coords: this rank's mesh coordinates"
     if kind == "seed":
         return "%seed: this call's random seed" + ("" if seed_used else " (unused)")
     if kind == "output":
         return "return " + ", ".join(f"%{o['node']} {o['layout']}" for o in data["outputs"])
-    text = f"%{name} = {short_op(node['op'])}({', '.join(node['args'])})"
+    text = f"%{name} = {_short_op(node['op'])}({', '.join(node['args'])})"
     if kind == "collective":
         c = data["collectives"][node["collective"]]
-        return f"{text}    # {c['kind']} over {', '.join(c['axes'])}, {c['bytes']} B: {node['inputs'][0]} -> {node['outputs'][0]}"
+        step = f"{node['inputs'][0]} -> {node['outputs'][0]}"
+        return f"{text}    # {c['kind']} over {', '.join(c['axes'])}, {c['bytes']} B: {step}"
     if node["outputs"] is not None:
         reads = ", ".join(node["inputs"])
         return f"{text}    # {reads + ' ' if reads else ''}-> {_outputs_text(node, mesh)}"
@@ -403,5 +414,7 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
 def _outputs_text(node: dict, mesh: Mesh) -> str:
     if node["shapes"] is None:
         return ", ".join(node["outputs"])
-    return ", ".join(lay if shape is None else f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
-                     for lay, shape in zip(node["outputs"], node["shapes"], strict=True))
+    def local(lay, shape):
+        return lay if shape is None else f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
+
+    return ", ".join(local(lay, shape) for lay, shape in zip(node["outputs"], node["shapes"], strict=True))

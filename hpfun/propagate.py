@@ -61,12 +61,27 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(x)]
 
 
+PASSES = 2
+
+
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY) -> None:
-    """Annotate every node of `gm` with its chosen strategy and layouts."""
-    reached: set[tuple[torch.fx.Node, Layout]] = set()
+    """Annotate every node of `gm` with its chosen strategy and layouts.
+
+    A pass chooses in graph order, so an early consumer cannot know that a later one will
+    resolve a Partial value anyway (AdamW's first moment is linear in the gradient, its second
+    is not). The next pass starts knowing every layout the previous one materialized, so the
+    early consumer takes the resolved value too, for free.
+    """
+    hint: set = set()
+    for _ in range(PASSES):
+        hint = _pass(gm, mesh, input_layouts, registry, set(hint))
+
+
+def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set) -> set:
     placeholders = iter(input_layouts)
     missing: list[Problem] = []
     replicated = Layout.replicated(mesh)
+    materialized: set[tuple[torch.fx.Node, Layout]] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["hpfun_layout"] = next(placeholders)
@@ -85,10 +100,12 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
             strategy = _choose(node, call, rule, reached)
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
+                materialized.add((producer, layout))
             node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
             node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
     if missing:
         raise MissingRuleError(missing)
+    return materialized
 
 
 def _placed(node: torch.fx.Node, layouts: tuple):
@@ -118,7 +135,8 @@ def _choose(node, call: OpCall, rule, reached) -> Strategy:
             if (producer, layout) not in reached:
                 w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype)
                 wire, steps = wire + w, steps + s
-        return wire + WORK_BYTES * local_work(rule, call, strategy), steps, index
+        pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
+        return wire + WORK_BYTES * local_work(rule, call, strategy), steps, pending, index
 
     return min(enumerate(candidates), key=price)[1]
 

@@ -5,6 +5,8 @@ Used by the demo, the tests and the benchmarks, so all three check the same prog
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -74,3 +76,145 @@ def mlp_dropout_step(params: dict, x: torch.Tensor, y: torch.Tensor, lr: float =
     """One SGD step with dropout: returns (new params, loss, mask)."""
     grads, (loss, mask) = torch.func.grad_and_value(mlp_dropout_loss, has_aux=True)(params, x, y)
     return {k: p - lr * grads[k] for k, p in params.items()}, loss, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# A GPT-2-style decoder (token + position embeddings, pre-norm blocks with causal attention and
+# a GELU MLP, tied output head) and a functional AdamW
+# ---------------------------------------------------------------------------------------------
+
+GPT = {"vocab": 32, "seq": 8, "d": 16, "heads": 2, "layers": 2}
+
+
+def gpt_init(*, seed: int = 0, **sizes) -> dict:
+    cfg = GPT | sizes
+    g = torch.Generator().manual_seed(seed)
+    d, v = cfg["d"], cfg["vocab"]
+
+    def w(*shape, scale=0.02):
+        return torch.randn(*shape, generator=g) * scale
+
+    params = {"wte": w(v, d), "wpe": w(cfg["seq"], d), "ln_f.w": torch.ones(d), "ln_f.b": torch.zeros(d)}
+    for i in range(cfg["layers"]):
+        params |= {f"h{i}.ln1.w": torch.ones(d), f"h{i}.ln1.b": torch.zeros(d),
+                   f"h{i}.wq": w(d, d), f"h{i}.wk": w(d, d), f"h{i}.wv": w(d, d), f"h{i}.wo": w(d, d),
+                   f"h{i}.ln2.w": torch.ones(d), f"h{i}.ln2.b": torch.zeros(d),
+                   f"h{i}.w1": w(d, 4 * d), f"h{i}.b1": torch.zeros(4 * d), f"h{i}.w2": w(4 * d, d), f"h{i}.b2": torch.zeros(d)}
+    return params
+
+
+def gpt_data(batch: int = 4, *, seed: int = 1, **sizes):
+    cfg = GPT | sizes
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg["vocab"], (batch, cfg["seq"] + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def _ln(x, p, name):
+    return F.layer_norm(x, x.shape[-1:], p[f"{name}.w"], p[f"{name}.b"])
+
+
+def _attention(x, p, i, heads):
+    b, s, d = x.shape
+    q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in (x @ p[f"h{i}.wq"], x @ p[f"h{i}.wk"], x @ p[f"h{i}.wv"]))
+    scores = (q @ k.transpose(-1, -2)) / (d // heads) ** 0.5
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    att = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+    return att.transpose(1, 2).reshape(b, s, d) @ p[f"h{i}.wo"]
+
+
+def gpt_loss(params: dict, idx: torch.Tensor, targets: torch.Tensor, *, heads: int = GPT["heads"], seq_split=None):
+    """Next-token cross-entropy. `seq_split` (a P spec) pins the residual stream's layout around
+    the norms (sequence parallelism)."""
+    pin = (lambda x: x) if seq_split is None else (lambda x: _constrain(x, seq_split))
+    x = pin(F.embedding(idx, params["wte"]) + params["wpe"])
+    layers = sum(1 for k in params if k.endswith(".wq"))
+    for i in range(layers):
+        x = pin(x + _attention(_ln(x, params, f"h{i}.ln1"), params, i, heads))
+        h = F.gelu(_ln(x, params, f"h{i}.ln2") @ params[f"h{i}.w1"] + params[f"h{i}.b1"])
+        x = pin(x + h @ params[f"h{i}.w2"] + params[f"h{i}.b2"])
+    logits = _ln(x, params, "ln_f") @ params["wte"].t()  # tied output head
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _constrain(x, spec):
+    from hpfun.constrain import constrain
+
+    return constrain(x, spec)
+
+
+def adamw(params: dict, grads: dict, state: dict, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01):
+    """One AdamW update written with torch ops: returns (new params, new state)."""
+    step = state["step"] + 1
+    new_p, new_m, new_v = {}, {}, {}
+    for k, p in params.items():
+        new_m[k] = betas[0] * state["m"][k] + (1 - betas[0]) * grads[k]
+        new_v[k] = betas[1] * state["v"][k] + (1 - betas[1]) * grads[k] * grads[k]
+        m_hat = new_m[k] / (1 - torch.pow(betas[0], step))
+        v_hat = new_v[k] / (1 - torch.pow(betas[1], step))
+        new_p[k] = p - lr * (m_hat / (torch.sqrt(v_hat) + eps) + weight_decay * p)
+    return new_p, {"m": new_m, "v": new_v, "step": step}
+
+
+def adamw_init(params: dict) -> dict:
+    zeros = {k: torch.zeros_like(p) for k, p in params.items()}
+    return {"m": zeros, "v": dict(zeros), "step": torch.zeros(())}
+
+
+def gpt_step(params: dict, state: dict, idx: torch.Tensor, targets: torch.Tensor, seq_split=None):
+    """One AdamW training step of the GPT: returns (params, optimizer state, loss)."""
+    grads, loss = torch.func.grad_and_value(gpt_loss)(params, idx, targets, seq_split=seq_split)
+    params, state = adamw(params, grads, state)
+    return params, state, loss
+
+
+def gpt_specs(params: dict, *, tp: str | None = None, vocab: str | None = None) -> dict:
+    """Megatron tensor parallel over `tp` (heads and MLP) and/or a vocab-split embedding over `vocab`."""
+    specs = {k: P() for k in params}
+    if tp:
+        for k in params:
+            if k.endswith((".wq", ".wk", ".wv", ".w1")):
+                specs[k] = P(None, tp)
+            elif k.endswith((".wo", ".w2")):
+                specs[k] = P(tp, None)
+            elif k.endswith(".b1"):
+                specs[k] = P(tp)
+    if vocab:
+        specs["wte"] = P(vocab, None)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# A small CNN classifier: conv, group norm, pooling
+# ---------------------------------------------------------------------------------------------
+
+
+def cnn_init(*, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * (1.0 / math.prod(shape[1:])) ** 0.5
+
+    return {"c1.w": w(8, 3, 3, 3), "c1.b": torch.zeros(8), "gn.w": torch.ones(8), "gn.b": torch.zeros(8),
+            "c2.w": w(16, 8, 3, 3), "c2.b": torch.zeros(16), "fc.w": w(16, 10), "fc.b": torch.zeros(10)}
+
+
+def cnn_data(batch: int = 8, *, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def cnn_loss(p: dict, x: torch.Tensor, y: torch.Tensor):
+    h = F.conv2d(x, p["c1.w"], p["c1.b"], padding=1)
+    h = F.max_pool2d(torch.relu(F.group_norm(h, 4, p["gn.w"], p["gn.b"])), 2)
+    h = torch.relu(F.conv2d(h, p["c2.w"], p["c2.b"], padding=1)).mean((2, 3))
+    return F.cross_entropy(h @ p["fc.w"] + p["fc.b"], y)
+
+
+def cnn_step(params: dict, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1):
+    grads, loss = torch.func.grad_and_value(cnn_loss)(params, x, y)
+    return {k: v - lr * grads[k] for k, v in params.items()}, loss
+
+
+CNN_CHANNEL_SPLIT = {"c1.w": P("tp"), "c1.b": P("tp"), "gn.w": P("tp"), "gn.b": P("tp"),
+                     "c2.w": P("tp"), "c2.b": P("tp"), "fc.w": P("tp", None), "fc.b": P()}
