@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import html
 import itertools
+import math
 
 import attrs
 
@@ -147,25 +148,27 @@ class Visualization:
         if self.ndim > 2:
             lead = "dim 0" if self.ndim == 3 else f"dims 0-{self.ndim - 3}"
             text = f"one panel per block of {lead}; " + text
-        text += ("; " if text else "") + "a cell lists the ranks holding that block"
-        partial = [self.layout.mesh.axis_names[a] for a, p in enumerate(self.layout.placements) if isinstance(p, Partial)]
-        if partial:
-            reduces = sorted({str(p) for p in self.layout.placements if isinstance(p, Partial)})
-            text += f" (a+b: terms of {'/'.join(reduces)} over {', '.join(partial)})"
-        return text
+        return text + ("; " if text else "") + "a cell lists the ranks holding that block" + self._partial_note()
+
+    def _partial_note(self) -> str:
+        partial = {self.layout.mesh.axis_names[a]: str(p) for a, p in enumerate(self.layout.placements)
+                   if isinstance(p, Partial)}
+        if not partial:
+            return ""
+        return f" (a+b: terms of {'/'.join(sorted(set(partial.values())))} over {', '.join(partial)})"
 
     def panel_title(self, panel: tuple) -> str:
         shown = [self.label(d, b) for d, b in enumerate(panel)] + [":"] * (self.ndim - len(panel))
         return "[" + ", ".join(shown) + "]"
 
     def __str__(self) -> str:
-        return render_text(self)
+        return _render_text(self)
 
     def __repr__(self) -> str:
-        return render_text(self)
+        return _render_text(self)
 
     def _repr_html_(self) -> str:
-        return render_html(self)
+        return _render_html(self)
 
 
 def _runs(ranks: list[int]) -> str:
@@ -186,7 +189,7 @@ def _capped(items: list, what: str) -> tuple[list, list[str]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def render_text(v: Visualization) -> str:
+def _render_text(v: Visualization) -> str:
     lines = [v.headline(), v.legend()]
     panels, more = _capped(v.panels(), "panels")
     for panel in panels:
@@ -233,7 +236,7 @@ def rank_color(rank: int) -> str:
     return f"hsl({rank * 137.508 % 360:.0f}, 70%, 82%)"
 
 
-def render_html(v: Visualization) -> str:
+def _render_html(v: Visualization) -> str:
     esc = html.escape
     parts = [f'<div class="hpfun-visualize"><div style="font-family:monospace;font-weight:bold">{esc(v.headline())}</div>',
              f'<div style="font-size:11px;color:#555">{esc(v.legend())}</div>']
@@ -271,9 +274,7 @@ def lowered_html(data: dict, cost, text: str) -> str:
     """The lowered report (see `hpfun.explain`) as HTML: cost, collectives, inputs and
     outputs as tables, the per-shard program folded below them."""
     esc, mesh = html.escape, data["mesh"]
-    ranks = 1
-    for n in mesh["shape"]:
-        ranks *= n
+    ranks = math.prod(mesh["shape"])
     mesh_text = "{" + ", ".join(f"{a}: {n}" for a, n in zip(mesh["axis_names"], mesh["shape"], strict=True)) + "}"
     title = (f"per-shard program on mesh {mesh_text} ({ranks} ranks): {len(data['nodes'])} nodes, "
              f"{len(data['collectives'])} collectives, {cost.bytes} B per rank, about {cost.seconds * 1e6:.1f} us")

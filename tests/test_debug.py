@@ -58,8 +58,10 @@ def test_level_2_collectives(monkeypatch, caplog):
     assert set(logs) == {"hpfun.layouts", "hpfun.collectives"}
     collectives = logs["hpfun.collectives"]
     assert len(collectives) == 7 + 1
-    assert collectives[0].startswith("mlp_step: all_reduce over tp: 128 B for amax (aten.amax.default): aten.amax.default needs [S(0), R]")
-    assert collectives[-1] == "mlp_step: communication per rank: tp 128 B in 1 collective, dp 1640 B in 6 collectives; about 35.2 us"
+    assert collectives[0].startswith("mlp_step: all_reduce over tp: 128 B for amax (aten.amax.default): "
+                                     "aten.amax.default needs [S(0), R]")
+    assert collectives[-1] == ("mlp_step: communication per rank: tp 128 B in 1 collective, "
+                               "dp 1640 B in 6 collectives; about 35.2 us")
 
 
 def test_level_3_program(monkeypatch, caplog):
@@ -137,7 +139,8 @@ def test_names_the_argument_whose_layout_differs():
     step.lower(params, x, y)
     w1 = hpfun.Sharded.from_global(params["w1"], P("tp", None).to_layout(MESH, 2))
     (difference,) = hpfun.explain_cache_miss(step, dict(params, w1=w1), x, y).differences
-    assert (difference.path, difference.field, difference.cached, difference.given) == ("args[0]['w1']", "layout", "[R, S(1)]", "[R, S(0)]")
+    got = (difference.path, difference.field, difference.cached, difference.given)
+    assert got == ("args[0]['w1']", "layout", "[R, S(1)]", "[R, S(0)]")
 
 
 def test_structure_values_and_closest_entry():

@@ -133,7 +133,7 @@ def test_json_round_trip(dp_tp):
     assert back._repr_html_() == dp_tp._repr_html_()
     assert back.program is None
     with pytest.raises(hpfun.HpfunError, match="no graph"):
-        back.graph
+        _ = back.graph
 
 
 def test_json_schema_is_versioned_and_diffable(dp_tp):

@@ -51,7 +51,8 @@ def test_4d_tensor_panels_and_scalar():
     """Every block combination of the leading dims is a panel; a 0-D tensor is one cell."""
     mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
     text = str(hpfun.visualize(Layout(mesh, (Shard(0), Shard(1))), (2, 4, 3, 5)))
-    assert re.findall(r"^\[.*, :, :\]$", text, re.M) == ["[0:1, 0:2, :, :]", "[0:1, 2:4, :, :]", "[1:2, 0:2, :, :]", "[1:2, 2:4, :, :]"]
+    panels = re.findall(r"^\[.*, :, :\]$", text, re.M)
+    assert panels == ["[0:1, 0:2, :, :]", "[0:1, 2:4, :, :]", "[1:2, 0:2, :, :]", "[1:2, 2:4, :, :]"]
     assert "one panel per block of dims 0-1" in text
     scalar = str(hpfun.visualize(Layout.replicated(MESH3), ()))
     assert "│ 0-7 │" in scalar
@@ -66,13 +67,14 @@ def test_layout_without_shape_numbers_blocks():
 def test_sharded_values_and_html():
     """A Sharded value's view names its dtype; the HTML lists every rank, in a cell and a row."""
     x = hpfun.Sharded.from_global(torch.zeros(4, 2, 8), Layout(MESH3, (Shard(0), Replicate(), Shard(2))))
-    assert str(hpfun.visualize(x)).startswith("[S(0), R, S(2)] on {a: 2, b: 2, c: 2}: global (4, 2, 8), each rank holds (2, 2, 4), float32")
+    headline = str(hpfun.visualize(x)).splitlines()[0]
+    assert headline == "[S(0), R, S(2)] on {a: 2, b: 2, c: 2}: global (4, 2, 8), each rank holds (2, 2, 4), float32"
     page = x._repr_html_()
     assert page == hpfun.visualize(x)._repr_html_()
     cells = re.findall(r"<td style=\"[^\"]*background:[^\"]*\">([^<]*)</td>", page)
     assert sorted(cells) == ["0,2", "1,3", "4,6", "5,7"]
-    assert all(f"<td style=\"border:1px solid #ccc;padding:2px 6px;text-align:left;font-family:monospace;font-size:12px\">rank {r}</td>" in page
-               for r in range(8))
+    rows = re.findall(r"<td style=\"[^\"]*\">(rank \d+)</td>", page)
+    assert rows == [f"rank {r}" for r in range(8)]
 
 
 def test_layout_html():
@@ -80,7 +82,8 @@ def test_layout_html():
     layout = hpfun.parse("[S(0), S(1)] on {dp: 2, tp: 2}")
     page = layout._repr_html_()
     assert "[S(0), S(1)] on {dp: 2, tp: 2}" in page and all(f"rank {r}" in page for r in range(4))
-    assert layout == hpfun.parse("[S(0), S(1)] on {dp: 2, tp: 2}") and hash(layout) == hash(hpfun.parse("[S(0), S(1)] on {dp: 2, tp: 2}"))
+    again = hpfun.parse("[S(0), S(1)] on {dp: 2, tp: 2}")
+    assert layout == again and hash(layout) == hash(again)
 
 
 def test_bad_arguments():
