@@ -99,7 +99,7 @@ def test_gpt_vocab_parallel_embedding_and_loss_never_move_logits():
     rows = B * GPT["seq"] * F32
     assert sum(c.bytes == rows for c in collectives) == 3
     assert collectives[0].op == "aten.native_layer_norm.default" and collectives[0].bytes == ACTIVATION
-    assert {c.kind for c in collectives} == {"all_reduce"}
+    assert {c.kind for c in collectives} <= {"all_reduce", "reduce_scatter"}  # no gather: logits stay split
 
 
 def test_gpt_sequence_parallel_norms():
