@@ -528,7 +528,8 @@ def _check(op, registry, index: Index, **options) -> OpResult:
     rule = registry.lookup(op)
     if rule is None:
         sources = ", ".join(sorted(index.seen_by.get(op, ()))[:4])
-        return OpResult(op, "MISSING", f"no rule; reached from OpInfo {sources}" if sources else "no rule")
+        core = "core op, " if torch.Tag.core in op.tags else ""
+        return OpResult(op, "MISSING", f"{core}no rule; reached from OpInfo {sources}" if sources else f"{core}no rule")
     cases = index.cases.get(op, [])
     return _untestable(op, cases) or check_op(op, rule, cases, registry=registry, **options)
 
