@@ -12,6 +12,7 @@ from hpfun import P
 from hpfun.capture import capture
 
 aten = torch.ops.aten
+_GEN = torch.Generator().manual_seed(0)  # inputs are the same on every run
 
 
 def _ops(fn, *tensors) -> collections.Counter:
@@ -46,8 +47,8 @@ def _attention_grads(**kwargs):
 ATTENTION = {  # name: (sdpa kwargs, k/v heads, mask)
     "causal": ({"is_causal": True}, 4, None),
     "scaled": ({"scale": 0.3}, 4, None),
-    "float_mask": ({}, 4, torch.randn(8, 8, dtype=torch.float64)),
-    "bool_mask": ({}, 4, torch.rand(8, 8) > 0.3),
+    "float_mask": ({}, 4, torch.randn(8, 8, dtype=torch.float64, generator=_GEN)),
+    "bool_mask": ({}, 4, torch.rand(8, 8, generator=_GEN) > 0.3),
     "grouped_query": ({"is_causal": True, "enable_gqa": True}, 2, None),
 }
 
@@ -69,7 +70,7 @@ def test_attention_backward_is_exact_and_local(name, spec):
 def test_attention_backward_op_is_decomposed():
     """The fused CPU backward would read the decomposed forward's attention weights as its
     logsumexp (wrong gradients), so capture writes the backward out too."""
-    q = torch.randn(2, 4, 8, 4)
+    q = torch.randn(2, 4, 8, 4, generator=_GEN)
     ops = _ops(_attention_grads(is_causal=True), q, q, q)
     assert aten._scaled_dot_product_flash_attention_for_cpu_backward.default not in ops
     assert aten._scaled_dot_product_flash_attention_for_cpu.default not in ops
@@ -91,8 +92,8 @@ def _batch_norm_step(params, x):
 def test_training_batch_norm_on_a_split_batch_is_sync_batch_norm(mesh_shape):
     """Batch statistics over a split batch: every collective moves per-channel values or less."""
     C = 6
-    params = {"w": torch.randn(C), "b": torch.randn(C)}
-    x = torch.randn(8, C, 4, 4)
+    params = {"w": torch.randn(C, generator=_GEN), "b": torch.randn(C, generator=_GEN)}
+    x = torch.randn(8, C, 4, 4, generator=_GEN)
     collectives = _check(_batch_norm_step, (params, x), ({"w": P(), "b": P()}, P("dp")), mesh_shape, ("dp",))
     assert collectives and all(c.bytes <= C * 4 for c in collectives)
     ops = _ops(lambda w, b, x: _batch_norm_step({"w": w, "b": b}, x), params["w"], params["b"], x)
@@ -101,7 +102,7 @@ def test_training_batch_norm_on_a_split_batch_is_sync_batch_norm(mesh_shape):
 
 def test_var_over_a_split_dim_reduces_partial_sums():
     """x.var over a split dim (decomposed in two passes) moves only reduced-size values."""
-    x = torch.randn(8, 6, dtype=torch.float64)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=_GEN)
     collectives = _check(lambda x: torch.var_mean(x, 0, correction=1), (x,), (P("dp"),), (4,), ("dp",), tol=1e-10)
     assert collectives and all(c.bytes <= 6 * 8 for c in collectives)
 
@@ -114,7 +115,7 @@ def test_var_over_a_split_dim_reduces_partial_sums():
 def test_layer_norm_forward_is_kept_whole_and_shards_on_leading_dims():
     """native_layer_norm stays one op (about 20x faster than torch's decomposition on CPU); a
     sequence-split layer norm with its backward needs only the weight gradients' all-reduces."""
-    x, w, b = torch.randn(4, 8, 16), torch.randn(16), torch.randn(16)
+    x, w, b = torch.randn(4, 8, 16, generator=_GEN), torch.randn(16, generator=_GEN), torch.randn(16, generator=_GEN)
 
     def grads(x, w, b):
         return torch.func.grad(lambda x, w, b: F.layer_norm(x, (16,), w, b).pow(3).sum(), argnums=(0, 1, 2))(x, w, b)
@@ -128,6 +129,6 @@ def test_layer_norm_forward_is_kept_whole_and_shards_on_leading_dims():
 def test_embedding_is_kept_and_its_backward_is_index_put():
     """F.embedding captures as aten.embedding; its backward as index_put (torch's decomposition),
     both of which look up a split vocab locally."""
-    ids, w = torch.randint(0, 8, (4, 3)), torch.randn(8, 4)
+    ids, w = torch.randint(0, 8, (4, 3), generator=_GEN), torch.randn(8, 4, generator=_GEN)
     ops = _ops(lambda ids, w: torch.func.grad(lambda w: F.embedding(ids, w).pow(2).sum())(w), ids, w)
     assert ops[aten.embedding.default] == 1 and ops[aten.index_put.default] == 1

@@ -10,6 +10,7 @@ well as the one it picks.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -160,7 +161,8 @@ UNARY = {  # op: (low, high) of its inputs' domain
     aten.sinh.default: (-2, 2), aten.tan.default: (-1, 1), aten.ceil.default: (-3, 3),
     aten.floor.default: (-3, 3), aten.round.default: (-3, 3), aten.trunc.default: (-3, 3),
     aten.elu.default: (-2, 2), aten.hardtanh.default: (-2, 2), aten.leaky_relu.default: (-2, 2),
-    aten.isinf.default: (-2, 2), aten.isnan.default: (-2, 2),
+    aten.isinf.default: (-2, 2), aten.isnan.default: (-2, 2), aten.erfinv.default: (-0.9, 0.9),
+    aten.lift_fresh_copy.default: (-2, 2),
 }
 
 
@@ -286,6 +288,8 @@ ALONG = {
     "topk_last": (aten.topk.default, lambda x: aten.topk.default(x, 3), ()),
     "flip": (aten.flip.default, lambda x: aten.flip.default(x, [0, 2]), (0,)),
     "cumsum": (aten.cumsum.default, lambda x: aten.cumsum.default(x, 1), (0,)),
+    "cumprod": (aten.cumprod.default, lambda x: aten.cumprod.default(x, 2), ()),
+    "vector_norm": (aten.linalg_vector_norm.default, lambda x: aten.linalg_vector_norm.default(x, 2, [1], True), ()),
     "fft_r2c": (aten._fft_r2c.default, lambda x: aten._fft_r2c.default(x, [2], 0, True), (0,)),
     "pad_zero": (aten.constant_pad_nd.default, lambda x: aten.constant_pad_nd.default(x, [1, 2]), (0,)),
     "pad_value": (aten.constant_pad_nd.default, lambda x: aten.constant_pad_nd.default(x, [0, 0, 1, 0], 2.5), (0,)),
@@ -324,6 +328,8 @@ SHAPE = {
     "slice_scatter": (aten.slice_scatter.default, lambda x, s: aten.slice_scatter.default(x, s, 1, 2, 6), (0, 1)),
     "select_scatter": (aten.select_scatter.default, lambda x, s: aten.select_scatter.default(x, s[:, 0], 1, 3), (0, 1)),
     "as_strided": (aten.as_strided.default, lambda x, s: aten.as_strided.default(x, [4, 2], [1, 4], 1), (0,)),
+    "as_strided_scatter": (aten.as_strided_scatter.default,
+                           lambda x, s: aten.as_strided_scatter.default(x, s[0, :2], [2, 4], [4, 1], 3), (0, 1)),
 }
 
 
@@ -334,6 +340,62 @@ def test_shape_ops(data, name):
     """repeat, diagonal, slice/select_scatter move splits (or gather); Partial passes."""
     op, fn, partial = SHAPE[name]
     check_op(data.draw, op, fn, (_rand(4, 8, 4), _rand(4, 4, 4)), partial=partial)
+
+
+FUNCTIONALS = {  # what models call; each is captured with its gradient (input shape (2, 4, 8, 8) unless 3-D/5-D)
+    "interpolate": lambda x: F.interpolate(x, scale_factor=2, mode="bilinear") + 0,
+    "interpolate_bicubic": lambda x: F.interpolate(x, size=(5, 5), mode="bicubic"),
+    "interpolate_nearest": lambda x: F.interpolate(x, scale_factor=2),
+    "adaptive_max_pool": lambda x: F.adaptive_max_pool2d(x, 2), "avg_pool": lambda x: F.avg_pool2d(x, 2),
+    "max_pool": lambda x: F.max_pool2d(x, 2), "conv_transpose": lambda x: F.conv_transpose2d(x, torch.ones(4, 3, 3, 3)),
+    "pad_reflect": lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), "pad_replicate": lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"),
+    "pixel_shuffle": lambda x: F.pixel_shuffle(x, 2), "unfold": lambda x: F.unfold(x, 2), "normalize": lambda x: F.normalize(x, dim=1),
+    "rms_norm": lambda x: F.rms_norm(x, (8,)), "instance_norm": F.instance_norm, "group_norm": lambda x: F.group_norm(x, 2),
+    "layer_norm": lambda x: F.layer_norm(x, (8,)), "silu": F.silu, "mish": F.mish, "softplus": F.softplus,
+    "hardswish": F.hardswish, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu6": F.relu6, "selu": F.selu,
+    "logsigmoid": F.logsigmoid, "elu": F.elu, "leaky_relu": F.leaky_relu, "erfinv": lambda x: torch.erfinv(x.tanh() * 0.9),
+    "mse": lambda x: F.mse_loss(x, x.detach() * 0.5), "smooth_l1": lambda x: F.smooth_l1_loss(x, x.detach() * 0.5),
+    "bce_logits": lambda x: F.binary_cross_entropy_with_logits(x, x.detach().sigmoid()),
+    "kl_div": lambda x: F.kl_div(x.log_softmax(1), x.detach().softmax(1), reduction="batchmean"),
+    "cross_entropy": lambda x: F.cross_entropy(x, torch.zeros(2, 8, 8, dtype=torch.long), label_smoothing=0.1),
+    "slice_assign": lambda x: _assign(x), "index_add": lambda x: x.index_add(1, torch.tensor([0, 1]), x[:, :2]),
+    "cumprod": lambda x: x.cumprod(1), "logsumexp": lambda x: x.logsumexp(1), "std": lambda x: x.std(1),
+    "lerp": lambda x: torch.lerp(x, x * 2, 0.3), "addcdiv": lambda x: torch.addcdiv(x, x, x.abs() + 1, value=0.5),
+    "tril": lambda x: x.tril(), "roll": lambda x: x.roll(1, 2), "topk": lambda x: x.topk(2, 1).values,
+    "embedding": lambda x: F.embedding(torch.tensor([[0, 2], [1, 3]]), x.reshape(16, 32)),
+    "attention": lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+    "dropout": F.dropout,
+}
+FUNCTIONALS_3D = {"conv1d": lambda x: F.conv1d(x, torch.ones(3, 4, 3)), "interpolate_linear": lambda x: F.interpolate(x, scale_factor=2, mode="linear"),
+                  "max_pool1d": lambda x: F.max_pool1d(x, 2)}
+FUNCTIONALS_5D = {"conv3d": lambda x: F.conv3d(x, torch.ones(3, 4, 3, 3, 3)), "max_pool3d": lambda x: F.max_pool3d(x, 2),
+                  "avg_pool3d": lambda x: F.avg_pool3d(x, 2), "adaptive_avg_pool3d": lambda x: F.adaptive_avg_pool3d(x, 2),
+                  "interpolate_trilinear": lambda x: F.interpolate(x, scale_factor=2, mode="trilinear")}
+
+
+def _with_gradient(fn):
+    return lambda x: [fn(x), torch.func.grad(lambda x: fn(x).sum())(x)]
+
+
+def _assign(x):
+    y = x * 1
+    y[:, 1:3] = 0.5
+    return y
+
+
+def test_common_functionals_capture_to_ops_with_rules():
+    """Common torch.nn.functional calls and their gradients capture to ops that all have a rule."""
+    from hpfun.capture import capture
+
+    missing = {}
+    shapes = {**dict.fromkeys(FUNCTIONALS, (2, 4, 8, 8)), **dict.fromkeys(FUNCTIONALS_3D, (2, 4, 8)),
+              **dict.fromkeys(FUNCTIONALS_5D, (2, 4, 4, 4, 4))}
+    for name, fn in {**FUNCTIONALS, **FUNCTIONALS_3D, **FUNCTIONALS_5D}.items():
+        gm = capture(_with_gradient(fn), [(shapes[name], torch.float32)])
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target.__module__ != "_operator" and REGISTRY.lookup(node.target) is None:
+                missing.setdefault(str(node.target), []).append(name)
+    assert missing == {}
 
 
 def test_the_harness_catches_a_wrong_rule(monkeypatch):
@@ -455,6 +517,20 @@ POOL = {  # name: (op, fn of x [and grad], partial positions); backwards take a 
 POOL_COL = {  # col2im((N, C * kh * kw, L)) with C = 4
     "col2im": (aten.col2im.default, lambda x: aten.col2im.default(x, [3, 3], [2, 2], [1, 1], [0, 0], [1, 1]), (0,)),
 }
+POOL_CAPTURED = {  # not core: what capture produces for F.interpolate and adaptive max pooling
+    "upsample_bilinear2d": (aten.upsample_bilinear2d.default, lambda x: aten.upsample_bilinear2d.default(x, [6, 8], True), (0,)),
+    "upsample_bicubic2d": (aten.upsample_bicubic2d.default, lambda x: aten.upsample_bicubic2d.default(x, [5, 5], False), (0,)),
+    "upsample_nearest2d_backward": (aten.upsample_nearest2d_backward.default,
+                                    lambda x, g: aten.upsample_nearest2d_backward.default(g, [2, 2], [2, 4, 4, 4]), (1,)),
+    "upsample_bilinear2d_backward": (aten.upsample_bilinear2d_backward.default,
+                                     lambda x, g: aten.upsample_bilinear2d_backward.default(g, [2, 2], [2, 4, 4, 4], False), (1,)),
+    "adaptive_max_pool2d": (aten.adaptive_max_pool2d.default, lambda x: aten.adaptive_max_pool2d.default(x, [2, 3]), ()),
+    "adaptive_max_pool2d_backward": (
+        aten.adaptive_max_pool2d_backward.default,
+        lambda x, g: aten.adaptive_max_pool2d_backward.default(g, x, aten.adaptive_max_pool2d.default(x, [2, 2])[1]), (1,)),
+    "replication_pad2d_backward": (aten.replication_pad2d_backward.default,
+                                   lambda x, g: aten.replication_pad2d_backward.default(g, g[:, :, 1:, :], [0, 0, 1, 0]), (1,)),
+}
 POOL_1D = {
     "avg_pool1d": (aten.avg_pool1d.default, lambda x: aten.avg_pool1d.default(x, [2], [1]), (0,)),
     "adaptive_avg_pool1d": (aten.adaptive_avg_pool1d.default, lambda x: aten.adaptive_avg_pool1d.default(x, [3]), (0,)),
@@ -475,12 +551,12 @@ def test_contraction_shaped(data, name):
     check_op(data.draw, op, fn, inputs, partial=partial)
 
 
-@pytest.mark.parametrize("name", sorted(POOL) + sorted(POOL_1D) + sorted(POOL_3D) + sorted(POOL_COL))
+@pytest.mark.parametrize("name", sorted(POOL) + sorted(POOL_CAPTURED) + sorted(POOL_1D) + sorted(POOL_3D) + sorted(POOL_COL))
 @settings(max_examples=EXAMPLES)
 @given(data=st.data())
 def test_pooling(data, name):
     """Pools, their backwards, upsampling and col2im split batch and channels; linear ones pass Partial."""
-    op, fn, partial = {**POOL, **POOL_1D, **POOL_3D, **POOL_COL}[name]
+    op, fn, partial = {**POOL, **POOL_CAPTURED, **POOL_1D, **POOL_3D, **POOL_COL}[name]
     shapes = {**dict.fromkeys(POOL_1D, (2, 4, 4)), **dict.fromkeys(POOL_3D, (2, 4, 4, 4, 4)), **dict.fromkeys(POOL_COL, (2, 16, 4))}
     x = _rand(*shapes.get(name, (2, 4, 4, 4)))
     inputs = (x, _rand(2, 4, 2, 2)) if name.endswith("backward") else (x,)

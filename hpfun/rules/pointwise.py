@@ -81,8 +81,9 @@ class Like(Rule):
 
 @attrs.frozen(kw_only=True)
 class Factory(Rule):
-    """Ops that make a tensor from a shape (`full`, `zeros`, `scalar_tensor`): replicated output."""
+    """Ops that make a tensor from a shape (`full`, `zeros`, `new_empty_strided`): replicated
+    output. A tensor input gives only dtype and device, so it stays where it is."""
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         r = Layout.replicated(call.mesh)
-        return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
+        return [Strategy(tuple(t.layout for t in call.tensors), (r,) * len(call.outputs))]
