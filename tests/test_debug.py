@@ -1,6 +1,7 @@
 """HPFUN_DEBUG's log records per level, and explain_cache_miss naming what differs."""
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -97,7 +98,7 @@ def test_plain_script_shows_records_on_stderr_and_prints_nothing():
     code = ("import torch, hpfun\nmesh = hpfun.Mesh.simulated((2,), ('tp',))\n"
             "f = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=hpfun.P('tp'))\nf(torch.ones(4))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={"HPFUN_DEBUG": "2", "PATH": ""})
+                          env={**os.environ, "HPFUN_DEBUG": "2"})
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
     assert "hpfun.layouts: <lambda>: %sum_1 = aten.sum.dim_IntList: [S(0)] -> [P(sum)] global []" in done.stderr
