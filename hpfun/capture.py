@@ -24,6 +24,7 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from unittest import mock
@@ -45,6 +46,7 @@ _DECOMPOSE_TOO = [
 ]
 
 
+@functools.cache
 def decompositions() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_DECOMPOSE_TOO))

@@ -127,4 +127,8 @@ def _reduce_terms(terms: list[torch.Tensor], partials: list[Partial]) -> torch.T
         raise LayoutError(f"cannot reduce mixed Partial placements {partials}: redistribute first")
     reduce = partials[0].reduce
     stacked = torch.stack(terms)
-    return {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[reduce].to(terms[0].dtype)
+    if reduce == "sum":
+        return stacked.sum(0).to(terms[0].dtype)
+    if reduce == "avg":
+        return (stacked.sum(0) / len(terms)).to(terms[0].dtype)
+    return stacked.amax(0) if reduce == "max" else stacked.amin(0)

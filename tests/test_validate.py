@@ -17,16 +17,7 @@ aten = torch.ops.aten
 
 # Failures the validator finds in today's rules and library, each with its cause. They are
 # tolerated here (and listed in the test output) until fixed; remove an entry with its fix.
-KNOWN_FAILURES = {
-    # hpfun/sharded.py _reduce_terms evaluates all four reduces of the Partial terms, so
-    # .full() of an integer or complex Partial value raises (mean() of int64, amax of complex)
-    "aten.amin.default": "Sharded.full() of an integer Partial(min) output raises",
-    "aten.amax.default": "Sharded.full() of an integer Partial(max) output raises",
-    "aten._fft_r2c.default": "Sharded.full() of a complex Partial(sum) output raises",
-    # behind that crash, a wrong rule: _to_copy passes Partial(sum) through a cast to an
-    # integer dtype, but trunc(a1) + trunc(a2) != trunc(a1 + a2)
-    "aten._to_copy.default": "Partial(sum) through a cast to int64 (and the .full() crash above)",
-}
+KNOWN_FAILURES: dict[str, str] = {}  # op -> why it fails today; remove an entry once fixed
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ class Pointwise(Rule):
     linear_joint: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     linear_each: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     partial_reduces: tuple[str, ...] = attrs.field(default=("sum", "avg"), converter=tuple)
+    # a cast is linear only into a floating type: int(a1) + int(a2) != int(a1 + a2)
+    linear_to_float_only: bool = False
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         per_axis = []
@@ -38,6 +40,8 @@ class Pointwise(Rule):
 
     def _follow_partial(self, call: OpCall, seed, placement):
         tensors = call.tensors
+        if self.linear_to_float_only and not call.outputs[0].dtype.is_floating_point:
+            return None
         if seed.index in self.linear_each:
             partial = {id(seed)}
         elif seed.index in self.linear_joint and self._joint_args_are_tensors(call):
