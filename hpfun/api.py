@@ -23,7 +23,8 @@ from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
 
 
-def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False, rng: str = "philox"):
+def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False, rng: str = "philox",
+          fallback: str | None = None):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the argument tuple (a `P` or None per leaf or subtree; None
@@ -33,7 +34,9 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False
     hands the per-shard program to `torch.compile` (inductor). Random ops draw from a
     counter-based generator whose values do not depend on the mesh or layouts
     (`rng="philox"`); `rng="native"` uses torch's generator per block instead: faster, but
-    the values change with the layout.
+    the values change with the layout. Ops without a sharding rule are an error listing them all,
+    unless `fallback="replicate"`: they then run on gathered inputs, with a warning naming each
+    op and the bytes it costs.
 
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
@@ -42,12 +45,15 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False
     tensor(12.)
     """
     if f is None:
-        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile, rng=rng)
+        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile, rng=rng,
+                                 fallback=fallback)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
         raise SpecError(f"rng must be 'philox' or 'native', got {rng!r}", headline="bad option")
-    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng))
+    if fallback not in (None, "replicate"):
+        raise SpecError(f"fallback must be None or 'replicate', got {fallback!r}", headline="bad option")
+    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng, fallback=fallback))
 
 
 @attrs.frozen
@@ -56,6 +62,7 @@ class Options:
 
     compile: bool = False
     rng: str = "philox"
+    fallback: str | None = None
 
 
 @attrs.frozen
@@ -152,7 +159,7 @@ class ShardedFunction:
         gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos])
         fold_contractions(gm)
         out_tree, out_example = out_tree_box[-1]
-        propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos])
+        propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos], fallback=self.options.fallback)
         out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
         out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
         in_names = [path for path, leaf in zip(_leaf_paths(args), leaves, strict=True) if leaf.kind != "static"]

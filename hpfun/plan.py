@@ -161,6 +161,8 @@ def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tu
     steps = redistribute_plan(src, dst, shape)
     for step in steps:
         n = group_size(src.mesh, step)
-        wire += step.factor * (n - 1) / n * step_bytes(step, cur, shape, dtype)
+        # ring algorithms: each rank moves (n-1)/n of the larger buffer (an all-gather's output is n inputs)
+        buffer = step_bytes(step, cur, shape, dtype) * (n if isinstance(step, AllGather) else 1)
+        wire += step.factor * (n - 1) / n * buffer
         cur = step.apply(cur)
     return wire, len(steps)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -27,7 +28,7 @@ from hpfun.errors import MissingRuleError, Problem, ShardingError
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
 from hpfun.plan import redistribute_cost
-from hpfun.rules import REGISTRY, OpCall, Strategy, TensorArg, TensorMeta
+from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta
 
 
 def _is_tensor_node(x) -> bool:
@@ -64,8 +65,13 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 PASSES = 2
 
 
-def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY) -> None:
+def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
+              fallback: str | None = None) -> None:
     """Annotate every node of `gm` with its chosen strategy and layouts.
+
+    Ops without a rule are all reported in one MissingRuleError, unless `fallback="replicate"`:
+    then each runs on gathered inputs, and one warning lists every such op and the bytes its
+    gathering costs per rank.
 
     A pass chooses in graph order, so an early consumer cannot know that a later one will
     resolve a Partial value anyway (AdamW's first moment is linear in the gradient, its second
@@ -74,10 +80,12 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
     """
     hint: set = set()
     for _ in range(PASSES):
-        hint = _pass(gm, mesh, input_layouts, registry, set(hint))
+        hint = _pass(gm, mesh, input_layouts, registry, set(hint), fallback)
+    if fallback == "replicate":
+        _warn_fallbacks(gm)
 
 
-def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set) -> set:
+def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None) -> set:
     placeholders = iter(input_layouts)
     missing: list[Problem] = []
     replicated = Layout.replicated(mesh)
@@ -92,6 +100,9 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set) -
         elif node.op == "call_function":
             rule = registry.lookup(node.target)
             call = op_call(node, mesh)
+            if rule is None and fallback == "replicate":
+                rule = _FALLBACK
+                node.meta["hpfun_fallback"] = True
             if rule is None:
                 missing.append(_missing(node, call))
                 outs = (replicated,) * max(len(call.outputs), 1)
@@ -151,6 +162,27 @@ def local_work(rule, call: OpCall, strategy: Strategy) -> float:
     shapes = [(t.shape, l) for t, l in zip(call.tensors, strategy.inputs, strict=True)]
     shapes += [(o.shape, l) for o, l in zip(call.outputs, strategy.outputs, strict=True)]
     return float(sum(math.prod(l.local_shape(shape)) for shape, l in shapes))
+
+
+_FALLBACK = Replicated(reason="no rule: fallback='replicate' runs it on gathered inputs")
+
+
+def _warn_fallbacks(gm: torch.fx.GraphModule) -> None:
+    lines = []
+    for node in gm.graph.nodes:
+        if node.meta.get("hpfun_fallback"):
+            call, strategy = node.meta["hpfun_call"], node.meta["hpfun_strategy"]
+            cost = sum(redistribute_cost(t.layout, l, t.shape, t.dtype)[0]
+                       for t, l in zip(call.tensors, strategy.inputs, strict=True))
+            line = user_line(node.meta.get("stack_trace"))
+            lines.append(f"  {node.target}: gathers {cost:.0f} B per rank" + (f" ({line})" if line else ""))
+    if lines:
+        warnings.warn("ops without a sharding rule run replicated (fallback='replicate'):\n" + "\n".join(lines),
+                      FallbackWarning, stacklevel=4)
+
+
+class FallbackWarning(UserWarning):
+    """Ops ran replicated because they have no sharding rule (fallback='replicate')."""
 
 
 def _missing(node, call: OpCall) -> Problem:
