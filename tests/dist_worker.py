@@ -52,6 +52,26 @@ def compile_small(out: Path):
     torch.save(results, out / f"compile-rank{RANK}.pt")
 
 
+def adopt_and_local(out: Path):
+    """A user-built DeviceMesh adopted, inputs given as this rank's shards: same as global inputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = hpfun.Mesh.from_device_mesh(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    params, (x, y) = mlp_init(), mlp_data()
+    pspec, xspec, yspec = MLP_LAYOUTS["tp"]
+    step = hpfun.shard(mlp_step, mesh=mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()))
+    local = {}
+    for k, v in params.items():
+        layout = pspec[k].to_layout(mesh, v.ndim)
+        block = hpfun.Sharded.from_global(v, layout).local  # what a rank would load from its checkpoint
+        local[k] = hpfun.Sharded.from_local(block.clone(), layout, v.shape)
+    new_local, loss_local = step(local, x, y)
+    new_global, loss_global = step(params, x, y)
+    same = all(torch.equal(new_local[k].local, new_global[k].local) for k in params)
+    torch.save({"same": same, "loss": loss_local.full(), "traces": step.trace_count}, out / f"adopt-rank{RANK}.pt")
+
+
 def mismatch(out: Path):
     """Rank 1 passes a different batch size: every rank must fail, naming the difference."""
     mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
@@ -103,7 +123,7 @@ def _record_error(out: Path, fn):
 
 
 SCENARIOS = {
-    "mlp": run_mlp, "compile": compile_small, "mismatch": mismatch,
+    "mlp": run_mlp, "compile": compile_small, "mismatch": mismatch, "adopt": adopt_and_local,
     "rank_raises": rank_raises, "rank_dies": rank_dies, "rank_stalls": rank_stalls,
 }
 

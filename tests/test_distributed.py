@@ -95,6 +95,22 @@ def test_mlp_steps_match_simulated_and_unsharded(world, tmp_path):
                 assert _rel(value, reference[key]) <= 1e-5, (name, key)
 
 
+def test_adopted_device_mesh_and_local_shards(tmp_path):
+    """Mesh.from_device_mesh adopts a user's DeviceMesh; Sharded.from_local inputs give the same
+    results as global inputs, with one program for both."""
+    codes = launch("adopt", 2, tmp_path)
+    assert codes == [0, 0], _logs(tmp_path)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"adopt-rank{rank}.pt")
+        assert got["same"] and got["traces"] == 1
+        assert _rel(got["loss"], _unsharded_one_step_loss()) <= 1e-6
+
+
+def _unsharded_one_step_loss():
+    params, (x, y) = mlp_init(), mlp_data()
+    return mlp_step(params, x, y)[1]
+
+
 def test_compile_option_on_gloo(tmp_path):
     """compile=True runs the per-shard program through inductor with the same results."""
     codes = launch("compile", 2, tmp_path, timeout=400)
