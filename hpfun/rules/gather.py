@@ -35,6 +35,19 @@ def _dim(call: OpCall, x) -> int:
     return call.arg(1) % max(x.ndim, 1)
 
 
+def _masked_lookup(rule, ctx, call: OpCall, strategy: Strategy, args, kwargs, mask_shape):
+    """gather/index_select of x split along the looked-up dim: each rank looks up the indices in
+    its block and writes 0 elsewhere (the output is Partial(sum)); otherwise the op as is."""
+    x_layout, x = strategy.inputs[0], call.tensors[0]
+    dim = _dim(call, x)
+    if not x_layout.shard_axes(dim):
+        return Rule.emit(rule, ctx, call, strategy, args, kwargs)
+    local_size = x_layout.local_shape(x.shape)[dim]
+    index, inside = _masked_index(ctx, x_layout, x.shape, dim, args[2], local_size, 0)
+    found = ctx.call(call.op, (args[0], dim, index))
+    return ctx.call(aten.where.ScalarOther, (mask_shape(inside, x), found, 0))
+
+
 @attrs.frozen(kw_only=True)
 class Gather(Rule):
     """gather(x, dim, index): output has index's shape."""
@@ -62,14 +75,7 @@ class Gather(Rule):
         return combine_axes(call, per_axis)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
-        x_layout, x = strategy.inputs[0], call.tensors[0]
-        gdim = _dim(call, x)
-        if not x_layout.shard_axes(gdim):
-            return super().emit(ctx, call, strategy, args, kwargs)
-        local_size = x_layout.local_shape(x.shape)[gdim]
-        index, inside = _masked_index(ctx, x_layout, x.shape, gdim, args[2], local_size, 0)
-        found = ctx.call(aten.gather.default, (args[0], gdim, index))
-        return ctx.call(aten.where.ScalarOther, (inside, found, 0))
+        return _masked_lookup(self, ctx, call, strategy, args, kwargs, lambda inside, x: inside)
 
 
 @attrs.frozen(kw_only=True)
@@ -217,12 +223,7 @@ class IndexSelect(Rule):
         return combine_axes(call, per_axis)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
-        x_layout, x = strategy.inputs[0], call.tensors[0]
-        dim = _dim(call, x)
-        if not x_layout.shard_axes(dim):
-            return super().emit(ctx, call, strategy, args, kwargs)
-        local_size = x_layout.local_shape(x.shape)[dim]
-        index, inside = _masked_index(ctx, x_layout, x.shape, dim, args[2], local_size, 0)
-        found = ctx.call(aten.index_select.default, (args[0], dim, index))
-        mask = ctx.call(aten.view.default, (inside, [-1] + [1] * (x.ndim - dim - 1)))
-        return ctx.call(aten.where.ScalarOther, (mask, found, 0))
+        def along_dim(inside, x):  # a 1-D mask over `dim`, broadcast over the dims after it
+            return ctx.call(aten.view.default, (inside, [-1] + [1] * (x.ndim - _dim(call, x) - 1)))
+
+        return _masked_lookup(self, ctx, call, strategy, args, kwargs, along_dim)
