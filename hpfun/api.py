@@ -74,6 +74,7 @@ class _Leaf:
     dtype: torch.dtype | None = None
     layout: Layout | None = None
     value: object = None
+    device: torch.device | None = None  # where the program runs; tensors it creates go there
 
     def describe(self) -> str:
         if self.kind == "static":
@@ -156,7 +157,8 @@ class ShardedFunction:
             out_tree_box.append((out_tree, out))
             return out_flat
 
-        gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos])
+        device = next((leaves[i].device for i in tensor_pos), None)
+        gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos], device)
         fold_contractions(gm)
         out_tree, out_example = out_tree_box[-1]
         propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos], fallback=self.options.fallback)
@@ -221,10 +223,16 @@ def _is_sharded(x) -> bool:
 
 def _leaf(x, layout) -> _Leaf:
     if isinstance(x, Sharded):
-        return _Leaf("tensor", x.global_shape, x.dtype, x.layout)
+        return _Leaf("tensor", x.global_shape, x.dtype, x.layout, device=_run_device(x.layout.mesh, x.shards[0]))
     if isinstance(x, torch.Tensor):
-        return _Leaf("tensor", tuple(x.shape), x.dtype, layout)
+        return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x))
     return _Leaf("static", value=x)
+
+
+def _run_device(mesh: Mesh, x: torch.Tensor) -> torch.device:
+    """A distributed program runs on its ranks' device (inputs are moved there); a simulated
+    one where its inputs are."""
+    return runtime_for(mesh).device if mesh.runtime == "distributed" else x.device
 
 
 def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:

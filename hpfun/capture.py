@@ -139,21 +139,23 @@ def user_line(stack_trace: str | None) -> str:
     return f"{head}: {lines[1]}" if len(lines) > 1 else head
 
 
-def fake_inputs(metas) -> tuple[FakeTensorMode, list]:
-    """Fake tensors of the given (shape, dtype) pairs in one fake mode."""
+def fake_inputs(metas, device=None) -> tuple[FakeTensorMode, list]:
+    """Fake tensors of the given (shape, dtype) pairs in one fake mode, on `device` (no memory,
+    and no GPU needed: the device only ends up in the recorded factory ops' arguments)."""
     mode = FakeTensorMode()
     with mode:
-        return mode, [torch.empty(shape, dtype=dtype) for shape, dtype in metas]
+        return mode, [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
 
 
-def capture(flat_fn, metas) -> torch.fx.GraphModule:
-    """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype).
+def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
+    """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype),
+    on the device the program will run on (tensors the function creates are made there).
 
     The first trace runs the function as written (torch.func transforms and autograd.Functions
     such as `hpfun.constrain` compose there); only if it recorded in-place ops is the graph
     traced again through functionalization, keeping each node's source line.
     """
-    _, fakes = fake_inputs(metas)
+    _, fakes = fake_inputs(metas, device)
     gm = _trace(flat_fn, fakes)
     if _mutates(gm):
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), fakes)

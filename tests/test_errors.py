@@ -109,3 +109,18 @@ def test_megatron_specs_on_a_mesh_without_tp():
     f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(MEGATRON, P("dp"), P("dp")))
     err, _ = _raise(f, mlp_init(), *mlp_data(), error=hpfun.SpecError)
     assert len(err.problems) == 3  # w1, b1, w2 name tp
+
+
+def test_capture_records_the_run_device_in_created_tensors():
+    """Tensors the function creates are made on the device the program runs on (checked on a
+    fake CUDA trace: no GPU needed), and on the CPU for CPU inputs."""
+    from hpfun.capture import capture
+
+    def f(x):  # cross-entropy's decomposition creates scalar tensors of its own
+        labels = torch.zeros(4, dtype=torch.int64, device=x.device)
+        return [torch.nn.functional.cross_entropy(x + torch.rand(4, 3, device=x.device), labels)]
+
+    for device in ("cpu", "cuda"):
+        gm = capture(f, [((4, 3), torch.float32)], torch.device(device))
+        devices = {n.kwargs["device"].type for n in gm.graph.nodes if "device" in n.kwargs}
+        assert devices == {device}
