@@ -207,3 +207,13 @@ class Relabel:
 
 
 COMMUNICATING = (AllReduce, AllGather, ReduceScatter, AllToAll)
+_FACTORS = {step.kind: step.factor for step in COMMUNICATING}
+
+
+def wire_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank moves for a collective handed `nbytes` per rank over `n` ranks (ring
+    algorithms: (n-1)/n of the larger buffer, an all-gather's output being n inputs)."""
+    if kind not in _FACTORS:
+        return 0.0  # local steps
+    buffer = nbytes * (n if kind == "all_gather" else 1)
+    return _FACTORS[kind] * (n - 1) / n * buffer

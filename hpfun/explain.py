@@ -37,7 +37,7 @@ import re
 import attrs
 import torch
 
-from hpfun.collectives import COMMUNICATING
+from hpfun.collectives import wire_bytes
 from hpfun.errors import HpfunError, Problem
 from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
@@ -45,7 +45,6 @@ from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 
 SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 1
-_FACTOR = {step.kind: step.factor for step in COMMUNICATING}  # bytes on the wire per buffer byte
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,8 +224,7 @@ class Cost:
 
 
 def _wire_bytes(c: dict) -> float:
-    n = c["group_size"]
-    return _FACTOR[c["kind"]] * (n - 1) / n * c["bytes"]
+    return wire_bytes(c["kind"], c["bytes"], c["group_size"])
 
 
 def _seconds(c: dict, model: CostModel) -> float:

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
 from hpfun.plan import group_size, redistribute_plan, step_bytes
-from hpfun.propagate import _is_tensor_node, tensor_inputs
+from hpfun.propagate import _is_tensor_node
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from hpfun.collectives import (
-    COMMUNICATING, AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial,
+    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial, wire_bytes,
 )
 from hpfun.errors import ShardingError
 from hpfun.layout import Layout, Partial, R, Shard
@@ -27,17 +27,11 @@ from hpfun.layout import Layout, Partial, R, Shard
 
 @attrs.frozen
 class CostModel:
-    """alpha-beta time per collective: alpha + factor * bytes / beta (seconds); per-axis overrides."""
+    """alpha-beta time per collective: alpha + wire bytes / beta (seconds); per-axis overrides."""
 
     alpha: float = 5e-6
     beta: float = 10e9
     per_axis: dict = attrs.field(factory=dict)  # axis name -> (alpha, beta)
-
-    def seconds(self, step, nbytes: int, axis_name: str) -> float:
-        if not isinstance(step, COMMUNICATING):
-            return 0.0
-        alpha, beta = self.per_axis.get(axis_name, (self.alpha, self.beta))
-        return alpha + step.factor * nbytes / beta
 
 
 def redistribute_plan(src: Layout, dst: Layout, shape) -> tuple:
@@ -161,8 +155,6 @@ def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tu
     steps = redistribute_plan(src, dst, shape)
     for step in steps:
         n = group_size(src.mesh, step)
-        # ring algorithms: each rank moves (n-1)/n of the larger buffer (an all-gather's output is n inputs)
-        buffer = step_bytes(step, cur, shape, dtype) * (n if isinstance(step, AllGather) else 1)
-        wire += step.factor * (n - 1) / n * buffer
+        wire += wire_bytes(step.kind, step_bytes(step, cur, shape, dtype), n)
         cur = step.apply(cur)
     return wire, len(steps)

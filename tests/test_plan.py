@@ -234,3 +234,11 @@ def test_redistribute_to_another_mesh_is_an_error():
     x = hpfun.Sharded.from_global(torch.zeros(4), hpfun.parse("[S(0)] on {dp: 2}"))
     with pytest.raises(hpfun.HpfunError, match="mesh"):
         hpfun.redistribute(x, hpfun.parse("[R] on {tp: 2}"))
+
+
+def test_all_gather_is_priced_by_the_buffer_it_produces():
+    """A ring all-gather moves (n-1)/n of its output (n inputs): on 4 ranks, 3 local blocks."""
+    src = hpfun.parse("[S(0)] on {dp: 4}")
+    dst = hpfun.parse("[R] on {dp: 4}")
+    wire, steps = redistribute_cost(src, dst, (8, 4), torch.float32)
+    assert (wire, steps) == (3 * 2 * 4 * 4, 1)  # each rank receives three (2, 4) float32 blocks

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from hpfun.errors import Problem, ShardingError
-from hpfun.layout import Layout, Partial, R, Shard
+from hpfun.layout import Layout, R, Shard
 from hpfun.mesh import Mesh
 
 
@@ -115,12 +115,6 @@ def replicated_option(call: OpCall) -> AxisOption:
     return (R,) * len(call.tensors), (R,) * len(call.outputs)
 
 
-def is_linear_partial(p, reduces=("sum", "avg")) -> bool:
-    return isinstance(p, Partial) and p.reduce in reduces
-
-
-def shard_dim(p) -> int | None:
-    return p.dim if isinstance(p, Shard) else None
 
 
 # ---------------------------------------------------------------------------------------------
