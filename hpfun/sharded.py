@@ -48,7 +48,11 @@ class Sharded:
 
     @classmethod
     def from_local(cls, tensor: torch.Tensor, layout: Layout, global_shape) -> "Sharded":
-        """This rank's shard of a value laid out by `layout` on a distributed mesh."""
+        """This rank's shard of a value laid out by `layout` on a distributed mesh.
+
+        Ranks that differ only along Replicate axes must pass identical tensors, Partial terms
+        included: rules rely on it (a product of values Partial over different axes is Partial
+        over both only if each factor's terms repeat along the other's axis)."""
         if layout.mesh.runtime != "distributed":
             raise LayoutError("from_local is for distributed meshes; in a simulation give all shards: "
                               "Sharded(layout, global_shape, shards) or Sharded.from_global")

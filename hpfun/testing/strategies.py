@@ -131,10 +131,13 @@ def _with_partial_terms(tensor: torch.Tensor, layout: Layout, seed: int) -> Shar
     value = on_grid(tensor)
     local = layout.local_shape(tensor.shape)
     shards: list = [None] * mesh.size
+    terms_of: dict[tuple, list] = {}  # Replicate means identical local data: one set of terms per block
     for group in mesh.groups(layout.partial_axes):
-        offsets = layout.offsets(tensor.shape, mesh.coords(group[0]))
-        block = value[tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))]
-        for rank, term in zip(group, _terms(block, reduce, len(group), generator), strict=True):
+        offsets = tuple(layout.offsets(tensor.shape, mesh.coords(group[0])))
+        if offsets not in terms_of:
+            block = value[tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))]
+            terms_of[offsets] = _terms(block, reduce, len(group), generator)
+        for rank, term in zip(group, terms_of[offsets], strict=True):
             shards[rank] = term.contiguous()
     return Sharded(layout, tuple(tensor.shape), tuple(shards))
 
