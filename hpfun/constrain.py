@@ -1,4 +1,4 @@
-"""`hpfun.constrain(x, spec)`: pin the layout of an intermediate value (and of its gradient).
+"""`hpfun.constrain(x, spec, grad=None)`: pin the layout of an intermediate value and of its gradient.
 
 Propagation picks intermediate layouts by cost; sometimes the user knows better, e.g. sequence
 parallelism keeps the activations around each norm split along the sequence. `constrain` is an
@@ -36,20 +36,26 @@ _constrain = torch.ops.hpfun.constrain.default
 
 class _Constrain(torch.autograd.Function):
     @staticmethod
-    def forward(x, spec):
+    def forward(x, spec, grad_spec):
         return _constrain(x, spec)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec = inputs[1]
+        ctx.grad_spec = inputs[2]
 
     @staticmethod
     def backward(ctx, grad):
-        return _constrain(grad, ctx.spec), None
+        return _constrain(grad, ctx.grad_spec), None, None
 
 
-def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
+def constrain(x: torch.Tensor, spec: P, *, grad: P | None = None) -> torch.Tensor:
     """Inside a sharded function: `x`, laid out as `spec` on the function's mesh (an identity).
+    Its gradient is laid out as `grad` (default: `spec` too).
+
+    A different `grad` spells Megatron's sequence-parallel all-gather: the norm's output,
+    split along the sequence, is pinned whole for the column-parallel matmuls
+    (`constrain(y, P(), grad=P(None, "tp"))`), and its gradient, a Partial sum from their
+    backward, arrives split along the sequence again: one reduce-scatter, not an all-reduce.
 
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("tp",))
@@ -57,9 +63,12 @@ def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
     >>> f(torch.ones(2, 4)).layout.placements
     (Shard(dim=1),)
     """
-    if not isinstance(spec, P):
-        raise SpecError(f"constrain needs an hpfun.P spec, got {spec!r}")
-    return _Constrain.apply(x, _encode(spec))
+    for name, value in (("spec", spec), ("grad", grad)):
+        if value is not None and not isinstance(value, P):
+            raise SpecError(f"constrain needs an hpfun.P {name}, got {value!r}")
+    if spec is None:
+        raise SpecError("constrain needs an hpfun.P spec, got None")
+    return _Constrain.apply(x, _encode(spec), _encode(spec if grad is None else grad))
 
 
 @attrs.frozen(kw_only=True)

@@ -1,17 +1,15 @@
-"""Propagate: choose a strategy for every node, in graph order, by communication bytes.
+"""Propagate: choose a strategy for every node by communication bytes and local work.
 
 For each op the registry's rule lists candidate strategies given the inputs' current layouts;
 each is priced by the redistributions it needs (a layout an input already reached for another
 consumer is free) plus the local work it leaves each rank (WORK_BYTES per flop or element
 touched: without it, a contraction would rather gather its small operand than resolve a Partial
 one, and compute unsharded from there on), and the cheapest wins (ties: fewer steps, then the
-rule's order). Keeping a
-Partial costs nothing now; it is resolved where a consumer needs it, which for a gradient is
-where the parameter update meets the replicated parameter (bytes of the parameter, not of the
-activations: the cheaper side once tokens outnumber hidden units). Results go
-into `node.meta`: "hpfun_layout" (a Layout, or a tuple for multi-output ops), "hpfun_call",
-"hpfun_rule" and "hpfun_strategy". Partial values stay Partial until a consumer needs otherwise.
-All ops without a rule are reported together.
+rule's order). Keeping a Partial costs nothing at the op; where it is resolved is settled for
+the whole graph by a minimum cut, and a few look-ahead rounds let producers see what their
+consumers asked for (see `propagate`). Results go into `node.meta`: "hpfun_layout" (a Layout,
+or a tuple for multi-output ops), "hpfun_call", "hpfun_rule" and "hpfun_strategy". All ops
+without a rule are reported together.
 """
 
 from __future__ import annotations
@@ -20,12 +18,13 @@ import math
 import operator
 import warnings
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from hpfun.capture import user_line
 from hpfun.errors import MissingRuleError, Problem, ShardingError
-from hpfun.layout import Layout
+from hpfun.layout import Layout, Partial, R
 from hpfun.mesh import Mesh
 from hpfun.plan import redistribute_cost
 from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta
@@ -63,6 +62,7 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 PASSES = 2
+LOOKAHEAD = 3
 
 
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
@@ -77,19 +77,65 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
     resolve a Partial value anyway (AdamW's first moment is linear in the gradient, its second
     is not). The next pass starts knowing every layout the previous one materialized, so the
     early consumer takes the resolved value too, for free.
+
+    Choosing in graph order also keeps a Partial value lazy through every linear consumer, which
+    is right for one hop and can be wrong for many: a vocab-parallel head's input gradient is
+    linear all the way back, so kept lazy it reaches every weight's gradient, and each of those is
+    resolved where the update needs it. Where to resolve is a minimum cut (`partial_cuts`): after
+    the greedy passes, the values kept Partial on a mesh axis form a graph from where the sum was
+    created to where a consumer needed it resolved, and the cheapest set of values to resolve
+    instead is found per axis; the greedy passes then run again with those values resolved. The
+    annotation with the lower total price is kept, so the cut can only help.
+
+    Last, up to LOOKAHEAD rounds that look one step ahead: each strategy is also charged for
+    moving its output to the layouts its consumers asked for in the previous annotation (a
+    matmul whose consumer re-split its output by all-to-all would rather gather its other
+    operand), and an op whose consumers asked for a split of a replicated output is offered
+    the strategies of its rule for that input taken split (taking a block moves nothing), so
+    an embedding's gradient is accumulated only for the rank's rows of a vocab-split table.
+    Each round keeps the cheaper annotation by the true price (without the look-ahead charge).
     """
-    hint: set = set()
-    for _ in range(PASSES):
-        hint = _pass(gm, mesh, input_layouts, registry, set(hint), fallback)
+    def greedy(resolve, wanted) -> tuple[float, dict]:
+        hint: set = set()
+        for _ in range(PASSES):
+            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted)
+        return total, requested
+
+    total, requested = greedy({}, {})
+    best = (total, {}, {})  # price, values to resolve, layouts asked for
+    resolve = partial_cuts(gm, mesh)
+    current = best
+    if not _already_resolved(gm, resolve):
+        total, cut_requested = greedy(resolve, {})
+        current = (total, resolve, {})
+        if total < best[0]:  # the cut's model is per axis: keep it only where it helped
+            best, requested = current, cut_requested
+    for _ in range(LOOKAHEAD):  # each round moves a wanted layout one producer further back
+        total, next_requested = greedy(best[1], requested)
+        current = (total, best[1], requested)
+        if total >= best[0]:
+            break
+        best, merged = current, {v: set(asked) for v, asked in requested.items()}
+        for v, asked in next_requested.items():  # what any round asked for
+            merged.setdefault(v, set()).update(asked)
+        requested = merged
+    if current is not best:
+        greedy(best[1], best[2])  # back to the cheapest annotation
     if fallback == "replicate":
         _warn_fallbacks(gm)
 
 
-def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None) -> set:
+def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None,
+          resolve=None, wanted=None) -> tuple[set, float, dict]:
+    """One greedy pass in graph order; returns the layouts it materialized, its total price
+    (bytes moved, including resolving Partial outputs, plus weighted local work) and, per
+    value, the other layouts its consumers asked for."""
     placeholders = iter(input_layouts)
     missing: list[Problem] = []
     replicated = Layout.replicated(mesh)
     materialized: set[tuple[torch.fx.Node, Layout]] = set()
+    requested: dict[torch.fx.Node, set[Layout]] = {}
+    total = 0.0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["hpfun_layout"] = next(placeholders)
@@ -108,15 +154,105 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
                 outs = (replicated,) * max(len(call.outputs), 1)
                 node.meta["hpfun_layout"] = _placed(node, outs)
                 continue
-            strategy = _choose(node, call, rule, reached)
+            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {})
+            total += WORK_BYTES * local_work(rule, call, strategy)
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
                 materialized.add((producer, layout))
+                if layout != producer.meta["hpfun_layout"]:
+                    requested.setdefault(producer, set()).add(layout)
             node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
             node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
+        elif node.op == "output":
+            for value in _tensor_leaves(node.args):
+                for a in value.meta["hpfun_layout"].partial_axes:
+                    total += _resolve_bytes(value, a)
     if missing:
         raise MissingRuleError(missing)
-    return materialized
+    for producer, layout in materialized:  # each layout a value reaches is paid for once
+        val = producer.meta["val"]
+        total += redistribute_cost(producer.meta["hpfun_layout"], layout, tuple(val.shape), val.dtype)[0]
+    return materialized, total, requested
+
+
+def _already_resolved(gm: torch.fx.GraphModule, resolve: dict) -> bool:
+    """Whether every consumer of every value in `resolve` already takes it resolved."""
+    for node in gm.graph.nodes:
+        strategy = node.meta.get("hpfun_strategy")
+        if strategy is None:
+            continue
+        for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
+            if any(isinstance(layout.placements[a], Partial) for a in resolve.get(producer, ())):
+                return False
+    return True
+
+
+def _tensor_leaves(args) -> list[torch.fx.Node]:
+    return [x for x in pytree.tree_leaves(args) if _is_tensor_node(x)]
+
+
+def _resolve_bytes(value: torch.fx.Node, axis: int) -> float:
+    """Bytes one rank sends to all-reduce `value`'s Partial on mesh axis `axis`."""
+    layout, val = value.meta["hpfun_layout"], value.meta["val"]
+    return redistribute_cost(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype)[0]
+
+
+def _partial_on(value, axis: int) -> bool:
+    layout = value.meta.get("hpfun_layout")
+    return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
+
+
+def _values(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes holding `node`'s output tensors: itself, or its getitem users for a tuple."""
+    if isinstance(node.meta.get("hpfun_layout"), Layout):
+        return [node]
+    return [u for u in node.users if u.target is operator.getitem]
+
+
+def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, frozenset[int]]:
+    """Per value, the mesh axes on which its Partial should be resolved where it is produced.
+
+    For each mesh axis, from the current annotation: a value kept Partial flows from its source
+    (an op that created the sum, or an input) through consumers that keep it Partial, to consumers
+    (or outputs) that need it resolved. Each value is a node with capacity the bytes of
+    resolving it; a minimum S-T vertex cut is the cheapest set of values to resolve so that no
+    unresolved sum reaches a consumer that needs it resolved.
+    """
+    import networkx as nx  # a dependency of torch: max-flow/min-cut, well tested
+
+    resolve: dict[torch.fx.Node, set[int]] = {}
+    for a, size in enumerate(mesh.shape):
+        if size == 1:
+            continue
+        g = nx.DiGraph()
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and _partial_on(node, a):
+                g.add_edge("S", ("in", node))
+                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a) + 1)
+            elif node.op == "output":
+                for value in _tensor_leaves(node.args):
+                    if _partial_on(value, a):
+                        g.add_edge(("out", value), "T")
+            elif node.op == "call_function" and "hpfun_strategy" in node.meta:
+                kept, needs = [], []
+                for producer, layout in zip(tensor_inputs(node), node.meta["hpfun_strategy"].inputs, strict=True):
+                    if _partial_on(producer, a):
+                        (kept if isinstance(layout.placements[a], Partial) else needs).append(producer)
+                for producer in needs:
+                    g.add_edge(("out", producer), "T")
+                for value in _values(node):
+                    if not _partial_on(value, a):
+                        continue
+                    g.add_edge(("in", value), ("out", value), capacity=_resolve_bytes(value, a) + 1)  # +1: fewer collectives on ties
+                    for producer in kept or ["S"]:
+                        g.add_edge(producer if producer == "S" else ("out", producer), ("in", value))
+        if "S" not in g or "T" not in g or not nx.has_path(g, "S", "T"):
+            continue
+        _, (source_side, _) = nx.minimum_cut(g, "S", "T")
+        for key in source_side:
+            if key != "S" and key[0] == "in" and ("out", key[1]) not in source_side:
+                resolve.setdefault(key[1], set()).add(a)
+    return {value: frozenset(axes) for value, axes in resolve.items()}
 
 
 def _placed(node: torch.fx.Node, layouts: tuple):
@@ -129,7 +265,11 @@ def _placed(node: torch.fx.Node, layouts: tuple):
     return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
-def _choose(node, call: OpCall, rule, reached) -> Strategy:
+def _choose(node, call: OpCall, rule, reached, resolve, wanted) -> tuple[Strategy, OpCall]:
+    """The cheapest strategy, and the call its rule saw. Inputs in `resolve` must arrive
+    without Partial on the axes listed there, when the rule offers such a strategy. With
+    `wanted` (layouts the consumers asked for, per value), a strategy is also charged for
+    reaching those from its outputs, and `_hinted` strategies are offered too."""
     candidates = rule.strategies(call)
     if not candidates:
         layouts = ", ".join(t.layout.placements_str() for t in call.tensors)
@@ -138,6 +278,17 @@ def _choose(node, call: OpCall, rule, reached) -> Strategy:
             "check the rule's shapes; a rule must at least offer the replicated strategy",
         ))
     producers = tensor_inputs(node)
+    calls = {id(s): call for s in candidates}
+    if wanted:
+        for strategy, hypothetical in _hinted(node, call, rule, wanted):
+            candidates.append(strategy)
+            calls[id(strategy)] = hypothetical
+    if resolve:
+        def resolves(strategy):
+            return not any(isinstance(layout.placements[a], Partial)
+                           for producer, layout in zip(producers, strategy.inputs, strict=True)
+                           for a in resolve.get(producer, ()))
+        candidates = [s for s in candidates if resolves(s)] or candidates
 
     def price(item):
         index, strategy = item
@@ -149,7 +300,63 @@ def _choose(node, call: OpCall, rule, reached) -> Strategy:
         pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
         return wire + WORK_BYTES * local_work(rule, call, strategy), steps, pending, index
 
-    return min(enumerate(candidates), key=price)[1]
+    values = _output_values(node) if wanted else []
+
+    def ahead(item):
+        own = price(item)
+        onward = sum(redistribute_cost(layout, want, out.shape, out.dtype)[0]
+                     for value, layout, out in zip(values, item[1].outputs, call.outputs)
+                     if value is not None for want in wanted.get(value, ()) if want != layout)
+        return (own[0] + onward,) + own[1:]
+
+    chosen = min(enumerate(candidates), key=ahead if values else price)[1]
+    return chosen, calls[id(chosen)]
+
+
+def _hinted(node, call: OpCall, rule, wanted) -> list[tuple[Strategy, OpCall]]:
+    """Strategies giving an output layout the consumers asked for, from the rule's view of an
+    input of the output's shape taken in that layout, where taking it moves nothing (a block of
+    a replicated input); each with the call the rule saw."""
+    values = _output_values(node)
+    if len(values) != 1 or values[0] not in wanted:
+        return []
+    out, found = call.outputs[0], []
+    for want in wanted[values[0]]:
+        if want.partial_axes:
+            continue
+        for i, t in enumerate(call.tensors):
+            if t.shape != out.shape or t.layout == want or redistribute_cost(t.layout, want, t.shape, t.dtype)[0]:
+                continue
+            hypothetical = _with_layout(call, i, want)
+            try:
+                options = rule.strategies(hypothetical)
+            except ShardingError:
+                continue
+            found += [(s, hypothetical) for s in options if s.outputs[0] == want]
+    return found
+
+
+def _with_layout(call: OpCall, position: int, layout: Layout) -> OpCall:
+    """`call` with its tensor argument number `position` (flattening order) in `layout`."""
+    count = iter(range(1 << 30))
+
+    def swap(x):
+        if isinstance(x, TensorArg) and next(count) == position:
+            return attrs.evolve(x, layout=layout)
+        return x
+
+    args, kwargs = pytree.tree_map(swap, (call.args, call.kwargs))
+    return attrs.evolve(call, args=args, kwargs=kwargs)
+
+
+def _output_values(node: torch.fx.Node) -> list:
+    """Per tensor output of `node`, the node that holds it (None for an unused tuple element)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [node]
+    by_index = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    leaves = pytree.tree_leaves(val)
+    return [by_index.get(i) for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
 
 
 WORK_BYTES = 1.0  # cost of one flop (or element touched) per rank, in bytes of communication

@@ -31,7 +31,8 @@ def test_fallback_runs_replicated_with_a_warning_naming_ops_and_bytes():
     assert "aten.special_bessel_j0.default: gathers 64 B per rank" in text
     assert "aten.special_bessel_j1.default" in text and "test_fallback.py" in text
     torch.testing.assert_close(out.full(), uses_unruled_ops(x))
-    assert [c.kind for c in f.lower(x).collectives] == ["all_gather", "all_gather"]
+    # x is gathered once: x * 2 runs on it whole rather than be gathered again for bessel_j1
+    assert [c.kind for c in f.lower(x).collectives] == ["all_gather"]
 
 
 def test_fallback_option_is_checked():

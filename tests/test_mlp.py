@@ -63,14 +63,14 @@ def _expected(shape, layout):
     rows = B * F32 if layout == "class" else B // 2 * F32
     # max, sum of exponentials, and the row sum of the log-softmax backward: one number per row
     head = [("all_reduce", ("tp",), rows)] * 2
+    # the hidden layer's gradient, Partial over the class split, summed once (B x F is smaller
+    # than w1 and b1, whose gradients it would otherwise reach)
     if layout == "class":
-        return head + [("all_reduce", ("tp",), rows)] + [
-            ("all_reduce", ("tp",), nbytes) for nbytes in (D * F * F32, F * F32, F32)
-        ]
-    both = ("dp", "tp")
-    return head + [("all_reduce", ("dp",), 4), ("all_reduce", ("tp",), rows)] + [
-        ("all_reduce", both, D * F * F32), ("all_reduce", both, F * F32),
-        ("all_reduce", ("dp",), F * C // 2 * F32), ("all_reduce", ("dp",), C // 2 * F32), ("all_reduce", both, F32),
+        return head + [("all_reduce", ("tp",), rows), ("all_reduce", ("tp",), B * F * F32), ("all_reduce", ("tp",), F32)]
+    dp = ("dp",)
+    return head + [("all_reduce", dp, 4), ("all_reduce", ("tp",), rows), ("all_reduce", ("tp",), B // 2 * F * F32)] + [
+        ("all_reduce", dp, D * F * F32), ("all_reduce", dp, F * F32),
+        ("all_reduce", dp, F * C // 2 * F32), ("all_reduce", dp, C // 2 * F32), ("all_reduce", ("dp", "tp"), F32),
     ]
 
 

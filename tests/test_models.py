@@ -72,44 +72,65 @@ def test_gpt_data_parallel_all_reduces_each_gradient_once():
     assert got == expected
 
 
-def test_gpt_tensor_parallel_forward_is_megatron():
-    """TP: only all-reduces; two activation all-reduces per layer in the forward (as Megatron), at most
-    two more per layer in the backward, and otherwise only replicated parameters' gradients."""
-    params = gpt_init()
-    collectives, _ = _gpt((2,), ("tp",), gpt_specs(params, tp="tp"), P(), steps=1)
-    assert {c.kind for c in collectives} == {"all_reduce"}
-    activations = [c for c in collectives if c.bytes == ACTIVATION]
-    forward = [c for c in activations if c.op == "aten.native_layer_norm.default"]
-    assert len(forward) == 2 * GPT["layers"]
-    assert len(activations) <= 4 * GPT["layers"]  # Megatron: 2 forward + 2 backward per layer
-    replicated = {p.numel() * F32 for k, p in params.items() if not gpt_specs(params, tp="tp")[k].dims}
-    assert all(c.bytes in replicated for c in collectives if c.bytes != ACTIVATION)
+def test_gpt_tensor_parallel_is_megatron():
+    """TP: exactly Megatron's collectives, two activation all-reduces per layer in the forward
+    and two in the backward; the replicated parameters' gradients are computed whole from
+    resolved values, so they need none."""
+    collectives, _ = _gpt((2,), ("tp",), gpt_specs(gpt_init(), tp="tp"), P(), steps=1)
+    assert Counter((c.kind, c.bytes) for c in collectives) == {("all_reduce", ACTIVATION): 4 * GPT["layers"]}
 
 
 def test_gpt_vocab_parallel_embedding_and_loss_never_move_logits():
-    """Vocab-split embedding table and tied head: the loss needs three per-row all-reduces (max,
-    sum of exponentials, the softmax backward's row sum) and the embedding one of the
-    activations; the logits never move.
-
-    Known excess (a limit of choosing in graph order): the head's input gradient stays Partial
-    through the blocks' backward, so each replicated weight's gradient is all-reduced; resolving
-    the activation gradient once at the head would move less at this size."""
+    """Vocab-split embedding table and tied head, the analytic minimum: the looked-up rows
+    summed once; the loss's three per-row all-reduces (max, sum of exponentials, the softmax
+    backward's row sum); the head's input gradient summed once (it is linear all the way back,
+    so kept lazy it would reach every weight's gradient); the loss. The logits never move, and
+    both halves of the tied table's gradient stay split."""
     params = gpt_init()
     collectives, _ = _gpt((2,), ("tp",), gpt_specs(params, vocab="tp"), P(), steps=1)
     rows = B * GPT["seq"] * F32
-    assert sum(c.bytes == rows for c in collectives) == 3
-    assert collectives[0].op == "aten.native_layer_norm.default" and collectives[0].bytes == ACTIVATION
-    assert {c.kind for c in collectives} <= {"all_reduce", "reduce_scatter"}  # no gather: logits stay split
+    assert [(c.kind, c.bytes) for c in collectives] == [
+        ("all_reduce", ACTIVATION), ("all_reduce", rows), ("all_reduce", rows), ("all_reduce", rows),
+        ("all_reduce", ACTIVATION), ("all_reduce", F32)]
+    assert "embedding is [P(sum)]" in collectives[0].reason  # the masked lookup's sum
 
 
-def test_gpt_sequence_parallel_norms():
-    """Sequence parallel: the residual stream pinned split along the sequence (hpfun.constrain)
-    around the norms; the step still equals the unsharded one, with reduce-scatters and all-gathers
-    where the stream changes layout."""
+def test_gpt_sequence_parallel_is_megatron_sp():
+    """Sequence parallel (Megatron-SP): the residual stream and the norms split along the sequence,
+    each norm's output gathered for the matmuls after it. Per layer, two all-gathers and two
+    reduce-scatters of the activations in the forward and two each in the backward, and one
+    all-gather before the head; the norms' and the row-parallel biases' gradients (summed over a
+    split sequence) all-reduced; the token embedding's gradient built from the gathered
+    activation gradient (smaller than the table's all-reduce).
+
+    Known excess: the position table's gradient is split along the sequence, so its AdamW update
+    runs split and the table and both moments are gathered at the output (three small
+    all-gathers where gathering the gradient once would do)."""
     params = gpt_init()
     collectives, _ = _gpt((2,), ("tp",), gpt_specs(params, tp="tp"), P(), seq_split=P(None, "tp"), steps=1)
-    kinds = Counter(c.kind for c in collectives)
-    assert kinds["reduce_scatter"] >= 2 * GPT["layers"] and kinds["all_gather"] >= 2 * GPT["layers"]
+    layers, d, seq = GPT["layers"], GPT["d"], GPT["seq"]
+    assert Counter((c.kind, c.bytes) for c in collectives) == {
+        ("all_gather", ACTIVATION // 2): 4 * layers + 1 + 1,  # blocks, head, embedding gradient
+        ("reduce_scatter", ACTIVATION): 4 * layers,
+        ("all_reduce", d * F32): 4 * layers + 2 + layers,  # norms' weights and biases, b2
+        ("all_gather", seq * d * F32 // 2): 3,  # wpe and its two moments
+    }
+
+
+def test_gpt_data_tensor_vocab_parallel_is_the_sum_of_its_parts():
+    """2-D dp x tp with Megatron TP and the vocab split: over tp, the TP and vocab collectives
+    on half the batch; over dp, one all-reduce per parameter gradient (its shard) and the label
+    count; the loss over both."""
+    params = gpt_init()
+    specs = gpt_specs(params, tp="tp", vocab="tp")
+    collectives, _ = _gpt((2, 2), ("dp", "tp"), specs, P("dp"), steps=1)
+    rows = B // 2 * GPT["seq"] * F32
+    expected = Counter({("all_reduce", ("tp",), ACTIVATION // 2): 1 + 1 + 4 * GPT["layers"],  # lookup, head grad, blocks
+                        ("all_reduce", ("tp",), rows): 3, ("all_reduce", ("dp", "tp"), F32): 1})
+    expected += Counter(("all_reduce", ("dp",), p.numel() * F32 // (2 if "tp" in str(specs[k]) else 1))
+                        for k, p in params.items())
+    expected[("all_reduce", ("dp",), F32)] += 1  # the label count
+    assert Counter((c.kind, c.axes, c.bytes) for c in collectives) == expected
 
 
 # ---------------------------------------------------------------------------------------------

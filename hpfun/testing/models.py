@@ -83,7 +83,7 @@ def mlp_dropout_step(params: dict, x: torch.Tensor, y: torch.Tensor, lr: float =
 # a GELU MLP, tied output head) and a functional AdamW
 # ---------------------------------------------------------------------------------------------
 
-GPT = {"vocab": 32, "seq": 8, "d": 16, "heads": 2, "layers": 2}
+GPT = {"vocab": 128, "seq": 8, "d": 16, "heads": 2, "layers": 2}
 
 
 def gpt_init(*, seed: int = 0, **sizes) -> dict:
@@ -124,23 +124,27 @@ def _attention(x, p, i, heads):
 
 
 def gpt_loss(params: dict, idx: torch.Tensor, targets: torch.Tensor, *, heads: int = GPT["heads"], seq_split=None):
-    """Next-token cross-entropy. `seq_split` (a P spec) pins the residual stream's layout around
-    the norms (sequence parallelism)."""
-    pin = (lambda x: x) if seq_split is None else (lambda x: _constrain(x, seq_split))
+    """Next-token cross-entropy. `seq_split` (a P spec, e.g. P(None, "tp")) pins the residual
+    stream and the norms split along the sequence, and each norm's output gathered whole for the
+    matmuls after it, its gradient reduce-scattered back (Megatron's sequence parallelism)."""
+    pin, whole = (lambda x: x), (lambda x: x)
+    if seq_split is not None:  # Megatron-SP: gather each norm's output, reduce-scatter its gradient
+        gathered = P(*seq_split.dims[:1])  # the batch stays as it was split
+        pin, whole = (lambda x: _constrain(x, seq_split)), (lambda x: _constrain(x, gathered, grad=seq_split))
     x = pin(F.embedding(idx, params["wte"]) + params["wpe"])
     layers = sum(1 for k in params if k.endswith(".wq"))
     for i in range(layers):
-        x = pin(x + _attention(_ln(x, params, f"h{i}.ln1"), params, i, heads))
-        h = F.gelu(_ln(x, params, f"h{i}.ln2") @ params[f"h{i}.w1"] + params[f"h{i}.b1"])
+        x = pin(x + _attention(whole(_ln(x, params, f"h{i}.ln1")), params, i, heads))
+        h = F.gelu(whole(_ln(x, params, f"h{i}.ln2")) @ params[f"h{i}.w1"] + params[f"h{i}.b1"])
         x = pin(x + h @ params[f"h{i}.w2"] + params[f"h{i}.b2"])
-    logits = _ln(x, params, "ln_f") @ params["wte"].t()  # tied output head
+    logits = whole(_ln(x, params, "ln_f")) @ params["wte"].t()  # tied output head
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _constrain(x, spec):
+def _constrain(x, spec, grad=None):
     from hpfun.constrain import constrain
 
-    return constrain(x, spec)
+    return constrain(x, spec, grad=grad)
 
 
 def adamw(params: dict, grads: dict, state: dict, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01):
