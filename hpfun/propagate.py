@@ -102,27 +102,39 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
         return total, requested
 
     total, requested = greedy({}, {})
-    best = (total, {}, {})  # price, values to resolve, layouts asked for
+    best = (total, {}, {}, _snapshot(gm))  # price, values to resolve, layouts asked for, annotation
     resolve = partial_cuts(gm, mesh)
-    current = best
     if not _already_resolved(gm, resolve):
         total, cut_requested = greedy(resolve, {})
-        current = (total, resolve, {})
         if total < best[0]:  # the cut's model is per axis: keep it only where it helped
-            best, requested = current, cut_requested
+            best, requested = (total, resolve, {}, _snapshot(gm)), cut_requested
     for _ in range(LOOKAHEAD):  # each round moves a wanted layout one producer further back
+        if not requested or requested == best[2]:  # nothing (new) asked for: the same annotation
+            break
         total, next_requested = greedy(best[1], requested)
-        current = (total, best[1], requested)
         if total >= best[0]:
             break
-        best, merged = current, {v: set(asked) for v, asked in requested.items()}
+        best, merged = (total, best[1], requested, _snapshot(gm)), {v: set(asked) for v, asked in requested.items()}
         for v, asked in next_requested.items():  # what any round asked for
             merged.setdefault(v, set()).update(asked)
         requested = merged
-    if current is not best:
-        greedy(best[1], best[2])  # back to the cheapest annotation
+    _restore(gm, best[3])
     if fallback == "replicate":
         _warn_fallbacks(gm)
+
+
+_ANNOTATION = ("hpfun_layout", "hpfun_call", "hpfun_rule", "hpfun_strategy", "hpfun_fallback")
+
+
+def _snapshot(gm: torch.fx.GraphModule) -> dict:
+    return {node: {k: node.meta[k] for k in _ANNOTATION if k in node.meta} for node in gm.graph.nodes}
+
+
+def _restore(gm: torch.fx.GraphModule, snapshot: dict) -> None:
+    for node in gm.graph.nodes:
+        for k in _ANNOTATION:
+            node.meta.pop(k, None)
+        node.meta.update(snapshot[node])
 
 
 def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None,
@@ -159,7 +171,7 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
                 materialized.add((producer, layout))
-                if layout != producer.meta["hpfun_layout"]:
+                if layout != producer.meta["hpfun_layout"] and producer.op == "call_function":
                     requested.setdefault(producer, set()).add(layout)
             node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
             node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
