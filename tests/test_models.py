@@ -171,5 +171,12 @@ def test_cnn_channel_split():
 
 
 def test_cnn_data_and_channel_parallel_2d():
-    """DP x channel split on a 2x2 mesh matches the unsharded steps."""
-    _cnn((2, 2), ("dp", "tp"), CNN_CHANNEL_SPLIT, P("dp"))
+    """DP x channel split on a 2x2 mesh: over tp, the channel split's three collectives on half
+    the batch; over dp, one all-reduce per parameter gradient (its shard), the count and the loss."""
+    collectives, params = _cnn((2, 2), ("dp", "tp"), CNN_CHANNEL_SPLIT, P("dp"))
+    pooled = 8 // 2 * 8 * 4 * 4 * F32 // 2  # (batch / 2, channels / 2, 4, 4)
+    expected = Counter({("all_gather", ("tp",), pooled): 1, ("all_reduce", ("tp",), 8 // 2 * 10 * F32): 1,
+                        ("reduce_scatter", ("tp",), 2 * pooled): 1, ("all_reduce", ("dp",), F32): 2})
+    expected += Counter(("all_reduce", ("dp",), p.numel() * F32 // (2 if "tp" in str(CNN_CHANNEL_SPLIT[k]) else 1))
+                        for k, p in params.items())
+    assert Counter((c.kind, c.axes, c.bytes) for c in collectives) == expected
