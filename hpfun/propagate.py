@@ -290,20 +290,18 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted) -> tuple[Strateg
             "check the rule's shapes; a rule must at least offer the replicated strategy",
         ))
     producers = tensor_inputs(node)
-    calls = {id(s): call for s in candidates}
+    options = [(strategy, call) for strategy in candidates]
     if wanted:
-        for strategy, hypothetical in _hinted(node, call, rule, wanted):
-            candidates.append(strategy)
-            calls[id(strategy)] = hypothetical
+        options += _hinted(node, call, rule, wanted)
     if resolve:
-        def resolves(strategy):
+        def resolves(option):
             return not any(isinstance(layout.placements[a], Partial)
-                           for producer, layout in zip(producers, strategy.inputs, strict=True)
+                           for producer, layout in zip(producers, option[0].inputs, strict=True)
                            for a in resolve.get(producer, ()))
-        candidates = [s for s in candidates if resolves(s)] or candidates
+        options = [o for o in options if resolves(o)] or options
 
     def price(item):
-        index, strategy = item
+        index, (strategy, _) = item
         wire, steps = 0.0, 0
         for producer, arg, layout in zip(producers, call.tensors, strategy.inputs, strict=True):
             if (producer, layout) not in reached:
@@ -317,18 +315,18 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted) -> tuple[Strateg
     def ahead(item):
         own = price(item)
         onward = sum(redistribute_cost(layout, want, out.shape, out.dtype)[0]
-                     for value, layout, out in zip(values, item[1].outputs, call.outputs)
+                     for value, layout, out in zip(values, item[1][0].outputs, call.outputs)
                      if value is not None for want in wanted.get(value, ()) if want != layout)
         return (own[0] + onward,) + own[1:]
 
-    chosen = min(enumerate(candidates), key=ahead if values else price)[1]
-    return chosen, calls[id(chosen)]
+    return min(enumerate(options), key=ahead if values else price)[1]
 
 
 def _hinted(node, call: OpCall, rule, wanted) -> list[tuple[Strategy, OpCall]]:
     """Strategies giving an output layout the consumers asked for, from the rule's view of an
     input of the output's shape taken in that layout, where taking it moves nothing (a block of
-    a replicated input); each with the call the rule saw."""
+    a replicated input); each with the call the rule saw, which is what reaches `emit`, since
+    the strategy takes that input in that layout."""
     values = _output_values(node)
     if len(values) != 1 or values[0] not in wanted:
         return []
@@ -344,7 +342,7 @@ def _hinted(node, call: OpCall, rule, wanted) -> list[tuple[Strategy, OpCall]]:
                 options = rule.strategies(hypothetical)
             except ShardingError:
                 continue
-            found += [(s, hypothetical) for s in options if s.outputs[0] == want]
+            found += [(s, hypothetical) for s in options if s.outputs[0] == want and s.inputs[i] == want]
     return found
 
 
