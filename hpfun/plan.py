@@ -151,6 +151,11 @@ def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tu
     """(wire bytes per rank, number of steps) of the plan from `src` to `dst`."""
     if src == dst:
         return 0.0, 0
+    return _cost(src, dst, tuple(shape), dtype)
+
+
+@lru_cache(maxsize=65536)
+def _cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> tuple[float, int]:
     wire, cur = 0.0, src
     steps = redistribute_plan(src, dst, shape)
     for step in steps:

@@ -95,10 +95,12 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
     an embedding's gradient is accumulated only for the rank's rows of a vocab-split table.
     Each round keeps the cheaper annotation by the true price (without the look-ahead charge).
     """
+    memo: dict = {}  # (node, input layouts) -> the rule's strategies: rules are pure
+
     def greedy(resolve, wanted) -> tuple[float, dict]:
         hint: set = set()
         for _ in range(PASSES):
-            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted)
+            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted, memo)
         return total, requested
 
     total, requested = greedy({}, {})
@@ -138,7 +140,7 @@ def _restore(gm: torch.fx.GraphModule, snapshot: dict) -> None:
 
 
 def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None,
-          resolve=None, wanted=None) -> tuple[set, float, dict]:
+          resolve=None, wanted=None, memo=None) -> tuple[set, float, dict]:
     """One greedy pass in graph order; returns the layouts it materialized, its total price
     (bytes moved, including resolving Partial outputs, plus weighted local work) and, per
     value, the other layouts its consumers asked for."""
@@ -166,7 +168,7 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
                 outs = (replicated,) * max(len(call.outputs), 1)
                 node.meta["hpfun_layout"] = _placed(node, outs)
                 continue
-            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {})
+            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {}, {} if memo is None else memo)
             total += WORK_BYTES * local_work(rule, call, strategy)
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
@@ -277,22 +279,24 @@ def _placed(node: torch.fx.Node, layouts: tuple):
     return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
-def _choose(node, call: OpCall, rule, reached, resolve, wanted) -> tuple[Strategy, OpCall]:
+def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo) -> tuple[Strategy, OpCall]:
     """The cheapest strategy, and the call its rule saw. Inputs in `resolve` must arrive
     without Partial on the axes listed there, when the rule offers such a strategy. With
     `wanted` (layouts the consumers asked for, per value), a strategy is also charged for
     reaching those from its outputs, and `_hinted` strategies are offered too."""
-    candidates = rule.strategies(call)
+    producers = memo.get(("inputs", node))
+    if producers is None:
+        producers = memo[("inputs", node)] = tensor_inputs(node)
+    candidates = _strategies(node, call, rule, memo, tuple(p.meta["hpfun_layout"] for p in producers))
     if not candidates:
         layouts = ", ".join(t.layout.placements_str() for t in call.tensors)
         raise ShardingError(Problem(
             f"{node.target} ({node.name})", f"the rule offers no strategy for inputs {layouts}",
             "check the rule's shapes; a rule must at least offer the replicated strategy",
         ))
-    producers = tensor_inputs(node)
     options = [(strategy, call) for strategy in candidates]
     if wanted:
-        options += _hinted(node, call, rule, wanted)
+        options += _hinted(node, call, rule, wanted, memo)
     if resolve:
         def resolves(option):
             return not any(isinstance(layout.placements[a], Partial)
@@ -322,7 +326,15 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted) -> tuple[Strateg
     return min(enumerate(options), key=ahead if values else price)[1]
 
 
-def _hinted(node, call: OpCall, rule, wanted) -> list[tuple[Strategy, OpCall]]:
+def _strategies(node, call: OpCall, rule, memo: dict, layouts=None) -> list[Strategy]:
+    """`rule.strategies(call)`, remembered per node and input `layouts` (those of `call`)."""
+    key = (node, layouts if layouts is not None else tuple(t.layout for t in call.tensors))
+    if key not in memo:
+        memo[key] = rule.strategies(call)
+    return memo[key]
+
+
+def _hinted(node, call: OpCall, rule, wanted, memo) -> list[tuple[Strategy, OpCall]]:
     """Strategies giving an output layout the consumers asked for, from the rule's view of an
     input of the output's shape taken in that layout, where taking it moves nothing (a block of
     a replicated input); each with the call the rule saw, which is what reaches `emit`, since
@@ -339,7 +351,7 @@ def _hinted(node, call: OpCall, rule, wanted) -> list[tuple[Strategy, OpCall]]:
                 continue
             hypothetical = _with_layout(call, i, want)
             try:
-                options = rule.strategies(hypothetical)
+                options = _strategies(node, hypothetical, rule, memo)
             except ShardingError:
                 continue
             found += [(s, hypothetical) for s in options if s.outputs[0] == want and s.inputs[i] == want]

@@ -7,6 +7,7 @@ the chosen strategy (by default the same op, with shape arguments made local).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -53,9 +54,10 @@ class OpCall:
     outputs: tuple[TensorMeta, ...]
     mesh: Mesh
 
-    @property
+    @functools.cached_property
     def tensors(self) -> list[TensorArg]:
-        """Tensor arguments in flattening order (the order of `Strategy.inputs`)."""
+        """Tensor arguments in flattening order (the order of `Strategy.inputs`); computed once
+        (rules ask for them many times per call)."""
         leaves = pytree.tree_leaves((self.args, self.kwargs))
         return [x for x in leaves if isinstance(x, TensorArg)]
 
