@@ -1,0 +1,48 @@
+"""Propagation's whole-graph choices: where a Partial sum is resolved (minimum cut) and what a
+producer learns from its consumers (look-ahead), each against the unsharded result."""
+
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.propagate import partial_cuts
+
+MESH = hpfun.Mesh.simulated((2,), ("tp",))
+F32 = 4
+
+
+def fan_out(x, w, a, b):
+    """A small Partial product feeding two large linear consumers."""
+    y = x @ w  # (2, 4): Partial over tp when x and w are split along the contraction
+    return y[:, :, None] * a, y[:, :, None] * b  # (2, 4, 64) each
+
+
+def _args():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=g) for s in ((2, 8), (8, 4), (64,), (64,))]
+
+
+def test_a_partial_feeding_large_linear_consumers_is_summed_once_where_it_is_small():
+    """Kept lazy, the sum would reach both (2, 4, 64) outputs and be all-reduced twice; the cut
+    resolves the (2, 4) product once instead."""
+    f = hpfun.shard(fan_out, mesh=MESH, in_specs=(P(None, "tp"), P("tp"), P(), P()), out_specs=(P(), P()))
+    args = _args()
+    for got, want in zip(f(*args), fan_out(*args), strict=True):
+        torch.testing.assert_close(got.full(), want)
+    assert [(c.kind, c.bytes) for c in f.lower(*args).collectives] == [("all_reduce", 2 * 4 * F32)]
+
+
+def test_partial_cuts_name_the_values_to_resolve():
+    """On a greedy annotation that keeps the product lazy, the cut names the product (the
+    matmul) on the tp axis, and nothing on an axis of size one."""
+    from hpfun.capture import capture
+    from hpfun.propagate import _pass
+    from hpfun.rules import REGISTRY
+
+    args = _args()
+    gm = capture(fan_out, [(tuple(t.shape), t.dtype) for t in args], None)
+    layouts = [P(None, "tp").to_layout(MESH, 2), P("tp").to_layout(MESH, 2), P().to_layout(MESH, 1),
+               P().to_layout(MESH, 1)]
+    _pass(gm, MESH, layouts, REGISTRY, set())
+    cuts = partial_cuts(gm, MESH)
+    assert {node.target for node in cuts} == {torch.ops.aten.mm.default} and set(cuts.values()) == {frozenset({0})}
