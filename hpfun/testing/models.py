@@ -124,19 +124,23 @@ def _attention(x, p, i, heads):
 
 
 def gpt_loss(params: dict, idx: torch.Tensor, targets: torch.Tensor, *, heads: int = GPT["heads"], seq_split=None):
-    """Next-token cross-entropy. `seq_split` (a P spec, e.g. P(None, "tp")) pins the residual
-    stream and the norms split along the sequence, and each norm's output gathered whole for the
-    matmuls after it, its gradient reduce-scattered back (Megatron's sequence parallelism)."""
-    pin, whole = (lambda x: x), (lambda x: x)
-    if seq_split is not None:  # Megatron-SP: gather each norm's output, reduce-scatter its gradient
+    """Next-token cross-entropy. `seq_split` (a P spec, e.g. P(None, "tp")) lays the GPT out as
+    Megatron's sequence parallelism: the residual stream and the norms split along the sequence;
+    each norm's output gathered whole for the column-parallel matmuls, its gradient
+    reduce-scattered back (Megatron's g); each block's row-parallel output reduce-scattered onto
+    the stream, its gradient gathered whole (g's conjugate)."""
+    pin = whole = scatter = (lambda x: x)
+    if seq_split is not None:
         gathered = P(*seq_split.dims[:1])  # the batch stays as it was split
-        pin, whole = (lambda x: _constrain(x, seq_split)), (lambda x: _constrain(x, gathered, grad=seq_split))
+        pin = lambda x: _constrain(x, seq_split)  # noqa: E731
+        whole = lambda x: _constrain(x, gathered, grad=seq_split)  # noqa: E731
+        scatter = lambda x: _constrain(x, seq_split, grad=gathered)  # noqa: E731
     x = pin(F.embedding(idx, params["wte"]) + params["wpe"])
     layers = sum(1 for k in params if k.endswith(".wq"))
     for i in range(layers):
-        x = pin(x + _attention(whole(_ln(x, params, f"h{i}.ln1")), params, i, heads))
+        x = x + scatter(_attention(whole(_ln(x, params, f"h{i}.ln1")), params, i, heads))
         h = F.gelu(whole(_ln(x, params, f"h{i}.ln2")) @ params[f"h{i}.w1"] + params[f"h{i}.b1"])
-        x = pin(x + h @ params[f"h{i}.w2"] + params[f"h{i}.b2"])
+        x = x + scatter(h @ params[f"h{i}.w2"]) + params[f"h{i}.b2"]
     logits = whole(_ln(x, params, "ln_f")) @ params["wte"].t()  # tied output head
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
