@@ -63,11 +63,10 @@ def constrain(x: torch.Tensor, spec: P, *, grad: P | None = None) -> torch.Tenso
     >>> f(torch.ones(2, 4)).layout.placements
     (Shard(dim=1),)
     """
-    for name, value in (("spec", spec), ("grad", grad)):
-        if value is not None and not isinstance(value, P):
-            raise SpecError(f"constrain needs an hpfun.P {name}, got {value!r}")
-    if spec is None:
-        raise SpecError("constrain needs an hpfun.P spec, got None")
+    if not isinstance(spec, P):
+        raise SpecError(f"constrain needs an hpfun.P spec, got {spec!r}")
+    if grad is not None and not isinstance(grad, P):
+        raise SpecError(f"constrain needs an hpfun.P grad (or None for the spec), got {grad!r}")
     return _Constrain.apply(x, _encode(spec), _encode(spec if grad is None else grad))
 
 

@@ -178,7 +178,7 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
             node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
             node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
         elif node.op == "output":
-            for value in _tensor_leaves(node.args):
+            for value in tensor_inputs(node):
                 for a in value.meta["hpfun_layout"].partial_axes:
                     total += _resolve_bytes(value, a)
     if missing:
@@ -201,10 +201,6 @@ def _already_resolved(gm: torch.fx.GraphModule, resolve: dict) -> bool:
     return True
 
 
-def _tensor_leaves(args) -> list[torch.fx.Node]:
-    return [x for x in pytree.tree_leaves(args) if _is_tensor_node(x)]
-
-
 def _resolve_bytes(value: torch.fx.Node, axis: int) -> float:
     """Bytes one rank sends to all-reduce `value`'s Partial on mesh axis `axis`."""
     layout, val = value.meta["hpfun_layout"], value.meta["val"]
@@ -214,13 +210,6 @@ def _resolve_bytes(value: torch.fx.Node, axis: int) -> float:
 def _partial_on(value, axis: int) -> bool:
     layout = value.meta.get("hpfun_layout")
     return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
-
-
-def _values(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes holding `node`'s output tensors: itself, or its getitem users for a tuple."""
-    if isinstance(node.meta.get("hpfun_layout"), Layout):
-        return [node]
-    return [u for u in node.users if u.target is operator.getitem]
 
 
 def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, frozenset[int]]:
@@ -244,7 +233,7 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, fr
                 g.add_edge("S", ("in", node))
                 g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a) + 1)
             elif node.op == "output":
-                for value in _tensor_leaves(node.args):
+                for value in tensor_inputs(node):
                     if _partial_on(value, a):
                         g.add_edge(("out", value), "T")
             elif node.op == "call_function" and "hpfun_strategy" in node.meta:
@@ -254,8 +243,8 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, fr
                         (kept if isinstance(layout.placements[a], Partial) else needs).append(producer)
                 for producer in needs:
                     g.add_edge(("out", producer), "T")
-                for value in _values(node):
-                    if not _partial_on(value, a):
+                for value in _output_values(node):
+                    if value is None or not _partial_on(value, a):
                         continue
                     g.add_edge(("in", value), ("out", value), capacity=_resolve_bytes(value, a) + 1)  # +1: fewer collectives on ties
                     for producer in kept or ["S"]:
