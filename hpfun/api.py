@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import debug
-from hpfun.capture import capture
-from hpfun.errors import Problem, SpecError
+from hpfun import debug, lift, writeback
+from hpfun.capture import trace
+from hpfun.errors import CaptureError, Problem, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
@@ -21,18 +23,35 @@ from hpfun.rng import draw_seed
 from hpfun.runtime import simulated
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
+from hpfun.specs import (
+    broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches, spec_problem,
+    tensor_layout,
+)
+from hpfun.writeback import WriteBack
 
 
-def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False, rng: str = "philox",
-          fallback: str | None = None):
+def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
+          rng: str = "philox", fallback: str | None = None):
     """Make a global-view function run sharded over `mesh`.
 
-    `in_specs` is a pytree prefix of the argument tuple (a `P` or None per leaf or subtree; None
-    means replicated); `out_specs` likewise for the outputs, or None to keep the layouts hpfun
-    chose. Arguments may be global tensors (split by the specs) or `Sharded` values; outputs are
-    `Sharded`. Python scalars among the arguments are baked into the program. `compile=True`
-    hands the per-shard program to `torch.compile` (inductor). Random ops draw from a
-    counter-based generator whose values do not depend on the mesh or layouts
+    `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
+    subtree; None means replicated; a dict of name patterns for a dict argument); keyword
+    arguments are bound to their positions first. `out_specs` likewise for the outputs, or None
+    to keep the layouts hpfun chose. Arguments may be global tensors (split by the specs) or
+    `Sharded` values; tensor outputs are `Sharded`, other outputs come back as they are.
+
+    The function may read state it is not given: the parameters, buffers and gradients of
+    modules it closes over or reads as globals, an optimizer's state, closed-over and global
+    tensors. Each is lifted into an input, read at every call, replicated unless
+    `state_specs` (a dict of name patterns, e.g. `{"layers.*.q_proj.weight": P("tp", None)}`)
+    says otherwise; gradients and optimizer state follow their parameter. In-place updates
+    (`p.add_`, `loss.backward()`, `opt.step()`, BatchNorm's running statistics) are written back
+    when the call returns. Python values that decide the trace (a module's training flag, an
+    optimizer's learning rate) are part of the cache key; other Python scalars among the
+    arguments are baked into the program.
+
+    `compile=True` hands the per-shard program to `torch.compile` (inductor). Random ops draw
+    from a counter-based generator whose values do not depend on the mesh or layouts
     (`rng="philox"`); `rng="native"` uses torch's generator per block instead: faster, but
     the values change with the layout. Ops without a sharding rule are an error listing them all,
     unless `fallback="replicate"`: they then run on gathered inputs, with a warning naming each
@@ -45,15 +64,19 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, compile: bool = False
     tensor(12.)
     """
     if f is None:
-        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, compile=compile, rng=rng,
-                                 fallback=fallback)
+        return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
+                                 compile=compile, rng=rng, fallback=fallback)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
         raise SpecError(f"rng must be 'philox' or 'native', got {rng!r}", headline="bad option")
     if fallback not in (None, "replicate"):
         raise SpecError(f"fallback must be None or 'replicate', got {fallback!r}", headline="bad option")
-    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng, fallback=fallback))
+    if state_specs is not None and not isinstance(state_specs, dict):
+        raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}",
+                        headline="bad sharding spec")
+    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng, fallback=fallback),
+                           state_specs=state_specs)
 
 
 @attrs.frozen
@@ -67,7 +90,7 @@ class Options:
 
 @attrs.frozen
 class _Leaf:
-    """What the cache key records of one argument leaf."""
+    """What the cache key records of one input leaf (an argument's or a lifted tensor's)."""
 
     kind: str  # "tensor" (a global tensor or a Sharded value: same program) or "static"
     shape: tuple | None = None
@@ -75,6 +98,7 @@ class _Leaf:
     layout: Layout | None = None
     value: object = None
     device: torch.device | None = None  # where the program runs; tensors it creates go there
+    requires_grad: bool = False  # a lifted parameter: autograd fills its .grad
 
     def describe(self) -> str:
         if self.kind == "static":
@@ -82,94 +106,365 @@ class _Leaf:
         return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)} {self.layout.placements_str()}"
 
 
+@attrs.frozen(eq=False)
+class _Call:
+    """One call's inputs: positional and keyword-only arguments, lifted state, and their leaves."""
+
+    args: tuple
+    kwonly: dict
+    state: lift.State
+    lifted: dict  # name -> tensor or Sharded value (a block a distributed call left)
+    flat: list
+    tree: object
+
+    @property
+    def inputs(self):
+        return (self.args, self.kwonly, self.lifted)
+
+    def paths(self) -> list[str]:
+        return input_paths(self.inputs)
+
+
+def input_paths(inputs) -> list[str]:
+    """Every input leaf's path: "args[0]['w1']", "kwargs['mask']", or a lifted tensor's name."""
+    args, kwonly, lifted = inputs
+    return leaf_paths(args) + leaf_paths(kwonly, "kwargs") + list(lifted)
+
+
 class ShardedFunction:
     """A function traced once per input signature and run as one per-shard program."""
 
-    def __init__(self, fn, mesh: Mesh, in_specs, out_specs, options: Options = Options()):
+    def __init__(self, fn, mesh: Mesh, in_specs, out_specs, options: Options = Options(), state_specs=None):
         self.fn, self.mesh, self.in_specs, self.out_specs, self.options = fn, mesh, in_specs, out_specs, options
+        self.state_specs = state_specs
         self._cache: dict = {}
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
+        self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
         self.trace_count = 0
-        functools.update_wrapper(self, fn)
+        self._signature_obj = _signature(fn)
+        if not isinstance(fn, torch.nn.Module):
+            functools.update_wrapper(self, fn)
 
     # -- public ---------------------------------------------------------------------------------
 
-    def __call__(self, *args):
-        flat, tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
-        entry = self._fast.get((tree, tuple(map(_fast_leaf, flat))))
+    def __call__(self, *args, **kwargs):
+        call = self._prepare(args, kwargs)
+        entry = self._fast.get(_fast_key(call))
         if entry is None:
-            entry = self._program(args)[1]
+            entry = self._program(call)[1]
         program = entry.program
-        tensors = [x for x, leaf in zip(flat, entry.leaves, strict=True) if leaf.kind != "static"]
-        shards = execute(program, tensors, self.options.compile)
+        tensors = [x for x, leaf in zip(call.flat, entry.leaves, strict=True) if leaf.kind != "static"]
+        fed = [tensors[i] for i in entry.fed] + list(entry.constants)
+        shards = execute(program, fed, self.options.compile)
+        n = entry.n_outputs
+        writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
+        writeback.clear(entry.cleared, call.state)
         results = [Sharded(lay, shape, s) for lay, shape, s in
-                   zip(program.output_layouts, program.output_shapes, shards, strict=True)]
-        return pytree.tree_unflatten(results, entry.out_tree)
+                   zip(program.output_layouts[:n], program.output_shapes[:n], shards[:n], strict=True)]
+        return entry.unflatten(results)
 
-    def lower(self, *args) -> Lowered:
+    def lower(self, *args, **kwargs) -> Lowered:
         """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""
-        return self._lowered(args, self._program(args)[1])
+        call = self._prepare(args, kwargs)
+        return self._lowered(call, self._program(call)[1])
 
-    def _lowered(self, args, entry: "_Entry") -> Lowered:
-        tensors = [(path, leaf) for path, leaf in zip(_leaf_paths(args), entry.leaves, strict=True) if leaf.kind != "static"]
-        return Lowered(entry.program, input_paths=[p for p, _ in tensors], input_dtypes=[l.dtype for _, l in tensors],
-                       output_paths=_leaf_paths(pytree.tree_unflatten([0] * entry.out_tree.num_leaves, entry.out_tree), "outputs"))
+    def _lowered(self, call: _Call, entry: "_Entry") -> Lowered:
+        tensors = [(path, leaf) for path, leaf in zip(call.paths(), entry.leaves, strict=True) if leaf.kind != "static"]
+        fed = [tensors[i] for i in entry.fed]
+        constants = [f"constants.{i}" for i in range(len(entry.constants))]
+        return Lowered(entry.program, input_paths=[p for p, _ in fed] + constants,
+                       input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
+                       output_paths=entry.output_paths)
+
+    # -- one call's inputs ------------------------------------------------------------------------
+
+    def _prepare(self, args, kwargs) -> _Call:
+        args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs)
+        args, kwonly = _from_numpy(args), _from_numpy(kwonly)
+        state = lift.collect(*lift.find_roots(self.fn))
+        given = {id(x) for x in pytree.tree_leaves((args, kwonly)) if isinstance(x, torch.Tensor)}
+        lifted = state.values(skip_ids=given)
+        if self.mesh.runtime == "distributed":
+            lifted = {k: writeback.held_block(v) or v if isinstance(v, torch.Tensor) else v for k, v in lifted.items()}
+        flat, tree = pytree.tree_flatten((args, kwonly, lifted), is_leaf=is_sharded)
+        return _Call(args, kwonly, state, lifted, flat, tree)
 
     # -- compile and cache --------------------------------------------------------------------------
 
-    def _program(self, args):
-        leaves, key = self._signature(args)
+    def _program(self, call: _Call):
+        leaves, key = self._signature(call)
         entry = self._cache.get(key)
         if entry is None:
             if self.mesh.runtime == "distributed":
-                runtime_for(self.mesh).check_same_program(_describe(key))
-            entry = self._compile(args, leaves)
+                runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+            entry = self._compile(call, leaves)
             self._cache[key] = entry
-        flat, tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
-        fast = (tree, tuple(map(_fast_leaf, flat)))
+        fast = _fast_key(call)
         if _hashable(fast):
             self._fast[fast] = entry
         return entry.program, entry
 
-    def _signature(self, args):
-        flat, tree = pytree.tree_flatten_with_path(args, is_leaf=_is_sharded)
-        layouts = _input_layouts(self.mesh, self.in_specs, args)
-        leaves = tuple(_leaf(x, layout) for (_, x), layout in zip(flat, layouts, strict=True))
-        key = (tree, leaves, self.mesh, self.options)
+    def _signature(self, call: _Call):
+        problems: list[Problem] = []
+        layouts = input_layouts(self.mesh, self.in_specs, call.args, problems)
+        layouts += [None if not isinstance(x, (torch.Tensor, Sharded)) else
+                    leaf_layout(self.mesh, path, x, None, problems)
+                    for path, x in zip(leaf_paths(call.kwonly, "kwargs"), pytree.tree_leaves(call.kwonly, is_leaf=is_sharded),
+                                       strict=True)]
+        layouts += self._state_layouts(call, problems)
+        if problems:
+            raise SpecError(problems)
+        grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
+        names = [None] * (len(call.flat) - len(call.lifted)) + list(call.lifted)
+        leaves = tuple(_leaf(x, layout, name in grads) for x, layout, name in zip(call.flat, layouts, names, strict=True))
+        key = (call.tree, leaves, tuple(call.state.statics.items()), self.mesh, self.options)
         try:
             hash(key)
         except TypeError as err:
             raise SpecError(f"non-tensor arguments must be hashable (they are baked into the program): {err}") from None
         return leaves, key
 
-    def _compile(self, args, leaves) -> "_Entry":
+    def _state_layouts(self, call: _Call, problems: list) -> list:
+        """Lifted tensors' layouts: by state_specs name patterns; gradients and optimizer state
+        follow their parameter; a block a distributed call left keeps its layout."""
+        names = list(call.lifted)
+        specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh,
+                               may_miss=self._patterns_seen)
+        self._patterns_seen.update(p for p in (self.state_specs or {}) if any(pattern_matches(p, n) for n in names))
+        out = []
+        for name, x in call.lifted.items():
+            spec = specs.get(name)
+            follows = call.state.slots[name].follows if name in call.state.slots else None
+            if name not in specs and follows in specs and _same_shape(call.lifted.get(follows), x):
+                spec = specs[follows]
+            out.append(leaf_layout(self.mesh, name, x, spec, problems))
+        return out
+
+    def _compile(self, call: _Call, leaves) -> "_Entry":
         self.trace_count += 1
-        flat, in_tree = pytree.tree_flatten(args, is_leaf=_is_sharded)
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
-        out_tree_box = []
-
-        def flat_fn(*tensors):
-            full = list(flat)
-            for i, t in zip(tensor_pos, tensors, strict=True):
-                full[i] = t
-            out = self.fn(*pytree.tree_unflatten(full, in_tree))
-            out_flat, out_tree = pytree.tree_flatten(out)
-            out_tree_box.append((out_tree, out))
-            return out_flat
-
+        traced = _Traced()
+        gm_inputs = [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos]
         device = next((leaves[i].device for i in tensor_pos), None)
-        gm = capture(flat_fn, [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos], device)
+        captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
+                         requires_grad=[leaves[i].requires_grad for i in tensor_pos])
+        gm = captured.gm
         fold_contractions(gm)
-        out_tree, out_example = out_tree_box[-1]
-        propagate(gm, self.mesh, [leaves[i].layout for i in tensor_pos], fallback=self.options.fallback)
-        out_layouts = _output_layouts(self.mesh, self.out_specs, out_example, gm)
-        out_names = ["outputs" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(out_example)[0]]
-        in_names = [path for path, leaf in zip(_leaf_paths(args), leaves, strict=True) if leaf.kind != "static"]
-        program = lower(gm, self.mesh, out_layouts, out_names, rng=self.options.rng, input_names=in_names)
-        entry = _Entry(program, tuple(leaves), out_tree)
+        names = [p for i, p in enumerate(call.paths()) if i in set(tensor_pos)]
+        lifted_index = {name: j for j, name in enumerate(names) if name in call.lifted}
+        input_layouts_ = [leaves[i].layout for i in tensor_pos]
+        writes = self._write_targets(call, traced, captured, lifted_index, input_layouts_, tensor_pos, leaves)
+        fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
+        in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
+        propagate(gm, self.mesh, in_layouts, fallback=self.options.fallback)
+        out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
+        out_paths += [f"{w.label} (written back)" for w in writes]
+        in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
+        program = lower(gm, self.mesh, out_layouts + [w.layout for w in writes], out_paths, rng=self.options.rng,
+                        input_names=in_names)
+        entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
+                       len(out_layouts), tuple(writes), tuple(traced.cleared), tuple(out_paths))
         if level := debug.level():  # HPFUN_DEBUG, read at each compile
-            debug.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(args, entry), level)
+            debug.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
+
+    def _run_substituted(self, call: _Call, tensor_pos, traced: "_Traced", *fakes):
+        """The function on fake stand-ins: arguments, and lifted state swapped in where it lives."""
+        full = list(call.flat)
+        for i, fake in zip(tensor_pos, fakes, strict=True):
+            full[i] = fake
+        args, kwonly, lifted = pytree.tree_unflatten(full, call.tree)
+        swap = {}
+        for i, fake in zip(tensor_pos, fakes, strict=True):
+            real = call.flat[i]
+            swap[id(real)] = fake
+            if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":
+                swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
+        grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
+                 if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
+        substitution = lift.Substitution(call.state, swap, grads)
+        try:
+            out = self.fn(*args, **kwonly)
+            assigned, new_state = substitution.assigned()
+            statics_after = lift.statics(call.state.roots)
+        finally:
+            substitution.restore()
+        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v]
+        if changed:
+            raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
+                                        "function was traced", "a traced program cannot repeat Python side effects: "
+                                        "make this change outside the sharded function") for k in changed],
+                               headline="the function changes Python state")
+        return traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})
+
+    def _write_targets(self, call, traced, captured, lifted_index, layouts, tensor_pos, leaves) -> list:
+        """Where each extra output goes, and the layout it is produced in."""
+        writes = []
+        for name, value in traced.assigned:
+            shape = tuple(value.shape)
+            follows = call.state.slots[name].follows if name in call.state.slots else traced.new_state[name][1]
+            layout = _write_layout(self.mesh, shape, layouts, lifted_index, name, follows, call)
+            if name in call.state.slots:
+                writes.append(WriteBack(layout, shape, slot=name))
+            else:
+                opt, param, key = traced.new_state[name]
+                writes.append(WriteBack(layout, shape, optimizer=opt, param=param, key=key))
+        for j in captured.mutated:
+            x = call.flat[tensor_pos[j]]
+            layout = layouts[j]
+            if self.mesh.runtime == "distributed" and isinstance(x, torch.Tensor) and j not in lifted_index.values():
+                layout = Layout.replicated(self.mesh)  # every rank's own global tensor gets the full value
+            writes.append(WriteBack(layout, leaves[tensor_pos[j]].shape, input=j))
+        return writes
+
+
+class _Traced:
+    """What the trace of the function left besides its graph: the outputs' structure, and what
+    it assigned to lifted slots."""
+
+    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
+        flat, self.out_tree = pytree.tree_flatten(out)
+        self.out_example = out
+        self.out_statics = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
+        self.out_tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        self.new_state = new_state  # name -> (optimizer, parameter, key) of an optimizer's first state
+        self.assigned, self.cleared = [], []
+        for name, value in assigned.items():
+            before = stand_ins.get(name)
+            if value is before or (name not in stand_ins and id(value) in stand_in_ids):
+                continue  # untouched (in-place updates come back through functionalization)
+            if isinstance(value, torch.Tensor):
+                self.assigned.append((name, value))
+            elif value is None and before is not None:
+                self.cleared.append(name)
+        return self.out_tensors + [v for _, v in self.assigned]
+
+
+@attrs.frozen(eq=False)
+class _Entry:
+    """A compiled program and how a call's inputs and outputs map onto it."""
+
+    program: Program
+    leaves: tuple
+    fed: tuple  # which tensor inputs the program reads (state it never touches is not fed)
+    constants: tuple  # tensors the function made from data, fed after the inputs
+    out_tree: object
+    out_statics: dict  # position among the output leaves -> a non-tensor output, as returned
+    n_outputs: int  # the function's tensor outputs; the program's further outputs are written back
+    writes: tuple
+    cleared: tuple  # slots the function emptied (zero_grad)
+    output_paths: tuple
+
+    def unflatten(self, results: list):
+        it = iter(results)
+        flat = [self.out_statics[i] if i in self.out_statics else next(it) for i in range(self.out_tree.num_leaves)]
+        return pytree.tree_unflatten(flat, self.out_tree)
+
+
+def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, name: str, follows, call) -> Layout:
+    """An assigned slot keeps the layout it was read in; a new gradient or optimizer state takes
+    its parameter's; anything else is replicated."""
+    for source in (name, follows):
+        if source in lifted_index and tuple(call.lifted[source].shape) == shape:
+            return layouts[lifted_index[source]]
+    return Layout.replicated(mesh)
+
+
+def _same_shape(a, b) -> bool:
+    return a is not None and b is not None and tuple(a.shape) == tuple(b.shape)
+
+
+def _prune_unused_state(gm: torch.fx.GraphModule, n_inputs: int, lifted: set, mutated) -> list[int]:
+    """Lifted state the program never reads nor writes is not an input (a module whose
+    parameters the function passes through functional_call, for one); the inputs kept."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_inputs]
+    kept = []
+    for j, node in enumerate(placeholders):
+        if j in lifted and not node.users and j not in mutated:
+            gm.graph.erase_node(node)
+        else:
+            kept.append(j)
+    gm.recompile()
+    return kept
+
+
+def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[list, list[str]]:
+    """A layout per tensor output (None: keep the chosen one), and the outputs' paths."""
+    flat = pytree.tree_leaves(out_example)
+    bare = len(flat) == 1 and flat[0] is out_example  # a function returning one tensor: its output is outputs[0]
+    root = "outputs[0]" if bare else "outputs"
+    paths = leaf_paths(out_example, root)
+    tensor_paths = [p for p, v in zip(paths, flat, strict=True) if isinstance(v, torch.Tensor)]
+    if out_specs is None:
+        return [None] * len(out_tensors), tensor_paths
+    problems: list[Problem] = []
+    per_leaf = broadcast_prefix(out_specs, out_example, problems, root=root, mesh=mesh)
+    layouts = []
+    for path, value, spec in zip(paths, flat, per_leaf, strict=True):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if (bad := spec_problem(spec, mesh)) is not None:
+            problems.append(Problem(path, f"spec {bad}"))
+            layouts.append(None)
+            continue
+        layouts.append(tensor_layout(mesh, path, tuple(value.shape), spec or P(), problems,
+                                     "pick out_specs whose axes divide the output, or None to keep hpfun's layout"))
+    if problems:
+        raise SpecError(problems)
+    return layouts, tensor_paths
+
+
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+    except (TypeError, ValueError):  # a builtin without a signature: positional arguments only
+        return None
+
+
+def _bind(fn, signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Keyword arguments moved to their positions (so in_specs, by position, covers them);
+    keyword-only ones are returned apart."""
+    if not kwargs:
+        return args, {}
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if signature is None:
+        raise SpecError(f"{name} takes keyword arguments {sorted(kwargs)}, but its signature cannot be inspected",
+                        headline="bad arguments")
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise SpecError(f"{name}{signature}: {err}", headline="bad arguments") from None
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    given = [i for i, p in enumerate(positional) if p.name in bound.arguments]
+    out = [bound.arguments.get(p.name, p.default) for p in positional[:max(given) + 1]] if given else []
+    kwonly = {}
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            out += list(bound.arguments.get(p.name, ()))
+        elif p.kind is p.KEYWORD_ONLY and p.name in bound.arguments:
+            kwonly[p.name] = bound.arguments[p.name]
+        elif p.kind is p.VAR_KEYWORD:
+            kwonly.update(bound.arguments.get(p.name, {}))
+    return tuple(out), kwonly
+
+
+def _from_numpy(tree):
+    """NumPy arrays among the arguments are read as tensors (sharing their memory)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return tree
+    return pytree.tree_map(lambda x: torch.as_tensor(x) if isinstance(x, np.ndarray) else x, tree)
+
+
+def _fast_key(call: _Call):
+    return (call.tree, tuple(map(_fast_leaf, call.flat)), tuple(call.state.statics.items()))
+
+
+def _describe(call: _Call, leaves) -> list[str]:
+    """One line per input leaf and per Python value deciding the trace, for ranks to compare."""
+    lines = [f"{path}: {leaf.describe()}" for path, leaf in zip(call.paths(), leaves, strict=True)]
+    return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items()]
 
 
 def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
@@ -189,21 +484,9 @@ def execute(program: Program, tensors: list, compile: bool = False) -> list[tupl
 _NO_SEED = torch.zeros(1, dtype=torch.int64)
 
 
-def _describe(key) -> str:
-    tree, leaves, mesh, options = key
-    return f"args {tree} [{'; '.join(l.describe() for l in leaves)}] on {mesh} with {options}"
-
-
-@attrs.frozen(eq=False)
-class _Entry:
-    program: Program
-    leaves: tuple
-    out_tree: object
-
-
 def _fast_leaf(x):
     if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype, x.device)
+        return (x.shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, Sharded):
         return (x.layout, x.global_shape, x.dtype)
     return ("static", type(x), x)
@@ -217,15 +500,13 @@ def _hashable(x) -> bool:
     return True
 
 
-def _is_sharded(x) -> bool:
-    return isinstance(x, Sharded)
-
-
-def _leaf(x, layout) -> _Leaf:
+def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
     if isinstance(x, Sharded):
-        return _Leaf("tensor", x.global_shape, x.dtype, x.layout, device=_run_device(x.layout.mesh, x.shards[0]))
+        return _Leaf("tensor", x.global_shape, x.dtype, x.layout, device=_run_device(x.layout.mesh, x.shards[0]),
+                     requires_grad=requires_grad and x.dtype.is_floating_point)
     if isinstance(x, torch.Tensor):
-        return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x))
+        return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
+                     requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point)
     return _Leaf("static", value=x)
 
 
@@ -239,101 +520,9 @@ def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:
     """The rank's input: its shard of a Sharded value, or its block of a global tensor."""
     if isinstance(x, Sharded):
         return x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
-    block = local_block(x, layout, coords)
+    block = local_block(x.detach(), layout, coords)
     return block.to(device) if device is not None else block
 
-
-# ---------------------------------------------------------------------------------------------
-# Specs: pytree prefixes, checked all at once
-# ---------------------------------------------------------------------------------------------
-
-
-def _path_str(path) -> str:
-    return "args" + pytree.keystr(path)
-
-
-def _leaf_paths(tree, prefix: str = "args") -> list[str]:
-    """The path of every leaf ("args[0]['w1']"), Sharded values as leaves."""
-    return [prefix + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree, is_leaf=_is_sharded)[0]]
-
-
-def broadcast_prefix(specs, tree, problems: list, path=()) -> list:
-    """One spec per leaf of `tree` from a prefix tree of specs (P or None at any level)."""
-    if specs is None or isinstance(specs, P):
-        return [specs] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
-    if isinstance(specs, dict) and isinstance(tree, dict):
-        if set(specs) != set(tree):
-            problems.append(Problem(_path_str(path), f"spec keys {sorted(specs)} do not match argument keys {sorted(tree)}",
-                                    "give a spec for every key, or one P for the whole dict"))
-            return [None] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
-        return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems, path + (pytree.MappingKey(k),))]
-    if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
-        return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
-                for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),))]
-    problems.append(Problem(_path_str(path), f"spec {specs!r} does not match the argument structure {type(tree).__name__}"
-                            + (f" of length {len(tree)}" if isinstance(tree, (list, tuple)) else ""),
-                            "specs are a prefix of the arguments: a P (or None) per leaf, or per subtree"))
-    return [None] * len(pytree.tree_leaves(tree, is_leaf=_is_sharded))
-
-
-def _input_layouts(mesh: Mesh, in_specs, args) -> list[Layout | None]:
-    problems: list[Problem] = []
-    specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) if len(args) == 1 else in_specs
-    per_leaf = broadcast_prefix(specs, args, problems)
-    flat, _ = pytree.tree_flatten_with_path(args, is_leaf=_is_sharded)
-    layouts = []
-    for (path, x), spec in zip(flat, per_leaf, strict=True):
-        layouts.append(_leaf_layout(mesh, path, x, spec, problems))
-    if problems:
-        raise SpecError(problems)
-    return layouts
-
-
-def _leaf_layout(mesh: Mesh, path, x, spec, problems: list) -> Layout | None:
-    where = _path_str(path)
-    if isinstance(x, Sharded):
-        if x.layout.mesh != mesh:
-            problems.append(Problem(where, f"is a Sharded value on mesh {x.layout.mesh}, not {mesh}"))
-        return x.layout
-    if not isinstance(x, torch.Tensor):
-        return None
-    if spec is not None and not isinstance(spec, P):
-        problems.append(Problem(where, f"spec must be an hpfun.P or None, got {spec!r}"))
-        return None
-    spec = spec or P()
-    spec_problems = spec.problems(mesh, x.ndim)
-    if spec_problems:
-        problems += [Problem(where, p, "name existing mesh axes, each once, at most one entry per tensor dim")
-                     for p in spec_problems]
-        return None
-    layout = spec.to_layout(mesh, x.ndim)
-    for p in layout.problems(tuple(x.shape)):
-        problems.append(Problem(where, f"{p} (shape {tuple(x.shape)}, spec {spec})",
-                                "pad the tensor, pick a size divisible by the axes, or shard another dim"))
-    return layout
-
-
-def _output_layouts(mesh: Mesh, out_specs, out_example, gm) -> list[Layout | None]:
-    problems: list[Problem] = []
-    out_nodes = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    if out_specs is None:
-        return [None] * len(out_nodes)
-    per_leaf = broadcast_prefix(out_specs, out_example, problems, ())
-    layouts = []
-    for i, (node, spec) in enumerate(zip(out_nodes, per_leaf, strict=True)):
-        val = node.meta["val"]
-        if spec is not None and not isinstance(spec, P):
-            problems.append(Problem(f"outputs[{i}]", f"spec must be an hpfun.P or None, got {spec!r}"))
-            continue
-        spec = spec or P()
-        found = spec.problems(mesh, val.ndim)
-        layout = None if found else spec.to_layout(mesh, val.ndim)
-        found += layout.problems(tuple(val.shape)) if layout else []
-        problems += [Problem(f"outputs[{i}]", p) for p in found]
-        layouts.append(layout)
-    if problems:
-        raise SpecError([attrs.evolve(p, where=p.where.replace("args", "outputs", 1)) for p in problems])
-    return layouts
 
 
 def redistribute(x: Sharded, layout: Layout) -> Sharded:

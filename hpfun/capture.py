@@ -24,16 +24,20 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import sys
 import traceback
 from unittest import mock
 
+import attrs
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 from hpfun.errors import CaptureError
 
@@ -51,6 +55,7 @@ def decompositions() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_DECOMPOSE_TOO))
     table.update(_OWN)
+    table.update(_foreach_decompositions())
     return table
 
 
@@ -110,6 +115,45 @@ def _attention_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal,
     return grad_q, grad_k, grad_v
 
 
+def _foreach_decompositions() -> dict:
+    """Every `_foreach_*` overload (an optimizer's foreach implementation) as a loop of the
+    per-tensor op: each element then gets its own layout, as its parameter has."""
+    table = {}
+    for name in dir(aten):
+        if not name.startswith("_foreach_"):
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            table[getattr(packet, overload)] = functools.partial(_foreach_loop, name[len("_foreach_"):])
+    return table
+
+
+def _foreach_loop(name: str, *args, **kwargs):
+    inplace = name.endswith("_")
+    base = name.rstrip("_")
+    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+
+    def pick(a, i):
+        return a[i] if isinstance(a, (list, tuple)) else a
+
+    results = []
+    for i in range(n):
+        a = [pick(x, i) for x in args]
+        kw = {k: pick(v, i) for k, v in kwargs.items()}
+        if base in ("addcmul", "addcdiv") and len(a) > 3 and not isinstance(a[3], torch.Tensor):
+            kw["value"] = a.pop(3)  # positional in the foreach schema, keyword-only per tensor
+        if base in ("addcmul", "addcdiv") and len(a) > 3:
+            # the .Tensor overload: one scale per element, given as a 1-D tensor of them
+            scale = a.pop(3)[i]
+            term = aten.mul.Tensor(a[1], a[2]) if base == "addcmul" else aten.div.Tensor(a[1], a[2])
+            out = aten.add.Tensor(a[0], aten.mul.Tensor(term, scale))
+            results.append(aten.copy_.default(a[0], out) if inplace else out)
+            continue
+        op = getattr(aten, base + "_" if inplace else base)
+        results.append(op(*a, **kw))
+    return None if inplace else results
+
+
 _OWN = {
     aten.var_mean.correction: _var_mean,
     aten.var.correction: _var,
@@ -139,57 +183,199 @@ def user_line(stack_trace: str | None) -> str:
     return f"{head}: {lines[1]}" if len(lines) > 1 else head
 
 
-def fake_inputs(metas, device=None) -> tuple[FakeTensorMode, list]:
+def fake_inputs(metas, device=None, requires_grad=None) -> tuple[FakeTensorMode, list]:
     """Fake tensors of the given (shape, dtype) pairs in one fake mode, on `device` (no memory,
-    and no GPU needed: the device only ends up in the recorded factory ops' arguments)."""
+    and no GPU needed: the device only ends up in the recorded factory ops' arguments);
+    `requires_grad[i]` makes the i-th a leaf autograd fills the `.grad` of (a lifted parameter)."""
     mode = FakeTensorMode()
+    flags = requires_grad or [False] * len(metas)
     with mode:
-        return mode, [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        return mode, [torch.empty(shape, dtype=dtype, device=device).requires_grad_(bool(rg))
+                      for (shape, dtype), rg in zip(metas, flags, strict=True)]
+
+
+@attrs.frozen(eq=False)
+class Captured:
+    """A traced program: its graph, and what the graph's inputs and outputs mean besides the
+    function's own.
+
+    The graph's inputs are the given tensors, then one per tensor the function created from
+    data (`torch.tensor([...])`, kept by make_fx as a constant): `constants` holds their values.
+    Its outputs are the function's, then one per input the function modified in place:
+    `mutated[j]` is the index of the input the j-th of those is written back to.
+    """
+
+    gm: torch.fx.GraphModule
+    constants: tuple[torch.Tensor, ...]
+    mutated: tuple[int, ...]
 
 
 def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
     """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype),
+    on the device the program will run on; the graph of `trace` (see there)."""
+    return trace(flat_fn, metas, device).gm
+
+
+def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
+    """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype),
     on the device the program will run on (tensors the function creates are made there).
 
-    The first trace runs the function as written (torch.func transforms and autograd.Functions
-    such as `hpfun.constrain` compose there); only if it recorded in-place ops is the graph
-    traced again through functionalization, keeping each node's source line.
+    The first trace runs the function as written (torch.func transforms, autograd's
+    `.backward()`, optimizers and autograd.Functions such as `hpfun.constrain` compose there),
+    with `torch.compiler.is_compiling()` true, as torch.export does: libraries then take their
+    traceable paths (an optimizer keeps its step count a tensor, not a Python number). Only if it
+    recorded in-place ops is the graph traced again through functionalization, keeping each
+    node's source line; what it wrote into inputs becomes extra outputs (`Captured.mutated`).
     """
-    _, fakes = fake_inputs(metas, device)
+    _, fakes = fake_inputs(metas, device, requires_grad)
     gm = _trace(flat_fn, fakes)
+    mutated: list[int] = []
     if _mutates(gm):
-        gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), fakes)
-        _reject_argument_mutation(gm)
+        _, plain = fake_inputs(metas, device)
+        gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
+        mutated = _mutations_as_outputs(gm)
+    _drop_profiler_calls(gm)
     gm.graph.eliminate_dead_code()
+    constants = _constants_as_inputs(gm)
     gm.recompile()
-    return gm
+    return Captured(gm, tuple(constants), tuple(mutated))
 
 
 def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
-        with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame):
+        with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
+                mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
+                _TensorScalars():
             return traced(*fakes)
     except CaptureError:
         raise
     except Exception as err:  # re-raised with the user's line: tracing errors come in many types
+        if "convert all Tensors to FakeTensors" in str(err):
+            raise UnliftedTensor(_user_where(err)) from err
         raise CaptureError(_describe(err)) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.optim, traced: its step count stays a tensor, in double precision
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _exact_optimizer_scalars():
+    """While compiling, torch.optim reads its step count (a float32 tensor) as a tensor, not as
+    the Python number eager reads, and computes its bias corrections in float32 (1e-7 away from
+    eager's double-precision ones). Traced, it reads the count as a float64 tensor instead: the
+    same integer, and the same double-precision arithmetic as eager, now recorded in the graph."""
+    from torch.optim import optimizer
+
+    original = optimizer._get_value
+
+    def exact(x):
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point():
+            return x.to(torch.float64)
+        return original(x)
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("torch.optim") and m is not None
+               and getattr(m, "_get_value", None) is original]
+    for m in modules:
+        m._get_value = exact
+    try:
+        yield
+    finally:
+        for m in modules:
+            m._get_value = original
+
+
+_ALPHA = {torch.add, torch.sub, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_}
+_VALUE = {torch.addcdiv: torch.div, torch.addcmul: torch.mul, torch.Tensor.addcdiv: torch.div,
+          torch.Tensor.addcmul: torch.mul, torch.Tensor.addcdiv_: torch.div, torch.Tensor.addcmul_: torch.mul}
+
+
+class _TensorScalars(TorchFunctionMode):
+    """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
+    with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
+    with `.item()`, which a trace cannot do: the op is written as the tensor arithmetic it
+    performs, `p + (m / v) * step_size`, which the trace records."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
+            alpha = kwargs.pop("alpha")
+            x, y, *rest = args
+            return func(x, torch.mul(y, alpha), *rest, **kwargs)
+        if func in _VALUE and isinstance(kwargs.get("value"), torch.Tensor):
+            value = kwargs.pop("value")
+            x, t1, t2 = args
+            term = torch.mul(_VALUE[func](t1, t2), value)
+            return x.add_(term) if func.__name__.endswith("_") else torch.add(x, term)
+        return func(*args, **kwargs)
+
+
+class UnliftedTensor(Exception):
+    """A real tensor reached the trace: the function reads state hpfun did not lift (the caller
+    names the suspects)."""
 
 
 def _mutates(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
-               for n in gm.graph.nodes)
+               and n.target.namespace != "profiler" for n in gm.graph.nodes)
 
 
-def _reject_argument_mutation(gm: torch.fx.GraphModule) -> None:
-    """Functionalization writes mutated arguments back with copy_: a sharded function may not."""
+def _mutations_as_outputs(gm: torch.fx.GraphModule) -> list[int]:
+    """Functionalization writes mutated inputs back with copy_ at the end: those values become
+    outputs instead, and the caller writes them back after each call."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bad = [n for n in gm.graph.nodes if n.target is aten.copy_.default and n.args[0] in inputs]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    written: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in inputs:
+            written[n.args[0]] = n.args[1]
+            n.replace_all_uses_with(n.args[1])
+            gm.graph.erase_node(n)
+    bad = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+           and n.target._schema.is_mutable and n.target.namespace != "profiler"]
     if bad:
-        raise CaptureError([f"argument tensor {inputs.index(n.args[0])} is modified in place"
+        raise CaptureError([f"{n.target} changes a tensor's metadata in place"
                             + (f" at {user_line(n.meta.get('stack_trace'))}" if n.meta.get("stack_trace") else "")
-                            for n in bad] + ["a sharded function must be pure: return new values instead "
-                                             "(e.g. y = x * 2, not x.mul_(2))"])
+                            for n in bad] + ["return new tensors instead (e.g. y = x.reshape(...), not x.resize_(...))"])
+    outs = list(output.args[0])
+    output.args = (outs + list(written.values()),)
+    return [inputs.index(node) for node in written]
+
+
+def _drop_profiler_calls(gm: torch.fx.GraphModule) -> None:
+    """`record_function` markers (an optimizer's step wraps itself in one) do nothing in the program."""
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
+            gm.graph.erase_node(n)
+
+
+def _constants_as_inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Tensors the function made from data (`torch.tensor([...])`) become inputs at the end of the
+    placeholders, fed their values: the program then holds no state of its own, and every
+    runtime feeds them as it feeds arguments."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    for n in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        value = getattr(gm, n.target)
+        where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
+        with where:
+            placeholder = gm.graph.placeholder(f"constant_{len(values)}")
+        placeholder.meta.update(n.meta)
+        if "val" not in placeholder.meta:
+            placeholder.meta["val"] = _fake_like(value)
+        n.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(n)
+        delattr(gm, n.target)
+        placeholders.append(placeholder)
+        values.append(value)
+    return values
+
+
+def _fake_like(value: torch.Tensor) -> torch.Tensor:
+    with FakeTensorMode():
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 def _replaying(gm: torch.fx.GraphModule):
@@ -202,9 +388,15 @@ def _replaying(gm: torch.fx.GraphModule):
     return run
 
 
-def _describe(err: Exception) -> str:
+def _user_where(err: Exception) -> str:
+    """'file:line: code' of the innermost user frame in the error's traceback, or ''."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_frame(f.filename)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+
+
+def _describe(err: Exception) -> str:
+    where = _user_where(err)
+    where = f" at {where}" if where else ""
     kind = type(err).__name__
     hint = ""
     if "data-dependent" in str(err).lower() or "DataDependent" in kind or "DynamicOutputShape" in kind:

@@ -114,10 +114,11 @@ class CacheMiss:
         return "\n".join(lines + [f"  {d}" for d in self.differences])
 
 
-def explain_cache_miss(f, *args) -> CacheMiss:
+def explain_cache_miss(f, *args, **kwargs) -> CacheMiss:
     """Why calling the sharded function `f` with `args` would compile again: which argument's
-    shape, dtype or layout (by its path) differs from the closest cached signature, or that
-    nothing was cached yet. Nothing is compiled or run.
+    or lifted tensor's shape, dtype or layout (by its path or name) differs from the closest
+    cached signature, or which Python value deciding the trace changed (a module's training
+    flag, a learning rate), or that nothing was cached yet. Nothing is compiled or run.
 
     >>> import torch, hpfun
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
@@ -129,22 +130,29 @@ def explain_cache_miss(f, *args) -> CacheMiss:
     would compile again: none of the 1 cached signature(s) matches; the closest differs in
       args[1]: dtype float64, cached float32
     """
-    from hpfun.api import ShardedFunction, _leaf_paths  # api imports this module for its compile log
+    from hpfun.api import ShardedFunction, input_paths  # api imports this module for its compile log
 
     if not isinstance(f, ShardedFunction):
         raise TypeError(f"explain_cache_miss takes a function made by hpfun.shard, got {type(f).__name__}")
-    leaves, key = f._signature(args)
+    call = f._prepare(args, kwargs)
+    leaves, key = f._signature(call)
     if key in f._cache or not f._cache:
         return CacheMiss(key in f._cache, len(f._cache))
-    given = dict(zip(_leaf_paths(args), leaves, strict=True))
+    given = dict(zip(call.paths(), leaves, strict=True))
     candidates = []
-    for tree, cached, *_ in f._cache:
-        paths = _leaf_paths(pytree.tree_unflatten([0] * tree.num_leaves, tree))
+    for tree, cached, statics, *_ in f._cache:
+        paths = input_paths(pytree.tree_unflatten([0] * tree.num_leaves, tree))
         found = _differences(dict(zip(paths, cached, strict=True)), given)
+        found += _static_differences(dict(statics), dict(key[2]))
         if not found and tree != key[0]:  # same leaves, other containers (a list for a tuple...)
             found = [Difference("args", "structure", str(tree), str(key[0]))]
         candidates.append(found)
     return CacheMiss(False, len(f._cache), tuple(min(candidates, key=len)))
+
+
+def _static_differences(cached: dict, given: dict) -> list[Difference]:
+    return [Difference(name, "value", repr(cached.get(name)), repr(given.get(name)))
+            for name in dict.fromkeys([*cached, *given]) if cached.get(name) != given.get(name)]
 
 
 def _differences(cached: dict, given: dict) -> list[Difference]:

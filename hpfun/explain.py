@@ -262,7 +262,7 @@ class Lowered:
     >>> lowered = f.lower(torch.randn(4, 8), torch.randn(8, 3))
     >>> c = lowered.collectives[0]
     >>> c.kind, c.axes, c.bytes, c.node
-    ('all_reduce', ('tp',), 48, 'outputs')
+    ('all_reduce', ('tp',), 48, 'outputs[0]')
     >>> lowered.cost().per_axis["tp"].bytes
     48
     >>> hpfun.Lowered.from_json(lowered.to_json()) == lowered

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpfun.errors import ShardingError
+from hpfun.errors import Problem, ShardingError
 from hpfun.mesh import Mesh
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
@@ -34,10 +34,10 @@ def init(shape, axis_names, *, timeout: float | None = None) -> Mesh:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     mesh = Mesh(shape, axis_names, runtime="distributed")
     if mesh.size != dist.get_world_size():
-        raise ShardingError(
-            f"mesh {mesh} has {mesh.size} ranks but the job has {dist.get_world_size()}",
-            headline="cannot build the mesh",
-        )
+        raise ShardingError(Problem(
+            f"mesh {mesh}", f"needs {mesh.size} processes, but the job has {dist.get_world_size()}",
+            f"launch it with torchrun --nproc-per-node {mesh.size} (or a world size of {mesh.size} across nodes)"),
+            headline="cannot build the mesh")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device, mesh.shape, mesh_dim_names=mesh.axis_names)
     _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh, datetime.timedelta(seconds=timeout))
@@ -134,8 +134,9 @@ class DistributedRuntime:
         except (RuntimeError, dist.DistBackendError) as err:
             raise _peer_failure(self, err) from err
 
-    def check_same_program(self, description: str) -> None:
-        """All ranks compare what they compile; a mismatch fails on every rank, naming ranks and values."""
+    def check_same_program(self, description: list[str]) -> None:
+        """All ranks compare what they compile (one line per input: "path: dtype[shape] layout");
+        a mismatch fails on every rank, naming the differing inputs and the ranks' values."""
         try:
             self._check_same_program(description)
         except (RuntimeError, dist.DistBackendError) as err:
@@ -143,19 +144,30 @@ class DistributedRuntime:
                 raise
             raise _peer_failure(self, err) from err
 
-    def _check_same_program(self, description: str) -> None:
-        digest = hashlib.sha256(description.encode()).hexdigest()
+    def _check_same_program(self, description: list[str]) -> None:
+        digest = hashlib.sha256("\n".join(description).encode()).hexdigest()
         gathered = [None] * self.mesh.size
         dist.all_gather_object(gathered, (digest, description), group=self.all_ranks_group())
         if len({d for d, _ in gathered}) > 1:
-            first = gathered[0][1]
-            odd = [(i, desc) for i, (d, desc) in enumerate(gathered) if d != gathered[0][0]]
-            lines = [f"mesh rank {i} compiles {desc}" for i, desc in odd[:3]]
-            raise ShardingError(
-                [f"mesh rank 0 compiles {first}", *lines],
-                headline="ranks called the sharded function with different arguments "
-                         "(every rank must pass the same shapes, dtypes and layouts)",
-            )
+            raise ShardingError(_differences([desc for _, desc in gathered]),
+                                headline="ranks called the sharded function with different arguments "
+                                         "(every rank must pass the same shapes, dtypes and layouts)")
+
+
+def _differences(descriptions: list[list[str]]) -> list[str]:
+    """Per input that differs between ranks: its path and each rank's value."""
+    def parse(lines):
+        return dict(line.split(": ", 1) if ": " in line else (line, "") for line in lines)
+
+    per_rank = [parse(d) for d in descriptions]
+    paths = list(dict.fromkeys(p for d in per_rank for p in d))
+    out = []
+    for path in paths:
+        values = [d.get(path, "(not given)") for d in per_rank]
+        if len(set(values)) > 1:
+            shown = "; ".join(f"mesh rank {r}: {v}" for r, v in enumerate(values) if r == 0 or v != values[0])
+            out.append(f"{path} differs: {shown}")
+    return out or ["the ranks' argument structures differ"]
 
 
 def _peer_failure(runtime: DistributedRuntime, err: Exception) -> ShardingError:

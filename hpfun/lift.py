@@ -1,0 +1,486 @@
+"""Lifting: the tensors a sharded function reads without being given them.
+
+A step function written as PyTorch users write it reads state it was not passed: the
+parameters and buffers of a module it closes over (or reads as a global), an optimizer's
+parameters and state, `.grad`, closed-over and global tensors. hpfun finds that state by
+walking the function's closure cells and the globals its code loads (into the user's own
+helper functions too), names every tensor (a module's fully qualified parameter name,
+`model.layers.0.self_attn.q_proj.weight`, or the variable's name), and makes each one an input
+of the program, read at every call. While the function is traced, every place that holds a
+lifted tensor holds its fake stand-in instead; what the function assigns there (a new `.grad`,
+an optimizer's first state, a reassigned attribute) is recorded and written back after each
+call, as eager PyTorch would have left it.
+
+Python values that decide the trace (a module's `training` flag, an optimizer's learning rate)
+are read too: they join the cache key, so a change retraces instead of running a stale program.
+"""
+
+from __future__ import annotations
+
+import collections
+import dis
+import functools
+import os
+import types
+
+import attrs
+import torch
+
+from hpfun.errors import CaptureError, Problem
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY_DIRS = (_TORCH_DIR, _HPFUN_DIR, os.path.dirname(os.__file__), os.sep + "site-packages" + os.sep)
+
+
+@attrs.frozen(eq=False)
+class Slot:
+    """One place that holds a tensor (or may come to hold one): read and written by name."""
+
+    name: str
+    read: object  # () -> the value held there now (a tensor, None, or a static value)
+    write: object  # (value) -> None: make that place hold `value`
+    follows: str | None = None  # a parameter's name: a gradient or optimizer state takes its spec
+    requires_grad: bool = False  # a parameter autograd fills the `.grad` of
+
+
+@attrs.frozen(eq=False)
+class Root:
+    """An object found by walking the function: a module, an optimizer, or a tensor at a place."""
+
+    name: str
+    value: object
+    read: object = None  # for tensors (and Sharded values): the value at its place now
+    write: object = None  # and how to replace it
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking the function
+# ---------------------------------------------------------------------------------------------
+
+
+def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
+    """Modules, optimizers and tensors `fn` can reach through closures and loaded globals; and
+    the other objects it reaches (by name), which an error can point at when an unlifted tensor
+    turns up in the trace."""
+    roots: list[Root] = []
+    opaque: list[tuple[str, object]] = []
+    seen_objects: set[int] = set()
+    seen_code: set = set()
+
+    def value(obj, name: str, read, write) -> None:
+        from hpfun.sharded import Sharded
+
+        if id(obj) in seen_objects:
+            return
+        if isinstance(obj, (torch.Tensor, Sharded)):
+            seen_objects.add(id(obj))
+            roots.append(Root(name, obj, read, write))
+        elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            seen_objects.add(id(obj))
+            roots.append(Root(name, obj))
+        elif isinstance(obj, dict) and _holds_state(obj):
+            seen_objects.add(id(obj))
+            for k, v in list(obj.items()):
+                value(v, f"{name}.{k}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
+        elif isinstance(obj, (list, tuple)) and _holds_state(obj):
+            seen_objects.add(id(obj))
+            for i, v in enumerate(obj):
+                value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
+        elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)) or _is_user_callable(obj):
+            function(obj, name)
+        elif not isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool, type(None))):
+            opaque.append((name, obj))
+
+    def function(fn, name: str) -> None:
+        if isinstance(fn, functools.partial):
+            function(fn.func, name)
+            for i, a in enumerate(fn.args):
+                value(a, f"{name}.args.{i}", _constant(a), None)
+            for k, a in fn.keywords.items():
+                value(a, f"{name}.{k}", _constant(a), None)
+            return
+        if isinstance(fn, types.MethodType):
+            owner = fn.__self__
+            value(owner, f"{name}.__self__" if name else "", _constant(owner), None)
+            fn = fn.__func__
+        if not isinstance(fn, types.FunctionType):
+            fn = getattr(type(fn), "__call__", None)
+            if not isinstance(fn, types.FunctionType):
+                return
+        code = fn.__code__
+        if code in seen_code or code.co_filename.startswith(_LIBRARY_DIRS) or "site-packages" in code.co_filename:
+            return
+        seen_code.add(code)
+        for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell: a name assigned later in the enclosing function
+                continue
+            value(contents, var, functools.partial(getattr, cell, "cell_contents"),
+                  functools.partial(setattr, cell, "cell_contents"))
+        g = fn.__globals__
+        for var in _global_names(code):
+            if var in g:
+                value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
+
+    if isinstance(fn, torch.nn.Module):
+        roots.append(Root("", fn))
+        seen_objects.add(id(fn))
+        fn = type(fn).forward.__get__(fn)
+    function(fn, "")
+    return roots, opaque
+
+
+def _holds_state(container) -> bool:
+    from hpfun.sharded import Sharded
+
+    items = container.values() if isinstance(container, dict) else container
+    kinds = (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer, dict, list, tuple)
+    return any(isinstance(v, kinds) and (not isinstance(v, (dict, list, tuple)) or _holds_state(v)) for v in items)
+
+
+def _item_reader(read_seq, i: int):
+    return lambda: read_seq()[i]
+
+
+def _sequence_writer(seq, i: int, write_seq):
+    if isinstance(seq, list):
+        return functools.partial(seq.__setitem__, i)
+    if write_seq is None:
+        return None
+
+    def write(v):  # a tuple is rebuilt at its own place
+        items = list(seq)
+        items[i] = v
+        write_seq(type(seq)(items) if type(seq) is tuple else type(seq)(*items))
+
+    return write
+
+
+def _is_user_callable(obj) -> bool:
+    call = getattr(type(obj), "__call__", None)
+    return isinstance(call, types.FunctionType) and not call.__code__.co_filename.startswith(_LIBRARY_DIRS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Names `code` (and the functions, lambdas and comprehensions inside it) loads as globals."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _global_names(const)
+    return tuple(dict.fromkeys(names))
+
+
+# ---------------------------------------------------------------------------------------------
+# The state a call reads: slots by name
+# ---------------------------------------------------------------------------------------------
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+@attrs.frozen(eq=False)
+class State:
+    """What a call reads besides its arguments, found anew at every call."""
+
+    slots: dict  # name -> Slot, tensors and gradients and optimizer state, in a stable order
+    statics: dict  # name -> hashable Python value deciding the trace (training flags, learning rates)
+    roots: tuple
+    opaque: tuple
+    param_names: dict  # id(parameter) -> its name: optimizer state is named after its parameter
+
+    def root(self, name: str):
+        return next(r.value for r in self.roots if r.name == name)
+
+    def values(self, skip_ids=frozenset()) -> dict:
+        """name -> the tensor (or Sharded value) each slot holds now, for slots holding one."""
+        out = {}
+        for name, slot in self.slots.items():
+            v = slot.read()
+            if v is not None and id(v) not in skip_ids:
+                out[name] = v
+        return out
+
+
+def collect(roots: list[Root], opaque=()) -> State:
+    """Every slot the roots hold now, named; problems (state hpfun cannot lift) raise together."""
+    slots: dict[str, Slot] = {}
+    names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
+    problems: list[Problem] = []
+
+    def add(name, read, write, **kw):
+        v = read()
+        if v is not None and id(v) in names:
+            return
+        if v is not None:
+            names[id(v)] = name
+        slots[name] = Slot(name, read, write, **kw)
+
+    for root in roots:
+        if isinstance(root.value, torch.nn.Module):
+            _module_slots(root.name, root.value, add)
+    for root in roots:
+        if isinstance(root.value, torch.optim.Optimizer):
+            _optimizer_slots(root.name, root.value, add, names, problems)
+        elif not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
+            add(root.name, root.read, root.write or _cannot_write(root.name))
+    if problems:
+        raise CaptureError(problems, headline="cannot lift the state the function reads")
+    params = {id(slot.read()): name for name, slot in slots.items() if slot.requires_grad}
+    return State(slots, statics(roots), tuple(roots), tuple(opaque), params)
+
+
+def statics(roots) -> dict:
+    """The Python values that decide what a trace records: each module tree's training flags,
+    each optimizer's hyperparameters (its learning rate, betas...)."""
+    out: dict[str, object] = {}
+    for root in roots:
+        if isinstance(root.value, torch.nn.Module):
+            out[_join(root.name, "training")] = tuple(m.training for m in root.value.modules())
+        elif isinstance(root.value, torch.optim.Optimizer):
+            for g, group in enumerate(root.value.param_groups):
+                for key, v in group.items():
+                    if key != "params" and not isinstance(v, torch.Tensor):
+                        out[_join(root.name, f"param_groups.{g}.{key}")] = _hashable(v)
+    return out
+
+
+def _constant(v):
+    return lambda: v
+
+
+def _cannot_write(name: str):
+    def write(_):
+        raise CaptureError(f"{name} is assigned inside the sharded function, but hpfun cannot write it back "
+                           "(it is held in a tuple or a partial's arguments)", headline="cannot write state back")
+    return write
+
+
+def _module_slots(prefix: str, module: torch.nn.Module, add) -> None:
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        base = _join(prefix, mod_name)
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            name = _join(base, attr)
+            add(name, functools.partial(mod._parameters.get, attr), functools.partial(_set_param, mod, attr),
+                requires_grad=p.requires_grad)
+        for attr, b in list(mod._buffers.items()):
+            if b is not None:
+                add(_join(base, attr), functools.partial(mod._buffers.get, attr), functools.partial(mod._buffers.__setitem__, attr))
+        for attr, v in list(vars(mod).items()):
+            if isinstance(v, torch.Tensor) and not attr.startswith("__"):
+                add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
+    # gradients after every parameter, so a parameter's name is known before its gradient's
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and p.requires_grad:
+                name = _join(_join(prefix, mod_name), attr)
+                add(f"{name}.grad", functools.partial(_grad_of, mod, attr), functools.partial(_set_grad, mod, attr),
+                    follows=name)
+
+
+def _set_param(mod, attr, value):
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=mod._parameters[attr].requires_grad)
+    mod._parameters[attr] = value
+
+
+def _grad_of(mod, attr):
+    p = mod._parameters.get(attr)
+    return None if p is None else p.grad
+
+
+def _set_grad(mod, attr, value):
+    mod._parameters[attr].grad = value
+
+
+def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list) -> None:
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in names:  # a parameter of no module the function reaches
+                name = _join(prefix, f"params.{g}.{i}")
+                add(name, functools.partial(group["params"].__getitem__, i), functools.partial(_set_listed, group["params"], i),
+                    requires_grad=p.requires_grad)
+                if p.requires_grad:
+                    add(f"{name}.grad", functools.partial(getattr, p, "grad"), functools.partial(setattr, p, "grad"),
+                        follows=name)
+        for key, v in group.items():
+            if key == "params":
+                continue
+            if isinstance(v, torch.Tensor):  # a learning rate kept in a tensor: an input like any state
+                add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
+                    functools.partial(group.__setitem__, key))
+    for p, entries in opt.state.items():
+        owner = names.get(id(p))
+        if owner is None:
+            problems.append(Problem(f"{prefix}.state", f"holds state for a tensor of shape {tuple(p.shape)} that is "
+                                    "not among its param_groups", "keep the optimizer's state for its own parameters"))
+            continue
+        for key, v in entries.items():
+            name = f"{_join(prefix, 'state')}.{owner}.{key}"
+            if isinstance(v, torch.Tensor):
+                add(name, functools.partial(_state_of, opt, p, key), functools.partial(_set_state, opt, p, key),
+                    follows=owner)
+            elif v is not None:
+                problems.append(Problem(name, f"is a {type(v).__name__} ({v!r}), not a tensor: hpfun lifts an optimizer's "
+                                        "tensor state only, and a Python value updated at every step would be baked "
+                                        "into the traced program",
+                                        "use a torch.optim optimizer (they keep their step count as a tensor), or keep "
+                                        "this value in a tensor"))
+
+
+def _set_listed(seq, i, value):
+    seq[i] = value
+
+
+def _state_of(opt, p, key):
+    return opt.state.get(p, {}).get(key)
+
+
+def _set_state(opt, p, key, value):
+    if value is None:
+        opt.state.get(p, {}).pop(key, None)
+    else:
+        opt.state[p][key] = value
+
+
+def _hashable(v):
+    try:
+        hash(v)
+    except TypeError:
+        return repr(v)
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing with stand-ins
+# ---------------------------------------------------------------------------------------------
+
+
+class Substitution:
+    """Every place the roots hold a lifted tensor holds its stand-in until `restore()`.
+
+    `swap[id(real)]` is the stand-in (a fake tensor during capture). Modules' parameters,
+    buffers and tensor attributes, optimizers' parameter lists and state (keyed by the
+    stand-ins), gradients, closure cells, globals and containers are all swapped, so a tensor
+    held in several places (tied weights, an optimizer's parameter) is one stand-in everywhere.
+    """
+
+    def __init__(self, state: State, swap: dict, grads: dict):
+        self.state, self.swap, self._undo = state, swap, []
+        self._optimizers: list = []
+        for root in state.roots:
+            if isinstance(root.value, torch.nn.Module):
+                self._module(root.value)
+            elif isinstance(root.value, torch.optim.Optimizer):
+                self._optimizer(root.value)
+            elif id(root.value) in swap:
+                if root.write is None:
+                    raise CaptureError(Problem(root.name, "is a tensor bound in a functools.partial, where hpfun cannot "
+                                               "lift it", "pass it as an argument, or close over it in a def"))
+                self._set(root.write, root.value, swap[id(root.value)])
+        for real_id, grad in grads.items():  # stand-in parameters get their gradients' stand-ins
+            stand_in = swap[real_id]
+            self._undo.append(functools.partial(setattr, stand_in, "grad", None))
+            stand_in.grad = grad
+
+    def _set(self, write, old, new):
+        write(new)
+        self._undo.append(functools.partial(write, old))
+
+    def _module(self, module):
+        for mod in module.modules():
+            for store in (mod._parameters, mod._buffers, vars(mod)):
+                for key, v in list(store.items()):
+                    if isinstance(v, torch.Tensor) and id(v) in self.swap:
+                        self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
+
+    def _optimizer(self, opt):
+        for group in opt.param_groups:
+            for key, v in list(group.items()):
+                if isinstance(v, torch.Tensor) and id(v) in self.swap:
+                    self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)])
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) in self.swap:
+                    self._set(functools.partial(params.__setitem__, i), p, self.swap[id(p)])
+        stand_in_state = collections.defaultdict(dict)
+        for p, entries in opt.state.items():
+            stand_in_state[self.swap.get(id(p), p)] = {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                                                      for k, v in entries.items()}
+        real_state = opt.state
+        opt.state = stand_in_state
+        self._undo.append(functools.partial(setattr, opt, "state", real_state))
+        self._optimizers.append((opt, stand_in_state))
+
+    def assigned(self) -> tuple[dict, dict]:
+        """What the traced function left in each slot, read in the substituted world: name ->
+        value (None where it emptied a slot); and, for an optimizer's state it created, name ->
+        (optimizer, parameter, key), the place to create it at."""
+        real_of = {id(stand_in): real_id for real_id, stand_in in self.swap.items()}
+        out, new_state = {}, {}
+        for name, slot in self.state.slots.items():
+            if slot.follows is None or name.endswith(".grad"):
+                out[name] = _read_substituted(slot, name, self.swap, self.state)
+        for opt, stand_in_state in self._optimizers:
+            prefix = next(r.name for r in self.state.roots if r.value is opt)
+            seen = set()
+            for p, entries in stand_in_state.items():
+                owner = self.state.param_names.get(real_of.get(id(p), id(p)))
+                for key, v in entries.items():
+                    if owner is None or not isinstance(v, torch.Tensor):
+                        continue
+                    name = f"{_join(prefix, 'state')}.{owner}.{key}"
+                    out[name] = v
+                    seen.add(name)
+                    if name not in self.state.slots:
+                        new_state[name] = (prefix, owner, key)
+            for name, slot in self.state.slots.items():  # state the step removed
+                if slot.follows is not None and not name.endswith(".grad") and name.startswith(_join(prefix, 'state') + '.') and name not in seen:
+                    out[name] = None
+        return out, new_state
+
+    def restore(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _read_substituted(slot: Slot, name: str, swap: dict, state: State):
+    if name.endswith(".grad") and slot.follows is not None:
+        stand_in = state.slots[slot.follows].read()  # the parameter's place holds its stand-in now
+        return None if stand_in is None else stand_in.grad
+    return slot.read()
+
+
+def unlifted_tensor_error(err: Exception, state: State | None, where: str) -> CaptureError:
+    """A real tensor reached the trace through something hpfun does not walk: say what it could be."""
+    suspects = []
+    for name, obj in (state.opaque if state else ()):
+        found = _tensor_attributes(obj, name)
+        if found:
+            suspects.append(f"{name} (a {type(obj).__name__}) holds tensors: {', '.join(found[:4])}")
+    fix = ("pass the tensor as an argument, or hold it in an nn.Module (parameter, buffer or attribute), a "
+           "closed-over or global tensor variable, or a dict/list of them: hpfun lifts those and reads them at every call")
+    problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
+                        "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)", fix)]
+    problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar") for s in suspects]
+    return CaptureError(problems, headline="cannot capture the function")
+
+
+def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:
+    try:
+        items = vars(obj).items()
+    except TypeError:
+        return []
+    out = []
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            out.append(f"{name}.{k}")
+        elif depth > 1 and not isinstance(v, (type, types.ModuleType, types.FunctionType)):
+            out += _tensor_attributes(v, f"{name}.{k}", depth - 1)
+    return out

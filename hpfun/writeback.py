@@ -1,0 +1,163 @@
+"""Writing state back: what a call changed in place, applied when it returns, as eager would.
+
+A program's outputs beyond the function's own are written back after each call: into an
+argument modified in place (a global tensor gets the full value; a `Sharded` argument its new
+shards), into lifted state (a module's parameter or buffer, a gradient, an optimizer's state),
+and into places the function assigned (a first `.grad`, an optimizer's first state).
+
+On a simulated mesh the full value is written back. On a distributed mesh lifted state stays
+sharded between calls: each rank's tensor holds its block (`tensor.data` is replaced, so a
+parameter stays the same object an optimizer knows), and a registry remembers its layout and
+global shape, so the next call reads it as the block it is. `gather_state` brings the full
+values back.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hpfun.layout import Layout
+from hpfun.sharded import Sharded
+
+# tensor -> (layout, global shape, data pointer): lifted state a distributed call left sharded
+_LOCAL = WeakIdKeyDictionary()
+
+
+def held_block(x: torch.Tensor) -> Sharded | None:
+    """`x` as the Sharded value it holds a block of, if a distributed call left it so (and it
+    still holds that block: replacing its data makes it a plain tensor again)."""
+    entry = _LOCAL.get(x)
+    if entry is None:
+        return None
+    layout, shape, ptr = entry
+    if x.data_ptr() != ptr or tuple(x.shape) != layout.local_shape(shape):
+        del _LOCAL[x]
+        return None
+    return Sharded(layout, shape, (x,))
+
+
+def _hold(x: torch.Tensor, layout: Layout, shape: tuple) -> None:
+    if layout.is_replicated:
+        _LOCAL.pop(x, None)
+    else:
+        _LOCAL[x] = (layout, tuple(shape), x.data_ptr())
+
+
+@attrs.frozen
+class WriteBack:
+    """Where one extra output of a program goes.
+
+    `input`: the index of a flat input (argument leaf or lifted tensor) the function modified
+    in place; otherwise `slot`: the name of the lifted slot the function assigned, or for an
+    optimizer's first state, `optimizer`, `param` and `key`."""
+
+    layout: Layout
+    shape: tuple
+    input: int | None = None
+    slot: str | None = None
+    optimizer: str | None = None
+    param: str | None = None
+    key: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.slot or (f"{self.optimizer}.state.{self.param}.{self.key}" if self.optimizer else f"input {self.input}")
+
+
+def apply(writes, shards_per_output, inputs: list, state) -> None:
+    """Write every extra output back: in-place updates first, then assignments (a gradient
+    must meet its parameter's new block)."""
+    with torch.no_grad():
+        for wb, shards in sorted(zip(writes, shards_per_output, strict=True), key=lambda w: w[0].input is None):
+            value = Sharded(wb.layout, wb.shape, shards)
+            if wb.input is not None:
+                _update(inputs[wb.input], value)
+            elif wb.optimizer is not None:
+                opt = state.root(wb.optimizer)
+                param = state.slots[wb.param].read()
+                opt.state[param][wb.key] = _new_tensor(value)
+            else:
+                slot = state.slots[wb.slot]
+                slot.write(_new_tensor(value, like=slot.read()))
+
+
+def clear(names, state) -> None:
+    """Slots the function emptied (`zero_grad()` sets `.grad` to None)."""
+    for name in names:
+        state.slots[name].write(None)
+
+
+def _update(target, value: Sharded) -> None:
+    """An input modified in place: a Sharded argument gets its new shards, a tensor its value."""
+    if isinstance(target, Sharded):
+        for old, new in zip(target.shards, value.shards, strict=True):
+            old.copy_(new)
+        return
+    if value.layout.mesh.runtime == "simulated":
+        target.copy_(value.full())
+    elif value.layout.is_replicated and tuple(target.shape) == tuple(value.global_shape):
+        target.copy_(value.shards[0])
+        _LOCAL.pop(target, None)
+    else:  # lifted state on a distributed mesh: the rank keeps its block
+        target.data = value.shards[0]
+        _hold(target, value.layout, value.global_shape)
+
+
+def _new_tensor(value: Sharded, like=None) -> torch.Tensor:
+    """A new tensor for an assigned slot: the full value when simulated, the block otherwise."""
+    if value.layout.mesh.runtime == "simulated":
+        out = value.full()
+    else:
+        out = value.shards[0]
+        _hold(out, value.layout, value.global_shape)
+    if like is not None and isinstance(like, torch.Tensor) and out.device != like.device:
+        out = out.to(like.device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Full values back
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_state(obj, *, inplace: bool = False) -> dict:
+    """The full values of a module's or optimizer's state, as `state_dict()` gives them.
+
+    After a call on a distributed mesh, lifted parameters, buffers, gradients and optimizer
+    state hold this rank's block; this gathers each (a collective: every rank must call it).
+    `inplace=True` also puts the full values back into the tensors, so the module runs
+    unsharded again. On a simulated mesh, state is always full: this is `state_dict()`.
+
+    >>> import torch, hpfun
+    >>> model = torch.nn.Linear(4, 2)
+    >>> sorted(hpfun.gather_state(model))
+    ['bias', 'weight']
+    """
+    if isinstance(obj, torch.nn.Module):
+        sd = obj.state_dict(keep_vars=True)
+        return {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    if isinstance(obj, torch.optim.Optimizer):
+        for entries in obj.state.values():  # state_dict() keeps the tensors themselves
+            for v in entries.values():
+                if isinstance(v, torch.Tensor):
+                    _full(v, inplace)
+        sd = obj.state_dict()
+        if not inplace:
+            sd["state"] = {i: {k: _full(v, False) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+                           for i, entries in sd["state"].items()}
+        return sd
+    raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
+
+
+def _full(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    block = held_block(x)
+    full = x.detach() if block is None else block.full()
+    if inplace and block is not None:
+        with torch.no_grad():
+            x.data = full
+        _LOCAL.pop(x, None)
+        if x.grad is not None:
+            x.grad = _full(x.grad, True)
+    return full
