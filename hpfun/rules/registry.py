@@ -26,7 +26,7 @@ from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise
 from hpfun.rules.reduction import Normalize, Pad, Reduction
-from hpfun.rules.shape import Cat, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
+from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
 
 FAMILIES: dict[str, type[Rule]] = {
     "pointwise": Pointwise,
@@ -43,6 +43,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "cat": Cat,
     "diagonal": Diagonal,
     "slice_scatter": SliceScatter,
+    "complex_view": ComplexView,
     "gather": Gather,
     "scatter": Scatter,
     "embedding": Embedding,

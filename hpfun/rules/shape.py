@@ -1,8 +1,10 @@
 """Dimension algebra: view/reshape/squeeze/unsqueeze, permute, expand/repeat, slicing, cat,
-split, diagonal and slice_scatter.
+split, diagonal, slice_scatter, and view_as_complex/view_as_real.
 
 All of these move data without arithmetic, so every Partial passes through unchanged
-(view(a1 + a2) = view(a1) + view(a2)); only where each sharded dim goes needs thought.
+(view(a1 + a2) = view(a1) + view(a2)); only where each sharded dim goes needs thought. The
+complex views are the exception: a complex number has no order, so only Partial(sum) and
+Partial(avg) cross them.
 """
 
 from __future__ import annotations
@@ -203,6 +205,31 @@ class SliceScatter(Rule):
         if not isinstance(q, Shard):
             return None
         return q.dim + (self.drops_dim and q.dim >= dim)
+
+
+@attrs.frozen(kw_only=True)
+class ComplexView(Rule):
+    """view_as_complex (real (..., 2) -> complex (...)) and view_as_real (the inverse): the same
+    memory read as complex numbers or as (real, imaginary) pairs; which one is told by the
+    input's dtype.
+
+    The real side's trailing dim of size 2 holds each pair, so it must be whole (split, a rank
+    would hold real parts without their imaginary parts); every other dim is the same dim on
+    both sides and keeps its split. Both views are linear over the reals, componentwise:
+    view_as_complex(a1 + a2) = view_as_complex(a1) + view_as_complex(a2), and likewise for
+    view_as_real, so Partial(sum) and Partial(avg) pass. Partial(max)/(min) do not: complex
+    numbers have no order, so a complex Partial(max) could never be reduced (it is resolved on
+    the real side first).
+    """
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        pair = None if x.dtype.is_complex else x.ndim - 1  # view_as_complex consumes x's last dim
+        ins, outs = [], []
+        for p in x.layout.placements:
+            keep = (isinstance(p, Shard) and p.dim != pair) or (isinstance(p, Partial) and p.reduce in ("sum", "avg"))
+            ins.append(p if keep else R), outs.append(p if keep else R)
+        return _with_fallback(call, ins, outs)
 
 
 def _replicated(call: OpCall) -> Strategy:
