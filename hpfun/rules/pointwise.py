@@ -9,6 +9,7 @@ partial: (a1 + a2) + (b1 + b2) = (a1 + b1) + (a2 + b2). Ops linear in each argum
 from __future__ import annotations
 
 import attrs
+import torch
 
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
@@ -21,7 +22,11 @@ class Pointwise(Rule):
     linear_joint: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     linear_each: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     partial_reduces: tuple[str, ...] = attrs.field(default=("sum", "avg"), converter=tuple)
-    # a cast is linear only into a floating type: int(a1) + int(a2) != int(a1 + a2)
+    # a cast is linear only into a floating or complex type that holds every value of the
+    # input's type: int(a1) + int(a2) != int(a1 + a2), and rounding each term to a narrower
+    # type (float32 -> bfloat16) is not rounding their sum (the error scales with the terms,
+    # not the sum); real -> complex, complex -> complex and complex -> real (the real part)
+    # are linear
     linear_to_float_only: bool = False
 
     def strategies(self, call: OpCall) -> list[Strategy]:
@@ -40,7 +45,7 @@ class Pointwise(Rule):
 
     def _follow_partial(self, call: OpCall, seed, placement):
         tensors = call.tensors
-        if self.linear_to_float_only and not call.outputs[0].dtype.is_floating_point:
+        if self.linear_to_float_only and not _widens(seed.dtype, call.outputs[0].dtype):
             return None
         if seed.index in self.linear_each:
             partial = {id(seed)}
@@ -55,6 +60,17 @@ class Pointwise(Rule):
         # A scalar operand of add/sub would be added once per rank: not linear.
         indices = {t.index for t in call.tensors}
         return all(i in indices for i in self.linear_joint if i < len(call.args))
+
+
+def _widens(src, dst) -> bool:
+    """A cast from `src` to `dst` is exact: dst is floating or complex, and its components
+    hold every value of src's (integers are taken as exact, as casts of small counts are)."""
+    if not (dst.is_floating_point or dst.is_complex):
+        return False
+    if not (src.is_floating_point or src.is_complex):
+        return True
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
 
 
 def _follow_shard(call: OpCall, seed, dim: int):
