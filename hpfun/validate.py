@@ -1,13 +1,15 @@
 """Check every sharding rule against unsharded ground truth: `python -m hpfun.validate`.
 
 For each op in the registry, hypothesis draws a mesh (1-D or 2-D, at most 8 ranks), a layout
-per tensor input (several axes on one dim, Partial for floating inputs) and the op's arguments,
+per tensor input (several axes on one dim, Partial for floating and complex inputs) and the op's arguments,
 runs the op through `hpfun.shard` on the simulated mesh and whole, and compares. Arguments come
 from torch's OpInfo samples: each sample is traced the way hpfun captures (functionalized,
 decomposed) and every op call in the trace becomes a case with its real arguments. OpInfo
 shapes (5, 10, 20) rarely divide a mesh, so for families whose integer arguments are dims,
 never sizes (pointwise, reductions, normalizations, contractions), a case is also rescaled to
-sizes the mesh divides. Each op gets a time budget.
+sizes the mesh divides. OpInfos that take complex numbers are traced a second time in
+complex128, so rules see complex values (and complex Partial sums) too. Each op gets a time
+budget.
 
 Results, one line per op: `ok`; `INCORRECT` (wrong values, with the smallest failing mesh,
 layouts and shapes found); `CRASH` (an exception other than a clean hpfun error); `MISSING` (an
@@ -90,6 +92,10 @@ class OpCase:
         args, kwargs = pytree.tree_unflatten([next(fresh) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         return OpCase(self.op, args, kwargs, source or self.source)
 
+    @property
+    def is_complex(self) -> bool:
+        return any(t.is_complex() for t in self.tensors)
+
     def signature(self) -> tuple:
         shapes = tuple((tuple(t.shape), t.dtype) for t in self.tensors)
         others = [x for x in pytree.tree_leaves((self.args, self.kwargs)) if not isinstance(x, torch.Tensor)]
@@ -145,7 +151,9 @@ class Index:
     def add(self, case: OpCase, limit: int) -> None:
         self.seen_by.setdefault(case.op, set()).add(case.source)
         known = self.cases.setdefault(case.op, [])
-        if len(known) < limit and case.signature() not in {c.signature() for c in known}:
+        # complex cases count apart, so the real ones of an OpInfo traced first leave them room
+        kind = [c for c in known if c.is_complex == case.is_complex]
+        if len(kind) < limit and case.signature() not in {c.signature() for c in kind}:
             known.append(case)
 
 
@@ -160,8 +168,9 @@ def opinfo_db():
 
 def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
     """Trace up to 2 * `samples` samples of each OpInfo (the first `samples`, then new kinds of
-    arguments among the first 32) and the backward of the first; keep `cases_per_op` distinct
-    cases per op."""
+    arguments among the first 32) and the backward of the first, and, for OpInfos taking
+    complex128, the first complex sample and its backward; keep `cases_per_op` distinct real
+    cases per op, and as many complex ones."""
     index = Index()
     # one seed for the whole pass (samples are drawn in a fixed order, so the index is the same
     # each run): OpInfo reseeds before every sample by default, at about 1 ms a time
@@ -175,17 +184,18 @@ def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
 
 
 def _opinfo_calls(info, samples: int) -> list[OpCase]:
-    dtype = _dtype(info)
-    if dtype is None:
-        return []
     calls = []
-    try:
-        scanned = itertools.islice(info.sample_inputs("cpu", dtype, set_seed=False), _SCANNED)
-        chosen = itertools.islice(_chosen_samples(scanned, samples), 2 * samples)
-        for i, sample in enumerate(chosen):
-            calls += _sample_calls(info, sample, backward=i == 0 and info.supports_autograd and dtype.is_floating_point)
-    except Exception:  # a sample generator that fails here only means fewer cases
-        pass
+    for dtype in _dtypes(info):
+        # complex samples: the first only (with its backward), the rest would double the index's time
+        n = samples if not dtype.is_complex else 1
+        try:
+            scanned = itertools.islice(info.sample_inputs("cpu", dtype, set_seed=False), _SCANNED)
+            chosen = itertools.islice(_chosen_samples(scanned, n), n if dtype.is_complex else 2 * n)
+            for i, sample in enumerate(chosen):
+                backward = i == 0 and info.supports_autograd and (dtype.is_floating_point or dtype.is_complex)
+                calls += _sample_calls(info, sample, backward=backward)
+        except Exception:  # a sample generator that fails here only means fewer cases
+            pass
     return calls
 
 
@@ -201,9 +211,12 @@ def _chosen_samples(samples, first: int):
         kinds.add(kind)
 
 
-def _dtype(info):
+def _dtypes(info) -> list:
+    """The dtype an OpInfo's samples are drawn in (the first of float64, float32, int64, bool
+    it supports), and complex128 when it supports that too."""
     dtypes = info.dtypes
-    return next((d for d in (torch.float64, torch.float32, torch.int64, torch.bool) if d in dtypes), None)
+    first = next((d for d in (torch.float64, torch.float32, torch.int64, torch.bool) if d in dtypes), None)
+    return [d for d in (first, torch.complex128) if d is not None and d in dtypes]
 
 
 def _sample_calls(info, sample, backward: bool) -> list[OpCase]:
@@ -269,6 +282,8 @@ def _rescaled(draw, case: OpCase, mesh) -> OpCase:
 
 def _like(template: torch.Tensor, shape, generator) -> torch.Tensor:
     """Random values of the template's dtype (non-negative where the template is)."""
+    if template.is_complex():
+        return torch.randn(shape, generator=generator, dtype=torch.complex128).to(template.dtype)
     if template.dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool()
     if not template.is_floating_point():
@@ -290,16 +305,35 @@ def examples(draw, rule: Rule, cases: list[OpCase]):
 
 @st.composite
 def inputs(draw, rule: Rule, case: OpCase, mesh) -> list[Sharded]:
-    """A Sharded value per tensor of the case. A floating input is Partial at times, with the
-    reduces the rule lets through without a collective when it has some (the algebra to
-    check), else any reduce (which checks the redistribution in front of the op)."""
+    """A Sharded value per tensor of the case. A floating or complex input is Partial at times,
+    with the reduces the rule lets through without a collective when it has some (the algebra
+    to check), else any reduce (which checks the redistribution in front of the op); complex
+    inputs are only ever Partial(sum) or Partial(avg), since complex numbers have no order."""
     values, outputs = [], _output_metas(case)
     for i, t in enumerate(case.tensors):
-        floating = t.dtype in (torch.float32, torch.float64)  # Partial terms are exact on their grid
-        partial = (_passed_partials(rule, case, outputs, mesh, i) or True) if floating else False
+        partial = False
+        if t.dtype in (torch.float32, torch.float64):  # Partial terms are exact on their grid
+            partial = _passed_partials(rule, case, outputs, mesh, i) or True
+        elif t.dtype in (torch.complex64, torch.complex128):
+            passed = _passed_partials(rule, case, outputs, mesh, i)
+            partial = tuple(r for r in passed if r in _COMPLEX_REDUCES) or _COMPLEX_REDUCES
         layout = draw(layouts(mesh, tuple(t.shape), allow_partial=partial))
-        values.append(draw(sharded_values(t, layout)))
+        values.append(draw(_sharded_values(t, layout)))
     return values
+
+
+_COMPLEX_REDUCES = ("sum", "avg")
+
+
+def _sharded_values(t: torch.Tensor, layout: Layout):
+    """`sharded_values`, for a complex Partial value through its (real, imag) pairs: the terms
+    then lie on the grid in both parts and spread over the ranks in both."""
+    if not (t.is_complex() and layout.partial_axes):
+        return sharded_values(t, layout)
+    layout = layout.normalized(t.ndim)  # the pairs' extra trailing dim is never split
+    pairs = torch.view_as_real(t).contiguous()
+    return sharded_values(pairs, layout).map(lambda v: Sharded(
+        layout, tuple(t.shape), tuple(torch.view_as_complex(s.contiguous()) for s in v.shards)))
 
 
 def _passed_partials(rule: Rule, case: OpCase, outputs: tuple, mesh, i: int) -> tuple[str, ...]:
@@ -408,7 +442,22 @@ def _compare(data, rule: Rule, case: OpCase, mesh, registry, run: _Run) -> None:
     values = data.draw(inputs(rule, case, mesh))
     run.context = _context(case, mesh, values)
     exact = isinstance(rule, MOVES_DATA) and not any(v.layout.partial_axes for v in values)
-    assert_sharded_equal(case.call, values, mesh, None, exact=exact, registry=registry)
+    assert_sharded_equal(_present_outputs(case.call), values, mesh, None, exact=exact, registry=registry)
+
+
+def _present_outputs(call):
+    """`call` returning only the outputs the op computed. A backward with an output_mask
+    returns None for the gradients it was not asked for; no rule lays those out, and a
+    sharded function returning None is the API's concern (lower() does not take it today),
+    not the rule's."""
+
+    def run(*tensors):
+        out = call(*tensors)
+        if isinstance(out, (tuple, list)) and any(o is None for o in out):
+            return tuple(o for o in out if o is not None)
+        return out
+
+    return run
 
 
 def _context(case: OpCase, mesh, values) -> str:
