@@ -92,9 +92,9 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
         elif not isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool, type(None))):
             opaque.append((name, obj))
 
-    def function(fn, name: str) -> None:
+    def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
-            function(fn.func, name)
+            function(fn.func, name, given)
             for i, a in enumerate(fn.args):
                 value(a, f"{name}.args.{i}", _constant(a), None)
             for k, a in fn.keywords.items():
@@ -109,7 +109,7 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
             if not isinstance(fn, types.FunctionType):
                 return
         code = fn.__code__
-        if code in seen_code or code.co_filename.startswith(_LIBRARY_DIRS) or "site-packages" in code.co_filename:
+        if code in seen_code or not given and _is_library(code.co_filename):
             return
         seen_code.add(code)
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
@@ -127,9 +127,14 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
     if isinstance(fn, torch.nn.Module):
         roots.append(Root("", fn))
         seen_objects.add(id(fn))
-        fn = type(fn).forward.__get__(fn)
-    function(fn, "")
+        function(type(fn).forward.__get__(fn), "")
+    else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
+        function(fn, "", given=True)
     return roots, opaque
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or "site-packages" in filename
 
 
 def _holds_state(container) -> bool:
