@@ -39,12 +39,12 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
+from hpfun import fuse
 from hpfun.errors import CaptureError
 
 aten = torch.ops.aten
 
 _DECOMPOSE_TOO = [
-    aten._log_softmax, aten._softmax, aten._log_softmax_backward_data, aten._softmax_backward_data,
     aten.nll_loss_forward, aten.nll_loss_backward,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
 ]
@@ -52,7 +52,7 @@ _DECOMPOSE_TOO = [
 
 @functools.cache
 def decompositions() -> dict:
-    table = dict(core_aten_decompositions())
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in fuse.FUSED}
     table.update(get_decompositions(_DECOMPOSE_TOO))
     table.update(_OWN)
     table.update(_foreach_decompositions())
@@ -236,6 +236,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
         mutated = _mutations_as_outputs(gm)
     _drop_profiler_calls(gm)
     gm.graph.eliminate_dead_code()
+    fuse.split(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()
     return Captured(gm, tuple(constants), tuple(mutated))

@@ -397,7 +397,11 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
     if kind == "seed":
         return "%seed: this call's random seed" + ("" if seed_used else " (unused)")
     if kind == "output":
-        return "return " + ", ".join(f"%{o['node']} {o['layout']}" for o in data["outputs"])
+        back = " (written back)"
+        returned = [f"%{o['node']} {o['layout']}" for o in data["outputs"] if not o["path"].endswith(back)]
+        written = [f"{o['path'][:-len(back)]} <- %{o['node']} {o['layout']}" for o in data["outputs"]
+                   if o["path"].endswith(back)]
+        return "return " + ", ".join(returned) + (f"; written back: {', '.join(written)}" if written else "")
     text = f"%{name} = {_short_op(node['op'])}({', '.join(node['args'])})"
     if kind == "collective":
         c = data["collectives"][node["collective"]]

@@ -216,13 +216,14 @@ def collect(roots: list[Root], opaque=()) -> State:
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
     problems: list[Problem] = []
 
-    def add(name, read, write, **kw):
+    def add(name, read, write, **kw) -> bool:
         v = read()
         if v is not None and id(v) in names:
-            return
+            return False
         if v is not None:
             names[id(v)] = name
         slots[name] = Slot(name, read, write, **kw)
+        return True
 
     for root in roots:
         if isinstance(root.value, torch.nn.Module):
@@ -265,27 +266,24 @@ def _cannot_write(name: str):
 
 
 def _module_slots(prefix: str, module: torch.nn.Module, add) -> None:
+    params = []
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
         for attr, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            name = _join(base, attr)
-            add(name, functools.partial(mod._parameters.get, attr), functools.partial(_set_param, mod, attr),
-                requires_grad=p.requires_grad)
+            if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
+                                     functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):
+                params.append((_join(base, attr), mod, attr, p))
         for attr, b in list(mod._buffers.items()):
             if b is not None:
                 add(_join(base, attr), functools.partial(mod._buffers.get, attr), functools.partial(mod._buffers.__setitem__, attr))
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
-    # gradients after every parameter, so a parameter's name is known before its gradient's
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
-        for attr, p in list(mod._parameters.items()):
-            if p is not None and p.requires_grad:
-                name = _join(_join(prefix, mod_name), attr)
-                add(f"{name}.grad", functools.partial(_grad_of, mod, attr), functools.partial(_set_grad, mod, attr),
-                    follows=name)
+    # gradients after every parameter; a parameter held twice (tied weights) has one gradient
+    for name, mod, attr, p in params:
+        if p.requires_grad:
+            add(f"{name}.grad", functools.partial(_grad_of, mod, attr), functools.partial(_set_grad, mod, attr),
+                follows=name)
 
 
 def _set_param(mod, attr, value):
@@ -331,11 +329,13 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 add(name, functools.partial(_state_of, opt, p, key), functools.partial(_set_state, opt, p, key),
                     follows=owner)
             elif v is not None:
-                problems.append(Problem(name, f"is a {type(v).__name__} ({v!r}), not a tensor: hpfun lifts an optimizer's "
-                                        "tensor state only, and a Python value updated at every step would be baked "
-                                        "into the traced program",
-                                        "use a torch.optim optimizer (they keep their step count as a tensor), or keep "
-                                        "this value in a tensor"))
+                problems.append(_untraceable_state(name, v))
+
+
+def _untraceable_state(name: str, v) -> Problem:
+    return Problem(name, f"is a {type(v).__name__} ({v!r}), not a tensor: hpfun lifts an optimizer's tensor state only, "
+                   "and a Python value updated at every step would be baked into the traced program",
+                   "use a torch.optim optimizer (they keep their step count as a tensor), or keep this value in a tensor")
 
 
 def _set_listed(seq, i, value):
@@ -427,7 +427,7 @@ class Substitution:
         value (None where it emptied a slot); and, for an optimizer's state it created, name ->
         (optimizer, parameter, key), the place to create it at."""
         real_of = {id(stand_in): real_id for real_id, stand_in in self.swap.items()}
-        out, new_state = {}, {}
+        out, new_state, problems = {}, {}, []
         for name, slot in self.state.slots.items():
             if slot.follows is None or name.endswith(".grad"):
                 out[name] = _read_substituted(slot, name, self.swap, self.state)
@@ -437,6 +437,8 @@ class Substitution:
             for p, entries in stand_in_state.items():
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
                 for key, v in entries.items():
+                    if owner is not None and v is not None and not isinstance(v, torch.Tensor):
+                        problems.append(_untraceable_state(f"{_join(prefix, 'state')}.{owner}.{key}", v))
                     if owner is None or not isinstance(v, torch.Tensor):
                         continue
                     name = f"{_join(prefix, 'state')}.{owner}.{key}"
@@ -447,6 +449,8 @@ class Substitution:
             for name, slot in self.state.slots.items():  # state the step removed
                 if slot.follows is not None and not name.endswith(".grad") and name.startswith(_join(prefix, 'state') + '.') and name not in seen:
                     out[name] = None
+        if problems:
+            raise CaptureError(problems, headline="cannot lift the state the function reads")
         return out, new_state
 
     def restore(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hpfun.layout import Layout
-from hpfun.sharded import Sharded
+from hpfun.sharded import Sharded, local_block
 
 # tensor -> (layout, global shape, data pointer): lifted state a distributed call left sharded
 _LOCAL = WeakIdKeyDictionary()
@@ -77,9 +77,12 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
                 param = state.slots[wb.param].read()
+                _meet(param, value)
                 opt.state[param][wb.key] = _new_tensor(value)
             else:
                 slot = state.slots[wb.slot]
+                if slot.follows in state.slots:
+                    _meet(state.slots[slot.follows].read(), value)
                 slot.write(_new_tensor(value, like=slot.read()))
 
 
@@ -105,6 +108,20 @@ def _update(target, value: Sharded) -> None:
         _hold(target, value.layout, value.global_shape)
 
 
+def _meet(param, value: Sharded) -> None:
+    """A parameter whose gradient or optimizer state is written back as a block becomes its own
+    block too, if the call left it whole (it was read, not updated): torch requires a gradient
+    of its parameter's shape, and the next call must read both in one layout."""
+    mesh = value.layout.mesh
+    if (mesh.runtime != "distributed" or value.layout.is_replicated or not isinstance(param, torch.Tensor)
+            or held_block(param) is not None or tuple(param.shape) != tuple(value.global_shape)):
+        return
+    from hpfun.runtime.distributed import runtime_for
+
+    param.data = local_block(param.detach(), value.layout, runtime_for(mesh).coords).clone()
+    _hold(param, value.layout, value.global_shape)
+
+
 def _new_tensor(value: Sharded, like=None) -> torch.Tensor:
     """A new tensor for an assigned slot: the full value when simulated, the block otherwise."""
     if value.layout.mesh.runtime == "simulated":
@@ -127,8 +144,10 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
 
     After a call on a distributed mesh, lifted parameters, buffers, gradients and optimizer
     state hold this rank's block; this gathers each (a collective: every rank must call it).
-    `inplace=True` also puts the full values back into the tensors, so the module runs
-    unsharded again. On a simulated mesh, state is always full: this is `state_dict()`.
+    Gathered values are new tensors; state that was whole all along comes back as it is held
+    (as `state_dict()` gives it, not a copy). `inplace=True` also puts the full values back
+    into the tensors (gradients included), so the module or optimizer runs unsharded again.
+    On a simulated mesh, state is always whole: this is `state_dict()`.
 
     >>> import torch, hpfun
     >>> model = torch.nn.Linear(4, 2)
@@ -139,14 +158,9 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
         sd = obj.state_dict(keep_vars=True)
         return {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     if isinstance(obj, torch.optim.Optimizer):
-        for entries in obj.state.values():  # state_dict() keeps the tensors themselves
-            for v in entries.values():
-                if isinstance(v, torch.Tensor):
-                    _full(v, inplace)
-        sd = obj.state_dict()
-        if not inplace:
-            sd["state"] = {i: {k: _full(v, False) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-                           for i, entries in sd["state"].items()}
+        sd = obj.state_dict()  # its state holds the optimizer's own tensors, keyed by index
+        sd["state"] = {i: {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+                       for i, entries in sd["state"].items()}
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 
@@ -158,6 +172,6 @@ def _full(x: torch.Tensor, inplace: bool) -> torch.Tensor:
         with torch.no_grad():
             x.data = full
         _LOCAL.pop(x, None)
-        if x.grad is not None:
-            x.grad = _full(x.grad, True)
+    if inplace and x.is_leaf and x.grad is not None:  # after its parameter: a gradient must match its shape
+        x.grad = _full(x.grad, True)
     return full

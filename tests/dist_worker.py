@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import hpfun
 from hpfun import P
@@ -72,14 +73,6 @@ def adopt_and_local(out: Path):
     torch.save({"same": same, "loss": loss_local.full(), "traces": step.trace_count}, out / f"adopt-rank{RANK}.pt")
 
 
-def mismatch(out: Path):
-    """Rank 1 passes a different batch size: every rank must fail, naming the difference."""
-    mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
-    x = torch.randn(8 if RANK == 0 else 4, 16)
-    step = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())
-    _record_error(out, lambda: step(x))
-
-
 def rank_raises(out: Path):
     """Rank 1 raises in user code before the step; rank 0 must fail, not hang."""
     mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
@@ -110,6 +103,119 @@ def rank_stalls(out: Path):
     _record_error(out, lambda: step(torch.randn(8, 4)) and step(torch.randn(4, 4)))
 
 
+# -- lifted state: modules and optimizers the step reads without being given them ---------------
+
+MEGATRON = {"0.weight": P("tp", None), "0.bias": P("tp"), "2.weight": P(None, "tp")}  # 2.bias replicated
+BLOCK_SHAPES = {"0.weight": (8, 8), "0.bias": (8,), "2.weight": (4, 8), "2.bias": (4,)}  # a rank's, tp=2
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "sgd_foreach": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
+    "sgd_loop": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False),
+}
+STEPS = 3
+
+
+def lifted_model(batchnorm: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+
+
+def lifted_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, dtype=torch.float64, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def eager_step(model, opt, x, y):
+    """The stock step, unsharded: what every sharded run is compared with."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def sharded_step(mesh, model, opt, in_specs, state_specs):
+    """The stock step, reading `model` and `opt` from its closure."""
+    @hpfun.shard(mesh=mesh, in_specs=in_specs, out_specs=P(), state_specs=state_specs)
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
+def _held_shapes(model, opt) -> dict:
+    """What each rank holds between calls: parameters' and optimizer state's shapes."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for p, entries in opt.state.items():
+        shapes |= {f"{names[id(p)]}.{key}": tuple(v.shape) for key, v in entries.items() if v.ndim}
+    shapes["grads"] = [p.grad for p in model.parameters()].count(None)
+    shapes["same parameters"] = all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"], strict=True))
+    return shapes
+
+
+def lifted(out: Path):
+    """The stock step on a (2, 2) dp x tp mesh, per optimizer: STEPS sharded steps, the state
+    gathered, put back whole in place, one eager step on it, then one more sharded step."""
+    mesh = hpfun.Mesh.distributed((2, 2), ("dp", "tp"), timeout=TIMEOUT)
+    x, y = lifted_data()
+    results = {}
+    for name, make in OPTIMIZERS.items():
+        model = lifted_model()
+        opt = make(model.parameters())
+        step = sharded_step(mesh, model, opt, (P("dp"), P("dp")), MEGATRON)
+        losses, held = [], []
+        for _ in range(STEPS):
+            losses.append(step(x, y).full())
+            held.append(_held_shapes(model, opt))
+        got = {"losses": losses, "held": held, "traces": step.trace_count,
+               "model": _snapshot(hpfun.gather_state(model)), "opt": _snapshot(hpfun.gather_state(opt)["state"])}
+        hpfun.gather_state(model, inplace=True)
+        hpfun.gather_state(opt, inplace=True)
+        got["whole"] = _held_shapes(model, opt)
+        losses.append(eager_step(model, opt, x, y))  # the module runs unsharded again
+        losses.append(step(x, y).full())  # and sharded again, from whole state: no new trace
+        got |= {"final": hpfun.gather_state(model), "final traces": step.trace_count}
+        results[name] = got
+    torch.save(results, out / f"lifted-rank{RANK}.pt")
+
+
+def lifted_dp(out: Path):
+    """World 2: BatchNorm's running statistics under data parallel; ranks whose arguments and
+    state differ; a mesh of the wrong size."""
+    mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
+    x, y = lifted_data()
+    model = lifted_model(batchnorm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = sharded_step(mesh, model, opt, (P("dp"), P("dp")), None)
+    losses = [step(x, y).full() for _ in range(STEPS)]
+    got = {"losses": losses, "model": _snapshot(hpfun.gather_state(model))}
+
+    other = torch.nn.Linear(8, 4 if RANK == 0 else 2).double()  # rank 1's module is narrower
+    odd = hpfun.shard(lambda x: other(x).sum(), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    got["mismatch"] = _error(lambda: odd(x if RANK == 0 else x[:4]))
+    got["after mismatch"] = step(x, y).full()  # the job goes on: the ranks failed together
+    got["wrong size"] = _error(lambda: hpfun.Mesh.distributed((2, 2), ("dp", "tp")))
+    torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def _snapshot(state: dict) -> dict:
+    """Gathered values are new tensors, whole ones the live state (as state_dict): copy them."""
+    return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # the test inspects whatever the rank saw
+        return f"{type(err).__name__}: {err}"
+    return "NO ERROR"
+
+
 def _record_error(out: Path, fn):
     start = time.monotonic()
     try:
@@ -123,8 +229,8 @@ def _record_error(out: Path, fn):
 
 
 SCENARIOS = {
-    "mlp": run_mlp, "compile": compile_small, "mismatch": mismatch, "adopt": adopt_and_local,
-    "rank_raises": rank_raises, "rank_dies": rank_dies, "rank_stalls": rank_stalls,
+    "mlp": run_mlp, "compile": compile_small, "adopt": adopt_and_local,
+    "lifted": lifted, "lifted_dp": lifted_dp, "rank_raises": rank_raises, "rank_dies": rank_dies, "rank_stalls": rank_stalls,
 }
 
 if __name__ == "__main__":

@@ -132,14 +132,104 @@ def test_compile_option_in_simulation():
     torch.testing.assert_close(compiled(x, w).full(), f(x, w))
 
 
-def test_ranks_with_different_arguments_fail_clearly(tmp_path):
-    """A rank passing another shape makes every rank fail with an error naming both signatures."""
-    codes = launch("mismatch", 2, tmp_path)
-    assert codes == [1, 1], _logs(tmp_path)
-    for rank in range(2):
-        text = (tmp_path / f"err-rank{rank}.txt").read_text()
-        assert "ShardingError" in text and "different arguments" in text, text
-        assert "float32[8, 16]" in text and "float32[4, 16]" in text, text
+# -- lifted state: the stock step reading a module and an optimizer it was not given -----------
+
+
+def _worker():
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import dist_worker
+    finally:
+        sys.path.pop(0)
+    return dist_worker
+
+
+def _job(tmp_path_factory, scenario: str, world: int) -> list[dict]:
+    out = tmp_path_factory.mktemp(scenario)
+    codes = launch(scenario, world, out)
+    assert codes == [0] * world, _logs(out)
+    return [torch.load(out / f"{scenario}-rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def lifted_job(tmp_path_factory):
+    """One world-4 job: the stock step on a (2, 2) dp x tp mesh with each optimizer."""
+    return _job(tmp_path_factory, "lifted", 4)
+
+
+@pytest.fixture(scope="module")
+def lifted_dp_job(tmp_path_factory):
+    """One world-2 job: BatchNorm under data parallel, ranks that differ, a mesh of the wrong size."""
+    return _job(tmp_path_factory, "lifted_dp", 2)
+
+
+def _close(got, expected, what):
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_foreach", "sgd_loop"])
+def test_lifted_module_and_optimizer_on_dp_x_tp(lifted_job, optimizer):
+    """The stock step (backward, opt.step, zero_grad on a closed-over module and optimizer),
+    Megatron-split on (2, 2): each rank holds its blocks between calls, gathered state equals
+    the eager run's, and gathered in place the module and optimizer run eagerly, then sharded, again."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = w.OPTIMIZERS[optimizer](model.parameters())
+    losses = [w.eager_step(model, opt, x, y) for _ in range(w.STEPS)]
+    names = {id(p): k for k, p in model.named_parameters()}
+    blocks = dict(w.BLOCK_SHAPES) | {f"{names[id(p)]}.{key}": w.BLOCK_SHAPES[names[id(p)]]
+                                     for p, entries in opt.state.items() for key, v in entries.items() if v.ndim}
+    whole = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    whole |= {k: whole[k.rsplit(".", 1)[0]] for k in blocks if k not in whole}
+    model_after, opt_after = w._snapshot(model.state_dict()), w._snapshot(opt.state_dict()["state"])
+    losses += [w.eager_step(model, opt, x, y) for _ in range(2)]
+    for rank, results in enumerate(lifted_job):
+        got = results[optimizer]
+        assert got["traces"] == 2, "a fresh optimizer's first call creates its state: one retrace, no more"
+        for held in got["held"]:
+            assert held == blocks | {"grads": 4, "same parameters": True}, rank
+        assert got["whole"] == whole | {"grads": 4, "same parameters": True}, rank
+        _close(got["model"], model_after, f"rank {rank}: gather_state(model)")
+        _close(got["opt"], opt_after, f"rank {rank}: gather_state(opt)")
+        _close(torch.stack(got["losses"]), torch.stack(losses), f"rank {rank}: losses")
+        _close(got["final"], model.state_dict(), f"rank {rank}: after an eager and a sharded step on gathered state")
+        assert got["final traces"] == 2, "whole state reads into the same program"
+
+
+def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
+    """BatchNorm in train mode, batch split over dp: running statistics, the batch count and
+    parameters equal eager's (the batch statistics are the global batch's)."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model(batchnorm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = torch.stack([w.eager_step(model, opt, x, y) for _ in range(w.STEPS)])
+    state = w._snapshot(model.state_dict())
+    next_loss = w.eager_step(model, opt, x, y)
+    for rank, got in enumerate(lifted_dp_job):
+        _close(got["model"], state, f"rank {rank}")
+        _close(torch.stack(got["losses"]), losses, f"rank {rank}: losses")
+        _close(got["after mismatch"], next_loss, f"rank {rank}: the step after the ranks' failed call")
+
+
+def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
+    """Rank 1 passes a smaller batch and closes over a narrower module: every rank fails, with
+    one line per differing input naming its path and each rank's value."""
+    for rank, got in enumerate(lifted_dp_job):
+        text = got["mismatch"]
+        assert text.startswith("ShardingError") and "different arguments" in text, text
+        assert "args[0]: differs between ranks (mesh rank 0: float64[8, 8] [S(0)]; mesh rank 1: float64[4, 8] [S(0)])" in text, text
+        assert "other.weight: differs between ranks (mesh rank 0: float64[4, 8] [R]; mesh rank 1: float64[2, 8] [R])" in text, text
+        assert "other.bias" in text and "TreeSpec" not in text, text
+
+
+def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):
+    """Mesh.distributed((2, 2)) in a job of 2 processes says what to launch, or what to build."""
+    for got in lifted_dp_job:
+        text = got["wrong size"]
+        assert text.startswith("ShardingError") and "needs 4 processes, but the job has 2" in text, text
+        assert "--nproc-per-node 4" in text and "a mesh of 2 ranks" in text, text
 
 
 @pytest.mark.parametrize("scenario", ["rank_raises", "rank_dies"])

@@ -36,7 +36,8 @@ def init(shape, axis_names, *, timeout: float | None = None) -> Mesh:
     if mesh.size != dist.get_world_size():
         raise ShardingError(Problem(
             f"mesh {mesh}", f"needs {mesh.size} processes, but the job has {dist.get_world_size()}",
-            f"launch it with torchrun --nproc-per-node {mesh.size} (or a world size of {mesh.size} across nodes)"),
+            f"launch it with torchrun --nproc-per-node {mesh.size} (or a world size of {mesh.size} across nodes), "
+            f"or build a mesh of {dist.get_world_size()} ranks for this job"),
             headline="cannot build the mesh")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device, mesh.shape, mesh_dim_names=mesh.axis_names)
@@ -130,7 +131,10 @@ class DistributedRuntime:
             if uses_seed:  # every rank draws with rank 0's seed, whatever its own generator says
                 seed = seed.to(self.device)
                 dist.broadcast(seed, self.device_mesh.mesh.flatten()[0].item(), group=self.all_ranks_group())
-            return list(bound(*local_inputs, self.coords_tensor, seed))
+            # The program is already differentiated: run without autograd (lifted parameters come
+            # in as themselves, and their blocks must come back as plain tensors, not graph nodes).
+            with torch.no_grad():
+                return list(bound(*local_inputs, self.coords_tensor, seed))
         except (RuntimeError, dist.DistBackendError) as err:
             raise _peer_failure(self, err) from err
 
@@ -154,20 +158,18 @@ class DistributedRuntime:
                                          "(every rank must pass the same shapes, dtypes and layouts)")
 
 
-def _differences(descriptions: list[list[str]]) -> list[str]:
-    """Per input that differs between ranks: its path and each rank's value."""
-    def parse(lines):
-        return dict(line.split(": ", 1) if ": " in line else (line, "") for line in lines)
-
-    per_rank = [parse(d) for d in descriptions]
+def _differences(descriptions: list[list[str]]) -> list[Problem]:
+    """Per input that differs between ranks: its path, and which mesh ranks passed what."""
+    per_rank = [dict(line.split(": ", 1) if ": " in line else (line, "") for line in lines) for lines in descriptions]
     paths = list(dict.fromkeys(p for d in per_rank for p in d))
     out = []
     for path in paths:
         values = [d.get(path, "(not given)") for d in per_rank]
         if len(set(values)) > 1:
-            shown = "; ".join(f"mesh rank {r}: {v}" for r, v in enumerate(values) if r == 0 or v != values[0])
-            out.append(f"{path} differs: {shown}")
-    return out or ["the ranks' argument structures differ"]
+            ranks = {v: [r for r, w in enumerate(values) if w == v] for v in dict.fromkeys(values)}
+            shown = "; ".join(f"mesh rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {v}" for v, rs in ranks.items())
+            out.append(Problem(path, f"differs between ranks ({shown})"))
+    return out or [Problem("the arguments", "have different structures on different ranks")]
 
 
 def _peer_failure(runtime: DistributedRuntime, err: Exception) -> ShardingError:
