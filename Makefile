@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo test validate-nightly docs clean
+.PHONY: setup demo demo-module test validate-nightly docs clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m hpfun.demo
+
+# the same mesh and layouts for an nn.Module trained with torch.optim.AdamW, its state lifted by name
+demo-module: $(STAMP)
+	$(PY) -m hpfun.demo --module
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -28,10 +28,11 @@ from hpfun.mesh import Mesh
 from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
 from hpfun.visualize import visualize  # after the submodule import: hpfun.visualize is the function
+from hpfun.writeback import gather_state
 
 __all__ = [
     "CaptureError", "Collective", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
-    "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "parse", "random_seed", "redistribute", "rules",
-    "shard", "visualize",
+    "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
+    "redistribute", "rules", "shard", "visualize",
 ]
