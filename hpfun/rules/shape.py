@@ -136,7 +136,10 @@ class Slice(Rule):
 
 @attrs.frozen(kw_only=True)
 class Cat(Rule):
-    """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole."""
+    """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole.
+
+    A 1-D empty input (torch.cat skips these "legacy" empties whatever the other inputs' rank,
+    as a KV cache starts out) holds no element: it is taken replicated under any strategy."""
 
     dim_arg: int = 1
 
@@ -150,9 +153,13 @@ class Cat(Rule):
             for t in tensors:
                 p = t.layout.placements[a]
                 if (isinstance(p, Shard) and p.dim != dim and t.ndim == out.ndim) or isinstance(p, Partial):
-                    options.insert(0, ((p,) * n, (p,)))
+                    options.insert(0, (tuple(R if _legacy_empty(u, out) else p for u in tensors), (p,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
+
+
+def _legacy_empty(t, out) -> bool:
+    return t.ndim == 1 and t.shape[0] == 0 and out.ndim != 1
 
 
 @attrs.frozen(kw_only=True)
