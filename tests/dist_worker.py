@@ -200,7 +200,27 @@ def lifted_dp(out: Path):
     got["mismatch"] = _error(lambda: odd(x if RANK == 0 else x[:4]))
     got["after mismatch"] = step(x, y).full()  # the job goes on: the ranks failed together
     got["wrong size"] = _error(lambda: hpfun.Mesh.distributed((2, 2), ("dp", "tp")))
+    got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def accumulate_then_step(mesh, x, y) -> dict:
+    """Gradients accumulated by two backward-only calls on a Megatron split, then one step: a
+    whole parameter meets its gradient's block, which the next call accumulates into."""
+    model = lifted_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+
+    @hpfun.shard(mesh=mesh, in_specs=(P(), P()), out_specs=P(), state_specs=MEGATRON)
+    def accumulate(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    accumulate(x, y)
+    accumulate(x, y)
+    grads = {k: tuple(p.grad.shape) for k, p in model.named_parameters()}
+    sharded_step(mesh, model, opt, (P(), P()), MEGATRON)(x, y)
+    return {"grad shapes": grads, "model": hpfun.gather_state(model)}
 
 
 def _snapshot(state: dict) -> dict:

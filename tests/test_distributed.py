@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hpfun
 from hpfun import P
@@ -211,6 +212,22 @@ def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
         _close(got["model"], state, f"rank {rank}")
         _close(torch.stack(got["losses"]), losses, f"rank {rank}: losses")
         _close(got["after mismatch"], next_loss, f"rank {rank}: the step after the ranks' failed call")
+
+
+def test_gradients_accumulated_without_a_step_then_a_step(lifted_dp_job):
+    """Backward-only calls on a tp split leave each rank its parameters' and gradients' blocks
+    (a gradient may not differ from its parameter in shape); the step after them equals eager's."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+    w.eager_step(model, opt, x, y)  # its backward adds a third gradient
+    for rank, results in enumerate(lifted_dp_job):
+        got = results["accumulated"]
+        assert got["grad shapes"] == w.BLOCK_SHAPES, rank
+        _close(got["model"], model.state_dict(), f"rank {rank}")
 
 
 def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
