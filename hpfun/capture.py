@@ -2,9 +2,11 @@
 
 `make_fx` runs the function on fake tensors of the global shapes (nothing is computed),
 functionalized (no in-place ops) and decomposed to core ATen. On top of torch's core
-decompositions, softmax/log_softmax and the NLL loss are decomposed too: as reductions,
-pointwise ops and gather/scatter, their general rules shard them along any dim (the
-vocab-parallel loss), where a fused kernel would need its dim whole.
+decompositions, the NLL loss is decomposed too: as reductions, pointwise ops and
+gather/scatter, its general rules shard it along any dim (the vocab-parallel loss), where a
+fused kernel would need its dim whole. Softmax and log-softmax (forward and backward) are
+recorded whole and then split the same way by `hpfun.fuse`, which puts the fused kernel back
+after propagation wherever the layouts allow (the dim whole).
 
 Composites, decided one by one (each choice is tested in tests/test_composites.py):
 - decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and

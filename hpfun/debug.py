@@ -88,7 +88,7 @@ class Difference:
     """One way a call's signature differs from a cached one."""
 
     path: str  # the argument leaf ("args[1]", "args[0]['w1']")
-    field: str  # "shape", "dtype", "layout", "kind", "value", "argument" (given or absent) or "structure"
+    field: str  # "shape", "dtype", "layout", "kind", "value", "argument" or "state" (given or absent), "structure"
     cached: str
     given: str
 
@@ -156,13 +156,27 @@ def _static_differences(cached: dict, given: dict) -> list[Difference]:
 
 
 def _differences(cached: dict, given: dict) -> list[Difference]:
-    out = []
+    out, state = [], {}
     for path in dict.fromkeys([*cached, *given]):
         if path in cached and path in given:
             out += _leaf_differences(path, cached[path], given[path])
-        else:
+        elif path.startswith(("args", "kwargs")):
             out.append(Difference(path, "argument", _presence(cached, path), _presence(given, path)))
+        else:  # lifted state that appeared or went: one line per kind (an optimizer's first state...)
+            key = (_state_group(path), _presence(cached, path), _presence(given, path))
+            state.setdefault(key, []).append(path)
+    for (group, was, now), paths in state.items():
+        shown = paths[0] if len(paths) == 1 else f"{group} ({len(paths)} lifted tensors, e.g. {paths[0]})"
+        out.append(Difference(shown, "state", was, now))
     return out
+
+
+def _state_group(name: str) -> str:
+    """`opt.state.model.0.weight.exp_avg` -> `opt.state.*`; `model.0.weight.grad` -> `*.grad`."""
+    parts = name.split(".")
+    if "state" in parts[:2]:
+        return ".".join(parts[:parts.index("state") + 1]) + ".*"
+    return "*." + parts[-1]
 
 
 def _presence(leaves: dict, path: str) -> str:

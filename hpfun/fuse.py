@@ -32,7 +32,6 @@ class _Group:
     """The nodes one fused op became, and how to call it again."""
 
     target: object
-    name: str
     args: tuple
     kwargs: dict
     meta: dict
@@ -58,33 +57,38 @@ def _is_tensor_node(x) -> bool:
 
 
 def split(gm: torch.fx.GraphModule) -> None:
-    """Rewrite every fused op of `gm` into its decomposition, each group tagged for `rejoin`."""
+    """Rewrite every fused op of `gm` into its decomposition, each group tagged for `rejoin`.
+    The op's own node becomes the decomposition's last op, so it keeps its name and users."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in FUSED:
             continue
         tensors = [a for a in node.args if _is_tensor_node(a)]
         sub = _decomposition(node.target, tuple((tuple(t.meta["val"].shape), t.meta["val"].dtype) for t in tensors),
                              tuple(None if _is_tensor_node(a) else a for a in node.args))
-        group = _Group(node.target, node.name, node.args, dict(node.kwargs), dict(node.meta))
+        last = sub.graph.output_node().args[0][0]
+        if last.op != "call_function":
+            continue  # nothing to split (a decomposition that returns an input as it is)
+        group = _Group(node.target, node.args, dict(node.kwargs), dict(node.meta), output=node)
         env, feeds, placeholders = {}, iter(tensors), []
         with gm.graph.inserting_before(node):
             for n in sub.graph.nodes:
                 if n.op == "placeholder":
                     env[n] = next(feeds)
                     placeholders.append(n)
-                elif n.op == "output":
-                    group.output = env[n.args[0][0]]
-                else:
+                elif n is last:
+                    node.target = n.target
+                    node.args, node.kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                    node.meta["hpfun_group"] = group
+                    env[n] = node
+                elif n.op == "call_function":
                     new = gm.graph.node_copy(n, env.__getitem__)
                     for key in ("stack_trace", "nn_module_stack"):
                         if key in node.meta:
                             new.meta[key] = node.meta[key]
                     new.meta["hpfun_group"] = group
-                    group.nodes.append(new)
                     env[n] = new
+        group.nodes = [env[n] for n in sub.graph.nodes if n.op == "call_function"]
         group.probes = [_probe(p, env) for p in placeholders]
-        node.replace_all_uses_with(group.output)
-        gm.graph.erase_node(node)
     gm.recompile()
 
 
@@ -125,23 +129,21 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
         args = group.current_args(tensor_inputs)
         if args is None:
             continue
-        with gm.graph.inserting_after(group.output):
-            fused = gm.graph.call_function(group.target, args, group.kwargs)
-        fused._rename(group.name)  # reports name it as the trace did
-        fused.meta.update({k: v for k, v in group.meta.items() if not k.startswith("hpfun_")})
-        call = op_call(fused, mesh)
-        out = group.output.meta["hpfun_layout"]
-        want = tuple(needs.get(p) for p in tensor_inputs(fused))
+        out, layout = group.output, group.output.meta["hpfun_layout"]
+        decomposed = (out.target, out.args, out.kwargs)
+        out.target, out.args, out.kwargs = group.target, args, group.kwargs
+        call = op_call(out, mesh)
+        want = tuple(needs.get(p) for p in tensor_inputs(out))
         rule = registry.lookup(group.target)
         match = None if rule is None or None in want else next(
-            (s for s in rule.strategies(call) if s.inputs == want and s.outputs == (out,)), None)
+            (s for s in rule.strategies(call) if s.inputs == want and s.outputs == (layout,)), None)
         if match is None:
-            gm.graph.erase_node(fused)
+            out.target, out.args, out.kwargs = decomposed
             continue
-        fused.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=match, hpfun_layout=out)
-        group.output.replace_all_uses_with(fused)
+        out.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=match)
         for n in reversed(group.nodes):
-            gm.graph.erase_node(n)
+            if n is not out:
+                gm.graph.erase_node(n)
         done += 1
     gm.recompile()
     return done
