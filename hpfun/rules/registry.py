@@ -80,19 +80,25 @@ class Entry:
 
 
 class Registry:
-    """Op overload -> rule. Built-ins load on first use."""
+    """Op overload -> rule. Built-ins and `HPFUN_RULES_PATH` load on first use.
+
+    A table that fails to load stays pending: every later use tries it again and raises again,
+    until it loads (a fixed file). Marking it loaded before it had loaded would let the calls
+    after the first run silently without it.
+    """
 
     def __init__(self):
         self._entries: dict[object, Entry] = {}
-        self._loaded_builtins = False
+        self._pending: list[Path] | None = None  # tables not loaded yet; None: built-ins not queued yet
+        self._loaded: set[Path] = set()  # files, resolved: a table named twice loads once
 
     def _ensure_builtins(self):
-        if self._loaded_builtins:
-            return
-        self._loaded_builtins = True
-        self._load(builtin_rules_dir())
-        for folder in filter(None, os.environ.get("HPFUN_RULES_PATH", "").split(":")):
-            self._load(folder)
+        if self._pending is None:
+            folders = filter(None, os.environ.get("HPFUN_RULES_PATH", "").split(":"))
+            self._pending = [builtin_rules_dir(), *map(Path, folders)]
+        while self._pending:  # in order; each table is all-or-nothing, so a retry never duplicates
+            self._load(self._pending[0])
+            self._pending.pop(0)
 
     def lookup(self, op) -> Rule | None:
         self._ensure_builtins()
@@ -121,15 +127,23 @@ class Registry:
         self._entries[op] = Entry(rule, source)
 
     def load(self, path) -> int:
-        """Load a YAML table or a folder of them (after the built-ins); all problems raised together."""
+        """Load a YAML table or a folder of them (after the built-ins); all problems raised together.
+        A table that exists but fails to load raises again at every use until it is fixed; a
+        file already loaded is not loaded twice."""
         self._ensure_builtins()
-        return self._load(path)
+        path = Path(path)
+        if not path.exists():
+            raise RuleFileError(f"rule path {path} does not exist")
+        before = len(self._entries)
+        self._pending.append(path)
+        self._ensure_builtins()
+        return len(self._entries) - before
 
     def _load(self, path) -> int:
         path = Path(path)
         if not path.exists():
             raise RuleFileError(f"rule path {path} does not exist")
-        files = sorted(path.glob("*.yaml")) if path.is_dir() else [path]
+        files = [f for f in (sorted(path.glob("*.yaml")) if path.is_dir() else [path]) if f.resolve() not in self._loaded]
         problems, parsed = [], []
         for file in files:
             parsed += _parse_file(file, problems)
@@ -143,6 +157,7 @@ class Registry:
             raise RuleFileError(problems)
         for op, rule, where in parsed:
             self._entries[op] = Entry(rule, where)
+        self._loaded.update(f.resolve() for f in files)
         return len(parsed)
 
 
