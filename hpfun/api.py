@@ -24,8 +24,8 @@ from hpfun.runtime import simulated
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
 from hpfun.specs import (
-    broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches, spec_problem,
-    tensor_layout,
+    bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
+    spec_tree_problems, tensor_layout,
 )
 from hpfun.writeback import WriteBack
 
@@ -36,9 +36,12 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
     subtree; None means replicated; a dict of name patterns for a dict argument); keyword
-    arguments are bound to their positions first. `out_specs` likewise for the outputs, or None
-    to keep the layouts hpfun chose. Arguments may be global tensors (split by the specs) or
-    `Sharded` values; tensor outputs are `Sharded`, other outputs come back as they are.
+    arguments are bound to their positions first, and left-out parameters in_specs covers take
+    their defaults. Keyword-only parameters (and **kwargs) have no spec: a tensor there is
+    replicated, a `Sharded` value keeps its layout. `out_specs` likewise for the outputs, or None
+    to keep the layouts hpfun chose. Arguments may be global tensors (split by the specs; NumPy
+    arrays are read as tensors) or `Sharded` values; tensor outputs are `Sharded`, other outputs
+    come back as they are.
 
     The function may read state it is not given: the parameters, buffers and gradients of
     modules it closes over or reads as globals, an optimizer's state, closed-over and global
@@ -149,7 +152,8 @@ class ShardedFunction:
 
     def __call__(self, *args, **kwargs):
         call = self._prepare(args, kwargs)
-        entry = self._fast.get(_fast_key(call))
+        fast = _fast_key(call)
+        entry = self._fast.get(fast) if _hashable(fast) else None  # unhashable: _signature names the value
         if entry is None:
             entry = self._program(call)[1]
         program = entry.program
@@ -179,8 +183,9 @@ class ShardedFunction:
     # -- one call's inputs ------------------------------------------------------------------------
 
     def _prepare(self, args, kwargs) -> _Call:
-        args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs)
-        args, kwonly = _from_numpy(args), _from_numpy(kwonly)
+        n_specs = len(self.in_specs) if isinstance(self.in_specs, tuple) else None
+        args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs, n_specs)
+        args, kwonly = _from_numpy(args, kwonly)
         state = lift.collect(*lift.find_roots(self.fn))
         given = {id(x) for x in pytree.tree_leaves((args, kwonly)) if isinstance(x, torch.Tensor)}
         lifted = state.values(skip_ids=given)
@@ -212,6 +217,11 @@ class ShardedFunction:
                     for path, x in zip(leaf_paths(call.kwonly, "kwargs"), pytree.tree_leaves(call.kwonly, is_leaf=is_sharded),
                                        strict=True)]
         layouts += self._state_layouts(call, problems)
+        problems += spec_tree_problems(self.out_specs, "outputs", self.mesh)
+        problems += [Problem(path, f"is {_short(x)}, which is not hashable: a value that is not a "
+                             "tensor is baked into the program and keys its cache",
+                             "pass a tensor, or a hashable value (a tuple, a frozenset)")
+                     for path, x in zip(call.paths(), call.flat, strict=True) if not _is_tensor(x) and not _hashable(x)]
         if problems:
             raise SpecError(problems)
         grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
@@ -395,6 +405,12 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     root = "outputs[0]" if bare else "outputs"
     paths = leaf_paths(out_example, root)
     tensor_paths = [p for p, v in zip(paths, flat, strict=True) if isinstance(v, torch.Tensor)]
+    hidden = [Problem(p, f"is a value of type {type(v).__name__} holding tensors ({', '.join(inside)}), which hpfun cannot see: they "
+                      "would come back as the trace's stand-ins", f"return tensors in tuples, lists and dicts, or "
+                      f"register {type(v).__name__} as a pytree node (torch.utils._pytree.register_dataclass)")
+              for p, v in zip(paths, flat, strict=True) if (inside := _tensors_inside(v))]
+    if hidden:
+        raise CaptureError(hidden, headline="the function returns tensors inside other objects")
     if out_specs is None:
         return [None] * len(out_tensors), tensor_paths
     problems: list[Problem] = []
@@ -403,8 +419,8 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     for path, value, spec in zip(paths, flat, per_leaf, strict=True):
         if not isinstance(value, torch.Tensor):
             continue
-        if (bad := spec_problem(spec, mesh)) is not None:
-            problems.append(Problem(path, f"spec {bad}"))
+        if (bad := bad_spec(path, spec, mesh)) is not None:
+            problems.append(bad)
             layouts.append(None)
             continue
         layouts.append(tensor_layout(mesh, path, tuple(value.shape), spec or P(), problems,
@@ -414,6 +430,16 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     return layouts, tensor_paths
 
 
+def _tensors_inside(x) -> list[str]:
+    """Where a non-tensor output holds tensors: its attributes' names, or "elements" of a set
+    (looked at one level deep)."""
+    if isinstance(x, (set, frozenset)):
+        return ["elements"] if any(isinstance(v, torch.Tensor) for v in x) else []
+    if isinstance(x, torch.Tensor) or not isinstance(getattr(x, "__dict__", None), dict):
+        return []
+    return [k for k, v in vars(x).items() if isinstance(v, torch.Tensor)]
+
+
 def _signature(fn) -> inspect.Signature | None:
     try:
         return inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
@@ -421,23 +447,26 @@ def _signature(fn) -> inspect.Signature | None:
         return None
 
 
-def _bind(fn, signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Keyword arguments moved to their positions (so in_specs, by position, covers them);
-    keyword-only ones are returned apart."""
-    if not kwargs:
-        return args, {}
+def _bind(fn, signature, args: tuple, kwargs: dict, n_specs: int | None = None) -> tuple[tuple, dict]:
+    """Keyword arguments moved to their positions (so in_specs, by position, covers them), and
+    left-out parameters that a tuple of `n_specs` in_specs covers given their defaults;
+    keyword-only ones (and **kwargs) are returned apart. A call the signature refuses is an
+    error naming the signature, not a spec mismatch later."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if signature is None:
-        raise SpecError(f"{name} takes keyword arguments {sorted(kwargs)}, but its signature cannot be inspected",
-                        headline="bad arguments")
+        if kwargs:
+            raise SpecError(f"{name} takes keyword arguments {sorted(kwargs)}, but its signature cannot be inspected",
+                            headline="bad arguments")
+        return args, {}
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:
         raise SpecError(f"{name}{signature}: {err}", headline="bad arguments") from None
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    given = [i for i, p in enumerate(positional) if p.name in bound.arguments]
-    out = [bound.arguments.get(p.name, p.default) for p in positional[:max(given) + 1]] if given else []
+    given = [i + 1 for i, p in enumerate(positional) if p.name in bound.arguments]
+    n = max(given + [min(n_specs or 0, len(positional))])
+    out = [bound.arguments.get(p.name, p.default) for p in positional[:n]]
     kwonly = {}
     for p in params:
         if p.kind is p.VAR_POSITIONAL:
@@ -449,12 +478,29 @@ def _bind(fn, signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(out), kwonly
 
 
-def _from_numpy(tree):
-    """NumPy arrays among the arguments are read as tensors (sharing their memory)."""
+def _from_numpy(args: tuple, kwonly: dict) -> tuple[tuple, dict]:
+    """NumPy arrays among the arguments are read as tensors (`torch.as_tensor`: sharing their
+    memory, float64 stays float64); one torch cannot hold is an error naming its path."""
     np = sys.modules.get("numpy")
     if np is None:
-        return tree
-    return pytree.tree_map(lambda x: torch.as_tensor(x) if isinstance(x, np.ndarray) else x, tree)
+        return args, kwonly
+    problems: list[Problem] = []
+
+    def convert(path, x):
+        if not isinstance(x, np.ndarray):
+            return x
+        try:
+            return torch.as_tensor(x)
+        except TypeError:
+            problems.append(Problem(path, f"is a NumPy array of dtype {x.dtype}, which a tensor cannot hold",
+                                    "pass a numeric or bool array (or a tensor); other values as Python objects"))
+            return x
+
+    args = pytree.tree_map_with_path(lambda p, x: convert("args" + pytree.keystr(p), x), args)
+    kwonly = pytree.tree_map_with_path(lambda p, x: convert("kwargs" + pytree.keystr(p), x), kwonly)
+    if problems:
+        raise SpecError(problems, headline="bad arguments")
+    return args, kwonly
 
 
 def _fast_key(call: _Call):
@@ -490,6 +536,15 @@ def _fast_leaf(x):
     if isinstance(x, Sharded):
         return (x.layout, x.global_shape, x.dtype)
     return ("static", type(x), x)
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (torch.Tensor, Sharded))
+
+
+def _short(x, n: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _hashable(x) -> bool:

@@ -50,7 +50,11 @@ def _describe(tree) -> str:
         return "a tensor"
     if isinstance(tree, (list, tuple)):
         return f"a {type(tree).__name__} of length {len(tree)}"
-    return f"a {type(tree).__name__}"
+    if isinstance(tree, dict):
+        keys = ", ".join(map(repr, list(tree)[:4])) + (", ..." if len(tree) > 4 else "")
+        return f"a dict with keys {{{keys}}}"
+    name = type(tree).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def n_leaves(tree) -> int:
@@ -62,29 +66,39 @@ def n_leaves(tree) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def spec_problem(spec, mesh: Mesh | None = None) -> str | None:
+def bad_spec(where: str, spec, mesh: Mesh | None = None) -> Problem | None:
     """Why `spec` is not a spec (a P or None), with the spelling that was meant; None if it is one."""
     if spec is None or isinstance(spec, P):
         return None
     if isinstance(spec, str):
-        return f"is the string {spec!r}, not a spec: write P({spec!r})"
-    if isinstance(spec, (tuple, list)) and spec and all(_is_dim_entry(e) for e in spec):
-        inner = ", ".join(repr(tuple(e)) if isinstance(e, list) else repr(e) for e in spec)
-        return f"is the {type(spec).__name__} {spec!r}, not a spec: write P({inner})"
-    if _is_placement(spec) or (isinstance(spec, (tuple, list)) and spec and all(_is_placement(e) for e in spec)):
-        placements = spec if isinstance(spec, (tuple, list)) else (spec,)
-        return (f"is {_placement_text(spec)}, a placement per mesh axis (DTensor's notation), not a spec: a P names, "
-                f"per tensor dim, the mesh axes splitting it{_as_p(placements, mesh)}")
-    return f"must be an hpfun.P or None, got {type(spec).__name__} {spec!r}"
+        return Problem(where, f"spec is the string {spec!r}, not a P", f"write P({spec!r})")
+    if _is_dim_tuple(spec):
+        return Problem(where, f"spec is the {type(spec).__name__} {spec!r}, not a P", f"write {P(*spec)}")
+    placements = tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
+    if placements and all(_is_placement(p) for p in placements):
+        return Problem(where, f"spec is {_placement_text(spec)}, {_notation(placements)}, not a spec: a P names, per "
+                       "tensor dim, the mesh axes splitting it", _as_p(placements, mesh))
+    return Problem(where, f"spec must be an hpfun.P or None, got {type(spec).__name__} {spec!r}", _WRITE_P)
 
 
-def _is_dim_entry(e) -> bool:
-    return e is None or isinstance(e, str) or (isinstance(e, (tuple, list)) and e and all(isinstance(a, str) for a in e))
+_WRITE_P = "write P(...) with one entry per tensor dim: a mesh axis name, a tuple of them, or None"
+
+
+def _is_dim_tuple(spec) -> bool:
+    """("dp", None), ["dp", ("dp", "tp")]: a P's entries without the P (at least one axis name)."""
+    return (isinstance(spec, (tuple, list)) and any(e is not None for e in spec)
+            and all(e is None or isinstance(e, str) or _is_axes(e) for e in spec))
+
+
+def _is_axes(e) -> bool:
+    return isinstance(e, (tuple, list)) and bool(e) and all(isinstance(a, str) for a in e)
 
 
 def _is_placement(x) -> bool:
-    if isinstance(x, (Shard, Replicate, Partial)):
-        return True
+    return isinstance(x, (Shard, Replicate, Partial)) or _is_dtensor_placement(x)
+
+
+def _is_dtensor_placement(x) -> bool:
     try:
         from torch.distributed.tensor.placement_types import Placement
     except ImportError:  # torch built without distributed
@@ -96,21 +110,71 @@ def _placement_text(spec) -> str:
     return repr(tuple(spec)) if isinstance(spec, (tuple, list)) else repr(spec)
 
 
+def _notation(placements) -> str:
+    if any(_is_dtensor_placement(p) for p in placements):
+        return "DTensor's placement per mesh axis"
+    return "hpfun's placement per mesh axis (what a Layout holds)"
+
+
 def _as_p(placements, mesh: Mesh | None) -> str:
-    """`: write P(...)` when the placements translate (Shard and Replicate on a mesh of that many axes)."""
-    if mesh is None or len(placements) != mesh.ndim:
-        return ""
+    """The P that the placements mean, where they translate (Shard and Replicate; one per mesh
+    axis, or a single one on a mesh of one axis); the choices for a single Shard otherwise."""
+    if any(not _is_replicate(p) and _shard_dim(p) is None for p in placements):
+        return ("a P cannot ask for a pending sum (Partial): pass the summed tensor, or a Sharded value; "
+                "out_specs=None keeps the Partial layouts hpfun chose")
+    if mesh is None:
+        return _WRITE_P
+    if len(placements) == mesh.ndim:
+        return f"write {_p_of(dict(zip(mesh.axis_names, placements, strict=True)))}"
+    if len(placements) == 1 and _is_replicate(placements[0]):
+        return "write P() (replicated over every mesh axis)"
+    if len(placements) == 1:
+        options = [str(_p_of({axis: placements[0]})) for axis in mesh.axis_names]
+        return (f"write {' or '.join(options)} to split dim {_shard_dim(placements[0])} over one mesh axis, "
+                f"{_p_of({axis: placements[0] for axis in mesh.axis_names})} over all {mesh.ndim}")
+    return f"the mesh has {mesh.ndim} axes ({', '.join(mesh.axis_names)}), not {len(placements)}; {_WRITE_P}"
+
+
+def _is_replicate(p) -> bool:
+    return type(p).__name__ == "Replicate"
+
+
+def _shard_dim(p) -> int | None:
+    dim = getattr(p, "dim", None) if type(p).__name__ in ("Shard", "_StridedShard") else None
+    return dim if isinstance(dim, int) and dim >= 0 else None
+
+
+def _p_of(by_axis: dict) -> P:
+    """The P of one placement per named axis (Shard or Replicate), axes in mesh order."""
     dims: dict[int, list[str]] = {}
-    for axis, p in zip(mesh.axis_names, placements, strict=True):
-        dim = getattr(p, "dim", None)
-        if dim is not None and not isinstance(p, Partial):
-            dims.setdefault(dim, []).append(axis)
-        elif not (isinstance(p, Replicate) or type(p).__name__ == "Replicate"):
-            return ""
-    entries = [None] * (max(dims) + 1 if dims else 0)
-    for d, axes in dims.items():
-        entries[d] = axes[0] if len(axes) == 1 else tuple(axes)
-    return f": write P({', '.join(map(repr, entries))})"
+    for axis, p in by_axis.items():
+        if _shard_dim(p) is not None:
+            dims.setdefault(_shard_dim(p), []).append(axis)
+    entries = [tuple(dims.get(d, ())) or None for d in range(max(dims) + 1 if dims else 0)]
+    return P(*entries)
+
+
+def spec_text(tree) -> str:
+    """A tree of specs as users write it: P('dp', None), not P(dims=('dp', None))."""
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{k!r}: {spec_text(v)}" for k, v in tree.items()) + "}"
+    if isinstance(tree, (list, tuple)) and not _is_dim_tuple(tree):
+        items = ", ".join(map(spec_text, tree)) + ("," if isinstance(tree, tuple) and len(tree) == 1 else "")
+        return f"({items})" if isinstance(tree, tuple) else f"[{items}]"
+    return str(tree) if isinstance(tree, P) else repr(tree)
+
+
+def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "") -> list[Problem]:
+    """Leaves of a spec tree that are no spec whatever the values they cover (a string, a tuple
+    of axis names, a placement): found before tracing, so they are reported with the other
+    problems of the call."""
+    if specs is None or isinstance(specs, P):
+        return []
+    if isinstance(specs, dict):
+        return [p for k, v in specs.items() for p in spec_tree_problems(v, root, mesh, f"{path}[{k!r}]")]
+    if _is_spec_tree(specs):
+        return [p for i, v in enumerate(specs) for p in spec_tree_problems(v, root, mesh, f"{path}[{i}]")]
+    return [bad_spec(root + path, specs, mesh)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,13 +188,6 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     where = root + pytree.keystr(path)
     if specs is None or isinstance(specs, P):
         return [specs] * n_leaves(tree)
-    if isinstance(tree, (torch.Tensor, Sharded)):  # a leaf given something that is not a spec
-        problems.append(Problem(where, f"spec {spec_problem(specs, mesh)}"))
-        return [None]
-    if not isinstance(tree, (dict, list, tuple)):
-        problems.append(Problem(where, f"spec {specs!r} does not fit {_describe(tree)}",
-                                "give None (or P()) for a value that is not a tensor"))
-        return [None] * n_leaves(tree)
     if isinstance(specs, dict) and isinstance(tree, dict):
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
@@ -141,9 +198,24 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
         return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
                 for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),), root, mesh)]
-    problems.append(Problem(where, f"spec {specs!r} does not fit {_describe(tree)}",
-                            "specs are a prefix of the tree: a P (or None) per leaf, or per subtree"))
+    if not _is_spec_tree(specs):  # a string, a tuple of axis names, a placement: meant as one spec
+        problems.append(bad_spec(where, specs, mesh))
+    elif isinstance(tree, (dict, list, tuple, torch.Tensor, Sharded)):
+        problems.append(Problem(where, f"spec {spec_text(specs)} does not fit {_describe(tree)}",
+                                "specs are a prefix of the values: a P (or None) per tensor, or one for a whole "
+                                "subtree; a dict or tuple of specs only where the value is one"))
+    else:
+        problems.append(Problem(where, f"spec {spec_text(specs)} does not fit {_describe(tree)}",
+                                "give None (or P()) for a value that is not a tensor"))
     return [None] * n_leaves(tree)
+
+
+def _is_spec_tree(specs) -> bool:
+    """A dict, list or tuple of specs (not the entries of one P, nor a placement per axis)."""
+    if isinstance(specs, dict):
+        return True
+    return (isinstance(specs, (list, tuple)) and not _is_dim_tuple(specs)
+            and not (specs and all(map(_is_placement, specs))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,19 +239,19 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
         if not isinstance(pattern, str):
             problems.append(Problem(at, f"pattern keys are strings, got {type(pattern).__name__}"))
             continue
-        if (bad := spec_problem(spec, mesh)) is not None:
-            problems.append(Problem(at, f"spec {bad}"))
+        if (bad := bad_spec(at, spec, mesh)) is not None:
+            problems.append(bad)
             continue
         hits = [n for n in names if pattern_matches(pattern, n)]
         if not hits and pattern not in may_miss:
-            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5) or _close_tails(pattern, names)
+            close = _closest(pattern, names) or _close_tails(pattern, names)
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
                                     "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}")))
         for n in hits:
             if n in matched_by:
-                problems.append(Problem(n, f"is matched by two patterns, {matched_by[n]!r} and {pattern!r}",
-                                        "make the patterns disjoint"))
+                problems.append(Problem(where, f"{n!r} is matched by two patterns, {matched_by[n]!r} and {pattern!r}",
+                                        "make the patterns disjoint: each name may match one pattern"))
             matched_by[n] = pattern
             out[n] = spec
     return out
@@ -189,7 +261,13 @@ def _close_tails(pattern: str, names: list[str]) -> list[str]:
     """Closest names compared by their last parts (a pattern is usually a name's tail)."""
     depth = pattern.count(".") + 1
     tails = {".".join(n.split(".")[-depth:]): n for n in names}
-    return [tails[t] for t in difflib.get_close_matches(pattern, list(tails), n=3, cutoff=0.5)]
+    return [tails[t] for t in _closest(pattern, list(tails))]
+
+
+def _closest(text: str, candidates: list[str], n: int = 3) -> list[str]:
+    """The `n` candidates most like `text` (similarity at least 0.5), ties in name order."""
+    scored = [(-difflib.SequenceMatcher(None, text, c).ratio(), c) for c in candidates]
+    return [c for score, c in sorted(scored)[:n] if -score >= 0.5]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +283,8 @@ def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | Non
         return x.layout
     if not isinstance(x, torch.Tensor):
         return None
-    if (bad := spec_problem(spec, mesh)) is not None:
-        problems.append(Problem(where, f"spec {bad}"))
+    if (bad := bad_spec(where, spec, mesh)) is not None:
+        problems.append(bad)
         return None
     return tensor_layout(mesh, where, tuple(x.shape), spec or P(), problems,
                          "pad the tensor, pick a size divisible by the axes, or shard another dim")
@@ -223,14 +301,21 @@ def tensor_layout(mesh: Mesh, where: str, shape: tuple, spec: P, problems: list,
     return layout
 
 
+_ONE_PER_ARGUMENT = ("give one spec per positional argument, None for one that is not a tensor (keyword arguments "
+                     "count at their positions; keyword-only ones are replicated)")
+
+
 def input_layouts(mesh: Mesh, in_specs, args: tuple, problems: list) -> list[Layout | None]:
     """A layout per leaf of the positional arguments (None for non-tensor leaves)."""
     specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) if len(args) == 1 else in_specs
-    if (isinstance(in_specs, tuple) and len(in_specs) != len(args) and in_specs
-            and all(_is_dim_entry(e) for e in in_specs)):
+    if isinstance(in_specs, tuple) and len(in_specs) != len(args) and _is_dim_tuple(in_specs):
         problems.append(Problem("in_specs", f"is the tuple {in_specs!r}: a spec is written P(...), and in_specs "
                                 f"holds one per argument ({len(args)} given)",
-                                f"write in_specs=(P{in_specs!r},)" if len(args) == 1 else "write one P per argument"))
+                                f"write in_specs=({P(*in_specs)},)" if len(args) == 1 else "write one P per argument"))
+        return [None] * n_leaves(args)
+    if isinstance(specs, (tuple, list)) and len(specs) != len(args) and _is_spec_tree(specs):
+        problems.append(Problem("in_specs", f"has {len(specs)} entries, one per positional argument, but the call "
+                                f"passes {len(args)}", _ONE_PER_ARGUMENT))
         return [None] * n_leaves(args)
     per_leaf = broadcast_prefix(specs, args, problems, mesh=mesh)
     flat, _ = pytree.tree_flatten_with_path(args, is_leaf=is_sharded)

@@ -1,0 +1,261 @@
+"""The front door, tried as a new user would: keyword arguments, non-tensor and NumPy values,
+spec mistakes with their paths and fixes, and rule tables that fail to load."""
+
+import dataclasses
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import Replicate as DReplicate
+from torch.distributed.tensor import Shard as DShard
+
+import hpfun
+from hpfun import P
+from hpfun.rules.pointwise import Pointwise
+from hpfun.rules.registry import REGISTRY, Registry
+
+MESH = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+aten = torch.ops.aten
+
+
+def _params():
+    return {"w1": torch.randn(4, 4), "w2": torch.randn(4, 4)}
+
+
+def _step(params, x, y):
+    return {k: p * 2 for k, p in params.items()}, (x * y).sum()
+
+
+STEP_SPECS = dict(in_specs=({"w1": P(None, "tp"), "w2": P()}, P("dp"), P("dp")),
+                  out_specs=({"w1": P(None, "tp"), "w2": P()}, P()))
+
+
+def _error(f, *args, error=hpfun.HpfunError, **kwargs) -> tuple[hpfun.HpfunError, str]:
+    with pytest.raises(error) as info:
+        f(*args, **kwargs)
+    return info.value, str(info.value)
+
+
+# -- arguments --------------------------------------------------------------------------------
+
+
+def test_keyword_arguments_take_the_positional_specs():
+    """f(params, x=x, y=y) and f(params=..., y=y, x=x) run the program f(params, x, y) compiled."""
+    f = hpfun.shard(_step, mesh=MESH, **STEP_SPECS)
+    params, x, y = _params(), torch.randn(8, 4), torch.randn(8, 4)
+    expected = f(params, x, y)[1].full()
+    for out in (f(params, x=x, y=y), f(params=params, y=y, x=x)):
+        torch.testing.assert_close(out[1].full(), expected)
+        assert out[0]["w1"].layout == P(None, "tp").to_layout(MESH, 2)
+    assert f.trace_count == 1
+    report = str(f.lower(params, y=y, x=x))
+    assert "global [8, 4] [S(0), R], local [4, 4] float32  (args[1])" in report and "(args[2])" in report
+
+
+def test_keyword_only_parameters_are_replicated_unless_sharded():
+    """A tensor given to a keyword-only parameter (or **kwargs) is replicated; a Sharded one keeps its layout."""
+
+    def scaled(x, *, mask, **extra):
+        return x * mask + extra["bias"]
+
+    f = hpfun.shard(scaled, mesh=MESH, in_specs=(P("dp"),))
+    x, mask, bias = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4)
+    torch.testing.assert_close(f(x, mask=mask, bias=bias).full(), x * mask + bias)
+    report = str(f.lower(x, mask=mask, bias=bias))
+    assert "global [8, 4] [R, R], local [8, 4] float32  (kwargs['mask'])" in report
+    assert "global [4] [R, R], local [4] float32  (kwargs['bias'])" in report
+    split = hpfun.Sharded.from_global(mask, P("dp").to_layout(MESH, 2))
+    assert "global [8, 4] [S(0), R], local [4, 4] float32  (kwargs['mask'])" in str(f.lower(x, mask=split, bias=bias))
+
+
+def test_defaults_fill_the_positions_in_specs_cover_and_bad_calls_name_the_signature():
+    """A left-out parameter with a default takes its spec's place; a call the signature refuses says so."""
+
+    def masked(x, mask=None):
+        return x if mask is None else x * mask
+
+    f = hpfun.shard(masked, mesh=MESH, in_specs=(P("dp"), P("dp")))
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(f(x).full(), x)
+    torch.testing.assert_close(f(mask=x, x=x).full(), x * x)
+    _, text = _error(f, error=hpfun.SpecError)
+    assert "masked(x, mask=None)" in text and "missing a required argument: 'x'" in text
+    _, text = _error(f, x, typo=x, error=hpfun.SpecError)
+    assert "unexpected keyword argument 'typo'" in text
+
+
+def test_in_specs_of_the_wrong_length_say_so():
+    """in_specs with more entries than the call's positional arguments is named as such."""
+    f = hpfun.shard(lambda a: a, mesh=MESH, in_specs=(P("dp"), P("dp")))
+    _, text = _error(f, torch.randn(8), error=hpfun.SpecError)
+    assert "in_specs: has 2 entries, one per positional argument, but the call passes 1" in text
+
+
+def test_non_tensor_outputs_come_back_as_they_are():
+    """Ints, floats, strings and None, at the top or inside tuples and dicts, are returned untouched."""
+
+    def f(x):
+        return x * 2, 3, 1.5, "hi", None, {"a": (x.sum(), 7, None), "s": "str"}
+
+    x = torch.randn(8, 4)
+    for out_specs in (None, (P("dp"), None, None, None, None, {"a": (P(), None, None), "s": None})):
+        out = hpfun.shard(f, mesh=MESH, in_specs=P("dp"), out_specs=out_specs)(x)
+        assert out[1:5] == (3, 1.5, "hi", None)
+        assert out[5]["a"][1:] == (7, None) and out[5]["s"] == "str"
+        torch.testing.assert_close(out[5]["a"][0].full(), x.sum())
+
+
+def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
+    """A dataclass holding tensors would hand back the trace's stand-ins: an error naming its path."""
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        n: int
+
+    f = hpfun.shard(lambda x: (x, Out(x, 1)), mesh=MESH, in_specs=P("dp"))
+    _, text = _error(f, torch.randn(8), error=hpfun.CaptureError)
+    assert "outputs[1]: is a value of type Out holding tensors (y)" in text and "register_dataclass" in text
+    assert "FakeTensor" not in text
+
+
+def test_numpy_arguments_are_tensors():
+    """A NumPy array is read as a tensor (the fast cache keys it like one); one torch cannot hold is named."""
+    f = hpfun.shard(lambda x, s: x * s, mesh=MESH, in_specs=(P("dp"), None))
+    a = np.arange(8.0, dtype=np.float32).reshape(8, 1)
+    for _ in range(2):
+        torch.testing.assert_close(f(a, np.float32(2.0)).full(), torch.from_numpy(a) * 2)
+    assert f.trace_count == 1
+    err, text = _error(f, np.array(["a", "b"]), 2.0, error=hpfun.SpecError)
+    assert "args[0]: is a NumPy array of dtype <U1" in text and not isinstance(err, TypeError)
+
+
+def test_unhashable_python_arguments_are_named_not_unhashable_type():
+    """A set or bytearray argument (baked into the program) is a SpecError naming its path, at every call."""
+    f = hpfun.shard(lambda x, s: x * len(s), mesh=MESH, in_specs=(P("dp"), None))
+    for _ in range(2):
+        _, text = _error(f, torch.randn(8), {"a": {1, 2}}, error=hpfun.SpecError)
+        assert "args[1]['a']: is {1, 2}, which is not hashable" in text and "frozenset" in text
+
+
+def test_a_print_inside_runs_once_at_the_trace(capsys):
+    """What the README says: a print shows a fake tensor, once, at the trace."""
+
+    def f(x):
+        print("x is", x)
+        return x
+
+    g = hpfun.shard(f, mesh=MESH, in_specs=P("dp"))
+    g(torch.randn(8))
+    g(torch.randn(8))
+    printed = capsys.readouterr().out
+    assert printed.count("x is") == 1 and "FakeTensor" in printed
+
+
+# -- spec mistakes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "what", "fix"), [
+    ("dp", "the string 'dp', not a P", "write P('dp')"),
+    (("dp", None), "the tuple ('dp', None), not a P", "write P('dp', None)"),
+    (["dp", ("dp", "tp")], "the list", "write P('dp', ('dp', 'tp'))"),
+    (DShard(0), "DTensor's placement", "write P('dp') or P('tp') to split dim 0 over one mesh axis, P(('dp', 'tp')) "
+     "over all 2"),
+    (DReplicate(), "DTensor's placement", "write P() (replicated over every mesh axis)"),
+    ((DShard(1), DReplicate()), "DTensor's placement", "write P(None, 'dp')"),
+    ((DReplicate(), DShard(0)), "DTensor's placement", "write P('tp')"),
+    ((hpfun.Shard(0), hpfun.Shard(0)), "hpfun's placement", "write P(('dp', 'tp'))"),
+    (hpfun.Shard(1), "hpfun's placement", "write P(None, 'dp') or P(None, 'tp')"),
+    ((hpfun.Partial(), hpfun.Replicate()), "hpfun's placement", "a P cannot ask for a pending sum"),
+    (0, "must be an hpfun.P or None, got int 0", "write P(...) with one entry per tensor dim"),
+], ids=repr)
+def test_a_spec_that_is_not_a_P_names_the_path_and_the_spelling(spec, what, fix):
+    """Strings, bare tuples of axis names, DTensor's and hpfun's placements: the path and the P meant."""
+    f = hpfun.shard(_step, mesh=MESH, in_specs=(None, spec, P("dp")))
+    err, text = _error(f, _params(), torch.randn(8, 4), torch.randn(8, 4), error=hpfun.SpecError)
+    assert len(err.problems) == 1 and err.problems[0].where == "args[1]"
+    assert what in err.problems[0].what and fix in err.problems[0].fix, text
+
+
+def test_out_spec_mistakes_name_the_output_path():
+    """out_specs problems are named by the output's path in its tree, not a flat index, without FakeTensor."""
+    f = hpfun.shard(_step, mesh=MESH, in_specs=STEP_SPECS["in_specs"],
+                    out_specs=({"w1": P("zz"), "w2": P(None, None, "tp")}, P()))
+    err, text = _error(f, _params(), torch.randn(8, 4), torch.randn(8, 4), error=hpfun.SpecError)
+    assert [p.where for p in err.problems] == ["outputs[0]['w1']", "outputs[0]['w2']"]
+    f = hpfun.shard(_step, mesh=MESH, in_specs=STEP_SPECS["in_specs"], out_specs=(P(),))
+    _, text = _error(f, _params(), torch.randn(8, 4), torch.randn(8, 4), error=hpfun.SpecError)
+    assert "outputs: spec (P(),) does not fit a tuple of length 2" in text
+    assert "FakeTensor" not in text and "dims=" not in text
+
+
+def test_all_problems_of_one_call_are_reported_together():
+    """in_specs, out_specs and pattern problems of one call come in one report, each with its path."""
+    f = hpfun.shard(_step, mesh=MESH, in_specs=({"w9": P(), "w1": "tp"}, DShard(0), P("xx")),
+                    out_specs=({"w1": (DShard(1), DReplicate()), "w2": "dp"}, P()))
+    err, text = _error(f, _params(), torch.randn(8, 4), torch.randn(8, 4), error=hpfun.SpecError)
+    assert [p.where for p in err.problems] == [
+        "args[0]['w9']", "args[0]['w1']", "args[1]", "args[2]", "outputs[0]['w1']", "outputs[0]['w2']"]
+    assert "matches no name; closest: w1, w2" in text and "write P(None, 'dp')" in text
+
+
+def test_name_patterns_that_miss_or_overlap():
+    """A pattern matching nothing names itself and the closest names; a name matched twice is an error."""
+    params = {"layers": [{"q_proj": torch.randn(4, 4), "k_proj": torch.randn(4, 4)}]}
+    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"layers.*.q_prj": P("tp")},))
+    _, text = _error(f, params, error=hpfun.SpecError)
+    assert "args[0]['layers.*.q_prj']: matches no name; closest: layers.0.q_proj" in text
+    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"*_proj": P("tp"), "q_proj": P()},))
+    _, text = _error(f, params, error=hpfun.SpecError)
+    assert "'layers.0.q_proj' is matched by two patterns, '*_proj' and 'q_proj'" in text
+    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"q_proj": P("tp")},))
+    assert f(params)["layers"][0]["q_proj"].layout == P("tp").to_layout(MESH, 2)
+
+
+# -- rule tables that fail to load --------------------------------------------------------------
+
+_BAD = "aten.special_airy_ai.default: {family: pointwis}\n"
+_GOOD = "aten.special_airy_ai.default: {family: pointwise}\n"
+
+
+def test_a_bad_table_on_the_rules_path_raises_at_every_use_until_fixed(tmp_path, monkeypatch):
+    """A table in HPFUN_RULES_PATH that fails raises at each lookup, not only the first; fixed, it loads."""
+    table = tmp_path / "extra.yaml"
+    table.write_text(_BAD)
+    monkeypatch.setenv("HPFUN_RULES_PATH", str(tmp_path))
+    registry = Registry()
+    for _ in range(3):
+        with pytest.raises(hpfun.RuleFileError, match="extra.yaml:1.*unknown family 'pointwis'"):
+            registry.lookup(aten.mm.default)
+    table.write_text(_GOOD)
+    assert isinstance(registry.lookup(aten.special_airy_ai.default), Pointwise)
+    assert registry.lookup(aten.mm.default) is not None
+    assert registry.load(table) == 0  # a file already loaded is not loaded again
+
+
+@pytest.fixture
+def restored_registry():
+    """The global registry as it was, after a test that loads tables into it."""
+    saved = dict(REGISTRY._entries), list(REGISTRY._pending or []), set(REGISTRY._loaded)
+    yield REGISTRY
+    REGISTRY._entries, REGISTRY._pending, REGISTRY._loaded = saved[0], saved[1], saved[2]
+
+
+def test_loading_a_bad_table_fails_every_sharded_call_until_fixed(tmp_path, restored_registry):
+    """hpfun.rules.load of a bad file raises, and so does every call that needs rules, until the file is fixed."""
+    table = tmp_path / "mine.yaml"
+    table.write_text(textwrap.dedent(_BAD))
+    with pytest.raises(hpfun.RuleFileError, match="mine.yaml:1"):
+        hpfun.rules.load(table)
+    x = torch.randn(8)
+    for _ in range(2):
+        f = hpfun.shard(torch.special.airy_ai, mesh=MESH, in_specs=P("dp"))
+        with pytest.raises(hpfun.RuleFileError, match="mine.yaml:1"):
+            f(x)
+    table.write_text(_GOOD)
+    out = hpfun.shard(torch.special.airy_ai, mesh=MESH, in_specs=P("dp"))(x)
+    torch.testing.assert_close(out.full(), torch.special.airy_ai(x))
+    with pytest.raises(hpfun.RuleFileError, match="does not exist"):
+        hpfun.rules.load(tmp_path / "missing.yaml")
+    assert hpfun.rules.lookup(aten.mm.default) is not None  # a path that does not exist is not kept
