@@ -10,8 +10,8 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import debug, lift, writeback
-from hpfun.capture import trace
+from hpfun import debug, fuse, lift, writeback
+from hpfun.capture import UnliftedTensor, trace
 from hpfun.errors import CaptureError, Problem, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
@@ -256,19 +256,24 @@ class ShardedFunction:
         traced = _Traced()
         gm_inputs = [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos]
         device = next((leaves[i].device for i in tensor_pos), None)
-        captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
-                         requires_grad=[leaves[i].requires_grad for i in tensor_pos])
+        try:
+            captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
+                             requires_grad=[leaves[i].requires_grad for i in tensor_pos])
+        except UnliftedTensor as err:
+            raise lift.unlifted_tensor_error(call.state, str(err)) from None
         gm = captured.gm
         fold_contractions(gm)
-        names = [p for i, p in enumerate(call.paths()) if i in set(tensor_pos)]
+        paths = call.paths()
+        names = [paths[i] for i in tensor_pos]
         lifted_index = {name: j for j, name in enumerate(names) if name in call.lifted}
         input_layouts_ = [leaves[i].layout for i in tensor_pos]
-        writes = self._write_targets(call, traced, captured, lifted_index, input_layouts_, tensor_pos, leaves)
+        writes = self._write_targets(call, traced, captured, names, lifted_index, input_layouts_, tensor_pos, leaves)
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
         propagate(gm, self.mesh, in_layouts, fallback=self.options.fallback)
+        fuse.rejoin(gm, self.mesh)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
-        out_paths += [f"{w.label} (written back)" for w in writes]
+        out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         program = lower(gm, self.mesh, out_layouts + [w.layout for w in writes], out_paths, rng=self.options.rng,
                         input_names=in_names)
@@ -307,7 +312,7 @@ class ShardedFunction:
                                headline="the function changes Python state")
         return traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})
 
-    def _write_targets(self, call, traced, captured, lifted_index, layouts, tensor_pos, leaves) -> list:
+    def _write_targets(self, call, traced, captured, names, lifted_index, layouts, tensor_pos, leaves) -> list:
         """Where each extra output goes, and the layout it is produced in."""
         writes = []
         for name, value in traced.assigned:
@@ -315,16 +320,16 @@ class ShardedFunction:
             follows = call.state.slots[name].follows if name in call.state.slots else traced.new_state[name][1]
             layout = _write_layout(self.mesh, shape, layouts, lifted_index, name, follows, call)
             if name in call.state.slots:
-                writes.append(WriteBack(layout, shape, slot=name))
+                writes.append(WriteBack(layout, shape, name, slot=name))
             else:
                 opt, param, key = traced.new_state[name]
-                writes.append(WriteBack(layout, shape, optimizer=opt, param=param, key=key))
+                writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key))
         for j in captured.mutated:
             x = call.flat[tensor_pos[j]]
             layout = layouts[j]
             if self.mesh.runtime == "distributed" and isinstance(x, torch.Tensor) and j not in lifted_index.values():
                 layout = Layout.replicated(self.mesh)  # every rank's own global tensor gets the full value
-            writes.append(WriteBack(layout, leaves[tensor_pos[j]].shape, input=j))
+            writes.append(WriteBack(layout, leaves[tensor_pos[j]].shape, names[j], input=j))
         return writes
 
 

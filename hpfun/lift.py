@@ -466,7 +466,7 @@ def _read_substituted(slot: Slot, name: str, swap: dict, state: State):
     return slot.read()
 
 
-def unlifted_tensor_error(err: Exception, state: State | None, where: str) -> CaptureError:
+def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:
     """A real tensor reached the trace through something hpfun does not walk: say what it could be."""
     suspects = []
     for name, obj in (state.opaque if state else ()):

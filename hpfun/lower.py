@@ -24,6 +24,11 @@ from hpfun.propagate import _is_tensor_node
 
 aten = torch.ops.aten
 
+# fx writes a complex constant as its repr, `(nan+nanj)`; `nan` and `inf` are known to its
+# generated code, their imaginary spellings are not (a complex NaN fill value would not compile)
+torch.fx.graph._register_custom_builtin("nanj", "nanj = complex(0, float('nan'))", complex(0, float("nan")))
+torch.fx.graph._register_custom_builtin("infj", "infj = complex(0, float('inf'))", complex(0, float("inf")))
+
 
 @attrs.frozen
 class Collective:

@@ -244,6 +244,11 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             continue
         hits = [n for n in names if pattern_matches(pattern, n)]
         if not hits and pattern not in may_miss:
+            if not names:
+                problems.append(Problem(at, "matches no name: there is nothing to match (no tensor was lifted)",
+                                        "close over (or read as a global) the module, optimizer or tensors to lay "
+                                        "out, or pass them as arguments and give in_specs"))
+                continue
             close = _closest(pattern, names) or _close_tails(pattern, names)
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "

@@ -55,15 +55,12 @@ class WriteBack:
 
     layout: Layout
     shape: tuple
+    name: str  # what is written: an argument's path or a lifted slot's name
     input: int | None = None
     slot: str | None = None
     optimizer: str | None = None
     param: str | None = None
     key: str | None = None
-
-    @property
-    def label(self) -> str:
-        return self.slot or (f"{self.optimizer}.state.{self.param}.{self.key}" if self.optimizer else f"input {self.input}")
 
 
 def apply(writes, shards_per_output, inputs: list, state) -> None:

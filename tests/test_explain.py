@@ -62,13 +62,14 @@ def test_collectives_against_hand_computed(dp_tp):
     got = [(c["kind"], c["axes"], c["bytes"], c["group_size"], c["node"], c["op"]) for c in dp_tp.to_dict()["collectives"]]
     params = [("w1", D * F // 2), ("b1", F // 2), ("w2", F // 2 * C), ("b2", C)]
     assert got == [
-        ("all_reduce", ["tp"], B // 2 * C * F32, 2, "amax", "aten.amax.default"),  # Megatron's forward all-reduce
+        # Megatron's forward all-reduce, before the log-softmax (fused: its dim is whole)
+        ("all_reduce", ["tp"], B // 2 * C * F32, 2, "_log_softmax", "aten._log_softmax.default"),
         ("all_reduce", ["dp"], F32, 2, "div", "aten.div.Tensor"),  # the global count of labels
     ] + [("all_reduce", ["dp"], n * F32, 2, f"outputs[0]['{k}']", "output") for k, n in params] + [
         ("all_reduce", ["dp"], F32, 2, "outputs[1]", "output"),
     ]
     reasons = [c.reason for c in dp_tp.collectives]
-    assert reasons[0].startswith("aten.amax.default needs [S(0), R], ") and reasons[0].endswith(" is [S(0), P(sum)]")
+    assert reasons[0].startswith("aten._log_softmax.default needs [S(0), R], ") and reasons[0].endswith(" is [S(0), P(sum)]")
     assert reasons[2].startswith("out_specs of outputs[0]['w1'] needs [R, S(1)], ") and reasons[2].endswith("[P(sum), S(1)]")
 
 

@@ -1,0 +1,167 @@
+"""Hugging Face models called as written: LlamaForCausalLM and GPT2LMHeadModel from tiny configs
+(no weights), float64, trained two steps sharded beside the same steps run eagerly, unsharded.
+
+Both step styles: the stock one (`model(ids, labels=ids).loss`, `loss.backward()`, AdamW's
+`step()` and `zero_grad()`, the model and optimizer closed over) and the functional one
+(`torch.func.grad_and_value` over `torch.func.functional_call`, the parameters a dict argument
+laid out by the same name patterns). Layouts: data parallel, Megatron tensor parallel by the
+README's plans, and both on a 2x2 mesh.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA_TP = {
+    "layers.*.self_attn.q_proj.weight": P("tp", None),
+    "layers.*.self_attn.k_proj.weight": P("tp", None),
+    "layers.*.self_attn.v_proj.weight": P("tp", None),
+    "layers.*.self_attn.o_proj.weight": P(None, "tp"),
+    "layers.*.mlp.gate_proj.weight": P("tp", None),
+    "layers.*.mlp.up_proj.weight": P("tp", None),
+    "layers.*.mlp.down_proj.weight": P(None, "tp"),
+}
+# GPT-2's Conv1D weights are (in, out): column-parallel splits dim 1, row-parallel dim 0
+GPT2_TP = {
+    "h.*.attn.c_attn.weight": P(None, "tp"), "h.*.attn.c_attn.bias": P("tp"),
+    "h.*.attn.c_proj.weight": P("tp", None),
+    "h.*.mlp.c_fc.weight": P(None, "tp"), "h.*.mlp.c_fc.bias": P("tp"),
+    "h.*.mlp.c_proj.weight": P("tp", None),
+}
+PLANS = {"llama": LLAMA_TP, "gpt2": GPT2_TP}
+LAYOUTS = {  # mesh, spec of the token batch, whether the plan applies
+    "dp": (hpfun.Mesh.simulated((2,), ("dp",)), P("dp"), False),
+    "tp": (hpfun.Mesh.simulated((2,), ("tp",)), P(), True),
+    "dp-x-tp": (hpfun.Mesh.simulated((2, 2), ("dp", "tp")), P("dp"), True),
+}
+VOCAB, BATCH, SEQ = 128, 4, 8
+
+
+def build(kind: str, attn: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn)
+        return transformers.LlamaForCausalLM(config).double()
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation=attn,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+def tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def worst(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def stock(kind, attn, layout):
+    """The step as PyTorch users write it; hpfun decorates it once."""
+    mesh, batch_spec, planned = LAYOUTS[layout]
+    model, ref = build(kind, attn), build(kind, attn)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    @hpfun.shard(mesh=mesh, in_specs=(batch_spec, batch_spec), out_specs=P(),
+                 state_specs=PLANS[kind] if planned else None)
+    def train_step(ids, labels):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = []
+    for i in range(2):
+        ids = tokens(i)
+        loss = train_step(ids, ids).full()
+        ref_loss = ref(ids, labels=ids).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+    return model, ref, losses, train_step
+
+
+def functional(kind, attn, layout):
+    """The functional step: parameters as a dict argument, laid out by the same patterns."""
+    mesh, batch_spec, planned = LAYOUTS[layout]
+    model, ref = build(kind, attn), build(kind, attn)
+    plan = PLANS[kind] if planned else P()
+
+    def loss_fn(params, ids):
+        logits = torch.func.functional_call(model, params, (ids,)).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    @hpfun.shard(mesh=mesh, in_specs=(plan, batch_spec), out_specs=(plan, P()))
+    def train_step(params, ids):
+        loss, grads = torch.func.grad_and_value(loss_fn)(params, ids)[::-1]
+        return {k: p - 0.5 * grads[k] for k, p in params.items()}, loss
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    losses = []
+    for i in range(2):
+        ids = tokens(i)
+        params, loss = train_step(params, ids)
+        ref_loss = F.cross_entropy(ref(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        ref_loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.5 * p.grad
+                p.grad = None
+        losses.append((loss.full().item(), ref_loss.item()))
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(params[k].full())
+    return model, ref, losses, train_step
+
+
+CASES = [(kind, attn, layout) for kind in ("llama", "gpt2") for attn in ("eager", "sdpa") for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("style", [stock, functional], ids=["stock", "functional"])
+@pytest.mark.parametrize("kind, attn, layout", CASES, ids=["-".join(c) for c in CASES])
+def test_two_steps_equal_eager(kind, attn, layout, style):
+    """Every parameter after two steps equals the unsharded eager steps' within 1e-10, and so
+    does the loss, except that HF's own loss (`labels=`) is computed in float32 by design (it
+    casts the logits): summed in two halves under data parallel, it may differ from eager's
+    single sum in its last float32 bit; the gradients it sends back are the same."""
+    model, ref, losses, _ = style(kind, attn, layout)
+    tolerance = 1e-10 if style is functional else 2 * torch.finfo(torch.float32).eps
+    for loss, ref_loss in losses:
+        assert abs(loss - ref_loss) <= tolerance * max(1.0, abs(ref_loss)), losses
+    assert worst(model, ref) < 1e-10
+
+
+def test_llama_tensor_parallel_collectives_are_megatrons():
+    """Megatron's schedule, exactly: per layer two all-reduces forward (attention and MLP
+    outputs) and two backward (their inputs' gradients); the replicated head needs none."""
+    _, _, _, train_step = stock("llama", "sdpa", "tp")
+    collectives = train_step.lower(tokens(0), tokens(0)).collectives
+    assert [c.kind for c in collectives] == ["all_reduce"] * 8
+    assert all(c.axes == ("tp",) and c.bytes == BATCH * SEQ * 32 * 8 for c in collectives)
+
+
+def test_gpt2_fused_qkv_is_gathered():
+    """GPT-2's c_attn computes q, k and v in one (32, 96) matmul; split in two contiguous
+    halves, a rank holds q and half of k, not whole heads. So per layer, forward: c_attn's
+    output is gathered before it is cut into q, k and v, then Megatron's two all-reduces;
+    backward: the three gradients (split by heads) are gathered before they are joined for
+    c_attn's backward (the same bytes as one gather of the joined gradient), then Megatron's
+    two all-reduces."""
+    _, _, _, train_step = stock("gpt2", "sdpa", "tp")
+    collectives = train_step.lower(tokens(0), tokens(0)).collectives
+    forward = [c for c in collectives if c.kind == "all_gather" and c.op == "aten.split_with_sizes.default"]
+    backward = [c for c in collectives if c.kind == "all_gather" and c.op == "aten.cat.default"]
+    assert len(forward) == 2 and len(backward) == 6 and len(collectives) == 2 + 6 + 8
+    assert [c.kind for c in collectives].count("all_reduce") == 8
+    assert sum(c.bytes for c in backward) == sum(c.bytes for c in forward) == 2 * BATCH * SEQ * 96 * 8 // 2

@@ -1,0 +1,379 @@
+"""Models as users hold them: lifted module state, write-back, torch.optim, name-pattern plans.
+
+Every result is compared with the same code run eagerly, unsharded, on an identical copy."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+
+DP = hpfun.Mesh.simulated((2,), ("dp",))
+DP_TP = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+MEGATRON = {"0.weight": P("tp", None), "0.bias": P("tp"), "2.weight": P(None, "tp")}
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double()
+
+
+def batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, dtype=torch.float64, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    pairs = list(zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    return max((x.double() - y.double()).abs().max().item() for x, y in pairs)
+
+
+def stock_step(model, opt, mesh, state_specs=None):
+    """The step a PyTorch user writes first, decorated once."""
+
+    @hpfun.shard(mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=state_specs)
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return train_step
+
+
+def eager_step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The stock training step
+# ---------------------------------------------------------------------------------------------
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=foreach),
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("mesh, plan", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-x-megatron"])
+def test_stock_step_equals_eager(name, foreach, mesh, plan):
+    """loss.backward(); opt.step(); opt.zero_grad() sharded equals eager: losses, parameters,
+    optimizer state; grads end as None; the optimizer's first step traces once more, no later."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = OPTIMIZERS[name](model.parameters(), foreach), OPTIMIZERS[name](ref.parameters(), foreach)
+    step = stock_step(model, opt, mesh, plan)
+    for i in range(3):
+        x, y = batch(i)
+        loss = step(x, y).full()
+        assert abs(loss.item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        for key, value in ref_opt.state[q].items():
+            assert torch.allclose(opt.state[p][key].double(), value.double(), rtol=0, atol=1e-12), key
+    assert step.trace_count == 2
+
+
+def test_megatron_plan_lays_out_lifted_state_and_names_it():
+    """lower() names lifted inputs by qualified name; state_specs split parameters, and their
+    gradients and optimizer state follow (local shapes halve along tp)."""
+    model, opt = mlp(), None
+    model_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = model_opt
+    step = stock_step(model, opt, DP_TP, MEGATRON)
+    x, y = batch(0)
+    step(x, y)  # creates the optimizer state
+    text = str(step.lower(x, y))
+    for name, local in [("model.0.weight", "[8, 8]"), ("model.0.bias", "[8]"), ("model.2.weight", "[4, 8]"),
+                        ("model.2.bias", "[4]"), ("opt.state.model.0.weight.exp_avg", "[8, 8]"),
+                        ("opt.state.model.2.weight.exp_avg_sq", "[4, 8]"), ("opt.state.model.0.bias.step", "[]")]:
+        line = next(line for line in text.splitlines() if line.endswith(f"({name})"))
+        assert f"local {local}" in line, line
+    assert "written back: model.0.weight <- %" in text
+
+
+def test_functional_call_and_autograd_grad_keep_working():
+    """The functional style (parameters passed as a dict through torch.func.functional_call,
+    torch.func.grad_and_value) and torch.autograd.grad over lifted parameters both work; the
+    dict argument takes name patterns."""
+    model, ref = mlp(), mlp()
+    x, y = batch(0)
+
+    def loss_fn(params, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    @hpfun.shard(mesh=DP_TP, in_specs=(MEGATRON, P("dp"), P("dp")), out_specs=(MEGATRON, P()))
+    def functional_step(params, x, y):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+        return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    new, loss = functional_step(params, x, y)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_grads = torch.autograd.grad(ref_loss, list(ref.parameters()))
+    for (k, p), g in zip(params.items(), ref_grads, strict=True):
+        assert torch.allclose(new[k].full(), p - 0.1 * g, rtol=0, atol=1e-12), k
+    lowered = str(functional_step.lower(params, x, y))
+    assert "model.0.weight" not in lowered  # the closed-over module's own parameters are not read
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def grads_of(x, y):
+        loss = F.cross_entropy(model(x), y)
+        return torch.autograd.grad(loss, [model[0].weight])[0]
+
+    assert torch.allclose(grads_of(x, y).full(), ref_grads[0], rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifting: read at every call, never baked in
+# ---------------------------------------------------------------------------------------------
+
+
+def test_changed_parameter_is_seen_by_the_next_call():
+    """A closed-over module's parameter changed between calls (in place, or replaced by a new
+    Parameter) is what the next call reads; the program is not traced again."""
+    model = mlp()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x, _ = batch(0)
+    assert torch.allclose(f(x).full(), model(x))
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    assert torch.allclose(f(x).full(), model(x))
+    model[2].bias = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    assert torch.allclose(f(x).full(), model(x))
+    assert f.trace_count == 1
+
+
+SCALE = torch.tensor([2.0, 3.0])
+
+
+def test_closed_over_global_and_created_tensors():
+    """Closed-over and global tensors, tensors in closed-over dicts, and tensors the function
+    makes from data are inputs read at every call."""
+    offsets = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.5, 0.5])}
+    shift = torch.zeros(2)
+
+    def fn(x):
+        made = torch.tensor([10.0, 20.0])
+        return x * SCALE + offsets["a"] + offsets["b"] + shift + made
+
+    f = hpfun.shard(fn, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.randn(4, 2)
+    assert torch.equal(f(x).full(), fn(x))
+    shift += 1.0
+    offsets["b"] = torch.tensor([7.0, 7.0])
+    assert torch.equal(f(x).full(), fn(x))
+    assert f.trace_count == 1
+    names = [i["path"] for i in f.lower(x).inputs]
+    assert {"SCALE", "offsets.a", "offsets.b", "shift"} <= set(names) and "constants.0" in names
+
+
+class Counter(torch.nn.Module):
+    """A module that updates its buffers in place, as BatchNorm's running statistics do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.total.copy_(self.total + x.sum(0))
+        return x * 2
+
+
+def test_buffer_updates_round_trip():
+    """In-place buffer updates are written back after each call, in the same tensors."""
+    counter, ref = Counter().double(), Counter().double()
+    total = counter.total
+    f = hpfun.shard(lambda x: counter(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    for i in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        assert torch.equal(f(x).full(), ref(x))
+    assert counter.calls.item() == 3 and torch.allclose(counter.total, ref.total, rtol=0, atol=1e-12)
+    assert counter.total is total and f.trace_count == 1
+
+
+def test_in_place_updates_of_arguments():
+    """p.add_ on a global tensor argument updates it; on a Sharded argument, its shards."""
+    f = hpfun.shard(lambda p, g: p.add_(g, alpha=-0.5), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    p, g = torch.arange(8.0), torch.ones(8)
+    f(p, g)
+    assert torch.equal(p, torch.arange(8.0) - 0.5)
+    sharded = hpfun.Sharded.from_global(torch.arange(8.0), P("dp").to_layout(DP, 1))
+    shards = sharded.shards
+    f(sharded, g)
+    assert torch.equal(sharded.full(), torch.arange(8.0) - 0.5) and sharded.shards[0] is shards[0]
+
+
+def test_batch_norm_running_statistics_and_eval_mode():
+    """BatchNorm trained under data parallel updates running_mean/var and num_batches_tracked
+    exactly as eager; model.eval() retraces, and explain_cache_miss says why."""
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 16, 4)).double()
+
+    model, ref = net(), net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 3, 4, 4, dtype=torch.float64, generator=g), torch.randint(0, 4, (8,), generator=g)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12 and model[1].num_batches_tracked.item() == 3
+    model.eval()
+    assert "model.training: value (False" in str(hpfun.explain_cache_miss(step, x, y))
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    assert torch.allclose(f(x).full(), ref.eval()(x), rtol=0, atol=1e-12)
+
+
+def test_tied_weights_are_one_input():
+    """A parameter held twice (tied embedding and head) is one input with one gradient."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(16, 8).double()
+    head = torch.nn.Linear(8, 16, bias=False).double()
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def loss_of(m, ids):
+        return F.cross_entropy(m["head"](m["emb"](ids)), ids)
+
+    @hpfun.shard(mesh=DP, in_specs=P("dp"), out_specs=P())
+    def step(ids):
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids = torch.randint(0, 16, (8,))
+    step(ids)
+    loss = loss_of(ref, ids)
+    loss.backward()
+    ref_opt.step()
+    assert torch.allclose(model["emb"].weight, ref["emb"].weight, rtol=0, atol=1e-12)
+    assert model["head"].weight is model["emb"].weight
+    assert [i["path"] for i in step.lower(ids).inputs].count("model.emb.weight") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Python state that decides the trace
+# ---------------------------------------------------------------------------------------------
+
+
+def test_learning_rate_changed_outside_retraces_inside_is_an_error():
+    """An optimizer's hyperparameters are part of the cache key: a scheduler stepping outside
+    retraces; changing them inside the traced function is an error, not a stale program."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = stock_step(model, opt, DP)
+    x, y = batch(0)
+    step(x, y), eager_step(ref, ref_opt, x, y)
+    for o in (opt, ref_opt):
+        o.param_groups[0]["lr"] = 0.01
+    assert "opt.param_groups.0.lr: value 0.01, cached 0.1" in str(hpfun.explain_cache_miss(step, x, y))
+    step(x, y), eager_step(ref, ref_opt, x, y)
+    assert max_diff(model, ref) < 1e-12
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def decaying(x, y):
+        opt.param_groups[0]["lr"] *= 0.5
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.lr: changed from 0.01 to 0.005"):
+        decaying(x, y)
+    opt.param_groups[0]["lr"] = 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: before anything runs, naming the path and the fix, no torch internals
+# ---------------------------------------------------------------------------------------------
+
+
+INTERNALS = ("FakeTensor", "_tensor_constant", "<string>:1", "TreeSpec")
+
+
+def _error(f, *args, error=hpfun.HpfunError) -> str:
+    with pytest.raises(error) as info:
+        f(*args)
+    text = str(info.value)
+    assert not any(word in text for word in INTERNALS), text
+    return text
+
+
+def test_plan_errors_name_the_parameter():
+    """A plan that does not divide a parameter, a pattern that matches nothing, and a name two
+    patterns match are reported together, by name, before anything runs."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.ReLU(), torch.nn.Linear(3, 4)).double()
+    plan = {"0.weight": P("tp", None), "2.wieght": P(None, "tp"), "*.bias": P("tp"), "0.bias": P("tp")}
+    f = hpfun.shard(lambda x: model(x), mesh=DP_TP, in_specs=P("dp"), out_specs=P(), state_specs=plan)
+    text = _error(f, batch(0)[0], error=hpfun.SpecError)
+    assert "model.0.weight: dim 0 of size 3 is not divisible by the mesh axes sharding it (tp=2)" in text
+    assert "state_specs['2.wieght']: matches no name; closest: model.2.weight" in text
+    assert "'model.0.bias' is matched by two patterns, '*.bias' and '0.bias'" in text
+
+
+class Holder:
+    def __init__(self):
+        self.table = torch.randn(4)
+
+
+def test_tensor_in_an_object_hpfun_cannot_lift():
+    """A tensor reached through an object that is not a module, tensor or container is named."""
+    holder = Holder()
+    f = hpfun.shard(lambda x: x + holder.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    text = _error(f, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "holder (a Holder) holds tensors: holder.table" in text
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """An optimizer that keeps its step count as a Python int: not liftable."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] / state["step"])
+
+
+def test_optimizer_state_that_cannot_be_lifted():
+    """Optimizer state that is a Python number (it would be baked in) is a clear error."""
+    model = mlp()
+    opt = CountingSGD(model.parameters())
+    step = stock_step(model, opt, DP)
+    text = _error(step, *batch(0), error=hpfun.CaptureError)  # at the first step, which creates the state
+    assert "opt.state.model.0.weight.step: is a int (1), not a tensor" in text
+
+
+def test_cat_onto_a_legacy_empty_tensor_keeps_the_split():
+    """A KV cache starts as a 1-D empty tensor that torch.cat skips: appending keys split by
+    heads to it moves nothing."""
+
+    def append(k):
+        cache = torch.tensor([], dtype=k.dtype)
+        return torch.cat([cache, k], dim=-2) * 2
+
+    f = hpfun.shard(append, mesh=DP, in_specs=P(None, "dp"), out_specs=P(None, "dp"))
+    k = torch.randn(2, 4, 3, 5)
+    assert torch.equal(f(k).full(), append(k)) and not f.lower(k).collectives
