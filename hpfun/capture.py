@@ -357,11 +357,22 @@ def _drop_profiler_calls(gm: torch.fx.GraphModule) -> None:
 def _constants_as_inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     """Tensors the function made from data (`torch.tensor([...])`) become inputs at the end of the
     placeholders, fed their values: the program then holds no state of its own, and every
-    runtime feeds them as it feeds arguments."""
+    runtime feeds them as it feeds arguments. An empty one (a KV cache's `torch.tensor([])`)
+    holds no data: it is made in the program instead."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = []
     for n in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         value = getattr(gm, n.target)
+        if value.numel() == 0:
+            with gm.graph.inserting_before(n):
+                made = gm.graph.call_function(aten.empty.memory_format, (list(value.shape),),
+                                              {"dtype": value.dtype, "device": value.device})
+            made.meta.update(n.meta)
+            made.meta.setdefault("val", _fake_like(value))
+            n.replace_all_uses_with(made)
+            gm.graph.erase_node(n)
+            delattr(gm, n.target)
+            continue
         where = gm.graph.inserting_after(placeholders[-1]) if placeholders else gm.graph.inserting_before(None)
         with where:
             placeholder = gm.graph.placeholder(f"constant_{len(values)}")
