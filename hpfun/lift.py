@@ -21,6 +21,7 @@ import collections
 import dis
 import functools
 import os
+import sys
 import types
 
 import attrs
@@ -87,8 +88,13 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
             seen_objects.add(id(obj))
             for i, v in enumerate(obj):
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
-        elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)) or _is_user_callable(obj):
+        elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
+        elif _is_user_object(obj):  # an instance of the user's own class (a Trainer holding model and opt)
+            seen_objects.add(id(obj))
+            for k, v in list(vars(obj).items()):
+                value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
+            function(obj, name)  # its __call__, if it has one
         elif not isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool, type(None))):
             opaque.append((name, obj))
 
@@ -100,9 +106,10 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
             for k, a in fn.keywords.items():
                 value(a, f"{name}.{k}", _constant(a), None)
             return
-        if isinstance(fn, types.MethodType):
+        if isinstance(fn, types.MethodType):  # a module's method names its state by FQN, another's as self.*
             owner = fn.__self__
-            value(owner, f"{name}.__self__" if name else "", _constant(owner), None)
+            top = "" if isinstance(owner, torch.nn.Module) else "self"
+            value(owner, f"{name}.__self__" if name else top, _constant(owner), None)
             fn = fn.__func__
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)
@@ -163,9 +170,13 @@ def _sequence_writer(seq, i: int, write_seq):
     return write
 
 
-def _is_user_callable(obj) -> bool:
-    call = getattr(type(obj), "__call__", None)
-    return isinstance(call, types.FunctionType) and not call.__code__.co_filename.startswith(_LIBRARY_DIRS)
+def _is_user_object(obj) -> bool:
+    """An instance of a class defined in the user's code (not a library's), with attributes."""
+    if not isinstance(getattr(obj, "__dict__", None), dict) or isinstance(obj, (type, types.ModuleType)):
+        return False
+    module = sys.modules.get(type(obj).__module__)
+    filename = getattr(module, "__file__", None)
+    return module is not None and (filename is None or not _is_library(filename))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -329,17 +329,45 @@ def test_plan_errors_name_the_parameter():
     assert "'model.0.bias' is matched by two patterns, '*.bias' and '0.bias'" in text
 
 
-class Holder:
+class Trainer:
+    """A user's own class holding the model and optimizer, its step a method."""
+
     def __init__(self):
-        self.table = torch.randn(4)
+        self.model = mlp()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scale = {"table": torch.ones(4, dtype=torch.float64)}
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x) * self.scale["table"], y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+def test_state_held_by_a_users_object():
+    """A bound method's object (and any instance of the user's classes it reaches) is walked:
+    its modules, optimizers and tensors are lifted, named self.*."""
+    trainer, ref = Trainer(), Trainer()
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                       state_specs={"model.0.weight": P("dp", None)})
+    for i in range(2):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+    assert max_diff(trainer.model, ref.model) < 1e-12
+    names = [i["path"] for i in step.lower(*batch(0)).inputs]
+    assert {"self.model.0.weight", "self.scale.table", "self.opt.state.self.model.0.weight.exp_avg"} <= set(names)
 
 
 def test_tensor_in_an_object_hpfun_cannot_lift():
-    """A tensor reached through an object that is not a module, tensor or container is named."""
-    holder = Holder()
+    """A tensor reached through a library's object (not a module, tensor, container or an
+    instance of the user's own classes) is an error naming the object and where it holds it."""
+    import types
+
+    holder = types.SimpleNamespace(table=torch.randn(4))
     f = hpfun.shard(lambda x: x + holder.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
     text = _error(f, torch.randn(8, 4), error=hpfun.CaptureError)
-    assert "holder (a Holder) holds tensors: holder.table" in text
+    assert "holder (a SimpleNamespace) holds tensors: holder.table" in text
 
 
 class CountingSGD(torch.optim.Optimizer):
