@@ -168,7 +168,8 @@ _HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _is_user_frame(filename: str) -> bool:
-    return not filename.startswith((_TORCH_DIR, _HPFUN_DIR)) and not filename.startswith("<frozen")
+    """Not torch's, hpfun's, or code generated on the way (fx graph modules, attrs classes)."""
+    return not filename.startswith((_TORCH_DIR, _HPFUN_DIR, "<frozen", "<eval_with_key", "<attrs generated"))
 
 
 def _innermost_user_frame(_tracer, summary: traceback.StackSummary) -> traceback.StackSummary:
