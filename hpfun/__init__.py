@@ -19,7 +19,7 @@ from hpfun.api import ShardedFunction, redistribute, shard
 from hpfun.constrain import constrain
 from hpfun.debug import explain_cache_miss
 from hpfun.errors import (
-    CaptureError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
+    CaptureError, ExecutionError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
 )
 from hpfun.explain import Lowered
 from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
@@ -31,7 +31,7 @@ from hpfun.visualize import visualize  # after the submodule import: hpfun.visua
 from hpfun.writeback import gather_state
 
 __all__ = [
-    "CaptureError", "Collective", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "CaptureError", "Collective", "ExecutionError", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "visualize",

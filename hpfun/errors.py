@@ -78,3 +78,9 @@ class ShardingError(HpfunError, RuntimeError):
     """An op cannot run with the layouts it is given (e.g. a data-dependent shape on a sharded dim)."""
 
     headline = "cannot shard the program"
+
+
+class ExecutionError(HpfunError, RuntimeError):
+    """An op of the per-shard program raised while it ran (the op's own error is the cause)."""
+
+    headline = "the per-shard program failed"

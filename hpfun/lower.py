@@ -232,3 +232,5 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -
         collectives=tuple(ctx.collectives),
         uses_seed=bool(ctx.seed.users),
     )
+    if "stack_trace" in node.meta:  # the user's line, for errors raised while the program runs
+        out.meta["stack_trace"] = node.meta["stack_trace"]

@@ -200,8 +200,14 @@ def lifted_dp(out: Path):
     got["mismatch"] = _error(lambda: odd(x if RANK == 0 else x[:4]))
     got["after mismatch"] = step(x, y).full()  # the job goes on: the ranks failed together
     got["wrong size"] = _error(lambda: hpfun.Mesh.distributed((2, 2), ("dp", "tp")))
+    picker = hpfun.shard(pick_columns, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def pick_columns(x, i):
+    return (x * 2)[:, i]
 
 
 def accumulate_then_step(mesh, x, y) -> dict:

@@ -241,6 +241,16 @@ def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
         assert "other.bias" in text and "TreeSpec" not in text, text
 
 
+def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
+    """An op raising inside the per-shard program (an index out of range) is an hpfun error
+    naming the op, the user's line and the layouts, with the op's own error as its cause."""
+    for rank, got in enumerate(lifted_dp_job):
+        text = got["op error"]
+        assert text.startswith("ExecutionError: the per-shard program failed"), text
+        assert f"mesh rank {rank} ({rank},)" in text and "dist_worker.py" in text and "return (x * 2)[:, i]" in text, text
+        assert "aten.index.Tensor" in text and "reading [S(0)], [R] -> [S(0)]" in text and "IndexError" in text, text
+
+
 def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):
     """Mesh.distributed((2, 2)) in a job of 2 processes says what to launch, or what to build."""
     for got in lifted_dp_job:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpfun.errors import Problem, ShardingError
 from hpfun.mesh import Mesh
+from hpfun.runtime import failure
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
 
@@ -134,9 +135,16 @@ class DistributedRuntime:
             # The program is already differentiated: run without autograd (lifted parameters come
             # in as themselves, and their blocks must come back as plain tensors, not graph nodes).
             with torch.no_grad():
-                return list(bound(*local_inputs, self.coords_tensor, seed))
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise _peer_failure(self, err) from err
+                # forward, not __call__: fx's wrapper would drop the traceback that locates the op
+                call = bound.forward if isinstance(bound, torch.fx.GraphModule) else bound
+                return list(call(*local_inputs, self.coords_tensor, seed))
+        except Exception as err:
+            node = failure.from_traceback(bound, err) if isinstance(bound, torch.fx.GraphModule) else None
+            if node is not None and node.target not in _COLLECTIVES and node.target is not _WAIT:
+                raise failure.execution_error(node, f"mesh rank {self.index} {self.coords}", err) from err
+            if isinstance(err, (RuntimeError, dist.DistBackendError)):
+                raise _peer_failure(self, err) from err
+            raise failure.execution_error(None, f"mesh rank {self.index} {self.coords}", err) from err
 
     def check_same_program(self, description: list[str]) -> None:
         """All ranks compare what they compile (one line per input: "path: dtype[shape] layout");
@@ -180,6 +188,7 @@ def _peer_failure(runtime: DistributedRuntime, err: Exception) -> ShardingError:
     )
 
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVES = {
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,

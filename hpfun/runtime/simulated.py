@@ -11,6 +11,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from hpfun.mesh import Mesh
+from hpfun.runtime import failure
 
 c10d = torch.ops._c10d_functional
 
@@ -75,8 +76,12 @@ def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[tor
             fn = getattr(top, node.target) if node.op == "call_module" else node.target
             for r in ranks:
                 env = envs[r]
-                env[node] = fn(*torch.fx.node.map_arg(node.args, env.__getitem__),
-                               **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                try:
+                    env[node] = fn(*args, **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+                except Exception as err:  # any op's error: re-raised naming the op, the line, the layouts
+                    failed = failure.rerun(fn, args) if node.op == "call_module" else None
+                    raise failure.execution_error(failed, f"mesh rank {r} {mesh.coords(r)}", err) from err
         elif node.op == "output":
             return [list(torch.fx.node.map_arg(node.args[0], envs[r].__getitem__)) for r in ranks]
     raise AssertionError("program without output")
@@ -127,8 +132,11 @@ def _run_piece_in_lockstep(sub: torch.fx.GraphModule, call, mesh: Mesh, envs):
         elif node.op == "call_function":
             for r in ranks:
                 env = local[r]
-                env[node] = node.target(*torch.fx.node.map_arg(node.args, env.__getitem__),
-                                        **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+                try:
+                    env[node] = node.target(*torch.fx.node.map_arg(node.args, env.__getitem__),
+                                            **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+                except Exception as err:  # any op's error: re-raised naming the op, the line, the layouts
+                    raise failure.execution_error(node, f"mesh rank {r} {mesh.coords(r)}", err) from err
         elif node.op == "output":
             for r in ranks:
                 envs[r][call] = torch.fx.node.map_arg(node.args[0], local[r].__getitem__)
