@@ -577,11 +577,15 @@ def _run_device(mesh: Mesh, x: torch.Tensor) -> torch.device:
 
 
 def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:
-    """The rank's input: its shard of a Sharded value, or its block of a global tensor."""
+    """The rank's input: its shard of a Sharded value, or its block of a global tensor; made
+    contiguous, as the program was traced on contiguous stand-ins (a kernel such as group norm
+    requires it, and a view's sizes are only valid for the strides it was traced with)."""
     if isinstance(x, Sharded):
-        return x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
-    block = local_block(x.detach(), layout, coords)
-    return block.to(device) if device is not None else block
+        block = x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
+    else:
+        block = local_block(x.detach(), layout, coords)
+    block = block.to(device) if device is not None else block
+    return block.detach().contiguous()
 
 
 

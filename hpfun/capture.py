@@ -163,13 +163,14 @@ _OWN = {
 }
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
+# with the separator: a path that merely starts alike (.../torchvision) is not torch's
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+HPFUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _is_user_frame(filename: str) -> bool:
     """Not torch's, hpfun's, or code generated on the way (fx graph modules, attrs classes)."""
-    return not filename.startswith((_TORCH_DIR, _HPFUN_DIR, "<frozen", "<eval_with_key", "<attrs generated"))
+    return not filename.startswith((TORCH_DIR, HPFUN_DIR, "<frozen", "<eval_with_key", "<attrs generated"))
 
 
 def _innermost_user_frame(_tracer, summary: traceback.StackSummary) -> traceback.StackSummary:

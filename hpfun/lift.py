@@ -27,11 +27,11 @@ import types
 import attrs
 import torch
 
+from hpfun.capture import HPFUN_DIR, TORCH_DIR
 from hpfun.errors import CaptureError, Problem
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
-_LIBRARY_DIRS = (_TORCH_DIR, _HPFUN_DIR, os.path.dirname(os.__file__), os.sep + "site-packages" + os.sep)
+_LIBRARY_DIRS = (TORCH_DIR, HPFUN_DIR, os.path.dirname(os.__file__) + os.sep)
+_SITE_PACKAGES = os.sep + "site-packages" + os.sep
 
 
 @attrs.frozen(eq=False)
@@ -72,6 +72,10 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
     def value(obj, name: str, read, write) -> None:
         from hpfun.sharded import Sharded
 
+        if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
+            if name and read is not None:
+                roots.append(Root(name, _SCALAR, read))
+            return
         if id(obj) in seen_objects:
             return
         if isinstance(obj, (torch.Tensor, Sharded)):
@@ -95,7 +99,7 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
             for k, v in list(vars(obj).items()):
                 value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
             function(obj, name)  # its __call__, if it has one
-        elif not isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool, type(None))):
+        elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
 
     def function(fn, name: str, given: bool = False) -> None:
@@ -141,7 +145,17 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
 
 
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_LIBRARY_DIRS) or "site-packages" in filename
+    return filename.startswith(_LIBRARY_DIRS) or _SITE_PACKAGES in filename
+
+
+_SCALAR = object()  # a Root's value for a Python scalar: read anew (`Root.read`) whenever wanted
+
+
+def _is_scalar(x) -> bool:
+    """A Python number, string, bool or None, or a tuple or frozenset of them."""
+    if isinstance(x, (tuple, frozenset)):
+        return all(_is_scalar(v) for v in x)
+    return x is None or isinstance(x, (bool, int, float, complex, str, bytes))
 
 
 def _holds_state(container) -> bool:
@@ -242,7 +256,7 @@ def collect(roots: list[Root], opaque=()) -> State:
     for root in roots:
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems)
-        elif not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
+        elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
             add(root.name, root.read, root.write or _cannot_write(root.name))
     if problems:
         raise CaptureError(problems, headline="cannot lift the state the function reads")
@@ -251,11 +265,14 @@ def collect(roots: list[Root], opaque=()) -> State:
 
 
 def statics(roots) -> dict:
-    """The Python values that decide what a trace records: each module tree's training flags,
-    each optimizer's hyperparameters (its learning rate, betas...)."""
+    """The Python values that decide what a trace records: the scalars the function reads from
+    closures and globals (a learning rate `lr`), each module tree's training flags, each
+    optimizer's hyperparameters (its learning rate, betas...)."""
     out: dict[str, object] = {}
     for root in roots:
-        if isinstance(root.value, torch.nn.Module):
+        if root.value is _SCALAR:
+            out[root.name] = root.read()
+        elif isinstance(root.value, torch.nn.Module):
             out[_join(root.name, "training")] = tuple(m.training for m in root.value.modules())
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -91,7 +93,7 @@ class Sharded:
             key = tuple(0 if a in partial else c for a, c in enumerate(coords))
             blocks.setdefault(key, []).append(shard)
         for key, terms in blocks.items():
-            value = _reduce_terms(terms, [layout.placements[a] for a in partial])
+            value = _reduce_terms(terms, [layout.placements[a] for a in partial], [mesh.shape[a] for a in partial])
             index = tuple(slice(o, o + n) for o, n in zip(layout.offsets(self.global_shape, key), value.shape, strict=True))
             out[index] = value
         return out
@@ -124,15 +126,17 @@ def _this_rank(mesh) -> int:
     return runtime_for(mesh).index
 
 
-def _reduce_terms(terms: list[torch.Tensor], partials: list[Partial]) -> torch.Tensor:
+def _reduce_terms(terms: list[torch.Tensor], partials: list[Partial], sizes: list[int]) -> torch.Tensor:
+    """The value of Partial terms: sums and averages mix (both are linear: the sum of all terms
+    over the product of the averaged axes' sizes); max and min only with their own kind."""
     if not partials:
         return terms[0]
-    if len({p.reduce for p in partials}) > 1:
-        raise LayoutError(f"cannot reduce mixed Partial placements {partials}: redistribute first")
-    reduce = partials[0].reduce
+    reduces = {p.reduce for p in partials}
     stacked = torch.stack(terms)
-    if reduce == "sum":
-        return stacked.sum(0).to(terms[0].dtype)
-    if reduce == "avg":
-        return (stacked.sum(0) / len(terms)).to(terms[0].dtype)
-    return stacked.amax(0) if reduce == "max" else stacked.amin(0)
+    if reduces <= {"sum", "avg"}:
+        total = stacked.sum(0)
+        averaged = math.prod(n for p, n in zip(partials, sizes, strict=True) if p.reduce == "avg")
+        return (total / averaged if averaged > 1 else total).to(terms[0].dtype)
+    if len(reduces) > 1:
+        raise LayoutError(f"cannot reduce mixed Partial placements {partials}: redistribute first")
+    return stacked.amax(0) if reduces == {"max"} else stacked.amin(0)

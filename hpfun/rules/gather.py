@@ -30,6 +30,12 @@ def _masked_index(ctx, layout, shape, dim: int, index, local_size: int, fill: in
     return ctx.call(aten.where.ScalarOther, (inside, local, fill)), inside
 
 
+def masked(ctx, inside, found, dtype: torch.dtype):
+    """`found` where `inside`, else zero of its dtype (False for bool: a where with the integer 0
+    would promote a bool lookup to int64)."""
+    return ctx.call(aten.where.ScalarOther, (inside, found, False if dtype == torch.bool else 0))
+
+
 def _dim(call: OpCall, x) -> int:
     """The op's `dim` argument, made non-negative (a 0-d tensor takes dim 0 or -1)."""
     return call.arg(1) % max(x.ndim, 1)
@@ -45,7 +51,7 @@ def _masked_lookup(rule, ctx, call: OpCall, strategy: Strategy, args, kwargs, ma
     local_size = x_layout.local_shape(x.shape)[dim]
     index, inside = _masked_index(ctx, x_layout, x.shape, dim, args[2], local_size, 0)
     found = ctx.call(call.op, (args[0], dim, index))
-    return ctx.call(aten.where.ScalarOther, (mask_shape(inside, x), found, 0))
+    return masked(ctx, mask_shape(inside, x), found, call.outputs[0].dtype)
 
 
 @attrs.frozen(kw_only=True)

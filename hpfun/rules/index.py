@@ -18,7 +18,7 @@ import torch
 
 from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
-from hpfun.rules.gather import _masked_index
+from hpfun.rules.gather import _masked_index, masked
 
 aten = torch.ops.aten
 
@@ -120,7 +120,7 @@ class Index(Rule):
         found = ctx.call(aten.index.Tensor, (args[0], indices))
         for _ in range(len(geo.out_shape) - geo.start - len(geo.index_shape)):
             inside = ctx.call(aten.unsqueeze.default, (inside, -1))  # B's dims are followed by kept dims
-        return ctx.call(aten.where.ScalarOther, (inside, found, 0))
+        return masked(ctx, inside, found, call.outputs[0].dtype)
 
 
 @attrs.frozen(kw_only=True)
