@@ -185,8 +185,10 @@ class ToPartial:
     def emit(self, ctx, x, local_shape, n):
         if self.reduce != "sum":
             return x
+        # where, not x * (coord == 0): an inf or nan kept on rank 0 must be exactly 0 elsewhere
+        # (inf * 0 is nan)
         keep = ctx.call(aten.eq.Scalar, (ctx.coord(self.axis), 0))
-        return ctx.call(aten.mul.Tensor, (x, keep))
+        return ctx.call(aten.where.self, (keep, x, ctx.call(aten.zeros_like.default, (x,))))
 
 
 @attrs.frozen
