@@ -27,16 +27,18 @@ class Reduction(Rule):
 
     `reduce`: the Partial left by reducing a sharded dim (None: reduced dims must be replicated).
     `pass_partials`: Partial inputs that pass through unchanged.
+    `dim_default`: the dim reduced when the argument is absent (kthvalue's -1), else all dims.
     """
 
     reduce: str | None = attrs.field(default=None, validator=_check_reduce)
     pass_partials: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     dim_arg: int | None = 1
     keepdim_arg: int | None = 2
+    dim_default: int | None = None
 
     def reduced_dims(self, call: OpCall) -> set[int]:
         x = call.tensors[0]
-        dims = call.arg(self.dim_arg, "dim") if self.dim_arg is not None else None
+        dims = call.arg(self.dim_arg, "dim", self.dim_default) if self.dim_arg is not None else None
         if dims is None or dims == []:
             return set(range(x.ndim))
         dims = [dims] if isinstance(dims, int) else dims
