@@ -1,5 +1,5 @@
 """Dimension algebra: view/reshape/squeeze/unsqueeze, permute, expand/repeat, slicing, cat,
-split, diagonal, slice_scatter, and view_as_complex/view_as_real.
+split, diagonal and diagonal_scatter, slice_scatter, and view_as_complex/view_as_real.
 
 All of these move data without arithmetic, so every Partial passes through unchanged
 (view(a1 + a2) = view(a1) + view(a2)); only where each sharded dim goes needs thought. The
@@ -212,6 +212,35 @@ class SliceScatter(Rule):
         if not isinstance(q, Shard):
             return None
         return q.dim + (self.drops_dim and q.dim >= dim)
+
+
+@attrs.frozen(kw_only=True)
+class DiagonalScatter(Rule):
+    """diagonal_scatter(x, src, offset, dim1, dim2): x with its diagonal over (dim1, dim2)
+    replaced by src, the backward of `diagonal`. src is laid out as `diagonal(x)` is: x's other
+    dims in order, then the diagonal. dim1 and dim2 (and so src's last dim) must be whole; each
+    other dim of x is split like src's matching dim, since element (..., i, j) of the output reads
+    only x's or src's element with the same other indices. The op moves data, so x and src may be
+    Partial together with any reduce: diagonal_scatter(a1 + a2, s1 + s2) = diagonal_scatter(a1, s1)
+    + diagonal_scatter(a2, s2), and likewise elementwise max(a1, a2) for max and min."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, src = call.tensors[0], call.tensors[1]
+        pair = {call.arg(3, default=0) % x.ndim, call.arg(4, default=1) % x.ndim}
+        rest = [d for d in range(x.ndim) if d not in pair]  # src's dims, but its last
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p, q = x.layout.placements[a], src.layout.placements[a]
+            options = [replicated_option(call)]
+            seeds = {p.dim if isinstance(p, Shard) else None,
+                     rest[q.dim] if isinstance(q, Shard) and q.dim < len(rest) else None}
+            for d in sorted(d for d in seeds if d is not None and d not in pair):
+                options.insert(0, ((Shard(d), Shard(rest.index(d))), (Shard(d),)))
+            partial = p if isinstance(p, Partial) else q if isinstance(q, Partial) else None
+            if partial is not None:
+                options.insert(0, ((partial, partial), (partial,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
 
 
 @attrs.frozen(kw_only=True)
