@@ -297,14 +297,32 @@ _VALUE = {torch.addcdiv: torch.div, torch.addcmul: torch.mul, torch.Tensor.addcd
           torch.Tensor.addcmul: torch.mul, torch.Tensor.addcdiv_: torch.div, torch.Tensor.addcmul_: torch.mul}
 
 
+def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
+    """F.one_hot as the comparison it computes. torch's kernel reads the values to check them
+    (`.item()`, which a trace cannot do; under torch.func.grad its decomposition is skipped), and
+    without num_classes it reads the number of classes from them. Class ids out of range give a
+    row of zeros, not torch's error (checking them would read the values)."""
+    if input.dtype != torch.int64:
+        return one_hot(input, num_classes)  # torch's own error: class ids are int64
+    if num_classes == -1:
+        frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        raise CaptureError(f"F.one_hot without num_classes{where}: the number of classes is the largest "
+                           "value + 1, read from the data, which a trace on shapes cannot do; pass num_classes=")
+    classes = torch.arange(num_classes, device=input.device)
+    return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
     with `.item()`, which a trace cannot do: the op is written as the tensor arithmetic it
-    performs, `p + (m / v) * step_size`, which the trace records."""
+    performs, `p + (m / v) * step_size`, which the trace records. F.one_hot likewise (`_one_hot`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.one_hot:
+            return _one_hot(func, *args, **kwargs)
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
             alpha = kwargs.pop("alpha")
             x, y, *rest = args
