@@ -1,0 +1,404 @@
+"""Rules for ops generated programs reached without one (issue 11): full max/min, scans
+(cummax, cummin, logcumsumexp), order statistics (kthvalue, median, nanmedian), hypot and
+copysign, cdist's backward, diagonal_scatter, prims.copy_strided (index_fill of a transposed
+tensor), and F.one_hot captured under torch.func.grad.
+
+Each op runs through `hpfun.shard` on a (2,) and a (2, 2) simulated mesh, in float64, against
+the unsharded run: with a split the rule keeps (no collective, the output split or Partial as
+the rule's algebra says) and with one that needs a collective (a split of a dim the op works
+along, or a Partial input of an op that is not linear).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+from hpfun.capture import capture
+
+aten = torch.ops.aten
+MESHES = [(2,), (2, 2)]
+TOL = 1e-12
+_GEN = torch.Generator().manual_seed(0)
+
+
+def _rand(*shape):
+    return torch.randn(*shape, dtype=torch.float64, generator=_GEN)
+
+
+def _flat(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _run(fn, args, mesh_shape, in_specs, out_specs=None):
+    """`fn` sharded: checks every output against `fn` unsharded; returns the outputs' layouts
+    (compact notation) and the kinds of the collectives `lower()` lists."""
+    mesh = hpfun.Mesh.simulated(mesh_shape, ("a", "b")[: len(mesh_shape)])
+    f = hpfun.shard(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    kinds = [c.kind for c in f.lower(*args).collectives]
+    got, want = _flat(f(*args)), _flat(fn(*args))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.full(), w, rtol=TOL, atol=TOL, equal_nan=True)
+    return [g.layout.placements_str() for g in got], kinds
+
+
+def _leading(mesh_shape) -> str:
+    """The layout of a value split on dim 0 over "a" and (on a 2-D mesh) on dim 1 over "b"."""
+    return "[S(0)]" if len(mesh_shape) == 1 else "[S(0), S(1)]"
+
+
+def _replicated(mesh_shape) -> str:
+    return "[" + ", ".join(["R"] * len(mesh_shape)) + "]"
+
+
+def _spec(ndim: int, where: dict) -> P:
+    """A P spec splitting dim d over mesh axis where[d]."""
+    return P(*(where.get(d) for d in range(ndim)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Full reductions: x.max(), x.min() leave Partial(max)/Partial(min) over a split dim
+# ---------------------------------------------------------------------------------------------
+
+FULL = {"max": (lambda x: x.max(), "max"), "min": (lambda x: x.min(), "min")}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(FULL))
+def test_full_max_min_of_a_split_tensor_is_partial(name, mesh_shape):
+    """x.max() of a split x: each rank's max, Partial(max), with no collective; asked for
+    replicated, one all-reduce."""
+    fn, reduce = FULL[name]
+    x = _rand(4, 6, 4)
+    spec = P("a") if len(mesh_shape) == 1 else P("a", None, "b")
+    layouts, kinds = _run(fn, (x,), mesh_shape, spec)
+    assert (layouts, kinds) == ([f"[{', '.join([f'P({reduce})'] * len(mesh_shape))}]"], [])
+    layouts, kinds = _run(fn, (x,), mesh_shape, spec, out_specs=P())
+    assert kinds == ["all_reduce"] * len(kinds) and kinds
+
+
+@pytest.mark.parametrize("name", sorted(FULL))
+def test_full_max_min_pass_their_own_partial(name):
+    """max(Partial(max)) is Partial(max): amax over a split dim feeds x.max() with no collective."""
+    fn, reduce = FULL[name]
+    before = (lambda x: x.amax(0).max()) if reduce == "max" else (lambda x: x.amin(0).min())
+    assert _run(before, (_rand(4, 6),), (2,), P("a")) == ([f"[P({reduce})]"], [])
+
+
+@pytest.mark.parametrize("name", sorted(FULL))
+def test_full_max_min_gradient(name):
+    """The gradient of x.max() (ties shared) needs the global max: one all-reduce."""
+    fn, _ = FULL[name]
+    layouts, kinds = _run(torch.func.grad(fn), (_rand(4, 6),), (2,), P("a"))
+    assert layouts == ["[S(0)]"] and "all_reduce" in kinds
+
+
+# ---------------------------------------------------------------------------------------------
+# Scans and order statistics along one dim: that dim whole, the others split
+# ---------------------------------------------------------------------------------------------
+
+ALONG = {  # name: (fn of x (4, 6, 4), the dim it works along, whether the output drops it)
+    "cummax": (lambda x: tuple(x.cummax(1)), 1, False),
+    "cummin": (lambda x: tuple(x.cummin(1)), 1, False),
+    "logcumsumexp": (lambda x: x.logcumsumexp(1), 1, False),
+    "kthvalue": (lambda x: tuple(x.kthvalue(3, 1)), 1, True),
+    "kthvalue_keepdim": (lambda x: tuple(x.kthvalue(3, 1, keepdim=True)), 1, False),
+    "kthvalue_last_dim": (lambda x: tuple(x.kthvalue(2)), 2, True),
+    "median_dim": (lambda x: tuple(x.median(1)), 1, True),
+    "nanmedian_dim": (lambda x: tuple(x.nanmedian(1, keepdim=True)), 1, False),
+}
+
+
+def _other_dims(dim: int) -> list[int]:
+    return [d for d in range(3) if d != dim]
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(ALONG))
+def test_ops_along_a_dim_keep_other_splits(name, mesh_shape):
+    """Split on dims the op does not work along: values and indices keep the split, no collective."""
+    fn, dim, drops = ALONG[name]
+    others = _other_dims(dim)
+    where = dict(zip(others, ("a", "b")[: len(mesh_shape)]))
+    out = [f"S({d - (drops and d > dim)})" for d in where]
+    layouts, kinds = _run(fn, (_rand(4, 6, 4),), mesh_shape, _spec(3, where))
+    assert kinds == [] and set(layouts) == {f"[{', '.join(out)}]"}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(ALONG))
+def test_ops_along_a_split_dim_gather_it(name, mesh_shape):
+    """Split along the dim the op works along: gathered first (a collective), values right."""
+    fn, dim, _ = ALONG[name]
+    where = {dim: "a", **({_other_dims(dim)[0]: "b"} if len(mesh_shape) == 2 else {})}
+    _, kinds = _run(fn, (_rand(4, 6, 4),), mesh_shape, _spec(3, where))
+    assert kinds
+
+
+WHOLE = {"median": lambda x: x.median(), "nanmedian": lambda x: x.nanmedian()}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(WHOLE))
+def test_median_of_all_elements_needs_them_all(name, mesh_shape):
+    """median() of a replicated tensor runs locally; of a split one, gathers it (the median of
+    the blocks' medians is not the median)."""
+    x = _rand(4, 6)
+    assert _run(WHOLE[name], (x,), mesh_shape, P()) == ([_replicated(mesh_shape)], [])
+    _, kinds = _run(WHOLE[name], (x,), mesh_shape, P("a") if len(mesh_shape) == 1 else P("a", "b"))
+    assert kinds
+
+
+@pytest.mark.parametrize("name", ["kthvalue", "median_dim", "cummax", "logcumsumexp"])
+def test_ops_along_a_dim_gradient(name):
+    """Their gradients (scatters along the dim) keep a split of the other dims."""
+    fn, dim, _ = ALONG[name]
+    loss = lambda x: _flat(fn(x))[0].sum()  # noqa: E731
+    where = {_other_dims(dim)[0]: "a"}
+    layouts, kinds = _run(torch.func.grad(loss), (_rand(4, 6, 4),), (2,), _spec(3, where))
+    assert (layouts, kinds) == ([f"[S({_other_dims(dim)[0]})]"], [])
+
+
+# ---------------------------------------------------------------------------------------------
+# hypot and copysign: pointwise, not linear
+# ---------------------------------------------------------------------------------------------
+
+POINTWISE = {
+    "hypot": torch.hypot,
+    "copysign": torch.copysign,
+    "copysign_scalar": lambda x, y: torch.copysign(x, -0.5) * y,
+}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_hypot_copysign_follow_splits(name, mesh_shape):
+    """Both inputs split alike: the output too, no collective; split differently: a collective."""
+    fn, x, y = POINTWISE[name], _rand(4, 6), _rand(4, 6)
+    same = P("a") if len(mesh_shape) == 1 else P("a", "b")
+    assert _run(fn, (x, y), mesh_shape, (same, same)) == ([_leading(mesh_shape)], [])
+    other = P(None, "a") if len(mesh_shape) == 1 else P("b", "a")
+    _, kinds = _run(fn, (x, y), mesh_shape, (same, other))
+    assert kinds
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_hypot_copysign_reduce_a_partial_input_first(name, mesh_shape):
+    """hypot(a1 + a2, y) != hypot(a1, y) + hypot(a2, y): a Partial(sum) input (a matmul over a
+    split contraction) is all-reduced before the op."""
+    fn = POINTWISE[name]
+    a, b, y = _rand(4, 6), _rand(6, 4), _rand(4, 4)
+    specs = (P(None, "a"), P("a", None), P()) if len(mesh_shape) == 1 else (P("b", "a"), P("a", None), P("b"))
+    _, kinds = _run(lambda a, b, y: fn(a @ b, y), (a, b, y), mesh_shape, specs)
+    assert "all_reduce" in kinds
+
+
+# ---------------------------------------------------------------------------------------------
+# cdist's backward: rows and columns (m) split; a split r leaves Partial(sum)
+# ---------------------------------------------------------------------------------------------
+
+NORMS = [1.0, 2.0, 3.0, math.inf]
+
+
+@pytest.mark.parametrize("p", NORMS, ids=str)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_cdist_backward_keeps_rows_and_sums_split_r(p, mesh_shape):
+    """grad of cdist: x1's rows split give grad_x1 split and grad_x2 Partial(sum) (a sum over
+    x1's rows), with no collective; x1's columns split need the forward's gather."""
+    x1, x2 = _rand(2, 8, 4), _rand(2, 6, 4)
+    fn = torch.func.grad(lambda a, b: torch.cdist(a, b, p=p).sum(), argnums=(0, 1))
+    if len(mesh_shape) == 1:
+        specs, want = (P(None, "a"), P()), ["[S(1)]", "[P(sum)]"]
+    else:
+        specs, want = (P("a", "b"), P("a")), ["[S(0), S(1)]", "[S(0), P(sum)]"]
+    assert _run(fn, (x1, x2), mesh_shape, specs) == (want, [])
+    _, kinds = _run(fn, (x1, x2), mesh_shape, (P(None, None, "a"), P()))
+    assert kinds
+
+
+@pytest.mark.parametrize("p", NORMS, ids=str)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_cdist_backward_op_splits_m(p, mesh_shape):
+    """_cdist_backward itself: column m of grad_x1 reads column m of x1 and x2 and the whole
+    distances, so m stays split; x2's rows (r) split leave Partial(sum); a split contracted
+    dim of the forward's layout elsewhere needs a collective."""
+    x1, x2, g = _rand(8, 4), _rand(6, 4), _rand(8, 6)
+    d = torch.cdist(x1, x2, p=p)
+
+    def fn(g, x1, x2, d):
+        return aten._cdist_backward.default(g, x1, x2, p, d)
+
+    args = (g, x1, x2, d)
+    if len(mesh_shape) == 1:
+        assert _run(fn, args, mesh_shape, (P(), P(None, "a"), P(None, "a"), P())) == (["[S(1)]"], [])
+        assert _run(fn, args, mesh_shape, (P(None, "a"), P(), P("a"), P(None, "a"))) == (["[P(sum)]"], [])
+    else:
+        specs = (P("b"), P("b", "a"), P(None, "a"), P("b"))
+        assert _run(fn, args, mesh_shape, specs) == (["[S(1), S(0)]"], [])
+        specs = (P("b", "a"), P("b"), P("a"), P("b", "a"))
+        assert _run(fn, args, mesh_shape, specs) == (["[P(sum), S(0)]"], [])
+    # grad split on r but x2 split on m: the two must agree, so something moves
+    _, kinds = _run(fn, args, mesh_shape, (P(None, "a"), P(), P(None, "a"), P()))
+    assert kinds
+
+
+def test_cdist_backward_passes_a_partial_grad():
+    """_cdist_backward is linear in grad: a Partial(sum) grad (a matmul over a split
+    contraction) passes, the output Partial(sum), no collective; a Partial x1 does not (its
+    terms are reduced, or the matmul's factors gathered, first)."""
+    x1, x2, u, v = _rand(8, 4), _rand(6, 4), _rand(8, 4), _rand(4, 6)
+    d = torch.cdist(x1, x2)
+
+    def via_grad(u, v, x1, x2, d):
+        return aten._cdist_backward.default(u @ v, x1, x2, 2.0, d)
+
+    specs = (P(None, "a"), P("a"), P(), P(), P())
+    assert _run(via_grad, (u, v, x1, x2, d), (2,), specs) == (["[P(sum)]"], [])
+
+    def via_x1(u, v, x1, x2, d):
+        return aten._cdist_backward.default(x1, u @ v[:, :4], x2, 2.0, d)
+
+    _, kinds = _run(via_x1, (u, v, _rand(8, 6), x2, d), (2,), specs)
+    assert kinds
+
+
+# ---------------------------------------------------------------------------------------------
+# diagonal_scatter: the backward of diagonal and einsum("ii->i")
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_diagonal_scatter_keeps_other_dims_split(mesh_shape):
+    """diagonal_scatter over dims (0, 2) of a 4-D x: dims 1 and 3 split like src's dims 0 and 1,
+    no collective; dim 0 split needs a gather."""
+    x, src = _rand(6, 4, 6, 4), _rand(4, 4, 5)
+
+    def fn(x, src):
+        return aten.diagonal_scatter.default(x, src, 1, 0, 2)
+
+    if len(mesh_shape) == 1:
+        specs, want = (P(None, None, None, "a"), P(None, "a")), "[S(3)]"
+    else:
+        specs, want = (P(None, "a", None, "b"), P("a", "b")), "[S(1), S(3)]"
+    assert _run(fn, (x, src), mesh_shape, specs) == ([want], [])
+    _, kinds = _run(fn, (x, src), mesh_shape, (P("a"), P(None, "a")))
+    assert kinds
+
+
+def test_diagonal_scatter_passes_partial():
+    """x and src Partial together give Partial: a slice of a sum is the sum of slices."""
+    a, w, v = _rand(6, 4), _rand(4, 6), _rand(4)
+
+    def fn(a, w, v):
+        return aten.diagonal_scatter.default(a @ w, a @ v)
+
+    assert _run(fn, (a, w, v), (2,), (P(None, "a"), P("a"), P("a"))) == (["[P(sum)]"], [])
+
+
+GRADS_OF_DIAGONALS = {
+    "diagonal": (lambda x, w: (x.diagonal(0, 1, 2) ** 2 * w).sum(), (4, 6, 6), (4, 6)),
+    "einsum_ii": (lambda x, w: (torch.einsum("bii->bi", x) ** 2 * w).sum(), (4, 6, 6), (4, 6)),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(GRADS_OF_DIAGONALS))
+def test_gradients_of_diagonals(name, mesh_shape):
+    """Gradients of diagonal, einsum("bii->bi") and trace keep a batch split (no collective);
+    split along the diagonal's dims, they gather."""
+    loss, xs, ws = GRADS_OF_DIAGONALS[name]
+    fn, x, w = torch.func.grad(loss), _rand(*xs), _rand(*ws)
+    batch = (P("a"), P("a")) if len(mesh_shape) == 1 else (P(("a", "b")), P(("a", "b")))
+    layouts, kinds = _run(fn, (x, w), mesh_shape, batch)
+    assert kinds == [] and layouts == ["[" + ", ".join(["S(0)"] * len(mesh_shape)) + "]"]
+    _, kinds = _run(fn, (x, w), mesh_shape, (P(None, "a"), P()))
+    assert kinds
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_gradient_of_trace(mesh_shape):
+    """trace's gradient (an index_put on the diagonal, not diagonal_scatter): replicated runs
+    locally, a split x gathers for the trace."""
+    fn, x = torch.func.grad(lambda x: x.trace() ** 2), _rand(6, 6)
+    assert _run(fn, (x,), mesh_shape, P()) == ([_replicated(mesh_shape)], [])
+    _, kinds = _run(fn, (x,), mesh_shape, P("a"))
+    assert kinds
+
+
+def test_gradients_of_diagonals_reach_diagonal_scatter():
+    """What the tests above exercise: diagonal's and einsum's backward is diagonal_scatter."""
+    for name in ("diagonal", "einsum_ii"):
+        loss, xs, ws = GRADS_OF_DIAGONALS[name]
+        gm = capture(lambda x, w: [torch.func.grad(loss)(x, w)], [(xs, torch.float64), (ws, torch.float64)])
+        assert aten.diagonal_scatter.default in {n.target for n in gm.graph.nodes}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# prims.copy_strided: index_fill of a non-contiguous tensor keeps its strides
+# ---------------------------------------------------------------------------------------------
+
+
+def _index_fill_transposed(x):
+    return x.t().index_fill(1, torch.tensor([0, 2]), 1.5)
+
+
+def test_index_fill_of_a_transposed_tensor_reaches_copy_strided():
+    """What the next test exercises: torch's index_fill restores the input's strides so."""
+    gm = capture(lambda x: [_index_fill_transposed(x)], [((4, 6), torch.float64)])
+    assert torch.ops.prims.copy_strided.default in {n.target for n in gm.graph.nodes}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_copy_strided_keeps_the_split(mesh_shape):
+    """index_fill along the transposed tensor's dim 1 keeps its dim 0 split through copy_strided
+    (the global strides, on a block, address each element once); gathered on request."""
+    x = _rand(4, 6)
+    spec = P(None, "a") if len(mesh_shape) == 1 else P("b", "a")
+    assert _run(_index_fill_transposed, (x,), mesh_shape, spec) == ([_leading(mesh_shape)], [])
+    _, kinds = _run(_index_fill_transposed, (x,), mesh_shape, spec, out_specs=P())
+    assert kinds
+
+
+def test_copy_strided_passes_partial():
+    """copy_strided moves data: a Partial(sum) input passes (the program has no collective)."""
+    a, b = _rand(6, 4), _rand(4, 6)
+    fn = lambda a, b: torch.ops.prims.copy_strided.default(a @ b, [1, 6])  # noqa: E731
+    assert _run(fn, (a, b), (2,), (P(None, "a"), P("a"))) == (["[P(sum)]"], [])
+
+
+# ---------------------------------------------------------------------------------------------
+# F.one_hot
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_one_hot_with_num_classes(mesh_shape):
+    """F.one_hot(y, n): split ids give split rows, no collective; gathered on request."""
+    y = torch.randint(0, 5, (4, 6), generator=_GEN)
+    spec = P("a") if len(mesh_shape) == 1 else P("a", "b")
+    fn = lambda y: F.one_hot(y, 5)  # noqa: E731
+    assert _run(fn, (y,), mesh_shape, spec) == ([_leading(mesh_shape)], [])
+    _, kinds = _run(fn, (y,), mesh_shape, spec, out_specs=P())
+    assert kinds
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_one_hot_under_grad(mesh_shape):
+    """Under torch.func.grad torch's kernel reads the ids (`.item()`); captured as the
+    comparison, the gradient keeps the batch split."""
+    w, y = _rand(4, 6, 5), torch.randint(0, 5, (4, 6), generator=_GEN)
+    spec = P("a") if len(mesh_shape) == 1 else P("a", "b")
+    layouts, kinds = _run(torch.func.grad(lambda w, y: (F.one_hot(y, 5).to(w.dtype) * w).sum()), (w, y),
+                          mesh_shape, (spec, spec))
+    assert (layouts, kinds) == ([_leading(mesh_shape)], [])
+
+
+def test_one_hot_without_num_classes_is_a_clear_error():
+    """Without num_classes the class count is read from the data: an error saying so, and the fix."""
+    f = hpfun.shard(lambda y: F.one_hot(y), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))
+    with pytest.raises(hpfun.CaptureError, match=r"F.one_hot without num_classes at .*test_rules_more.py:\d+.*pass num_classes="):
+        f(torch.tensor([0, 1, 2, 3]))
