@@ -11,12 +11,14 @@ Program inputs: the tensor arguments, then `coords`, then `seed`.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun.collectives import COMMUNICATING
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
 from hpfun.plan import group_size, redistribute_plan, step_bytes
@@ -149,13 +151,16 @@ class LowerContext:
         self.collectives.append(record)
         return waited
 
-    def redistribute(self, value, src: Layout, dst: Layout, shape, dtype):
-        """Emit the plan from `src` to `dst` on the local value `value`."""
+    def redistribute(self, value, src: Layout, dst: Layout, shape, dtype, passed=None):
+        """Emit the plan from `src` to `dst` on the local value `value`; `passed(layout, value)`
+        hears of every layout reached on the way (a later consumer may start from one)."""
         cur = src
         for step in redistribute_plan(src, dst, shape):
             self._step_layout, self._step_shape, self._step_dtype = cur, shape, dtype
             value = step.emit(self, value, list(cur.local_shape(shape)), group_size(self.mesh, step))
             cur = step.apply(cur)
+            if passed is not None:
+                passed(cur, value)
         return value
 
 
@@ -176,10 +181,15 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
         key = (producer, dst)
         if key not in reached:
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]
+            shape = tuple(val.shape)
+            passed = functools.partial(_remember, reached, producer)
+            start = _reused(src, dst, shape, [lay for (p, lay) in reached if p is producer])
+            if start != src:  # another consumer's redistribution already passed a layout local steps away
+                return ctx.redistribute(reached[(producer, start)], start, dst, shape, val.dtype, passed)
             if src != dst:
                 ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
                                 f"{labels.get(producer, producer.name)} is {src.placements_str()}")
-            reached[key] = ctx.redistribute(values[producer], src, dst, tuple(val.shape), val.dtype)
+            reached[key] = ctx.redistribute(values[producer], src, dst, shape, val.dtype, passed)
         return reached[key]
 
     for node in gm.graph.nodes:
@@ -195,6 +205,22 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     raise AssertionError("graph without output")
 
 
+def _remember(reached: dict, producer, layout: Layout, value) -> None:
+    reached.setdefault((producer, layout), value)
+
+
+def _reused(src: Layout, dst: Layout, shape, reached: list[Layout]) -> Layout:
+    """Where to redistribute a value from: a layout it already reached for another consumer,
+    if `dst` follows from it with no communication and not from `src`; else `src`."""
+    if not _communicates(src, dst, shape):
+        return src
+    return next((lay for lay in reached if not _communicates(lay, dst, shape)), src)
+
+
+def _communicates(src: Layout, dst: Layout, shape) -> bool:
+    return any(isinstance(step, COMMUNICATING) for step in redistribute_plan(src, dst, shape))
+
+
 def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     strategy, call = node.meta["hpfun_strategy"], node.meta["hpfun_call"]
     ctx.consumer = (node.name, str(node.target), "")
@@ -206,6 +232,8 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     out._rename(node.name)  # the report and the collectives' reasons use the global graph's names
     out.meta["hpfun_layout"] = node.meta["hpfun_layout"]
     out.meta["hpfun_origin"] = node.name
+    if "stack_trace" in node.meta:  # the user's line, for errors raised while the program runs
+        out.meta["stack_trace"] = node.meta["stack_trace"]
     out.meta["hpfun_inputs"] = strategy.inputs  # for reports: the layouts the op ran with
     out.meta["hpfun_outputs"] = call.outputs  # for reports: global shapes and dtypes
     return out
@@ -232,5 +260,3 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -
         collectives=tuple(ctx.collectives),
         uses_seed=bool(ctx.seed.users),
     )
-    if "stack_trace" in node.meta:  # the user's line, for errors raised while the program runs
-        out.meta["stack_trace"] = node.meta["stack_trace"]

@@ -1,0 +1,155 @@
+"""Nothing silently wrong: regression tests for whole programs that once gave a wrong answer,
+or failed inside the run, where every op's own rule check passed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+
+MESH = hpfun.Mesh.simulated((2,), ("a",))
+MESH2 = hpfun.Mesh.simulated((2, 2), ("a", "b"))
+
+
+def test_down_cast_resolves_partial_sums_first():
+    """A cast to a narrower dtype is not linear: each rank's partial sum must not be rounded
+    (or overflow float16) before the sum."""
+    f = hpfun.shard(lambda x, w: (x @ w).half(), mesh=MESH, in_specs=(P(None, "a"), P("a", None)), out_specs=P())
+    x, w = torch.tensor([[70000.0, -69990.0]]), torch.ones(2, 1)
+    assert torch.equal(f(x, w).full(), (x @ w).half())
+    g = hpfun.shard(lambda x, w: (x @ w).float(), mesh=MESH, in_specs=(P(None, "a"), P("a", None)), out_specs=P())
+    x64 = torch.tensor([[1.0, 1e-9]], dtype=torch.float64).repeat(1, 2)
+    w64 = torch.tensor([[1.0], [1.0], [-1.0], [1.0]], dtype=torch.float64)
+    assert torch.equal(g(x64, w64).full(), (x64 @ w64).float())
+
+
+def test_masked_minus_inf_on_a_partial_value():
+    """masked_fill(-inf) of a Partial value, and causal attention split on the head dim, give
+    -inf where eager does, never NaN (-inf * 0 once made the fill Partial)."""
+    mask = ~torch.ones(2, 2, dtype=torch.bool).tril()
+
+    def scores(q, k):
+        return (q @ k.T).masked_fill(mask, float("-inf"))
+
+    f = hpfun.shard(scores, mesh=MESH, in_specs=(P(None, "a"), P(None, "a")), out_specs=P())
+    q, k = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    got = f(q, k).full()
+    assert torch.equal(got.isinf(), mask) and torch.allclose(got, scores(q, k), rtol=0, atol=1e-12)
+
+    def attend(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    g = hpfun.shard(attend, mesh=MESH, in_specs=P(None, None, None, "a"), out_specs=P())
+    q = torch.randn(2, 4, 8, 6, dtype=torch.float64)
+    out = g(q).full()
+    assert not out.isnan().any() and torch.allclose(out, attend(q), rtol=0, atol=1e-12)
+
+
+def test_mixed_sum_and_avg_partials_read_back():
+    """out_specs=None may keep an output Partial(sum) on one axis and Partial(avg) on another;
+    .full() reads it."""
+
+    def fn(x):
+        return torch.var_mean(x @ x.mT / 8, [-3, -1], keepdim=True)[1]
+
+    f = hpfun.shard(fn, mesh=MESH2, in_specs=P("b", None, "a"), out_specs=None)
+    x = torch.randn(4, 4, 6, dtype=torch.float64)
+    out = f(x)
+    assert {p.reduce for p in out.layout.placements} == {"sum", "avg"}
+    assert torch.allclose(out.full(), fn(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["group_norm", "flatten", "chunk", "own_output"])
+def test_inputs_of_any_strides(case):
+    """The program was traced on contiguous stand-ins; it runs on views (hpfun's own blocks of
+    an input, a transposed argument, a previous call's transposed output) all the same."""
+    if case == "group_norm":
+        x = torch.randn(2, 4, 3)
+        f = hpfun.shard(lambda x: F.group_norm(x, 2), mesh=MESH, in_specs=P(None, "a"), out_specs=P())
+        assert torch.allclose(f(x).full(), F.group_norm(x, 2), atol=1e-6)
+    elif case == "flatten":
+        t = torch.randn(4, 6).T
+        f = hpfun.shard(lambda t: t.flatten() * 2, mesh=MESH, in_specs=P(), out_specs=P())
+        assert torch.equal(f(t).full(), t.flatten() * 2)
+    elif case == "chunk":
+        x = torch.randn(4, 5, 8)
+        f = hpfun.shard(lambda x: x.chunk(5, 1)[3].flatten() * 3, mesh=MESH, in_specs=P(), out_specs=P())
+        assert torch.equal(f(x).full(), x.chunk(5, 1)[3].flatten() * 3)
+    else:
+        step = hpfun.shard(lambda w: (w * 2).T.reshape(w.shape), mesh=MESH, in_specs=P("a"), out_specs=None)
+        w = torch.randn(4, 6)
+        out = step(w)
+        again = hpfun.shard(lambda w: w.view(-1) * 2, mesh=MESH, in_specs=P(), out_specs=P())(out.full().T)
+        assert torch.equal(again.full(), out.full().T.reshape(-1) * 2)
+        assert torch.equal(step(out).full(), (out.full() * 2).T.reshape(4, 6))
+
+
+def test_gathered_bool_stays_bool():
+    """Looking up a split bool tensor gives bool, usable as a mask."""
+    m = torch.tensor([True, False, True, True, False, False, True, False])
+    i = torch.tensor([0, 5, 6, 3])
+    f = hpfun.shard(lambda m, i: m[i], mesh=MESH, in_specs=(P("a"), P()), out_specs=P())
+    assert f(m, i).dtype == torch.bool and torch.equal(f(m, i).full(), m[i])
+    x = torch.randn(4)
+    g = hpfun.shard(lambda m, i, x: torch.where(m[i], x, -x), mesh=MESH, in_specs=(P("a"), P(), P()), out_specs=P())
+    assert torch.equal(g(m, i, x).full(), torch.where(m[i], x, -x))
+    h = hpfun.shard(lambda m, i: torch.gather(m, 0, i), mesh=MESH, in_specs=(P("a"), P()), out_specs=P())
+    assert torch.equal(h(m, i).full(), torch.gather(m, 0, i))
+
+
+LR = 0.1
+
+
+def test_python_scalars_read_by_the_function_key_the_cache():
+    """A global or closed-over Python number the function reads is part of the cache key: a
+    change retraces (explain_cache_miss names it), never a stale program."""
+    global LR
+    f = hpfun.shard(lambda w, g: w - LR * g, mesh=MESH, in_specs=(P("a"), P("a")), out_specs=P("a"))
+    w, g = torch.ones(4), torch.ones(4)
+    assert torch.allclose(f(w, g).full(), w - 0.1 * g)
+    LR = 10.0
+    try:
+        assert "LR: value 10.0, cached 0.1" in str(hpfun.explain_cache_miss(f, w, g))
+        assert torch.allclose(f(w, g).full(), w - 10.0 * g) and f.trace_count == 2
+    finally:
+        LR = 0.1
+    scale = 2.0
+
+    def times(x):
+        return x * scale
+
+    h = hpfun.shard(times, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    assert torch.equal(h(w).full(), w * 2)
+    scale = 3.0
+    assert torch.equal(h(w).full(), w * 3)
+
+
+def test_a_value_redistributed_once_serves_every_consumer():
+    """Two consumers of one argument in layouts one local step apart share one all-gather."""
+
+    def fn(b, x, w):
+        return x @ w + b, b.chunk(4)[1]
+
+    f = hpfun.shard(fn, mesh=hpfun.Mesh.simulated((2, 2), ("dp", "tp")), in_specs=(P("dp"), P(), P(None, "tp")))
+    b, x, w = torch.randn(8), torch.randn(4, 6), torch.randn(6, 8)
+    assert [c.kind for c in f.lower(b, x, w).collectives] == ["all_gather"]
+    for got, want in zip(f(b, x, w), fn(b, x, w), strict=True):
+        assert torch.allclose(got.full(), want)
+
+
+def test_an_op_failing_while_the_program_runs_is_named():
+    """An op raising inside the per-shard program is an hpfun error naming the op, the user's
+    line, the rank and the layouts, the op's error attached as the cause."""
+
+    def pick(x, i):
+        y = x * 2
+        return y[:, i]
+
+    f = hpfun.shard(pick, mesh=MESH, in_specs=(P("a"), P()), out_specs=P())
+    with pytest.raises(hpfun.ExecutionError) as info:
+        f(torch.randn(4, 3), torch.tensor([0, 7]))
+    text = str(info.value)
+    assert "mesh rank 0 (0,)" in text and "test_silent.py" in text and "return y[:, i]" in text, text
+    assert "aten.index.Tensor (node index) reading [S(0)], [R] -> [S(0)]: IndexError" in text, text
+    assert isinstance(info.value.__cause__, IndexError)
