@@ -26,12 +26,10 @@ def _require(ok: bool, step, layout: Layout):
 
 
 def _is_last_shard_axis(layout: Layout, axis: int, dim: int) -> bool:
+    """`axis` is the most minor one splitting `dim` in the layout's order: its blocks are the
+    innermost, so gathering them restores the blocks of the axes before it."""
     axes = layout.shard_axes(dim)
     return bool(axes) and axes[-1] == axis
-
-
-def _no_minor_shard(layout: Layout, axis: int, dim: int) -> bool:
-    return all(a < axis for a in layout.shard_axes(dim))
 
 
 def _split_dim(ctx, x, shape, dim: int, n: int):
@@ -95,7 +93,8 @@ class AllGather:
 
 @attrs.frozen
 class ReduceScatter:
-    """P(reduce) -> S(dim) over one axis, which becomes the most minor one splitting `dim`."""
+    """P(reduce) -> S(dim) over one axis, which becomes the most minor one splitting `dim` (in
+    the layout's order, whatever its place in the mesh)."""
 
     axis: int
     dim: int
@@ -105,9 +104,8 @@ class ReduceScatter:
     factor = 1.0
 
     def apply(self, layout: Layout) -> Layout:
-        ok = layout.placements[self.axis] == Partial(self.reduce) and _no_minor_shard(layout, self.axis, self.dim)
-        _require(ok, self, layout)
-        return layout.with_placement(self.axis, Shard(self.dim))
+        _require(layout.placements[self.axis] == Partial(self.reduce), self, layout)
+        return layout.with_placement(self.axis, Shard(self.dim))  # the most minor on dim
 
     def emit(self, ctx, x, local_shape, n):
         front = _split_dim(ctx, x, local_shape, self.dim, n) if self.dim else x
@@ -131,9 +129,8 @@ class AllToAll:
     factor = 1.0
 
     def apply(self, layout: Layout) -> Layout:
-        ok = _is_last_shard_axis(layout, self.axis, self.src) and _no_minor_shard(layout, self.axis, self.dst)
-        _require(ok, self, layout)
-        return layout.with_placement(self.axis, Shard(self.dst))
+        _require(self.src != self.dst and _is_last_shard_axis(layout, self.axis, self.src), self, layout)
+        return layout.with_placement(self.axis, Shard(self.dst))  # the most minor on dst
 
     def emit(self, ctx, x, local_shape, n):
         front = _split_dim(ctx, x, local_shape, self.dst, n)
@@ -155,8 +152,8 @@ class Chunk:
     factor = 0.0
 
     def apply(self, layout: Layout) -> Layout:
-        _require(layout.placements[self.axis] == R and _no_minor_shard(layout, self.axis, self.dim), self, layout)
-        return layout.with_placement(self.axis, Shard(self.dim))
+        _require(layout.placements[self.axis] == R, self, layout)
+        return layout.with_placement(self.axis, Shard(self.dim))  # the most minor on dim
 
     def emit(self, ctx, x, local_shape, n):
         shape = list(local_shape)

@@ -2,8 +2,9 @@
 
 A layout gives one placement per mesh axis: `S(d)` (the tensor's dim d is split over that
 axis), `R` (every rank holds the whole), `P(sum)` (every rank holds a term; the value is their
-reduction). When several axes shard the same dim, the mesh's axis order decides the split: the
-first axis is the major one, as in `P(("dp", "tp"))`.
+reduction). When several axes shard the same dim, an order says which is major: by default
+the mesh's (`P(("dp", "tp"))` on a `{dp, tp}` mesh), else the one given (`P(("tp", "dp"))`:
+tp major), which the notation writes as each axis's position in it, `[S(0)[1], S(0)[0]]`.
 """
 
 from __future__ import annotations
@@ -83,18 +84,72 @@ def _to_placements(value) -> tuple:
     return tuple(value)
 
 
+def _to_order(value) -> tuple:
+    if isinstance(value, dict) or not isinstance(value, (tuple, list)) or not all(
+            isinstance(g, (tuple, list)) for g in value):
+        raise LayoutError(f"a Layout's order is a tuple of tuples of mesh axes (one per dim, major first), got {value!r}")
+    return tuple(tuple(g) for g in value)
+
+
+def _canonical(mesh: Mesh, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """`axes` (major first) with the axes of size 1 merged in by mesh order: where they stand
+    moves no block, so orders that differ only there are one order (and a mesh-ordered one stays so)."""
+    big = [a for a in axes if mesh.shape[a] > 1]
+    unit = sorted(a for a in axes if mesh.shape[a] == 1)
+    out = []
+    while big or unit:
+        out.append(unit.pop(0) if unit and (not big or unit[0] < big[0]) else big.pop(0))
+    return tuple(out)
+
+
+def _normal_order(mesh: Mesh, placements: tuple, order: tuple) -> tuple:
+    """`order` checked against the placements, as axis indices in canonical form, without the
+    dims that follow mesh order, sorted: layouts that split alike compare equal."""
+    groups, seen, problems = [], set(), []
+    for group in order:
+        axes = tuple(mesh.axis_index(a) for a in group)
+        names = tuple(mesh.axis_names[a] for a in axes)
+        split = {placements[a] for a in axes}
+        dim = next(iter(split)) if len(split) == 1 else None
+        if len(set(axes)) != len(axes) or seen & set(axes):
+            problems.append(f"order {names} names a mesh axis twice")
+        elif not isinstance(dim, Shard):
+            problems.append(f"order {names} must list mesh axes that split one dim, but they hold {[str(p) for p in split]}")
+        elif {a for a, p in enumerate(placements) if p == dim} != set(axes):
+            every = tuple(mesh.axis_names[a] for a, p in enumerate(placements) if p == dim)
+            problems.append(f"order {names} must list every mesh axis splitting dim {dim.dim}: {every}")
+        seen |= set(axes)
+        canonical = _canonical(mesh, axes)
+        if list(canonical) != sorted(canonical):
+            groups.append(canonical)
+    if problems:
+        raise LayoutError(problems)
+    return tuple(sorted(groups))
+
+
 @attrs.frozen(cache_hash=True)
 class Layout:
-    """How one tensor is laid out on a mesh: one placement per mesh axis.
+    """How one tensor is laid out on a mesh: one placement per mesh axis, and for a dim split
+    over several axes, which of them is major.
+
+    `order` lists, for a dim split over several mesh axes in another order than the mesh's,
+    those axes major first (indices or names); dims it does not list follow mesh order. It is
+    kept normalized (axis indices; dims in mesh order left out; axes of size 1, which move no
+    block, put where mesh order puts them), so a layout in mesh order has `order == ()` and
+    equals `Layout(mesh, placements)`.
 
     >>> mesh = Mesh.simulated((2, 2), ("dp", "tp"))
     >>> lay = Layout(mesh, (Shard(0), Replicate()))
     >>> str(lay), lay.local_shape((8, 4)), lay.offsets((8, 4), mesh.coords(2))
     ('[S(0), R] on {dp: 2, tp: 2}', (4, 4), (4, 0))
+    >>> tp_major = Layout(mesh, (Shard(0), Shard(0)), order=[("tp", "dp")])
+    >>> str(tp_major), tp_major.shard_axes(0), tp_major.offsets((8,), (1, 0))
+    ('[S(0)[1], S(0)[0]] on {dp: 2, tp: 2}', (1, 0), (2,))
     """
 
     mesh: Mesh
     placements: tuple = attrs.field(converter=_to_placements)
+    order: tuple = attrs.field(default=(), converter=_to_order)
 
     def __attrs_post_init__(self):
         if len(self.placements) != self.mesh.ndim:
@@ -104,6 +159,8 @@ class Layout:
         bad = [p for p in self.placements if not isinstance(p, (Shard, Replicate, Partial))]
         if bad:
             raise LayoutError(f"placements must be Shard, Replicate or Partial, got {bad!r}")
+        if self.order:  # frozen: the normal form is set once, here
+            object.__setattr__(self, "order", _normal_order(self.mesh, self.placements, self.order))
 
     @classmethod
     def replicated(cls, mesh: Mesh) -> "Layout":
@@ -112,8 +169,13 @@ class Layout:
     # -- queries --------------------------------------------------------------------------------
 
     def shard_axes(self, dim: int) -> tuple[int, ...]:
-        """Mesh axes splitting tensor dim `dim`, major first."""
-        return tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+        """Mesh axes splitting tensor dim `dim`, major first (in mesh order unless `order` says otherwise)."""
+        axes = tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+        if len(axes) > 1:
+            for group in self.order:
+                if group[0] in axes:
+                    return group
+        return axes
 
     def shard_factor(self, dim: int) -> int:
         return math.prod(self.mesh.shape[a] for a in self.shard_axes(dim))
@@ -130,9 +192,25 @@ class Layout:
         return tuple(sorted({p.dim for p in self.placements if isinstance(p, Shard)}))
 
     def with_placement(self, axis: int, placement) -> "Layout":
+        """This layout with `placement` on mesh axis `axis`. An axis that starts splitting a dim
+        becomes its most minor one (as taking a block of each local block does); the other axes
+        keep their order."""
+        if self.placements[axis] == placement:
+            return self
         placements = list(self.placements)
         placements[axis] = placement
-        return attrs.evolve(self, placements=tuple(placements))
+        order = [tuple(a for a in group if a != axis) for group in self.order]
+        if isinstance(placement, Shard):
+            joined = self.shard_axes(placement.dim) + (axis,)
+            order = [group for group in order if not set(group) & set(joined)] + [joined]
+        return Layout(self.mesh, tuple(placements), tuple(g for g in order if len(g) > 1))
+
+    def with_order(self, dim: int, axes) -> "Layout":
+        """This layout with dim `dim` split over `axes` (indices or names, major first): the
+        mesh axes that split it, in any order."""
+        current = set(self.shard_axes(dim))
+        kept = tuple(group for group in self.order if group[0] not in current)
+        return attrs.evolve(self, order=kept + (tuple(axes),))
 
     def normalized(self, ndim: int) -> "Layout":
         """Negative shard dims made non-negative for a tensor with `ndim` dims (checked)."""
@@ -184,7 +262,11 @@ class Layout:
         return tuple(self.shard_index(d, coords) * local[d] for d in range(len(global_shape)))
 
     def placements_str(self) -> str:
-        return "[" + ", ".join(str(p) for p in self.placements) + "]"
+        """The placements in the compact notation; an axis of a dim split in another order than
+        the mesh's carries its position in that order, major first: `[S(0)[1], S(0)[0]]`."""
+        position = {a: i for group in self.order for i, a in enumerate(group)}
+        return "[" + ", ".join(f"{p}[{position[a]}]" if a in position else str(p)
+                               for a, p in enumerate(self.placements)) + "]"
 
     def __str__(self) -> str:
         return f"{self.placements_str()} on {self.mesh}"
@@ -223,11 +305,14 @@ class P:
     """Per tensor dim, the mesh axes that split it: `P("dp", None)`, `P(("dp", "tp"))`, `P()`.
 
     Dims beyond the entries given are not split. Axes named together on one dim split it in
-    mesh-axis order (major first).
+    the order named, major first (as in JAX): `P(("tp", "dp"))` numbers the blocks
+    `tp * n_dp + dp`. (Axes of size 1 split nothing: their place in that order is not kept.)
 
     >>> mesh = Mesh.simulated((2, 2), ("dp", "tp"))
     >>> str(P("tp", None).to_layout(mesh, ndim=2))
     '[R, S(0)] on {dp: 2, tp: 2}'
+    >>> str(P(None, ("tp", "dp")).to_layout(mesh, ndim=2))
+    '[S(1)[1], S(1)[0]] on {dp: 2, tp: 2}'
     """
 
     dims: tuple
@@ -253,10 +338,6 @@ class P:
                 elif axis in seen:
                     out.append(f"{self} uses mesh axis {axis!r} twice (dims {seen[axis]} and {d}); an axis can split one dim only")
                 seen.setdefault(axis, d)
-            known = [a for a in axes if a in mesh.axis_names]
-            if known != sorted(known, key=mesh.axis_names.index):
-                order = tuple(sorted(known, key=mesh.axis_names.index))
-                out.append(f"{self} splits dim {d} over {tuple(known)}; axes on one dim must follow the mesh order {order}")
         return out
 
     def to_layout(self, mesh: Mesh, ndim: int) -> Layout:
@@ -264,11 +345,12 @@ class P:
         problems = self.problems(mesh, ndim)
         if problems:
             raise SpecError(problems)
-        placements = [R] * mesh.ndim
+        placements, order = [R] * mesh.ndim, []
         for d in range(len(self.dims)):
             for axis in self.axes(d):
                 placements[mesh.axis_index(axis)] = Shard(d)
-        return Layout(mesh, tuple(placements))
+            order.append(self.axes(d))
+        return Layout(mesh, tuple(placements), tuple(o for o in order if len(o) > 1))
 
     @classmethod
     def from_layout(cls, layout: Layout, ndim: int) -> "P":
@@ -296,16 +378,40 @@ class P:
 # ---------------------------------------------------------------------------------------------
 
 # digit counts are capped so int() never sees a number Python refuses to convert
-_PLACEMENT = re.compile(r"\s*(?:S\(\s*(-?\d{1,18})\s*\)|(R)|P\(\s*(\w+)\s*\))\s*$")
+_PLACEMENT = re.compile(r"\s*(?:S\(\s*(-?\d{1,18})\s*\)(?:\s*\[\s*(\d{1,3})\s*\])?|(R)|P\(\s*(\w+)\s*\))\s*$")
 _MESH_ENTRY = re.compile(r"\s*(\w+)\s*:\s*(\d{1,18})\s*$")
 
 
-def _parse_placement(text: str):
+def _parse_placement(text: str) -> tuple:
+    """(placement, its position in its dim's order or None) from `S(0)`, `S(0)[1]`, `R`, `P(sum)`."""
     m = _PLACEMENT.match(text)
     if not m:
-        raise LayoutError(f"cannot parse placement {text.strip()!r}; write S(0), R or P(sum)")
-    dim, rep, reduce = m.groups()
-    return Shard(int(dim)) if dim is not None else R if rep else Partial(reduce)
+        raise LayoutError(f"cannot parse placement {text.strip()!r}; write S(0), R or P(sum) (S(0)[1]: position in the dim's order)")
+    dim, position, rep, reduce = m.groups()
+    placement = Shard(int(dim)) if dim is not None else R if rep else Partial(reduce)
+    return placement, None if position is None else int(position)
+
+
+def _parse_order(placements: tuple, positions: tuple, text: str) -> tuple:
+    """Per dim whose axes carry positions, its axes major first (checked: 0, 1, ... once each)."""
+    order = []
+    for split in dict.fromkeys(p for p in placements if isinstance(p, Shard)):
+        axes = [a for a, p in enumerate(placements) if p == split]
+        given = [positions[a] for a in axes]
+        if all(g is None for g in given):
+            continue
+        if sorted(g for g in given if g is not None) != list(range(len(axes))):
+            raise LayoutError(f"cannot parse {text!r}: the {len(axes)} axes with {split} need positions "
+                              f"{list(range(len(axes)))} in its order, one each, got {given}")
+        order.append(tuple(sorted(axes, key=lambda a: positions[a])))
+    return tuple(order)
+
+
+def _parse_placements(inner: str, text: str) -> tuple[tuple, tuple]:
+    """(placements, order) from `inner`, the inside of `[S(0)[1], S(0)[0]]` (of `text`)."""
+    parsed = [_parse_placement(p) for p in inner.split(",")] if inner.strip() else []
+    placements = tuple(p for p, _ in parsed)
+    return placements, _parse_order(placements, tuple(i for _, i in parsed), text)
 
 
 def _parse_mesh(text: str) -> Mesh:
@@ -322,27 +428,46 @@ def _parse_mesh(text: str) -> Mesh:
     return Mesh.simulated(tuple(sizes), tuple(names))
 
 
-def parse(text: str):
-    """Parse the compact notation: a placement, a placement list, a mesh, or a layout.
+def parse(text: str, mesh: Mesh | None = None):
+    """Parse the compact notation: a placement, a placement list, a mesh, or a layout. With
+    `mesh`, a placement list is read as a layout on it (as `placements_str()` writes it).
 
     >>> parse("S(1)"), parse("[S(0), R]")
     (Shard(dim=1), (Shard(dim=0), Replicate()))
     >>> str(parse("[S(0), P(sum)] on {dp: 2, tp: 4}"))
     '[S(0), P(sum)] on {dp: 2, tp: 4}'
+    >>> parse("[S(0)[1], S(0)[0]] on {dp: 2, tp: 2}").shard_axes(0)
+    (1, 0)
     """
     text = text.strip()
     if text.startswith("{"):
         return _parse_mesh(text)
     if not text.startswith("["):
-        return _parse_placement(text)
-    close = text.find("]")
-    if close < 0:
-        raise LayoutError(f"cannot parse {text!r}: missing ']'")
-    inner = text[1:close]
-    placements = tuple(_parse_placement(p) for p in inner.split(",")) if inner.strip() else ()
+        placement, position = _parse_placement(text)
+        if position is not None:
+            raise LayoutError(f"cannot parse {text!r}: a position in a dim's order belongs in a layout, "
+                              "as in '[S(0)[1], S(0)[0]] on {dp: 2, tp: 2}'")
+        return placement
+    close = _closing_bracket(text)
+    placements, order = _parse_placements(text[1:close], text)
     rest = text[close + 1 :].strip()
-    if not rest:
-        return placements
-    if not rest.startswith("on "):
+    if rest and not rest.startswith("on "):
         raise LayoutError(f"cannot parse {text!r}: expected 'on {{mesh}}' after the placements")
-    return Layout(_parse_mesh(rest[3:]), placements)
+    if rest:
+        mesh = _parse_mesh(rest[3:])
+    if mesh is not None:
+        return Layout(mesh, placements, order)
+    if any(list(axes) != sorted(axes) for axes in order):
+        raise LayoutError(f"cannot parse {text!r} without its mesh: an order other than the mesh's makes a layout; "
+                          "write '... on {dp: 2, tp: 2}' or pass the mesh")
+    return placements
+
+
+def _closing_bracket(text: str) -> int:
+    """Index of the `]` closing the placement list that `text` starts with (positions nest)."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c == "[") - (c == "]")
+        if depth == 0:
+            return i
+    raise LayoutError(f"cannot parse {text!r}: missing ']'")

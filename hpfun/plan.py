@@ -6,8 +6,13 @@ Order of a plan, chosen so every step's precondition holds and data is smallest 
    the tensor is still split;
 3. per tensor dim, the axes splitting it beyond the prefix it shares with the target are undone,
    most minor first: all-to-all when the axis moves to another dim that accepts it, else all-gather;
-4. per axis, major first, the target placement is reached: take a block locally (R -> S),
-   reduce-scatter (P -> S), or turn replicated into Partial locally (R -> P).
+4. per axis, in mesh order but after the axes before it in its dim's target order, the target
+   placement is reached: take a block locally (R -> S), reduce-scatter (P -> S), or turn
+   replicated into Partial locally (R -> P).
+
+A dim's order (which of its axes is major: the layout's `order`, by default the mesh's) is part
+of "the prefix it shares": a change of order alone gathers the axes from the first that differs
+and splits again in the target's order.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ def _steps(src: Layout, dst: Layout, shape):
             step = Relabel(a, R)
             cur = step.apply(cur)
             yield step
-    target = Layout(mesh, tuple(R if a in unit else p for a, p in enumerate(dst.placements)))
+    target = dst
+    for a in unit:
+        target = target.with_placement(a, R)
     for step in _steps_between(cur, target, shape):
         cur = step.apply(cur)
         yield step
@@ -72,7 +79,6 @@ def _steps(src: Layout, dst: Layout, shape):
 
 
 def _steps_between(cur: Layout, dst: Layout, shape):
-    mesh = cur.mesh
     pending: dict[str, list[int]] = {}  # 2. all-reduce what must not stay Partial, axes of one op together
     for a, p in enumerate(cur.placements):
         q = dst.placements[a]
@@ -85,7 +91,7 @@ def _steps_between(cur: Layout, dst: Layout, shape):
     for step in _undo_shards(cur, dst, len(shape)):  # 3. undo splits the target does not share
         cur = step.apply(cur)
         yield step
-    for a in range(mesh.ndim):  # 4. reach the target, major axis first
+    for a in _reach_order(dst):  # 4. reach the target, major axis first
         p, q = cur.placements[a], dst.placements[a]
         if p == q:
             continue
@@ -107,10 +113,22 @@ def _kept_prefix(cur: Layout, dst: Layout, dim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _reach_order(dst: Layout) -> list[int]:
+    """Mesh axes in the order step 4 reaches them: mesh order, except that an axis splitting a
+    dim comes after the axes before it in that dim's order (a new split is the most minor)."""
+    out: list[int] = []
+    for a, q in enumerate(dst.placements):
+        axes = dst.shard_axes(q.dim) if isinstance(q, Shard) else (a,)
+        out += [b for b in axes[: axes.index(a) + 1] if b not in out]
+    return out
+
+
 def _can_reduce_scatter(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
-    """P -> S(dim) on `axis` in step 4 works if the axes before it on `dim` are already there."""
-    before = tuple(a for a in dst.shard_axes(dim) if a < axis)
-    return _kept_prefix(cur, dst, dim) == before and all(a < axis for a in cur.shard_axes(dim))
+    """P -> S(dim) on `axis` in step 4 works if the axes before it on `dim` are already there
+    (and, as mesh-ordered plans always had it, no later axis of the mesh splits `dim` besides)."""
+    want = dst.shard_axes(dim)
+    before = want[: want.index(axis)]
+    return _kept_prefix(cur, dst, dim) == before and all(a in before or a < axis for a in cur.shard_axes(dim))
 
 
 def _undo_shards(cur: Layout, dst: Layout, ndim: int):
@@ -127,10 +145,10 @@ def _undo_shards(cur: Layout, dst: Layout, ndim: int):
 
 
 def _accepts(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
-    """Can `axis` start splitting `dim` now, consistent with the target's order on `dim`?"""
+    """Can `axis` start splitting `dim` now (as its most minor axis), consistent with the
+    target's order on `dim`?"""
     have = cur.shard_axes(dim)
-    want = dst.shard_axes(dim)
-    return all(a < axis for a in have) and want[: len(have) + 1] == have + (axis,)
+    return dst.shard_axes(dim)[: len(have) + 1] == have + (axis,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 `assert_sharded_equal` runs a function whole and through `hpfun.shard` on a simulated mesh and
 compares the gathered outputs. The hypothesis strategies `meshes`, `layouts`,
 `divisible_shapes` and `sharded_values` draw the cases to run it on (several mesh axes on one
-dim and Partial inputs included). `python -m hpfun.validate` applies both to every rule.
+dim, in any order, and Partial inputs included; `axis_orders` draws an order alone).
+`python -m hpfun.validate` applies both to every rule.
 
 >>> import torch, hpfun
 >>> from hypothesis import given, settings, strategies as st
@@ -22,7 +23,7 @@ The strategies need `hypothesis` (a test dependency); they load on first use.
 
 from hpfun.testing.oracle import ShardedMismatch, assert_sharded_equal
 
-_STRATEGIES = ("divisible_shapes", "layouts", "meshes", "on_grid", "sharded_values")
+_STRATEGIES = ("axis_orders", "divisible_shapes", "layouts", "meshes", "on_grid", "sharded_values")
 
 __all__ = ["ShardedMismatch", "assert_sharded_equal", *_STRATEGIES]
 

@@ -54,8 +54,9 @@ def _reduces(allow_partial) -> tuple[str, ...]:
 def layouts(draw, mesh: Mesh, shape, *, allow_partial=False) -> Layout:
     """A layout on `mesh` for a tensor of `shape` (a global shape: only layouts that divide it;
     or a number of dims: any layout, pair it with `divisible_shapes`). Several mesh axes may
-    split one dim. `allow_partial`: False, True (any reduce) or a tuple of reduces; a layout's
-    Partial axes share one reduce, so the value can be gathered.
+    split one dim, in any order (shrinking toward mesh order). `allow_partial`: False, True
+    (any reduce) or a tuple of reduces; a layout's Partial axes share one reduce, so the value
+    can be gathered.
 
     >>> from hypothesis import given
     >>> mesh = Mesh.simulated((2, 2), AXIS_NAMES[:2])
@@ -79,7 +80,26 @@ def layouts(draw, mesh: Mesh, shape, *, allow_partial=False) -> Layout:
     stacked = _stack_shards(chosen)
     if stacked != chosen and fits(tuple(stacked)) and draw(st.booleans()):
         chosen = stacked
-    return Layout(mesh, tuple(chosen))
+    return draw(axis_orders(Layout(mesh, tuple(chosen))))
+
+
+@st.composite
+def axis_orders(draw, layout: Layout) -> Layout:
+    """`layout` with each dim split over several mesh axes split in a drawn order (major
+    first; shrinks toward mesh order).
+
+    >>> from hypothesis import given
+    >>> layout = Layout(Mesh.simulated((2, 2), AXIS_NAMES[:2]), (Shard(0), Shard(0)))
+    >>> @given(axis_orders(layout))
+    ... def check(ordered):
+    ...     assert ordered.placements == layout.placements and set(ordered.shard_axes(0)) == {0, 1}
+    >>> check()
+    """
+    for dim in layout.sharded_dims():
+        axes = layout.shard_axes(dim)
+        if len(axes) > 1:
+            layout = layout.with_order(dim, draw(st.permutations(axes)))
+    return layout
 
 
 def _stack_shards(placements: list) -> list:
