@@ -153,3 +153,99 @@ def test_an_op_failing_while_the_program_runs_is_named():
     assert "mesh rank 0 (0,)" in text and "test_silent.py" in text and "return y[:, i]" in text, text
     assert "aten.index.Tensor (node index) reading [S(0)], [R] -> [S(0)]: IndexError" in text, text
     assert isinstance(info.value.__cause__, IndexError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial sums through linear ops, with infinities, NaN, huge magnitudes and cancellation
+# ---------------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_MASK = torch.tensor([[True, False, True], [False, False, True], [True, True, False], [False, True, False]])
+_W = torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.25]], dtype=torch.float64)
+LINEAR = {  # ops a Partial(sum) value may pass through (or that must resolve it first), finite co-arguments
+    "neg": lambda x: -x,
+    "scale": lambda x: x * 3.0,
+    "divide": lambda x: x / 4.0,
+    "scale by inf": lambda x: x * float("inf"),
+    "add itself": lambda x: x + x,
+    "where": lambda x: torch.where(_MASK, x, x * 2),
+    "sum": lambda x: x.sum(0),
+    "mean": lambda x: x.mean(1),
+    "transpose": lambda x: x.T,
+    "flatten": lambda x: x.reshape(-1),
+    "slice": lambda x: x[1:],
+    "cat": lambda x: torch.cat([x, x]),
+    "matmul": lambda x: x @ _W,
+    "down-cast": lambda x: x.float(),
+    "masked -inf": lambda x: x.masked_fill(_MASK, float("-inf")),
+    "cumsum": lambda x: torch.cumsum(x, 0),
+    "times replicated": lambda x: x * _W.sum(1, keepdim=True).T.repeat(4, 1),
+}
+_SPECIAL = [0.0, 1.0, -2.5, 1e300, -1e300, float("inf"), float("-inf"), float("nan")]
+
+
+@st.composite
+def _special_terms(draw, n: int):
+    """Partial(sum) terms of a (4, 3) float64 value: per element, the value on one rank and 0
+    on the others, or a cancelling pair (v + c, -c, 0...) with c huge, or specials anywhere."""
+    terms = torch.zeros(n, 4, 3, dtype=torch.float64)
+    for i in range(4):
+        for j in range(3):
+            kind = draw(st.sampled_from(["one", "cancel", "any"]))
+            v = draw(st.sampled_from(_SPECIAL))
+            if kind == "one":
+                terms[draw(st.integers(0, n - 1)), i, j] = v
+            elif kind == "cancel":
+                c = draw(st.sampled_from([1e15, 1e300]))
+                terms[0, i, j], terms[1, i, j] = v + c, -c
+            else:
+                for r in range(n):
+                    terms[r, i, j] = draw(st.sampled_from(_SPECIAL))
+    return terms
+
+
+class _PartialFirst:
+    """The built-in rules, each offering only the strategies that keep a Partial input Partial
+    when it has any: every claim of linearity is exercised, not only those the planner picks."""
+
+    def lookup(self, target):
+        from hpfun.rules import REGISTRY
+
+        rule = REGISTRY.lookup(target)
+        return None if rule is None else _KeepPartial(rule)
+
+
+class _KeepPartial:
+    def __init__(self, rule):
+        self.rule = rule
+
+    def strategies(self, call):
+        offered = self.rule.strategies(call)
+        keeping = [s for s in offered if any(l.partial_axes for l in s.outputs if l is not None)]
+        return keeping or offered
+
+    def emit(self, *args):
+        return self.rule.emit(*args)
+
+    def __getattr__(self, name):  # local_work and the like
+        return getattr(self.rule, name)
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR))
+@settings(max_examples=10)
+@given(n=st.sampled_from([2, 4]), data=st.data())
+def test_partial_sums_through_linear_ops_with_special_values(name, n, data):
+    """A Partial(sum) value passes an op only where the op is linear in it for the values at
+    hand (every rule's claim forced): the result equals the op on the summed value, with the
+    same infinities and NaN, and finite values within the rounding the terms' magnitudes allow."""
+    from hpfun.testing import assert_sharded_equal
+
+    fn = LINEAR[name]
+    terms = data.draw(_special_terms(n))
+    x = hpfun.Sharded(hpfun.parse(f"[P(sum)] on {{a: {n}}}"), (4, 3), tuple(terms))
+    scale = terms.abs().nan_to_num(posinf=0.0).amax(0).max().clamp(min=1.0).item() * 8
+    eps = torch.finfo(torch.float32 if name == "down-cast" else torch.float64).eps
+    assert_sharded_equal(fn, (x,), hpfun.Mesh.simulated((n,), ("a",)), None, out_specs=P(), rtol=0,
+                         atol=scale * eps, registry=_PartialFirst())

@@ -47,6 +47,8 @@ class Pointwise(Rule):
         tensors = call.tensors
         if self.linear_to_float_only and not _widens(seed.dtype, call.outputs[0].dtype):
             return None
+        if not _finite_scalars(call):
+            return None
         if seed.index in self.linear_each:
             partial = {id(seed)}
         elif seed.index in self.linear_joint and self._joint_args_are_tensors(call):
@@ -60,6 +62,19 @@ class Pointwise(Rule):
         # A scalar operand of add/sub would be added once per rank: not linear.
         indices = {t.index for t in call.tensors}
         return all(i in indices for i in self.linear_joint if i < len(call.args))
+
+
+def _finite_scalars(call: OpCall) -> bool:
+    """Linearity holds over finite numbers: scaling each term by inf (or dividing it by 0) makes
+    inf - inf = nan where the whole value was one infinity, or 0 * inf = nan on a rank whose
+    term is 0. A Python number among the arguments must be finite (and not a divisor of 0)."""
+    dividing = "div" in str(call.op)
+    for i, a in enumerate(call.args):
+        if isinstance(a, bool) or not isinstance(a, (int, float, complex)):
+            continue
+        if not torch.isfinite(torch.tensor(a)).item() or (dividing and i > 0 and a == 0):
+            return False
+    return True
 
 
 def _widens(src, dst) -> bool:

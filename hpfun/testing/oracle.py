@@ -53,9 +53,9 @@ def assert_sharded_equal(f, args, mesh: Mesh, in_specs, *, out_specs=None, rtol=
     with _rules(registry):
         sharded = api.shard(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
         got = sharded(*args)
-        program = sharded.lower(*args).program
-    inputs = [_describe(f"args[{i}]", layout, shape, dtype) for i, (layout, shape, dtype)
-              in enumerate(zip(program.input_layouts, program.input_shapes, _dtypes(args), strict=True))]
+        lowered = sharded.lower(*args)
+    # every input the program reads, by path: arguments, then state the function lifted
+    inputs = [f"{x['path']}: {x['layout']} global {tuple(x['shape'])} {x['dtype']}" for x in lowered.inputs]
     expected_flat, expected_tree = pytree.tree_flatten(expected)
     got_flat, got_tree = pytree.tree_flatten(got, is_leaf=_is_sharded)
     if expected_tree != got_tree:
@@ -90,11 +90,6 @@ def _worst(want: torch.Tensor, have: torch.Tensor) -> str:
 def _describe(path: str, layout, shape, dtype) -> str:
     head = f"{path}: " if path else ""
     return f"{head}{layout.placements_str()} global {tuple(shape)} {str(dtype).replace('torch.', '')}"
-
-
-def _dtypes(args) -> list:
-    leaves = pytree.tree_leaves(args, is_leaf=_is_sharded)
-    return [x.dtype for x in leaves if isinstance(x, (torch.Tensor, Sharded))]
 
 
 def _whole(x):
