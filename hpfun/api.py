@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun import debug, fuse, lift, writeback
 from hpfun.capture import UnliftedTensor, trace
+from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, Problem, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
@@ -31,7 +32,7 @@ from hpfun.writeback import WriteBack
 
 
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
-          rng: str = "philox", fallback: str | None = None):
+          rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32"):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -60,6 +61,12 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     unless `fallback="replicate"`: they then run on gathered inputs, with a warning naming each
     op and the bytes it costs.
 
+    Sums of bfloat16 or float16 partial values across ranks (the all-reduce or reduce-scatter that
+    resolves a Partial(sum) or Partial(avg) value) are reduced in float32, each rank's partial cast
+    up and the result cast back, as FSDP's `reduce_dtype` does (`reduce_dtype="float32"`, twice
+    the bytes on the wire); `reduce_dtype="compute"` reduces them in the compute dtype. `lower()`
+    shows the dtype each collective moves.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -68,18 +75,21 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     """
     if f is None:
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
-                                 compile=compile, rng=rng, fallback=fallback)
+                                 compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
         raise SpecError(f"rng must be 'philox' or 'native', got {rng!r}", headline="bad option")
     if fallback not in (None, "replicate"):
         raise SpecError(f"fallback must be None or 'replicate', got {fallback!r}", headline="bad option")
+    if not isinstance(reduce_dtype, str) or reduce_dtype not in REDUCE_DTYPES:
+        raise SpecError(f"reduce_dtype must be 'float32' (reduce bfloat16/float16 partial sums in float32) or "
+                        f"'compute' (in the program's dtype), got {reduce_dtype!r}", headline="bad option")
     if state_specs is not None and not isinstance(state_specs, dict):
         raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}",
                         headline="bad sharding spec")
-    return ShardedFunction(f, mesh, in_specs, out_specs, Options(compile=bool(compile), rng=rng, fallback=fallback),
-                           state_specs=state_specs)
+    options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype)
+    return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
 @attrs.frozen
@@ -89,6 +99,7 @@ class Options:
     compile: bool = False
     rng: str = "philox"
     fallback: str | None = None
+    reduce_dtype: str = "float32"  # the dtype bfloat16/float16 partial sums are reduced in: "float32" or "compute"
 
 
 @attrs.frozen
@@ -270,13 +281,13 @@ class ShardedFunction:
         writes = self._write_targets(call, traced, captured, names, lifted_index, input_layouts_, tensor_pos, leaves)
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
-        propagate(gm, self.mesh, in_layouts, fallback=self.options.fallback)
+        propagate(gm, self.mesh, in_layouts, fallback=self.options.fallback, reduce_dtype=self.options.reduce_dtype)
         fuse.rejoin(gm, self.mesh)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
         out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         program = lower(gm, self.mesh, out_layouts + [w.layout for w in writes], out_paths, rng=self.options.rng,
-                        input_names=in_names)
+                        input_names=in_names, reduce_dtype=self.options.reduce_dtype)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts), tuple(writes), tuple(traced.cleared), tuple(out_paths))
         if level := debug.level():  # HPFUN_DEBUG, read at each compile

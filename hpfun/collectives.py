@@ -50,6 +50,33 @@ def _merge_front(ctx, x, shape, dim: int, n: int):
     return ctx.call(aten.view.default, (x, shape[:dim] + [n * shape[dim]] + shape[dim + 1 :]))
 
 
+# Low-precision partial sums. A Partial(sum) or Partial(avg) value of bfloat16 or float16 is
+# reduced in float32 by default: each rank's partial is cast up, reduced, and the result cast back
+# to the compute dtype, as FSDP's `reduce_dtype` does. Summed in the compute dtype, every add of
+# the reduction rounds to 8 (bfloat16) or 11 (float16) significant bits; in float32 the sum is
+# rounded to the compute dtype once. (Each rank's partial was rounded when it was computed: the
+# cast cannot undo that.) The option `reduce_dtype="compute"` reduces in the compute dtype
+# instead, half the bytes on the wire. max and min are exact in any dtype: never cast.
+# `moved_dtype` decides for the emitted casts, the bytes a collective's record counts and the
+# planner's price alike.
+REDUCE_DTYPES = ("float32", "compute")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def moved_dtype(step, dtype: torch.dtype, reduce_dtype: str = "float32") -> torch.dtype:
+    """The dtype `step` moves a value of `dtype` in under the `reduce_dtype` option: float32 for
+    a sum or average of bfloat16/float16 partials under "float32", else `dtype` itself."""
+    widen = reduce_dtype == "float32" and dtype in _LOW_PRECISION
+    if widen and isinstance(step, (AllReduce, ReduceScatter)) and step.reduce in ("sum", "avg"):
+        return torch.float32
+    return dtype
+
+
+def _cast(ctx, x, dtype: torch.dtype, to: torch.dtype):
+    """`x` (of `dtype`) as `to`; nothing is emitted when they are the same."""
+    return x if to == dtype else ctx.call(aten._to_copy.default, (x,), {"dtype": to})
+
+
 @attrs.frozen
 class AllReduce:
     """P(reduce) -> R over one or more axes at once (one collective over their combined group)."""
@@ -66,7 +93,9 @@ class AllReduce:
         return layout
 
     def emit(self, ctx, x, local_shape, n):
-        return ctx.collective(self, c10d.all_reduce.default, (x, self.reduce), local_shape)
+        dtype, wide = ctx.reduce_in(self)  # bfloat16/float16 sums: reduced in float32 by default
+        out = ctx.collective(self, c10d.all_reduce.default, (_cast(ctx, x, dtype, wide), self.reduce), local_shape)
+        return _cast(ctx, out, wide, dtype)
 
 
 @attrs.frozen
@@ -108,8 +137,11 @@ class ReduceScatter:
         return layout.with_placement(self.axis, Shard(self.dim))  # the most minor on dim
 
     def emit(self, ctx, x, local_shape, n):
+        dtype, wide = ctx.reduce_in(self)  # as AllReduce: cast up before, back after
+        x = _cast(ctx, x, dtype, wide)
         front = _split_dim(ctx, x, local_shape, self.dim, n) if self.dim else x
         out = ctx.collective(self, c10d.reduce_scatter_tensor.default, (front, self.reduce, n), local_shape)
+        out = _cast(ctx, out, wide, dtype)
         if not self.dim:
             return out
         shape = list(local_shape)

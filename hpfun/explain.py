@@ -5,11 +5,11 @@ view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a 
 with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
 be compared by diffing their `to_json()`.
 
-Schema "hpfun.lowered", version 1 (layouts in the compact notation, on the report's mesh;
+Schema "hpfun.lowered", version 2 (layouts in the compact notation, on the report's mesh;
 shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
 names for the ops it came from):
 
-    schema: "hpfun.lowered"      version: 1
+    schema: "hpfun.lowered"      version: 2
     mesh: {shape: [2, 2], axis_names: ["dp", "tp"]}
     inputs: [{name, path, shape, local_shape, dtype, layout}]          one per tensor argument
     outputs: [{path, node, shape, local_shape, dtype, layout}]         one per output leaf
@@ -21,10 +21,13 @@ names for the ops it came from):
         inputs, outputs: layouts the node reads and writes (null where not recorded: local glue)
         shapes: global shape of each output (null where not recorded)
         collective: index into `collectives` (collective nodes only), else null
-    collectives: [{kind, axes, bytes, group_size, node, op, reason}]   in program order
-        bytes: the local buffer each rank hands to it; node/op: what needed it; reason: why
+    collectives: [{kind, axes, bytes, dtype, group_size, node, op, reason}]   in program order
+        bytes: the local buffer each rank hands to it, in `dtype`; dtype: what it moves (a
+        reduction: the dtype it reduces in, float32 for a bfloat16 sum under the default
+        reduce_dtype); node/op: what needed it; reason: why
 
-Versions only grow fields; a field's meaning never changes within a version.
+Versions only grow fields; a field's meaning never changes within a version. Version 2 added
+collectives[].dtype.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from hpfun.lower import Collective, Program
 from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 
-SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 1
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ def _tensor_dict(layout: Layout, shape, dtype) -> dict:
 
 def _collective_dict(c: Collective, mesh: Mesh) -> dict:
     group = math.prod(mesh.axis_size(a) for a in c.axes)
-    return {"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "group_size": group,
+    return {"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes, "dtype": c.dtype, "group_size": group,
             "node": c.node, "op": c.op, "reason": c.reason}
 
 
@@ -304,7 +307,7 @@ class Lowered:
 
     @property
     def collectives(self) -> list[Collective]:
-        return [Collective(c["kind"], tuple(c["axes"]), c["bytes"], c["node"], c["op"], c["reason"])
+        return [Collective(c["kind"], tuple(c["axes"]), c["bytes"], c["node"], c["op"], c["reason"], c["dtype"])
                 for c in self._data["collectives"]]
 
     @property
@@ -380,8 +383,8 @@ def _render_text(data: dict, total: Cost) -> str:
     lines = [f"per-shard program on mesh {mesh} ({mesh.size} ranks)"]
     lines += [f"  {_node_line(node, mesh, inputs, seed_used, data)}" for node in data["nodes"]]
     lines.append(f"collectives ({len(data['collectives'])}):")
-    lines += [f"  {c['kind']} over {', '.join(c['axes'])}: {c['bytes']} B for {c['node']} ({c['op']}): {c['reason']}"
-              for c in data["collectives"]] or ["  none"]
+    lines += [f"  {c['kind']} over {', '.join(c['axes'])}: {c['bytes']} B {c['dtype']} for {c['node']} ({c['op']}): "
+              f"{c['reason']}" for c in data["collectives"]] or ["  none"]
     lines.append(str(total))
     return "\n".join(lines)
 
@@ -406,7 +409,7 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
     if kind == "collective":
         c = data["collectives"][node["collective"]]
         step = f"{node['inputs'][0]} -> {node['outputs'][0]}"
-        return f"{text}    # {c['kind']} over {', '.join(c['axes'])}, {c['bytes']} B: {step}"
+        return f"{text}    # {c['kind']} over {', '.join(c['axes'])}, {c['bytes']} B {c['dtype']}: {step}"
     if node["outputs"] is not None:
         reads = ", ".join(node["inputs"])
         return f"{text}    # {reads + ' ' if reads else ''}-> {_outputs_text(node, mesh)}"

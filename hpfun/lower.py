@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from hpfun.collectives import COMMUNICATING
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
+from hpfun.collectives import moved_dtype
 from hpfun.plan import group_size, redistribute_plan, step_bytes
 from hpfun.propagate import _is_tensor_node
 
@@ -34,7 +35,8 @@ torch.fx.graph._register_custom_builtin("infj", "infj = complex(0, float('inf'))
 
 @attrs.frozen
 class Collective:
-    """One collective the program runs: what, over which mesh axes, bytes per rank, and why."""
+    """One collective the program runs: what, over which mesh axes, bytes per rank (in the dtype
+    it moves), and why."""
 
     kind: str
     axes: tuple[str, ...]
@@ -42,9 +44,11 @@ class Collective:
     node: str  # the node of the global graph that needed it
     op: str
     reason: str
+    dtype: str | None = None  # what it moves ("float32"); a reduction: the dtype it reduces in
 
     def __str__(self) -> str:
-        return f"{self.kind} over {', '.join(self.axes)}: {self.bytes} B for {self.node} ({self.op}): {self.reason}"
+        return (f"{self.kind} over {', '.join(self.axes)}: {self.bytes} B {self.dtype} for {self.node} ({self.op}): "
+                f"{self.reason}")
 
 
 @attrs.frozen(eq=False)
@@ -65,8 +69,9 @@ class Program:
 class LowerContext:
     """What rules and redistribution steps use to write into the per-shard graph."""
 
-    def __init__(self, mesh: Mesh, rng: str = "philox"):
+    def __init__(self, mesh: Mesh, rng: str = "philox", reduce_dtype: str = "float32"):
         self.mesh, self.rng = mesh, rng
+        self.reduce_dtype = reduce_dtype  # "float32": low-precision sums reduced in float32; "compute": as they are
         self.graph = torch.fx.Graph()
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
@@ -143,13 +148,19 @@ class LowerContext:
         node = self.call(op, (*args, ",".join(axes)))
         node.meta["hpfun_axes"] = axes
         waited = self.call(torch.ops._c10d_functional.wait_tensor.default, (node,))
-        nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype)
+        nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype, self.reduce_dtype)
         name, op_name, reason = self.consumer
-        record = Collective(step.kind, axes, nbytes, name, op_name, reason)
+        moved = str(self.reduce_in(step)[1]).removeprefix("torch.")
+        record = Collective(step.kind, axes, nbytes, name, op_name, reason, moved)
         node.meta["hpfun_collective"] = record
         node.meta["hpfun_step_layouts"] = (self._step_layout, step.apply(self._step_layout))  # for reports
         self.collectives.append(record)
         return waited
+
+    def reduce_in(self, step) -> tuple[torch.dtype, torch.dtype]:
+        """(the dtype of the value `step` is emitted on, the dtype it moves it in) under this
+        program's `reduce_dtype` option (`hpfun.collectives.moved_dtype`)."""
+        return self._step_dtype, moved_dtype(step, self._step_dtype, self.reduce_dtype)
 
     def redistribute(self, value, src: Layout, dst: Layout, shape, dtype, passed=None):
         """Emit the plan from `src` to `dst` on the local value `value`; `passed(layout, value)`
@@ -165,12 +176,13 @@ class LowerContext:
 
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
-          rng: str = "philox", input_names=None) -> Program:
+          rng: str = "philox", input_names=None, reduce_dtype: str = "float32") -> Program:
     """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
 
     `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need;
-    `input_names` (e.g. "args[0]['wo']") name the inputs in the collectives' reasons."""
-    ctx = LowerContext(mesh, rng)
+    `input_names` (e.g. "args[0]['wo']") name the inputs in the collectives' reasons;
+    `reduce_dtype` ("float32" or "compute") is the dtype bfloat16/float16 sums are reduced in."""
+    ctx = LowerContext(mesh, rng, reduce_dtype)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]

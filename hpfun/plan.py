@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from hpfun.collectives import (
-    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial, wire_bytes,
+    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial, moved_dtype, wire_bytes,
 )
 from hpfun.errors import ShardingError
 from hpfun.layout import Layout, Partial, R, Shard
@@ -160,24 +160,27 @@ def group_size(mesh, step) -> int:
     return math.prod(mesh.shape[a] for a in step.axes)
 
 
-def step_bytes(step, layout_before: Layout, shape, dtype: torch.dtype) -> int:
-    """Bytes of the local buffer handed to a step (per rank)."""
-    return math.prod(layout_before.local_shape(shape)) * dtype.itemsize
+def step_bytes(step, layout_before: Layout, shape, dtype: torch.dtype, reduce_dtype: str = "float32") -> int:
+    """Bytes of the local buffer handed to a step (per rank), in the dtype the step moves: a
+    bfloat16 sum reduced in float32 (`reduce_dtype="float32"`, the default) hands twice the bytes."""
+    return math.prod(layout_before.local_shape(shape)) * moved_dtype(step, dtype, reduce_dtype).itemsize
 
 
-def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype) -> tuple[float, int]:
-    """(wire bytes per rank, number of steps) of the plan from `src` to `dst`."""
+def redistribute_cost(src: Layout, dst: Layout, shape, dtype: torch.dtype,
+                      reduce_dtype: str = "float32") -> tuple[float, int]:
+    """(wire bytes per rank, number of steps) of the plan from `src` to `dst`, reductions of
+    low-precision sums priced in the dtype the `reduce_dtype` option reduces them in."""
     if src == dst:
         return 0.0, 0
-    return _cost(src, dst, tuple(shape), dtype)
+    return _cost(src, dst, tuple(shape), dtype, reduce_dtype)
 
 
 @lru_cache(maxsize=65536)
-def _cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> tuple[float, int]:
+def _cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, reduce_dtype: str) -> tuple[float, int]:
     wire, cur = 0.0, src
     steps = redistribute_plan(src, dst, shape)
     for step in steps:
         n = group_size(src.mesh, step)
-        wire += wire_bytes(step.kind, step_bytes(step, cur, shape, dtype), n)
+        wire += wire_bytes(step.kind, step_bytes(step, cur, shape, dtype, reduce_dtype), n)
         cur = step.apply(cur)
     return wire, len(steps)

@@ -66,8 +66,11 @@ LOOKAHEAD = 3
 
 
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
-              fallback: str | None = None) -> None:
+              fallback: str | None = None, reduce_dtype: str = "float32") -> None:
     """Annotate every node of `gm` with its chosen strategy and layouts.
+
+    Communication is priced as it will be lowered: under `reduce_dtype="float32"` a sum of
+    bfloat16/float16 partials moves in float32 (`hpfun.collectives.moved_dtype`).
 
     Ops without a rule are all reported in one MissingRuleError, unless `fallback="replicate"`:
     then each runs on gathered inputs, and one warning lists every such op and the bytes its
@@ -100,12 +103,13 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
     def greedy(resolve, wanted) -> tuple[float, dict]:
         hint: set = set()
         for _ in range(PASSES):
-            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted, memo)
+            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted, memo,
+                                           reduce_dtype)
         return total, requested
 
     total, requested = greedy({}, {})
     best = (total, {}, {}, _snapshot(gm))  # price, values to resolve, layouts asked for, annotation
-    resolve = partial_cuts(gm, mesh)
+    resolve = partial_cuts(gm, mesh, reduce_dtype)
     if not _already_resolved(gm, resolve):
         total, cut_requested = greedy(resolve, {})
         if total < best[0]:  # the cut's model is per axis: keep it only where it helped
@@ -140,7 +144,7 @@ def _restore(gm: torch.fx.GraphModule, snapshot: dict) -> None:
 
 
 def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None,
-          resolve=None, wanted=None, memo=None) -> tuple[set, float, dict]:
+          resolve=None, wanted=None, memo=None, reduce_dtype: str = "float32") -> tuple[set, float, dict]:
     """One greedy pass in graph order; returns the layouts it materialized, its total price
     (bytes moved, including resolving Partial outputs, plus weighted local work) and, per
     value, the other layouts its consumers asked for."""
@@ -168,7 +172,8 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
                 outs = (replicated,) * max(len(call.outputs), 1)
                 node.meta["hpfun_layout"] = _placed(node, outs)
                 continue
-            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {}, {} if memo is None else memo)
+            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {}, {} if memo is None else memo,
+                                     reduce_dtype)
             total += WORK_BYTES * local_work(rule, call, strategy)
             for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 reached.add((producer, layout))
@@ -180,12 +185,12 @@ def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, f
         elif node.op == "output":
             for value in tensor_inputs(node):
                 for a in value.meta["hpfun_layout"].partial_axes:
-                    total += _resolve_bytes(value, a)
+                    total += _resolve_bytes(value, a, reduce_dtype)
     if missing:
         raise MissingRuleError(missing)
     for producer, layout in materialized:  # each layout a value reaches is paid for once
         val = producer.meta["val"]
-        total += redistribute_cost(producer.meta["hpfun_layout"], layout, tuple(val.shape), val.dtype)[0]
+        total += redistribute_cost(producer.meta["hpfun_layout"], layout, tuple(val.shape), val.dtype, reduce_dtype)[0]
     return materialized, total, requested
 
 
@@ -201,10 +206,10 @@ def _already_resolved(gm: torch.fx.GraphModule, resolve: dict) -> bool:
     return True
 
 
-def _resolve_bytes(value: torch.fx.Node, axis: int) -> float:
+def _resolve_bytes(value: torch.fx.Node, axis: int, reduce_dtype: str = "float32") -> float:
     """Bytes one rank sends to all-reduce `value`'s Partial on mesh axis `axis`."""
     layout, val = value.meta["hpfun_layout"], value.meta["val"]
-    return redistribute_cost(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype)[0]
+    return redistribute_cost(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype, reduce_dtype)[0]
 
 
 def _partial_on(value, axis: int) -> bool:
@@ -212,7 +217,7 @@ def _partial_on(value, axis: int) -> bool:
     return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
 
 
-def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, frozenset[int]]:
+def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, reduce_dtype: str = "float32") -> dict[torch.fx.Node, frozenset[int]]:
     """Per value, the mesh axes on which its Partial should be resolved where it is produced.
 
     For each mesh axis, from the current annotation: a value kept Partial flows from its source
@@ -231,7 +236,7 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, fr
         for node in gm.graph.nodes:
             if node.op == "placeholder" and _partial_on(node, a):
                 g.add_edge("S", ("in", node))
-                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a) + 1)
+                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a, reduce_dtype) + 1)
             elif node.op == "output":
                 for value in tensor_inputs(node):
                     if _partial_on(value, a):
@@ -246,7 +251,8 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh) -> dict[torch.fx.Node, fr
                 for value in _output_values(node):
                     if value is None or not _partial_on(value, a):
                         continue
-                    g.add_edge(("in", value), ("out", value), capacity=_resolve_bytes(value, a) + 1)  # +1: fewer collectives on ties
+                    capacity = _resolve_bytes(value, a, reduce_dtype) + 1  # +1: fewer collectives on ties
+                    g.add_edge(("in", value), ("out", value), capacity=capacity)
                     for producer in kept or ["S"]:
                         g.add_edge(producer if producer == "S" else ("out", producer), ("in", value))
         if "S" not in g or "T" not in g or not nx.has_path(g, "S", "T"):
@@ -268,7 +274,7 @@ def _placed(node: torch.fx.Node, layouts: tuple):
     return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
-def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo) -> tuple[Strategy, OpCall]:
+def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo, reduce_dtype="float32") -> tuple[Strategy, OpCall]:
     """The cheapest strategy, and the call its rule saw. Inputs in `resolve` must arrive
     without Partial on the axes listed there, when the rule offers such a strategy. With
     `wanted` (layouts the consumers asked for, per value), a strategy is also charged for
@@ -298,7 +304,7 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo) -> tuple[S
         wire, steps = 0.0, 0
         for producer, arg, layout in zip(producers, call.tensors, strategy.inputs, strict=True):
             if (producer, layout) not in reached:
-                w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype)
+                w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype, reduce_dtype)
                 wire, steps = wire + w, steps + s
         pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
         return wire + WORK_BYTES * local_work(rule, call, strategy), steps, pending, index
@@ -307,7 +313,7 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo) -> tuple[S
 
     def ahead(item):
         own = price(item)
-        onward = sum(redistribute_cost(layout, want, out.shape, out.dtype)[0]
+        onward = sum(redistribute_cost(layout, want, out.shape, out.dtype, reduce_dtype)[0]
                      for value, layout, out in zip(values, item[1][0].outputs, call.outputs)
                      if value is not None for want in wanted.get(value, ()) if want != layout)
         return (own[0] + onward,) + own[1:]

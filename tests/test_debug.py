@@ -60,7 +60,7 @@ def test_level_2_collectives(monkeypatch, caplog):
     collectives = logs["hpfun.collectives"]
     assert len(collectives) == 7 + 1
     # the log-softmax runs fused (its dim is whole), on the logits' Partial resolved first
-    assert collectives[0].startswith("mlp_step: all_reduce over tp: 128 B for _log_softmax "
+    assert collectives[0].startswith("mlp_step: all_reduce over tp: 128 B float32 for _log_softmax "
                                      "(aten._log_softmax.default): aten._log_softmax.default needs [S(0), R]")
     assert collectives[-1] == ("mlp_step: communication per rank: tp 128 B in 1 collective, "
                                "dp 1640 B in 6 collectives; about 35.2 us")

@@ -140,10 +140,10 @@ def test_json_round_trip(dp_tp):
 def test_json_schema_is_versioned_and_diffable(dp_tp):
     """The export names its schema and version; one line per input, output, node and collective."""
     data = dp_tp.to_dict()
-    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 1)
+    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 2)
     assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives"]
     assert set(data["nodes"][0]) == {"name", "kind", "op", "args", "inputs", "outputs", "shapes", "collective"}
-    assert set(data["collectives"][0]) == {"kind", "axes", "bytes", "group_size", "node", "op", "reason"}
+    assert set(data["collectives"][0]) == {"kind", "axes", "bytes", "dtype", "group_size", "node", "op", "reason"}
     lines = dp_tp.to_json().splitlines()
     items = sum(len(data[k]) for k in ("inputs", "outputs", "nodes", "collectives"))
     assert len(lines) == 2 + 3 + 4 * 2 + items  # braces, 3 scalar fields, 4 lists opened and closed
@@ -159,7 +159,7 @@ def test_text_view(dp_tp):
     text = str(dp_tp)
     assert "  %in0: global [16, 32] [R, S(1)], local [16, 16] float32  (args[0]['w1'])" in text
     assert "  %mm = mm.default(%in4, %in0)    # [S(0), R], [R, S(1)] -> [S(0), S(1)] local [4, 16]" in text
-    assert "# all_reduce over tp, 128 B: [S(0), P(sum)] -> [S(0), R]" in text
+    assert "# all_reduce over tp, 128 B float32: [S(0), P(sum)] -> [S(0), R]" in text
     assert "collectives (7):" in text and text.endswith(str(dp_tp.cost()))
     assert repr(dp_tp) == "<Lowered: 7 collectives on {dp: 2, tp: 2}>"
 

@@ -1,0 +1,207 @@
+"""Low-precision partial sums: bfloat16/float16 sums across ranks are reduced in float32 by
+default (`reduce_dtype="float32"`), in the compute dtype with `reduce_dtype="compute"`; the
+report, the bytes, the planner's price, the results on both runtimes and the cache key show it.
+
+Run as a script (`python tests/test_precision.py worker OUT_DIR`, with RANK, WORLD_SIZE and
+MASTER_* set) this file is one rank of the gloo job of `test_distributed_runtime_reduces_alike`.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.api import Options
+from hpfun.errors import SpecError
+from hpfun.layout import parse
+from hpfun.plan import redistribute_cost
+
+aten = torch.ops.aten
+POLICIES = ("float32", "compute")
+
+
+def _matmul(mesh, out=P(), **options):
+    """x @ w with the contracted dim split over tp: each rank holds a Partial(sum) of the result."""
+    return hpfun.shard(lambda x, w: x @ w, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=out, **options)
+
+
+def _operands(dtype=torch.bfloat16, m=16, k=256, n=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+
+
+def _partials(x, w, ranks: int) -> list[torch.Tensor]:
+    """Each rank's local product, as the per-shard program computes it (rounded to x's dtype)."""
+    return [a.contiguous() @ b.contiguous() for a, b in zip(x.chunk(ranks, 1), w.chunk(ranks, 0), strict=True)]
+
+
+def _casts(lowered) -> list[dict]:
+    return [n for n in lowered.nodes if n["op"] == "aten._to_copy.default"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The report and the bytes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out, kind", [(P(), "all_reduce"), (P("tp"), "reduce_scatter"), (P(None, "tp"), "reduce_scatter")])
+def test_report_shows_the_reduction_dtype(out, kind):
+    """A bfloat16 sum is cast up, reduced in float32 and cast back by default (twice the bytes);
+    with reduce_dtype="compute" it is reduced as bfloat16, with no cast."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x, w = _operands()
+    local_elements = 16 * 32
+    for policy, dtype, itemsize, casts in [("float32", "float32", 4, 2), ("compute", "bfloat16", 2, 0)]:
+        lowered = _matmul(mesh, out, reduce_dtype=policy).lower(x, w)
+        (c,) = lowered.collectives
+        assert (c.kind, c.dtype, c.bytes) == (kind, dtype, local_elements * itemsize)
+        assert lowered.to_dict()["collectives"][0]["dtype"] == dtype
+        assert f"{kind} over tp: {c.bytes} B {dtype} for outputs[0]" in str(lowered)
+        assert len(_casts(lowered)) == casts
+        assert hpfun.Lowered.from_json(lowered.to_json()) == lowered
+
+
+def test_float32_programs_are_unchanged():
+    """A float32 program gets no cast, and the same per-shard code under either option."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x, w = _operands(torch.float32)
+    default, compute = (_matmul(mesh, reduce_dtype=p).lower(x, w) for p in POLICIES)
+    assert not _casts(default) and default.program.module.code == compute.program.module.code
+    assert [c.dtype for c in default.collectives] == ["float32"]
+
+
+def test_max_is_reduced_as_it_is():
+    """A Partial(max) of bfloat16 is exact in any dtype: no cast, reduced as bfloat16."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    f = hpfun.shard(lambda x: x.amax(0), mesh=mesh, in_specs=P("tp"), out_specs=P())
+    lowered = f.lower(torch.randn(8, 4).bfloat16())
+    assert not _casts(lowered) and {c.dtype for c in lowered.collectives} == {"bfloat16"}
+
+
+def test_planner_prices_what_is_emitted():
+    """Resolving a bfloat16 sum costs twice the bytes under "float32"; float32 values cost the same."""
+    src, dst = parse("[S(0), P(sum)] on {dp: 2, tp: 2}"), parse("[S(0), R] on {dp: 2, tp: 2}")
+    wide, _ = redistribute_cost(src, dst, (8, 8), torch.bfloat16)
+    assert wide == 2 * redistribute_cost(src, dst, (8, 8), torch.bfloat16, "compute")[0]
+    assert wide == redistribute_cost(src, dst, (8, 8), torch.float32, "compute")[0]
+    gather = parse("[S(0), S(1)] on {dp: 2, tp: 2}"), parse("[S(0), R] on {dp: 2, tp: 2}")
+    assert redistribute_cost(*gather, (8, 8), torch.bfloat16) == redistribute_cost(*gather, (8, 8), torch.bfloat16, "compute")
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sum_is_rounded_once(dtype):
+    """On 4 ranks, the default result is the float32 sum of the ranks' partials rounded once to
+    the compute dtype, bitwise; "compute" rounds after every add. The default lies closer to
+    the float32 product (x.float() @ w.float()), and equals its rounding more often."""
+    mesh = hpfun.Mesh.simulated((4,), ("tp",))
+    x, w = _operands(dtype)
+    partials = _partials(x, w, 4)
+    once = sum(p.float() for p in partials).to(dtype)
+    every_add = partials[0] + partials[1] + partials[2] + partials[3]
+    default, compute = (_matmul(mesh, reduce_dtype=p)(x, w).full() for p in POLICIES)
+    assert torch.equal(default, once) and torch.equal(compute, every_add)
+    exact = x.float() @ w.float()
+    assert (default.float() - exact).abs().mean() < (compute.float() - exact).abs().mean()
+    assert (default == exact.to(dtype)).sum() > (compute == exact.to(dtype)).sum()
+
+
+def test_reduce_scatter_along_a_later_dim():
+    """P(sum) -> S(1) in float32: each rank gets its columns of the once-rounded sum."""
+    mesh = hpfun.Mesh.simulated((4,), ("tp",))
+    x, w = _operands()
+    got = _matmul(mesh, P(None, "tp"))(x, w)
+    once = sum(p.float() for p in _partials(x, w, 4)).bfloat16()
+    assert all(torch.equal(s, c) for s, c in zip(got.shards, once.chunk(4, 1), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The option
+# ---------------------------------------------------------------------------------------------
+
+
+def test_option_is_in_the_cache_key():
+    """The same call keys a different program under each reduce_dtype."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x, w = _operands()
+    keys = []
+    for policy in POLICIES:
+        f = _matmul(mesh, reduce_dtype=policy)
+        assert f.options == Options(reduce_dtype=policy)
+        keys.append(f._signature(f._prepare((x, w), {}))[1])
+    assert keys[0][:-1] == keys[1][:-1] and keys[0] != keys[1]
+    assert Options() == Options(reduce_dtype="float32")
+
+
+@pytest.mark.parametrize("bad", ["bfloat16", "fp32", torch.float32, None])
+def test_bad_option_is_a_clear_error(bad):
+    with pytest.raises(SpecError, match="reduce_dtype must be 'float32' .* or 'compute'"):
+        hpfun.shard(lambda x: x, mesh=hpfun.Mesh.simulated((2,), ("tp",)), in_specs=P(), reduce_dtype=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The distributed runtime (gloo, 2 ranks)
+# ---------------------------------------------------------------------------------------------
+
+OUTS = {"all_reduce": P(), "reduce_scatter": P(None, "tp")}
+
+
+def _worker(out: Path):
+    """One rank: the bfloat16 matmul under both options, all-reduced and reduce-scattered."""
+    mesh = hpfun.Mesh.distributed((2,), ("tp",), timeout=60)
+    x, w = _operands()
+    got = {(policy, kind): _matmul(mesh, spec, reduce_dtype=policy)(x, w).local
+           for policy in POLICIES for kind, spec in OUTS.items()}
+    torch.save(got, out / f"rank{os.environ['RANK']}.pt")
+
+
+def _launch(world: int, out: Path, timeout: float = 240) -> list[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            log = open(out / f"log-rank{rank}.txt", "w")
+            procs.append(subprocess.Popen([sys.executable, __file__, "worker", str(out)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_distributed_runtime_reduces_alike(tmp_path):
+    """On gloo, the same programs give the simulated runtime's shards, bitwise (two terms sum
+    the same in any order), for both options."""
+    codes = _launch(2, tmp_path)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("log-rank*.txt")))
+    assert codes == [0, 0], logs
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x, w = _operands()
+    for policy in POLICIES:
+        for kind, spec in OUTS.items():
+            simulated = _matmul(mesh, spec, reduce_dtype=policy)(x, w)
+            for rank in range(2):
+                got = torch.load(tmp_path / f"rank{rank}.pt")[(policy, kind)]
+                assert got.dtype == torch.bfloat16 and torch.equal(got, simulated.shards[rank]), (policy, kind, rank)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    torch.set_num_threads(1)
+    _worker(Path(sys.argv[2]))
+    torch.distributed.destroy_process_group()
