@@ -332,7 +332,7 @@ class Lowered:
 
     def layout(self, layout: str) -> Layout:
         """A layout string of the report as a `Layout` on its mesh."""
-        return Layout(self.mesh, parse(layout))
+        return parse(layout, self.mesh)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -420,6 +420,6 @@ def _outputs_text(node: dict, mesh: Mesh) -> str:
     if node["shapes"] is None:
         return ", ".join(node["outputs"])
     def local(lay, shape):
-        return lay if shape is None else f"{lay} local {list(Layout(mesh, parse(lay)).local_shape(shape))}"
+        return lay if shape is None else f"{lay} local {list(parse(lay, mesh).local_shape(shape))}"
 
     return ", ".join(local(lay, shape) for lay, shape in zip(node["outputs"], node["shapes"], strict=True))

@@ -27,7 +27,7 @@ from hpfun.errors import MissingRuleError, Problem, ShardingError
 from hpfun.layout import Layout, Partial, R
 from hpfun.mesh import Mesh
 from hpfun.plan import redistribute_cost
-from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta
+from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta, keep_orders
 
 
 def _is_tensor_node(x) -> bool:
@@ -322,10 +322,11 @@ def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo, reduce_dty
 
 
 def _strategies(node, call: OpCall, rule, memo: dict, layouts=None) -> list[Strategy]:
-    """`rule.strategies(call)`, remembered per node and input `layouts` (those of `call`)."""
+    """`rule.strategies(call)` with their variants in the inputs' axis orders (`keep_orders`),
+    remembered per node and input `layouts` (those of `call`)."""
     key = (node, layouts if layouts is not None else tuple(t.layout for t in call.tensors))
     if key not in memo:
-        memo[key] = rule.strategies(call)
+        memo[key] = keep_orders(call, rule.strategies(call))  # rules list mesh order; inputs keep theirs
     return memo[key]
 
 

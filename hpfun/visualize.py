@@ -148,7 +148,8 @@ class Visualization:
         if self.ndim > 2:
             lead = "dim 0" if self.ndim == 3 else f"dims 0-{self.ndim - 3}"
             text = f"one panel per block of {lead}; " + text
-        return text + ("; " if text else "") + "a cell lists the ranks holding that block" + self._partial_note()
+        return (text + ("; " if text else "") + "a cell lists the ranks holding that block" + self._partial_note()
+                + self._order_note())
 
     def _partial_note(self) -> str:
         partial = {self.layout.mesh.axis_names[a]: str(p) for a, p in enumerate(self.layout.placements)
@@ -156,6 +157,12 @@ class Visualization:
         if not partial:
             return ""
         return f" (a+b: terms of {'/'.join(sorted(set(partial.values())))} over {', '.join(partial)})"
+
+    def _order_note(self) -> str:
+        """Dims split over several mesh axes in another order than the mesh's, and that order."""
+        layout, names = self.layout, self.layout.mesh.axis_names
+        return "".join(f"; dim {layout.placements[group[0]].dim} split over {', '.join(names[a] for a in group)}, "
+                       "major first" for group in layout.order)
 
     def panel_title(self, panel: tuple) -> str:
         shown = [self.label(d, b) for d, b in enumerate(panel)] + [":"] * (self.ndim - len(panel))

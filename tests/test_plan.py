@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import hpfun
 from hpfun import Layout, Mesh, Partial, Replicate, Shard
 from hpfun.plan import redistribute_cost, redistribute_plan
+from hpfun.testing import axis_orders
 
 R = Replicate()
 LOCAL_KINDS = {"chunk", "to_partial", "relabel"}
@@ -34,7 +35,8 @@ def meshes(draw, max_ranks=8):
 
 @st.composite
 def layouts(draw, mesh, ndim):
-    """Shard (about half the time), Replicate or Partial per axis; one reduce op per layout, mostly sum."""
+    """Shard (about half the time), Replicate or Partial per axis; one reduce op per layout, mostly
+    sum; several axes on one dim in any order."""
     reduce = draw(st.sampled_from(["sum", "sum", "sum", "avg", "max", "min"]))
     kinds = ["S", "S"] * bool(ndim) + ["R", "P"]
     chosen = []
@@ -44,7 +46,7 @@ def layouts(draw, mesh, ndim):
     if ndim and draw(st.booleans()):  # all Shard axes on one dim
         dim = draw(st.integers(0, ndim - 1))
         chosen = [Shard(dim) if isinstance(p, Shard) else p for p in chosen]
-    return Layout(mesh, tuple(chosen))
+    return draw(axis_orders(Layout(mesh, tuple(chosen))))
 
 
 @st.composite

@@ -46,7 +46,8 @@ MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
 
 @st.composite
 def layouts(draw):
-    """A mesh of 1-8 ranks and a spec splitting any dim of an (8, 8, 4) tensor, axes may share a dim."""
+    """A mesh of 1-8 ranks and a spec splitting any dim of an (8, 8, 4) tensor, axes may share a
+    dim (in any order)."""
     shape = draw(st.sampled_from(MESHES))
     names = ("a", "b")[: len(shape)]
     entries = [[], [], []]
@@ -55,7 +56,7 @@ def layouts(draw):
         dim = draw(st.sampled_from([None] + choices))
         if dim is not None:
             entries[dim].append(name)
-    return hpfun.Mesh.simulated(shape, names), P(*[tuple(e) if e else None for e in entries])
+    return hpfun.Mesh.simulated(shape, names), P(*[tuple(draw(st.permutations(e))) if e else None for e in entries])
 
 
 @settings(max_examples=80)

@@ -5,7 +5,7 @@
 Contraction(shape_arg=None, reason=None, equation='mk,kn->mn', operands=(0, 1), bias=None)
 """
 
-from hpfun.rules.base import OpCall, Replicated, Rule, Strategy, TensorArg, TensorMeta, combine_axes
+from hpfun.rules.base import OpCall, Replicated, Rule, Strategy, TensorArg, TensorMeta, combine_axes, keep_orders
 from hpfun.rules.registry import FAMILIES, REGISTRY, builtin_rules_dir, resolve_op
 
 
@@ -26,5 +26,5 @@ def load(path) -> int:
 
 __all__ = [
     "FAMILIES", "OpCall", "Replicated", "Rule", "Strategy", "TensorArg", "TensorMeta",
-    "builtin_rules_dir", "combine_axes", "load", "lookup", "register", "resolve_op",
+    "builtin_rules_dir", "combine_axes", "keep_orders", "load", "lookup", "register", "resolve_op",
 ]

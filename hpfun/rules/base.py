@@ -117,6 +117,62 @@ def replicated_option(call: OpCall) -> AxisOption:
     return (R,) * len(call.tensors), (R,) * len(call.outputs)
 
 
+# ---------------------------------------------------------------------------------------------
+# Axis orders: rules reason one mesh axis at a time, so the layouts they list split a dim over
+# several axes in mesh order. An input split in another order keeps it where it can.
+# ---------------------------------------------------------------------------------------------
+
+
+def keep_orders(call: OpCall, strategies: list[Strategy]) -> list[Strategy]:
+    """`strategies`, each followed by its variant in the axis orders of an input's layout,
+    where the same order can serve every tensor of it.
+
+    Why a variant is correct: renumbering the ranks along the axes of one group (the mesh
+    axes splitting one dim) turns a layout splitting a dim over exactly those axes in one
+    order into the same layout in another order, and leaves a layout that holds one same
+    placement on all of them (R, or one Partial) as it is. So a strategy in which every tensor
+    is one or the other stays correct with the group's order changed in all of them alike (its
+    local op sees renumbered ranks; what it reads of the rank's position, offsets and random
+    counters, comes from the layouts). A tensor split over some of the axes but not all, or
+    over them in another order than the others, would see the renumbering: no variant then.
+    """
+    orders = list(dict.fromkeys(t.layout.order for t in call.tensors if t.layout.order))
+    if not orders:
+        return strategies
+    out: list[Strategy] = []
+    for strategy in strategies:
+        for candidate in [strategy] + [_in_order(strategy, order) for order in orders]:
+            if candidate not in out:
+                out.append(candidate)
+    return out
+
+
+def _in_order(strategy: Strategy, order: tuple) -> Strategy:
+    """`strategy` with each group of `order` (mesh axes, major first) applied where it can serve."""
+    for group in order:
+        layouts = strategy.inputs + strategy.outputs
+        dims = [_dim_split_by(layout, group) for layout in layouts]
+        now = {layout.shard_axes(d) for layout, d in zip(layouts, dims, strict=True) if d is not None and d is not False}
+        if any(d is False for d in dims) or len(now) > 1:
+            continue
+        ordered = [layout if d is None else layout.with_order(d, group) for layout, d in zip(layouts, dims, strict=True)]
+        n = len(strategy.inputs)
+        strategy = attrs.evolve(strategy, inputs=tuple(ordered[:n]), outputs=tuple(ordered[n:]))
+    return strategy
+
+
+def _dim_split_by(layout: Layout, axes: tuple[int, ...]):
+    """The dim that exactly `axes` split in `layout`; None if they all hold one same placement
+    that is not a split; False otherwise (the order cannot serve this layout)."""
+    held = {layout.placements[a] for a in axes}
+    if len(held) != 1:
+        return False
+    placement = held.pop()
+    if not isinstance(placement, Shard):
+        return None
+    return placement.dim if set(layout.shard_axes(placement.dim)) == set(axes) else False
+
+
 
 
 # ---------------------------------------------------------------------------------------------

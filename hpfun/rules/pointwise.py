@@ -110,7 +110,7 @@ class Like(Rule):
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         src = call.tensors[0].layout
-        out = Layout(call.mesh, tuple(R if isinstance(p, Partial) else p for p in src.placements))
+        out = attrs.evolve(src, placements=tuple(R if isinstance(p, Partial) else p for p in src.placements))
         return [Strategy((src,) + tuple(t.layout for t in call.tensors[1:]), (out,) * len(call.outputs))]
 
 

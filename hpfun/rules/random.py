@@ -26,7 +26,8 @@ def _check_kind(_, __, value):
 
 
 def _without_partial(layout: Layout) -> Layout:
-    return Layout(layout.mesh, tuple(R if isinstance(p, Partial) else p for p in layout.placements))
+    """`layout` with R for its Partials (its splits and their order kept)."""
+    return attrs.evolve(layout, placements=tuple(R if isinstance(p, Partial) else p for p in layout.placements))
 
 
 @attrs.frozen(kw_only=True)
