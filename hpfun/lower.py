@@ -130,7 +130,9 @@ class LowerContext:
         return self._memo(("coord_index", axis), lambda: self.call(aten.slice.Tensor, (self._coords, 0, axis, axis + 1)))
 
     def shard_offset(self, layout: Layout, shape, dim: int) -> torch.fx.Node:
-        """Global index of this rank's first element along `dim` under `layout` (0-d int64)."""
+        """Global index of this rank's first element along `dim` under `layout` (0-d int64): the
+        mixed-radix index of its coordinates on the axes splitting `dim`, major first in the
+        layout's order (`Layout.shard_axes`), times the local size."""
         local = layout.local_shape(shape)[dim]
 
         def make():
