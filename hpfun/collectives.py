@@ -73,8 +73,16 @@ def moved_dtype(step, dtype: torch.dtype, reduce_dtype: str = "float32") -> torc
 
 
 def _cast(ctx, x, dtype: torch.dtype, to: torch.dtype):
-    """`x` (of `dtype`) as `to`; nothing is emitted when they are the same."""
-    return x if to == dtype else ctx.call(aten._to_copy.default, (x,), {"dtype": to})
+    """`x` (of `dtype`, unless lowering kept it in float32: `local_dtype`) as `to`; nothing is
+    emitted when it already is."""
+    return x if local_dtype(x, dtype) == to else ctx.call(aten.to.dtype, (x, to))
+
+
+def local_dtype(value, traced: torch.dtype) -> torch.dtype:
+    """The dtype a lowered value holds: its traced dtype, or float32 where lowering keeps a
+    low-precision partial sum wide (its node's meta "hpfun_local_dtype")."""
+    meta = getattr(value, "meta", None)
+    return meta.get("hpfun_local_dtype", traced) if meta is not None else traced
 
 
 @attrs.frozen

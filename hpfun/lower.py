@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from hpfun.collectives import COMMUNICATING
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
-from hpfun.collectives import moved_dtype
+from hpfun.collectives import local_dtype, moved_dtype
 from hpfun.plan import group_size, redistribute_plan, step_bytes
 from hpfun.propagate import _is_tensor_node
 
@@ -170,7 +170,10 @@ class LowerContext:
         cur = src
         for step in redistribute_plan(src, dst, shape):
             self._step_layout, self._step_shape, self._step_dtype = cur, shape, dtype
+            wide = local_dtype(value, dtype)
             value = step.emit(self, value, list(cur.local_shape(shape)), group_size(self.mesh, step))
+            if wide != dtype and moved_dtype(step, dtype, self.reduce_dtype) == dtype:
+                value.meta["hpfun_local_dtype"] = wide  # a step that sums gives the traced dtype back
             cur = step.apply(cur)
             if passed is not None:
                 passed(cur, value)
@@ -239,10 +242,14 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     strategy, call = node.meta["hpfun_strategy"], node.meta["hpfun_call"]
     ctx.consumer = (node.name, str(node.target), "")
     required = iter(strategy.inputs)
+    widen = _keeps_wide(ctx, node)
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-    leaves = [local(x, next(required), f"{node.target}") if _is_tensor_node(x) else x for x in leaves]
+    leaves = [_in_dtype(ctx, x, local(x, next(required), f"{node.target}"), widen) if _is_tensor_node(x) else x
+              for x in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    if widen:
+        out.meta["hpfun_local_dtype"] = torch.float32
     out._rename(node.name)  # the report and the collectives' reasons use the global graph's names
     out.meta["hpfun_layout"] = node.meta["hpfun_layout"]
     out.meta["hpfun_origin"] = node.name
@@ -253,12 +260,38 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     return out
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _keeps_wide(ctx: LowerContext, node) -> bool:
+    """Whether `node`'s local value is kept in float32: a bfloat16/float16 partial sum, reduced
+    in float32 (the default). Rounding each rank's partial product to bfloat16 before the sum
+    would round more often than the unsharded op, which rounds its whole sum once."""
+    val, layout = node.meta.get("val"), node.meta.get("hpfun_layout")
+    if ctx.reduce_dtype != "float32" or not isinstance(val, torch.Tensor) or val.dtype not in _LOW_PRECISION:
+        return False
+    return isinstance(layout, Layout) and any(layout.placements[a].reduce in ("sum", "avg") for a in layout.partial_axes)
+
+
+def _in_dtype(ctx: LowerContext, producer, value, widen: bool):
+    """An input as the op wants it: cast up (exactly) for an op kept in float32, back to its
+    traced dtype for an op that is not (a value that went through an all-reduce already is)."""
+    dtype = producer.meta["val"].dtype
+    has = local_dtype(value, dtype)
+    if widen and dtype in _LOW_PRECISION and has != torch.float32:
+        value = ctx.call(aten.to.dtype, (value, torch.float32))
+        value.meta["hpfun_local_dtype"] = torch.float32
+    elif not widen and has != dtype:
+        value = ctx.call(aten.to.dtype, (value, dtype))
+    return value
+
+
 def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -> Program:
     outs, layouts = [], []
     for producer, want, name in zip(node.args[0], output_layouts, names, strict=True):
         ctx.consumer = (name, "output", "")
         dst = want if want is not None else producer.meta["hpfun_layout"]
-        outs.append(local(producer, dst, f"out_specs of {name}"))
+        outs.append(_in_dtype(ctx, producer, local(producer, dst, f"out_specs of {name}"), False))
         layouts.append(dst)
     ctx.graph.output(outs)
     module = torch.fx.GraphModule(gm, ctx.graph)

@@ -36,13 +36,17 @@ def _operands(dtype=torch.bfloat16, m=16, k=256, n=32, seed=0):
     return torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
 
 
-def _partials(x, w, ranks: int) -> list[torch.Tensor]:
-    """Each rank's local product, as the per-shard program computes it (rounded to x's dtype)."""
-    return [a.contiguous() @ b.contiguous() for a, b in zip(x.chunk(ranks, 1), w.chunk(ranks, 0), strict=True)]
+def _partials(x, w, ranks: int, wide: bool = False) -> list[torch.Tensor]:
+    """Each rank's local product, as the per-shard program computes it: rounded to x's dtype,
+    or (`wide`, the default policy) kept in float32 until the sum."""
+    pairs = zip(x.chunk(ranks, 1), w.chunk(ranks, 0), strict=True)
+    if wide:
+        return [a.contiguous().float() @ b.contiguous().float() for a, b in pairs]
+    return [a.contiguous() @ b.contiguous() for a, b in pairs]
 
 
 def _casts(lowered) -> list[dict]:
-    return [n for n in lowered.nodes if n["op"] == "aten._to_copy.default"]
+    return [n for n in lowered.nodes if n["op"] in ("aten._to_copy.default", "aten.to.dtype")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,12 +56,13 @@ def _casts(lowered) -> list[dict]:
 
 @pytest.mark.parametrize("out, kind", [(P(), "all_reduce"), (P("tp"), "reduce_scatter"), (P(None, "tp"), "reduce_scatter")])
 def test_report_shows_the_reduction_dtype(out, kind):
-    """A bfloat16 sum is cast up, reduced in float32 and cast back by default (twice the bytes);
-    with reduce_dtype="compute" it is reduced as bfloat16, with no cast."""
+    """A bfloat16 partial product is computed from its operands cast up (exactly), reduced in
+    float32 and cast back by default (twice the bytes); with reduce_dtype="compute" it is
+    computed and reduced as bfloat16, with no cast."""
     mesh = hpfun.Mesh.simulated((2,), ("tp",))
     x, w = _operands()
     local_elements = 16 * 32
-    for policy, dtype, itemsize, casts in [("float32", "float32", 4, 2), ("compute", "bfloat16", 2, 0)]:
+    for policy, dtype, itemsize, casts in [("float32", "float32", 4, 3), ("compute", "bfloat16", 2, 0)]:
         lowered = _matmul(mesh, out, reduce_dtype=policy).lower(x, w)
         (c,) = lowered.collectives
         assert (c.kind, c.dtype, c.bytes) == (kind, dtype, local_elements * itemsize)
@@ -101,13 +106,14 @@ def test_planner_prices_what_is_emitted():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sum_is_rounded_once(dtype):
-    """On 4 ranks, the default result is the float32 sum of the ranks' partials rounded once to
-    the compute dtype, bitwise; "compute" rounds after every add. The default lies closer to
-    the float32 product (x.float() @ w.float()), and equals its rounding more often."""
+    """On 4 ranks, the default result is the float32 sum of the ranks' float32 partial products
+    rounded once to the compute dtype, bitwise (as the unsharded product rounds its sum once);
+    "compute" rounds each partial and then after every add. The default lies closer to the
+    float32 product (x.float() @ w.float()), and equals its rounding more often."""
     mesh = hpfun.Mesh.simulated((4,), ("tp",))
     x, w = _operands(dtype)
     partials = _partials(x, w, 4)
-    once = sum(p.float() for p in partials).to(dtype)
+    once = sum(_partials(x, w, 4, wide=True)).to(dtype)
     every_add = partials[0] + partials[1] + partials[2] + partials[3]
     default, compute = (_matmul(mesh, reduce_dtype=p)(x, w).full() for p in POLICIES)
     assert torch.equal(default, once) and torch.equal(compute, every_add)
@@ -121,7 +127,7 @@ def test_reduce_scatter_along_a_later_dim():
     mesh = hpfun.Mesh.simulated((4,), ("tp",))
     x, w = _operands()
     got = _matmul(mesh, P(None, "tp"))(x, w)
-    once = sum(p.float() for p in _partials(x, w, 4)).bfloat16()
+    once = sum(_partials(x, w, 4, wide=True)).bfloat16()
     assert all(torch.equal(s, c) for s, c in zip(got.shards, once.chunk(4, 1), strict=True))
 
 
