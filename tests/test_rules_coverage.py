@@ -284,6 +284,7 @@ ALONG = {
     "var_dim": (aten.var.dim, lambda x: aten.var.dim(x, [1], True, True), ()),
     "sort": (aten.sort.default, lambda x: aten.sort.default(x, 1, True), ()),
     "sort_last": (aten.sort.default, lambda x: aten.sort.default(x), ()),
+    "sort_stable": (aten.sort.stable, lambda x: aten.sort.stable(x, stable=True, dim=0, descending=True), ()),
     "topk": (aten.topk.default, lambda x: aten.topk.default(x, 2, 0), ()),
     "topk_last": (aten.topk.default, lambda x: aten.topk.default(x, 3), ()),
     "flip": (aten.flip.default, lambda x: aten.flip.default(x, [0, 2]), (0,)),
