@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo demo-module test validate-nightly docs clean
+.PHONY: setup demo demo-module test validate-nightly fuzz-nightly docs clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ test: $(STAMP)
 # every rule against unsharded ground truth, with many more examples than the suite draws
 validate-nightly: $(STAMP)
 	$(PY) -m hpfun.validate --max-examples 200
+
+# whole random programs against the unsharded run: thousands with a fresh seed (the suite runs a
+# fixed 120); FUZZ_EXAMPLES and FUZZ_SEED override, the report goes to build/fuzz-nightly.txt
+FUZZ_EXAMPLES ?= 3000
+FUZZ_SEED ?= $(shell date +%Y%m%d)
+fuzz-nightly: $(STAMP)
+	$(PY) -m hpfun.testing.fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --out build/fuzz-nightly.txt
 
 # Notebook 03 (committed with its outputs) as HTML, and a screenshot of it by headless Chromium,
 # so a person can see the report's and the layouts' HTML views render. Chromium comes from apt.

@@ -1,0 +1,203 @@
+"""The whole-program differential fuzzer: a bounded derandomized run, the programs it once
+found wrong (pinned), and checks that its oracle can fail."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from hpfun import P
+from hpfun.rules import REGISTRY
+from hpfun.testing.fuzz import FuzzFailure, Grad, Input, Op, Program, check_program, compare, fuzz, programs, run_program
+
+aten = torch.ops.aten
+
+# The bounded run: the same programs every time (hypothesis derandomized), about 30 s here.
+# `make fuzz-nightly` runs thousands with fresh seeds.
+EXAMPLES = 120
+
+
+@pytest.fixture(scope="module")
+def bounded_run():
+    return fuzz(EXAMPLES)
+
+
+def test_bounded_fuzz_run(bounded_run):
+    """Random programs on random meshes and layouts: every one matches the unsharded program
+    or is refused with a clear hpfun error before it runs; none is wrong, none crashes."""
+    counts = bounded_run.counts()
+    assert not bounded_run.failures(), bounded_run.summary()
+    # the run means something only if most programs ran: refusals are the exception
+    assert counts["ok"] >= 0.85 * EXAMPLES, bounded_run.summary()
+
+
+def test_programs_cover_the_menu(bounded_run):
+    """The strategy draws what the issue asks for: every family of the menu, gradients, random
+    ops, Partial inputs and meshes of one to three axes."""
+    results = bounded_run.results
+    kinds = set().union(*(program.kinds() for program, _ in results))
+    for wanted in ("matmul", "einsum", "softmax", "log_softmax", "cat", "gather", "masked_fill", "layer_norm",
+                   "cross_entropy", "cumsum", "grad", "float", "constrain"):
+        assert wanted in kinds, wanted
+    assert kinds & {"sdpa_mask", "sdpa_causal"} and kinds & {"dropout", "rand_like", "randn_like"}
+    assert kinds & {"view", "reshape", "permute", "transpose"} and kinds & {"sum", "mean", "amax", "sum_all"}
+    layouts = [i.layout for program, _ in results for i in program.inputs]
+    assert any("P(" in layout for layout in layouts) and any("S(" in layout for layout in layouts)
+    assert {len(program.mesh[0]) for program, _ in results} == {1, 2, 3}
+    assert max(len(program.ops) for program, _ in results) >= 10
+
+
+@settings(max_examples=10)
+@given(programs(max_ops=6))
+def test_a_program_rebuilds_from_its_repr(program):
+    """A failing program pastes into a test: its repr evaluates to the same program."""
+    namespace = {"Program": Program, "Input": Input, "Op": Op, "Grad": Grad, "P": P}
+    again = eval(repr(program), namespace)
+    assert again.source() == program.source() and repr(again) == repr(program)
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle fails when it should
+# ---------------------------------------------------------------------------------------------
+
+TANH_OF_PARTIAL = Program(
+    mesh=((2,), ("a",)),
+    inputs=(Input("x0", (4, 6), "float64", "[P(sum)]", sharded=True),),
+    ops=(Op("v1", "tanh", "x0"), Op("v2", "scale", "v1", c=2.0)),
+    outputs=("v2",),
+    out_specs=(P(),),
+)
+
+
+def test_oracle_catches_a_wrong_rule(monkeypatch):
+    """A rule that (wrongly) lets tanh pass a Partial value: the oracle reports `wrong`."""
+    assert run_program(TANH_OF_PARTIAL).kind == "ok"
+    lookup = REGISTRY.lookup
+    monkeypatch.setattr(REGISTRY, "lookup", lambda op: lookup(aten.neg.default) if op == aten.tanh.default else lookup(op))
+    outcome = run_program(TANH_OF_PARTIAL)
+    assert outcome.kind == "wrong" and "values differ" in outcome.detail
+    with pytest.raises(FuzzFailure, match="torch.tanh"):
+        check_program(TANH_OF_PARTIAL)
+
+
+def test_oracle_classifies_crashes_and_refusals(monkeypatch):
+    """An exception inside hpfun is `internal`; an hpfun error before the run is a user error."""
+    refused = Program(
+        mesh=((2,), ("a",)),
+        inputs=(Input("x0", (4, 6), "float64", "[S(0)]"), Input("x1", (4, 6), "bool", "[R]")),
+        ops=(Op("v1", "masked_select", "x0", "x1"),),
+        outputs=("v1",),
+    )
+    assert run_program(refused).kind == "user_error"
+
+    def broken(op):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(REGISTRY, "lookup", broken)
+    outcome = run_program(TANH_OF_PARTIAL)
+    assert outcome.kind == "internal" and outcome.error == "RuntimeError"
+
+
+def test_compare_sees_nan_inf_and_dtype():
+    nan, inf = float("nan"), float("inf")
+    want = torch.tensor([1.0, nan, -inf], dtype=torch.float64)
+    assert compare(want, want.clone(), 1e-9) == ""
+    assert "NaN pattern" in compare(want, torch.tensor([1.0, 0.0, -inf], dtype=torch.float64), 1e-9)
+    assert "+inf pattern" in compare(want, torch.tensor([1.0, nan, inf], dtype=torch.float64), 1e-9)
+    assert "-inf pattern" in compare(want, torch.tensor([1.0, nan, 0.0], dtype=torch.float64), 1e-9)
+    assert "values differ" in compare(want, torch.tensor([1.0 + 1e-6, nan, -inf], dtype=torch.float64), 1e-9)
+    assert "expected torch.float64" in compare(want, want.float(), 1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinned: programs the fuzzer found wrong or crashing during development, each fixed since.
+# These three it drew, derandomized, against the code before issue 11's fixes: a replicated
+# -inf fill made Partial as `-inf * (coord == 0)` is NaN on the other ranks (now `where`).
+# ---------------------------------------------------------------------------------------------
+
+PINNED = {
+    # a boolean attention mask with the head dim split: NaN where eager had values
+    'sdpa_bool_mask_then_where': Program(
+        mesh=((2, 1, 2), ('dp', 'tp', 'pp')),
+        inputs=(
+            Input('x0', (4, 6), 'float64', '[R, R, R]'),
+            Input('x1', (4, 4, 6, 6), 'float64', '[S(3), S(3), R]'),
+            Input('x2', (6, 6), 'bool', '[R, S(1), R]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'float', 'x0'),
+            Op('v2', 'sdpa_mask', 'x1', 'x1', 'x1', 'x2'),
+            Op('v3', 'where', 'x2', 'v2', 'x1'),
+        ),
+        outputs=('v1', 'v3'),
+        out_specs=(P(None, ('tp', 'pp')), P(None, None, 'tp', 'dp'),),
+        seed=62669,
+    ),
+    # the same through float, index and where, on Partial(max) and 3-axis layouts
+    'sdpa_bool_mask_then_index': Program(
+        mesh=((2, 1, 2), ('dp', 'tp', 'pp')),
+        inputs=(
+            Input('x0', (2, 2), 'float64', '[P(max), S(0), R]', sharded=True),
+            Input('x1', (12, 2, 12, 2), 'float64', '[S(3), S(3), R]', sharded=True),
+            Input('x2', (1, 2, 12, 12), 'bool', '[R, S(0), S(1)]', sharded=True),
+            Input('x3', (12, 1), 'int64', '[R, R, S(0)]', sharded=True, high=12),
+            Input('x4', (12, 2, 12, 2), 'bool', '[S(2), S(2), S(2)]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'sdpa_mask', 'x1', 'x1', 'x1', 'x2'),
+            Op('v2', 'float', 'v1'),
+            Op('v3', 'index', 'v1', 'x3'),
+            Op('v4', 'add', 'v2', 'v2'),
+            Op('v5', 'where', 'x4', 'v4', 'v4'),
+            Op('v6', 'softmax', 'x1', dim=-3),
+            Op('v7', 'unsqueeze', 'v2', dim=3),
+        ),
+        outputs=('v3', 'v5', 'v6', 'v7'),
+        out_specs=(P(None, None, 'dp', 'tp', 'pp'), P(), P(), P(None, None, ('dp', 'tp')),),
+        seed=65536,
+    ),
+    # causal attention with keys split three ways, beside a gradient and random numbers
+    'sdpa_causal_on_a_3d_mesh': Program(
+        mesh=((2, 2, 2), ('dp', 'tp', 'pp')),
+        inputs=(
+            Input('x0', (8, 8), 'float64', '[S(0), S(0), S(0)]', sharded=True),
+            Input('x1', (2, 4), 'float64', '[S(0), R, S(1)]'),
+            Input('x2', (2, 4), 'float64', '[R, S(0), R]', sharded=True),
+            Input('x3', (2, 4), 'bool', '[R, R, R]'),
+            Input('x4', (2, 1), 'float64', '[S(0), R, R]', scale=64.0),
+            Input('x5', (6, 6, 2, 4), 'float64', '[R, S(0), R]'),
+            Input('x6', (6, 6, 2, 4), 'float64', '[S(2), S(3), S(0)]', sharded=True),
+            Input('x7', (6, 6, 2, 6), 'float64', '[S(3), S(2), R]'),
+        ),
+        ops=(
+            Op('v1', 'amin', 'x1', dim=1, keepdim=False),
+            Op('v2', 'constrain', 'v1', spec=P('tp')),
+            Op('v3', 'flip', 'v2', dim=0),
+            Grad(outs=('v5',), args=('v1',), body=(
+                Op('v4', 'mean_all', 'v3'),
+            ), loss='v4'),
+            Op('v6', 'where_scalar', 'x3', 'x2', c=-float('inf')),
+            Op('v7', 'mul', 'v6', 'x4'),
+            Op('v8', 'randn_like', 'x4'),
+            Op('v9', 'sdpa_causal', 'x5', 'x6', 'x7'),
+            Op('v10', 'flip', 'v9', dim=-4),
+        ),
+        outputs=('v5', 'v7', 'v8', 'v10'),
+        out_specs=(P(), P(), P(), P(),),
+        seed=30250,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_pinned_program(name):
+    check_program(PINNED[name], allow_user_error=False)
+
+
+def test_docstring_examples():
+    """The fuzzer's own examples (a program, its source, a tiny run) pass."""
+    import doctest
+
+    import hpfun.testing.fuzz as module
+
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0
