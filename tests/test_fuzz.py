@@ -201,3 +201,32 @@ def test_docstring_examples():
 
     result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0
+
+
+# A known limit, pinned so a change in it is noticed: a Partial value (x3) times a replicated
+# factor holding +inf (exp overflowed in v2). Eager's -inf is NaN sharded: inf*t1 + inf*t2 with
+# terms of opposite signs. hpfun takes tensor factors as finite, as DTensor and JAX do (see
+# rules/README.md, "When a Partial value passes an op"); the fuzzer draws products of finite
+# factors only, and found this before it did.
+INFINITE_FACTOR = Program(
+    mesh=((2, 1), ('dp', 'tp')),
+    inputs=(
+        Input('x0', (4, 6), 'float64', '[R, P(sum)]', sharded=True),
+        Input('x1', (4,), 'int64', '[S(0), S(0)]', high=6, ignore=True),
+        Input('x3', (4,), 'float64', '[P(avg), P(avg)]', sharded=True),
+    ),
+    ops=(
+        Op('v1', 'cross_entropy', 'x0', 'x1', reduction='none', smoothing=0.1),
+        Op('v2', 'exp', 'v1', scale=300.0),
+        Op('v4', 'constrain', 'v2', spec=P('tp')),
+        Op('v5', 'matmul', 'v4', 'x3'),
+    ),
+    outputs=('v5',),
+    out_specs=None,
+    seed=162,
+)
+
+
+@pytest.mark.xfail(strict=True, reason="a Partial value times a tensor holding inf: NaN where eager has -inf")
+def test_partial_times_an_infinite_factor():
+    check_program(INFINITE_FACTOR, allow_user_error=False)

@@ -478,10 +478,12 @@ class FuzzReport:
     """The outcomes of a fuzzing run, one `(program, outcome)` per program run."""
 
     results: list = attrs.Factory(list)
-    progress: object = None  # a stream: a line of counts every 100 programs
+    progress: object = None  # a stream: each failure as it happens, and counts every 100 programs
 
     def add(self, program: Program, outcome: Outcome) -> None:
         self.results.append((program, outcome))
+        if self.progress is not None and not outcome.passed:  # seen at once, not after hours
+            print(f"{'=' * 100}\n{FuzzFailure(program, outcome)}\n{'=' * 100}", file=self.progress, flush=True)
         if self.progress is not None and len(self.results) % 100 == 0:
             counts = self.counts()
             print(f"{len(self.results)} programs: " + ", ".join(f"{k} {counts[k]}" for k in OUTCOMES),
