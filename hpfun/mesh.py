@@ -7,6 +7,7 @@ import math
 import attrs
 
 from hpfun.errors import LayoutError
+from hpfun.runtime import groups
 
 RUNTIMES = ("simulated", "distributed")
 
@@ -71,16 +72,17 @@ class Mesh:
         and builds a `DeviceMesh`; collectives time out after `timeout` seconds (default
         `HPFUN_TIMEOUT` or 300), so a failed or dead rank makes the others fail, not hang.
         """
-        from hpfun.runtime import distributed
-
-        return distributed.init(shape, axis_names, timeout=timeout)
+        mesh = cls(shape, axis_names, runtime="distributed")
+        groups.start(mesh, timeout=timeout)
+        return mesh
 
     @classmethod
     def from_device_mesh(cls, device_mesh) -> "Mesh":
         """Adopt an existing `torch.distributed.DeviceMesh` (its axis names and groups)."""
-        from hpfun.runtime import distributed
-
-        return distributed.adopt(device_mesh)
+        names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+        mesh = cls(tuple(device_mesh.mesh.shape), names, runtime="distributed")
+        groups.adopt(mesh, device_mesh)
+        return mesh
 
     @property
     def ndim(self) -> int:

@@ -1,71 +1,35 @@
 """The distributed runtime: the per-shard program on each rank of a `torch.distributed` job.
 
-The mesh value stays a plain value; this module keeps, per mesh, the `DeviceMesh` and the
-process groups its collectives run over. Binding a program replaces each collective's mesh-axis
-tag with the name of the real process group, once per program.
+The mesh value stays a plain value; `hpfun.runtime.groups` records the `DeviceMesh` of each
+distributed mesh, and this module keeps the process groups its collectives run over. Binding a
+program replaces each collective's mesh-axis tag with the name of the real process group, once
+per program.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from hpfun.errors import Problem, ShardingError
 from hpfun.mesh import Mesh
-from hpfun.runtime import failure
-
-DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
+from hpfun.runtime import failure, groups
 
 _RUNTIMES: dict[Mesh, "DistributedRuntime"] = {}
 
 
-def init(shape, axis_names, *, timeout: float | None = None) -> Mesh:
-    """Join (or start) the default process group and build a DeviceMesh for `shape`."""
-    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
-    if not dist.is_initialized():
-        _check_launcher_env()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    mesh = Mesh(shape, axis_names, runtime="distributed")
-    if mesh.size != dist.get_world_size():
-        raise ShardingError(Problem(
-            f"mesh {mesh}", f"needs {mesh.size} processes, but the job has {dist.get_world_size()}",
-            f"launch it with torchrun --nproc-per-node {mesh.size} (or a world size of {mesh.size} across nodes), "
-            f"or build a mesh of {dist.get_world_size()} ranks for this job"),
-            headline="cannot build the mesh")
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device, mesh.shape, mesh_dim_names=mesh.axis_names)
-    _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh, datetime.timedelta(seconds=timeout))
-    return mesh
-
-
-def adopt(device_mesh: DeviceMesh) -> Mesh:
-    """The Mesh value of an existing DeviceMesh (its groups, and their timeouts, are reused)."""
-    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
-    mesh = Mesh(tuple(device_mesh.mesh.shape), names, runtime="distributed")
-    _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh)
-    return mesh
-
-
 def runtime_for(mesh: Mesh) -> "DistributedRuntime":
-    if mesh not in _RUNTIMES:
-        raise ShardingError(f"no process groups for mesh {mesh}: build it with hpfun.Mesh.distributed(...) "
-                            "or hpfun.Mesh.from_device_mesh(...) on every rank")
-    return _RUNTIMES[mesh]
-
-
-def _check_launcher_env():
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise ShardingError(f"no torch.distributed job: {', '.join(missing)} not set",
-                            headline="cannot build a distributed mesh")
+    """This rank's runtime for `mesh`, on the DeviceMesh `Mesh.distributed` or
+    `Mesh.from_device_mesh` recorded (a mesh built again gets a fresh runtime)."""
+    device_mesh, timeout = groups.device_mesh(mesh)
+    runtime = _RUNTIMES.get(mesh)
+    if runtime is None or runtime.device_mesh is not device_mesh or runtime.timeout != timeout:
+        runtime = _RUNTIMES[mesh] = DistributedRuntime(mesh, device_mesh, timeout)
+    return runtime
 
 
 class DistributedRuntime:

@@ -1,0 +1,64 @@
+"""The process groups of distributed meshes: which `DeviceMesh` (and collective timeout) each
+mesh value runs on.
+
+A `Mesh` stays a plain value; `Mesh.distributed` and `Mesh.from_device_mesh` record its
+DeviceMesh here, and the distributed runtime looks it up when it binds a program. This module
+knows torch.distributed and nothing of hpfun's programs, so the mesh module can reach it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpfun.errors import Problem, ShardingError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
+
+# mesh value -> (its DeviceMesh, the timeout hpfun's own groups get; None: the DeviceMesh's groups)
+_DEVICE_MESHES: dict = {}
+
+
+def start(mesh, timeout: float | None = None) -> None:
+    """Join (or start) the default process group and build the DeviceMesh of `mesh` (an
+    `hpfun.Mesh`); its collectives time out after `timeout` seconds (default `HPFUN_TIMEOUT`)."""
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    if not dist.is_initialized():
+        _check_launcher_env()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    if mesh.size != dist.get_world_size():
+        raise ShardingError(Problem(
+            f"mesh {mesh}", f"needs {mesh.size} processes, but the job has {dist.get_world_size()}",
+            f"launch it with torchrun --nproc-per-node {mesh.size} (or a world size of {mesh.size} across nodes), "
+            f"or build a mesh of {dist.get_world_size()} ranks for this job"),
+            headline="cannot build the mesh")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device, mesh.shape, mesh_dim_names=mesh.axis_names)
+    _DEVICE_MESHES[mesh] = (device_mesh, datetime.timedelta(seconds=timeout))
+
+
+def adopt(mesh, device_mesh: DeviceMesh) -> None:
+    """Run `mesh` on an existing DeviceMesh (its groups, and their timeouts, are reused)."""
+    _DEVICE_MESHES[mesh] = (device_mesh, None)
+
+
+def device_mesh(mesh) -> tuple[DeviceMesh, datetime.timedelta | None]:
+    """The DeviceMesh `mesh` runs on, and the timeout of the groups hpfun makes for it."""
+    if mesh not in _DEVICE_MESHES:
+        raise ShardingError(f"no process groups for mesh {mesh}: build it with hpfun.Mesh.distributed(...) "
+                            "or hpfun.Mesh.from_device_mesh(...) on every rank")
+    return _DEVICE_MESHES[mesh]
+
+
+def _check_launcher_env():
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ShardingError(f"no torch.distributed job: {', '.join(missing)} not set",
+                            headline="cannot build a distributed mesh")
