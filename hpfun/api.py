@@ -10,7 +10,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import debug, fuse, lift, writeback
+from hpfun import fuse, lift, log, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, Problem, SpecError
@@ -290,8 +290,8 @@ class ShardedFunction:
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts), tuple(writes), tuple(traced.cleared), tuple(out_paths))
-        if level := debug.level():  # HPFUN_DEBUG, read at each compile
-            debug.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
+        if level := log.level():  # HPFUN_DEBUG, read at each compile
+            log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
 
     def _run_substituted(self, call: _Call, tensor_pos, traced: "_Traced", *fakes):
