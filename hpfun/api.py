@@ -17,13 +17,12 @@ from hpfun.errors import CaptureError, Problem, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
-from hpfun.lower import LowerContext, Program, lower
+from hpfun.execute import run
+from hpfun.lower import Program, lower
 from hpfun.mesh import Mesh
 from hpfun.propagate import propagate
-from hpfun.rng import draw_seed
-from hpfun.runtime import simulated
 from hpfun.runtime.distributed import runtime_for
-from hpfun.sharded import Sharded, local_block
+from hpfun.sharded import Sharded, rank_block, redistribute  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
     spec_tree_problems, tensor_layout,
@@ -530,20 +529,13 @@ def _describe(call: _Call, leaves) -> list[str]:
 
 
 def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
-    """Run a program on its mesh's runtime; per output, the shards this process holds."""
-    mesh = program.mesh
-    seed = draw_seed() if program.uses_seed else _NO_SEED
-    if mesh.runtime == "simulated":
-        per_rank = [[_local(x, lay, mesh.coords(r)) for x, lay in zip(tensors, program.input_layouts, strict=True)]
-                    for r in range(mesh.size)]
-        outs = simulated.run(program.module, mesh, per_rank, seed, compile=compile)
-        return [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
-    runtime = runtime_for(mesh)
-    local = [_local(x, lay, runtime.coords, runtime.device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
-    return [(out,) for out in runtime.run(program.module, local, seed, program.uses_seed, compile=compile)]
+    """Run a program on its mesh's runtime with global tensors or `Sharded` values as inputs;
+    per output, the shards this process holds."""
 
+    def blocks(coords, device):
+        return [rank_block(x, lay, coords, device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
 
-_NO_SEED = torch.zeros(1, dtype=torch.int64)
+    return run(program, blocks, compile)
 
 
 def _fast_leaf(x):
@@ -585,42 +577,3 @@ def _run_device(mesh: Mesh, x: torch.Tensor) -> torch.device:
     """A distributed program runs on its ranks' device (inputs are moved there); a simulated
     one where its inputs are."""
     return runtime_for(mesh).device if mesh.runtime == "distributed" else x.device
-
-
-def _local(x, layout: Layout, coords, device=None) -> torch.Tensor:
-    """The rank's input: its shard of a Sharded value, or its block of a global tensor; made
-    contiguous, as the program was traced on contiguous stand-ins (a kernel such as group norm
-    requires it, and a view's sizes are only valid for the strides it was traced with)."""
-    if isinstance(x, Sharded):
-        block = x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
-    else:
-        block = local_block(x.detach(), layout, coords)
-    block = block.to(device) if device is not None else block
-    return block.detach().contiguous()
-
-
-
-def redistribute(x: Sharded, layout: Layout) -> Sharded:
-    """Move a `Sharded` value to another layout on the same mesh with the planner's collectives.
-
-    >>> import hpfun, torch
-    >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
-    >>> x = hpfun.Sharded.from_global(torch.arange(4.0), hpfun.parse("[S(0)] on {dp: 2}"))
-    >>> hpfun.redistribute(x, hpfun.parse("[R] on {dp: 2}")).shards[1].tolist()
-    [0.0, 1.0, 2.0, 3.0]
-    """
-    layout = layout.normalized(len(x.global_shape))
-    if layout.mesh != x.layout.mesh:
-        raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
-    program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype)
-    return Sharded(layout, x.global_shape, execute(program, [x])[0])
-
-
-@functools.lru_cache(maxsize=256)
-def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Program:
-    ctx = LowerContext(src.mesh)
-    (value,) = ctx.begin(1)
-    ctx.consumer = ("redistribute", "redistribute", f"{src.placements_str()} -> {dst.placements_str()}")
-    ctx.graph.output([ctx.redistribute(value, src, dst, shape, dtype)])
-    module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)
-    return Program(src.mesh, module, (src,), (shape,), (dst,), (shape,), (dtype,), tuple(ctx.collectives))

@@ -1,14 +1,22 @@
-"""`Sharded`: what crosses the boundary of a sharded function. A record, not a tensor subclass."""
+"""`Sharded`: what crosses the boundary of a sharded function. A record, not a tensor subclass.
+
+Also what moves one: `redistribute` (a Sharded value to another layout, by the planner's
+collectives) and `rank_block` (a rank's block of a Sharded value or of a global tensor).
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
 import torch
 
-from hpfun.errors import LayoutError
+from hpfun.errors import LayoutError, SpecError
+from hpfun.execute import run
 from hpfun.layout import Layout, Partial
+from hpfun.lower import LowerContext, Program
+from hpfun.runtime.distributed import runtime_for
 
 
 @attrs.frozen(eq=False)
@@ -82,8 +90,6 @@ class Sharded:
         """
         mesh, layout = self.layout.mesh, self.layout
         if mesh.runtime == "distributed":
-            from hpfun.api import redistribute
-
             return redistribute(self, Layout.replicated(mesh)).shards[0]
         partial = layout.partial_axes
         out = torch.empty(self.global_shape, dtype=self.dtype)
@@ -120,9 +126,46 @@ def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: boo
     return block
 
 
-def _this_rank(mesh) -> int:
-    from hpfun.runtime.distributed import runtime_for
+def rank_block(x, layout: Layout, coords, device=None) -> torch.Tensor:
+    """The input of the rank at mesh `coords`: its shard of a Sharded value, or its block of a
+    global tensor laid out by `layout`; made contiguous, as programs are traced on contiguous
+    stand-ins (a kernel such as group norm requires it, and a view's sizes are only valid for
+    the strides it was traced with)."""
+    if isinstance(x, Sharded):
+        block = x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
+    else:
+        block = local_block(x.detach(), layout, coords)
+    block = block.to(device) if device is not None else block
+    return block.detach().contiguous()
 
+
+def redistribute(x: Sharded, layout: Layout) -> Sharded:
+    """Move a `Sharded` value to another layout on the same mesh with the planner's collectives.
+
+    >>> import hpfun, torch
+    >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    >>> x = hpfun.Sharded.from_global(torch.arange(4.0), hpfun.parse("[S(0)] on {dp: 2}"))
+    >>> hpfun.redistribute(x, hpfun.parse("[R] on {dp: 2}")).shards[1].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    layout = layout.normalized(len(x.global_shape))
+    if layout.mesh != x.layout.mesh:
+        raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
+    program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype)
+    return Sharded(layout, x.global_shape, run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Program:
+    ctx = LowerContext(src.mesh)
+    (value,) = ctx.begin(1)
+    ctx.consumer = ("redistribute", "redistribute", f"{src.placements_str()} -> {dst.placements_str()}")
+    ctx.graph.output([ctx.redistribute(value, src, dst, shape, dtype)])
+    module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)
+    return Program(src.mesh, module, (src,), (shape,), (dst,), (shape,), (dtype,), tuple(ctx.collectives))
+
+
+def _this_rank(mesh) -> int:
     return runtime_for(mesh).index
 
 
