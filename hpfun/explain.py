@@ -41,6 +41,7 @@ import attrs
 import torch
 
 from hpfun.collectives import wire_bytes
+from hpfun.drawing import lowered_html
 from hpfun.errors import HpfunError, Problem
 from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
@@ -357,8 +358,6 @@ class Lowered:
         return f"<Lowered: {len(self._data['collectives'])} collectives on {self.mesh}>"
 
     def _repr_html_(self) -> str:
-        from hpfun.visualize import lowered_html
-
         total = self.cost()
         return lowered_html(self._data, total, _render_text(self._data, total))
 

@@ -16,6 +16,7 @@ import re
 
 import attrs
 
+from hpfun.drawing import Visualization
 from hpfun.errors import LayoutError, SpecError
 from hpfun.mesh import Mesh
 
@@ -185,6 +186,10 @@ class Layout:
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))
 
     @property
+    def replicated_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Replicate))
+
+    @property
     def is_replicated(self) -> bool:
         return all(p == R for p in self.placements)
 
@@ -273,9 +278,7 @@ class Layout:
 
     def _repr_html_(self) -> str:
         """Notebooks show which rank holds which block (blocks numbered: a layout has no shape)."""
-        from hpfun.visualize import visualize
-
-        return visualize(self)._repr_html_()
+        return Visualization(self, None)._repr_html_()
 
 
 @functools.lru_cache(maxsize=65536)

@@ -12,6 +12,7 @@ import math
 import attrs
 import torch
 
+from hpfun.drawing import Visualization
 from hpfun.errors import LayoutError, SpecError
 from hpfun.execute import run
 from hpfun.layout import Layout, Partial
@@ -109,9 +110,7 @@ class Sharded:
 
     def _repr_html_(self) -> str:
         """Notebooks show which rank holds which block of the global tensor."""
-        from hpfun.visualize import visualize
-
-        return visualize(self)._repr_html_()
+        return Visualization(self.layout, tuple(self.global_shape), self.dtype)._repr_html_()
 
 
 def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: bool = False) -> torch.Tensor:
