@@ -29,6 +29,7 @@ import torch
 
 from hpfun.capture import HPFUN_DIR, TORCH_DIR
 from hpfun.errors import CaptureError, Problem
+from hpfun.sharded import Sharded
 
 _LIBRARY_DIRS = (TORCH_DIR, HPFUN_DIR, os.path.dirname(os.__file__) + os.sep)
 _SITE_PACKAGES = os.sep + "site-packages" + os.sep
@@ -70,8 +71,6 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
     seen_code: set = set()
 
     def value(obj, name: str, read, write) -> None:
-        from hpfun.sharded import Sharded
-
         if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
             if name and read is not None:
                 roots.append(Root(name, _SCALAR, read))
@@ -159,8 +158,6 @@ def _is_scalar(x) -> bool:
 
 
 def _holds_state(container) -> bool:
-    from hpfun.sharded import Sharded
-
     items = container.values() if isinstance(container, dict) else container
     kinds = (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer, dict, list, tuple)
     return any(isinstance(v, kinds) and (not isinstance(v, (dict, list, tuple)) or _holds_state(v)) for v in items)

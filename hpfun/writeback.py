@@ -19,6 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hpfun.layout import Layout
+from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block
 
 # tensor -> (layout, global shape, data pointer): lifted state a distributed call left sharded
@@ -113,8 +114,6 @@ def _meet(param, value: Sharded) -> None:
     if (mesh.runtime != "distributed" or value.layout.is_replicated or not isinstance(param, torch.Tensor)
             or held_block(param) is not None or tuple(param.shape) != tuple(value.global_shape)):
         return
-    from hpfun.runtime.distributed import runtime_for
-
     param.data = local_block(param.detach(), value.layout, runtime_for(mesh).coords).clone()
     _hold(param, value.layout, value.global_shape)
 

@@ -15,7 +15,7 @@ import math
 import attrs
 import torch
 
-from hpfun.layout import Partial, R, Shard
+from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
 
 aten = torch.ops.aten
@@ -96,7 +96,5 @@ def _reshaped(ctx, x, current: list[int], shape: list[int]):
 
 
 def _replicated(call: OpCall) -> Strategy:
-    from hpfun.layout import Layout
-
     r = Layout.replicated(call.mesh)
     return Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))
