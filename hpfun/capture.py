@@ -5,8 +5,8 @@ functionalized (no in-place ops) and decomposed to core ATen. On top of torch's 
 decompositions, the NLL loss is decomposed too: as reductions, pointwise ops and
 gather/scatter, its general rules shard it along any dim (the vocab-parallel loss), where a
 fused kernel would need its dim whole. Softmax and log-softmax (forward and backward) are
-recorded whole and then split the same way by `hpfun.fuse`, which puts the fused kernel back
-after propagation wherever the layouts allow (the dim whole).
+recorded whole and then split the same way (`split_fused`); `hpfun.fuse` puts the fused kernel
+back after propagation wherever the layouts allow (the dim whole).
 
 Composites, decided one by one (each choice is tested in tests/test_composites.py):
 - decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and
@@ -40,8 +40,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
-from hpfun import fuse
 from hpfun.errors import CaptureError
 
 aten = torch.ops.aten
@@ -54,7 +54,7 @@ _DECOMPOSE_TOO = [
 
 @functools.cache
 def decompositions() -> dict:
-    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in fuse.FUSED}
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED}
     table.update(get_decompositions(_DECOMPOSE_TOO))
     table.update(_OWN)
     table.update(_foreach_decompositions())
@@ -240,7 +240,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
         mutated = _mutations_as_outputs(gm)
     _drop_profiler_calls(gm)
     gm.graph.eliminate_dead_code()
-    fuse.split(gm)
+    split_fused(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()
     return Captured(gm, tuple(constants), tuple(mutated))
@@ -259,6 +259,101 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
         if "convert all Tensors to FakeTensors" in str(err):
             raise UnliftedTensor(_user_where(err)) from err
         raise CaptureError(_describe(err)) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused ops: recorded whole, then split for propagation (hpfun.fuse puts them back)
+# ---------------------------------------------------------------------------------------------
+
+FUSED = (aten._softmax.default, aten._log_softmax.default,
+         aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+
+
+@attrs.define(eq=False)
+class FusedGroup:
+    """The nodes one fused op became, and how to call it again."""
+
+    target: object
+    args: tuple
+    kwargs: dict
+    meta: dict
+    nodes: list = attrs.Factory(list)
+    output: torch.fx.Node | None = None
+    # per tensor argument, a group node reading it and the position of the argument among that
+    # node's arguments: later passes (folding matmuls into einsums) may replace the argument's
+    # node, never the probe
+    probes: list = attrs.Factory(list)
+
+    def current_args(self) -> tuple | None:
+        found = []
+        for probe in self.probes:
+            if probe is None:
+                return None
+            node, index = probe
+            found.append(pytree.tree_leaves((node.args, node.kwargs))[index])
+        it = iter(found)
+        return tuple(next(it) if _is_tensor_node(a) else a for a in self.args)
+
+
+def _is_tensor_node(x) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def split_fused(gm: torch.fx.GraphModule) -> None:
+    """Rewrite every fused op of `gm` into its decomposition, each group tagged for
+    `hpfun.fuse.rejoin`. The op's own node becomes the decomposition's last op, so it keeps its
+    name and users."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in FUSED:
+            continue
+        tensors = [a for a in node.args if _is_tensor_node(a)]
+        sub = _fused_decomposition(node.target, tuple((tuple(t.meta["val"].shape), t.meta["val"].dtype) for t in tensors),
+                                   tuple(None if _is_tensor_node(a) else a for a in node.args))
+        last = sub.graph.output_node().args[0][0]
+        if last.op != "call_function":
+            continue  # nothing to split (a decomposition that returns an input as it is)
+        group = FusedGroup(node.target, node.args, dict(node.kwargs), dict(node.meta), output=node)
+        env, feeds, placeholders = {}, iter(tensors), []
+        with gm.graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = next(feeds)
+                    placeholders.append(n)
+                elif n is last:
+                    node.target = n.target
+                    node.args, node.kwargs = torch.fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                    node.meta["hpfun_group"] = group
+                    env[n] = node
+                elif n.op == "call_function":
+                    new = gm.graph.node_copy(n, env.__getitem__)
+                    for key in ("stack_trace", "nn_module_stack"):
+                        if key in node.meta:
+                            new.meta[key] = node.meta[key]
+                    new.meta["hpfun_group"] = group
+                    env[n] = new
+        group.nodes = [env[n] for n in sub.graph.nodes if n.op == "call_function"]
+        group.probes = [_probe(p, env) for p in placeholders]
+    gm.recompile()
+
+
+def _probe(placeholder, env) -> tuple | None:
+    for user in placeholder.users:
+        if user.op == "call_function":
+            leaves = pytree.tree_leaves((user.args, user.kwargs))
+            return env[user], next(i for i, x in enumerate(leaves) if x is placeholder)
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _fused_decomposition(target, metas: tuple, static_args: tuple) -> torch.fx.GraphModule:
+    """The fused op's decomposition into core ops, traced once per op, shapes and arguments."""
+    decompose = get_decompositions([target])[target]
+
+    def run(*tensors):
+        it = iter(tensors)
+        return [decompose(*[next(it) if a is None else a for a in static_args])]
+
+    return capture(run, list(metas))
 
 
 # ---------------------------------------------------------------------------------------------
