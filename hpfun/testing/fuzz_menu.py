@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from hpfun.layout import P
 from hpfun.mesh import Mesh
-from hpfun.testing.fuzz import _NAMESPACE, Grad, Input, Op, Program
+from hpfun.testing.fuzz_program import NAMESPACE, Grad, Input, Op, Program
 from hpfun.testing.strategies import AXIS_NAMES, layouts
 
 # Meshes of up to 8 ranks, 1 to 3 axes; size-1 axes and 3 ranks among them.
@@ -190,7 +190,7 @@ class _Builder:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                result = eval(op.expression(), {**_NAMESPACE, **{n: v.tensor for n, v in self.pool.items()}})
+                result = eval(op.expression(), {**NAMESPACE, **{n: v.tensor for n, v in self.pool.items()}})
         except Exception:  # torch rejects this combination: the caller draws another op
             return False
         if not isinstance(result, torch.Tensor) or result.numel() > 4 * _MAX_NUMEL:
@@ -672,7 +672,7 @@ def _grad(b: _Builder) -> bool:
         return False
     loss = body.ops[-1].out if body.t(last).ndim else last
     grad = Grad(outs=tuple(b.name() for _ in args), args=tuple(args), body=tuple(body.ops), loss=loss)
-    env = {**_NAMESPACE, **{n: v.tensor for n, v in b.pool.items()}}
+    env = {**NAMESPACE, **{n: v.tensor for n, v in b.pool.items()}}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
