@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 
 import attrs
@@ -21,6 +22,7 @@ from hpfun.execute import run
 from hpfun.lower import Program, lower
 from hpfun.mesh import Mesh
 from hpfun.propagate import propagate
+from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, rank_block, redistribute  # redistribute: hpfun.api's name too
 from hpfun.specs import (
@@ -31,7 +33,7 @@ from hpfun.writeback import WriteBack
 
 
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
-          rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32"):
+          rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -66,6 +68,12 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     the bytes on the wire); `reduce_dtype="compute"` reduces them in the compute dtype. `lower()`
     shows the dtype each collective moves.
 
+    `registry` is the table of sharding rules propagation looks each op up in: by default the
+    built-in `hpfun.rules.REGISTRY` (with what `HPFUN_RULES_PATH`, `hpfun.rules.load` and
+    `hpfun.rules.register` added); another `hpfun.rules.registry.Registry`, or any object with
+    `lookup(op) -> Rule | None`, tries rules without touching the built-in one. It keys the
+    program cache by identity.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -74,7 +82,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     """
     if f is None:
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
-                                 compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype)
+                                 compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
+                                 registry=registry)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -84,10 +93,13 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     if not isinstance(reduce_dtype, str) or reduce_dtype not in REDUCE_DTYPES:
         raise SpecError(f"reduce_dtype must be 'float32' (reduce bfloat16/float16 partial sums in float32) or "
                         f"'compute' (in the program's dtype), got {reduce_dtype!r}", headline="bad option")
+    if not callable(getattr(registry, "lookup", None)):
+        raise SpecError(f"registry must be a rule registry (an hpfun.rules.registry.Registry, or an object with "
+                        f"lookup(op)), got {type(registry).__name__}", headline="bad option")
     if state_specs is not None and not isinstance(state_specs, dict):
         raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}",
                         headline="bad sharding spec")
-    options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype)
+    options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry)
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -99,6 +111,9 @@ class Options:
     rng: str = "philox"
     fallback: str | None = None
     reduce_dtype: str = "float32"  # the dtype bfloat16/float16 partial sums are reduced in: "float32" or "compute"
+    # the rules propagation looks ops up in; compared by identity (and left out of the hash):
+    # two registries with the same rules today may differ tomorrow
+    registry: object = attrs.field(default=REGISTRY, eq=attrs.cmp_using(eq=operator.is_), hash=False)
 
 
 @attrs.frozen
@@ -280,8 +295,9 @@ class ShardedFunction:
         writes = self._write_targets(call, traced, captured, names, lifted_index, input_layouts_, tensor_pos, leaves)
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
-        propagate(gm, self.mesh, in_layouts, fallback=self.options.fallback, reduce_dtype=self.options.reduce_dtype)
-        fuse.rejoin(gm, self.mesh)
+        propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
+                  reduce_dtype=self.options.reduce_dtype)
+        fuse.rejoin(gm, self.mesh, self.options.registry)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
         out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]

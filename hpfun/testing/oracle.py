@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from unittest import mock
 
 import torch
 from torch.utils import _pytree as pytree
 
 from hpfun import api
 from hpfun.mesh import Mesh
-from hpfun.propagate import propagate
+from hpfun.rules import REGISTRY
 from hpfun.sharded import Sharded
 
 
@@ -50,10 +47,10 @@ def assert_sharded_equal(f, args, mesh: Mesh, in_specs, *, out_specs=None, rtol=
     """
     args = tuple(args)
     expected = f(*pytree.tree_map(_whole, args, is_leaf=_is_sharded))
-    with _rules(registry):
-        sharded = api.shard(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-        got = sharded(*args)
-        lowered = sharded.lower(*args)
+    sharded = api.shard(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        registry=REGISTRY if registry is None else registry)
+    got = sharded(*args)
+    lowered = sharded.lower(*args)
     # every input the program reads, by path: arguments, then state the function lifted
     inputs = [f"{x['path']}: {x['layout']} global {tuple(x['shape'])} {x['dtype']}" for x in lowered.inputs]
     expected_flat, expected_tree = pytree.tree_flatten(expected)
@@ -98,11 +95,3 @@ def _whole(x):
 
 def _is_sharded(x) -> bool:
     return isinstance(x, Sharded)
-
-
-def _rules(registry):
-    """Run `shard` with another registry. shard() takes no registry argument, so its call to
-    propagate is pointed at the given one for the duration."""
-    if registry is None:
-        return contextlib.nullcontext()
-    return mock.patch.object(api, "propagate", functools.partial(propagate, registry=registry))
