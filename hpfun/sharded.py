@@ -151,7 +151,8 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
     if layout.mesh != x.layout.mesh:
         raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
     program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype)
-    return Sharded(layout, x.global_shape, run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])[0])
+    (shards,) = run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])
+    return Sharded(layout, x.global_shape, shards)
 
 
 @functools.lru_cache(maxsize=256)
