@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import fuse, lift, log, writeback
+from hpfun import fuse, lift, log, verify, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, Problem, SpecError
@@ -298,11 +298,16 @@ class ShardedFunction:
         propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
                   reduce_dtype=self.options.reduce_dtype)
         fuse.rejoin(gm, self.mesh, self.options.registry)
+        checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
+        if checked:
+            verify.verify_annotation(gm, self.mesh)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
         out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         program = lower(gm, self.mesh, out_layouts + [w.layout for w in writes], out_paths, rng=self.options.rng,
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype)
+        if checked:
+            verify.verify_program(program)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts), tuple(writes), tuple(traced.cleared), tuple(out_paths))
         if level := log.level():  # HPFUN_DEBUG, read at each compile

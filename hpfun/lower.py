@@ -156,6 +156,7 @@ class LowerContext:
         record = Collective(step.kind, axes, nbytes, name, op_name, reason, moved)
         node.meta["hpfun_collective"] = record
         node.meta["hpfun_step_layouts"] = (self._step_layout, step.apply(self._step_layout))  # for reports
+        node.meta["hpfun_step"], node.meta["hpfun_step_input"] = step, self._step_input  # for the verifier
         self.collectives.append(record)
         return waited
 
@@ -169,15 +170,23 @@ class LowerContext:
         hears of every layout reached on the way (a later consumer may start from one)."""
         cur = src
         for step in redistribute_plan(src, dst, shape):
-            self._step_layout, self._step_shape, self._step_dtype = cur, shape, dtype
+            self._step_layout, self._step_shape, self._step_dtype, self._step_input = cur, shape, dtype, value
             wide = local_dtype(value, dtype)
             value = step.emit(self, value, list(cur.local_shape(shape)), group_size(self.mesh, step))
+            annotate(value, step.apply(cur), shape, dtype)
             if wide != dtype and moved_dtype(step, dtype, self.reduce_dtype) == dtype:
                 value.meta["hpfun_local_dtype"] = wide  # a step that sums gives the traced dtype back
             cur = step.apply(cur)
             if passed is not None:
                 passed(cur, value)
         return value
+
+
+def annotate(value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
+    """Record on a node of the per-shard program which global value, in which layout, it holds
+    (for the verifier, `hpfun.verify`); a value two layouts share keeps its first."""
+    if "hpfun_global" not in value.meta:
+        value.meta["hpfun_layout"], value.meta["hpfun_global"] = layout, (tuple(shape), dtype)
 
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
@@ -192,6 +201,8 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values.update(zip(inputs, ctx.begin(len(inputs)), strict=True))
+    for node in inputs:
+        annotate(values[node], node.meta["hpfun_layout"], node.meta["val"].shape, node.meta["val"].dtype)
     labels = dict(zip(inputs, input_names, strict=True)) if input_names else {}
 
     def local(producer, dst: Layout, reason_for: str):
@@ -214,6 +225,8 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             values[node] = ctx.graph.get_attr(node.target)
         elif node.op == "call_function" and node.target is operator.getitem:
             values[node] = ctx.call(operator.getitem, (values[node.args[0]], node.args[1]))
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                annotate(values[node], node.meta["hpfun_layout"], node.meta["val"].shape, node.meta["val"].dtype)
         elif node.op == "call_function":
             values[node] = _emit(ctx, node, local)
         elif node.op == "output":
@@ -246,6 +259,7 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     leaves = [_in_dtype(ctx, x, local(x, next(required), f"{node.target}"), widen) if _is_tensor_node(x) else x
               for x in leaves]
+    taken = tuple(new for old, new in zip(pytree.tree_leaves((node.args, node.kwargs)), leaves) if _is_tensor_node(old))
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
     if widen:
@@ -256,6 +270,9 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     if "stack_trace" in node.meta:  # the user's line, for errors raised while the program runs
         out.meta["stack_trace"] = node.meta["stack_trace"]
     out.meta["hpfun_inputs"] = strategy.inputs  # for reports: the layouts the op ran with
+    out.meta["hpfun_args"] = taken  # for the verifier: the local values it ran on, in that order
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        annotate(out, node.meta["hpfun_layout"], node.meta["val"].shape, node.meta["val"].dtype)
     out.meta["hpfun_outputs"] = call.outputs  # for reports: global shapes and dtypes
     return out
 

@@ -10,3 +10,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "hpfun"))
+
+# Every compile in the suite checks hpfun's own invariants after propagation and after lowering
+# (hpfun.verify); subprocesses (torchrun workers, notebooks) inherit it.
+os.environ.setdefault("HPFUN_VERIFY", "1")
