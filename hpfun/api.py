@@ -281,6 +281,8 @@ class ShardedFunction:
         traced = _Traced()
         gm_inputs = [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos]
         device = next((leaves[i].device for i in tensor_pos), None)
+        if device is not None and torch.device(device).type == "meta":
+            device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
         try:
             captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
                              requires_grad=[leaves[i].requires_grad for i in tensor_pos])

@@ -16,25 +16,10 @@ import torch.nn.functional as F
 
 import hpfun
 from hpfun import P
+from hpfun.testing.models import GPT2_TP, LLAMA_TP
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA_TP = {
-    "layers.*.self_attn.q_proj.weight": P("tp", None),
-    "layers.*.self_attn.k_proj.weight": P("tp", None),
-    "layers.*.self_attn.v_proj.weight": P("tp", None),
-    "layers.*.self_attn.o_proj.weight": P(None, "tp"),
-    "layers.*.mlp.gate_proj.weight": P("tp", None),
-    "layers.*.mlp.up_proj.weight": P("tp", None),
-    "layers.*.mlp.down_proj.weight": P(None, "tp"),
-}
-# GPT-2's Conv1D weights are (in, out): column-parallel splits dim 1, row-parallel dim 0
-GPT2_TP = {
-    "h.*.attn.c_attn.weight": P(None, "tp"), "h.*.attn.c_attn.bias": P("tp"),
-    "h.*.attn.c_proj.weight": P("tp", None),
-    "h.*.mlp.c_fc.weight": P(None, "tp"), "h.*.mlp.c_fc.bias": P("tp"),
-    "h.*.mlp.c_proj.weight": P("tp", None),
-}
 PLANS = {"llama": LLAMA_TP, "gpt2": GPT2_TP}
 LAYOUTS = {  # mesh, spec of the token batch, whether the plan applies
     "dp": (hpfun.Mesh.simulated((2,), ("dp",)), P("dp"), False),

@@ -226,3 +226,23 @@ def cnn_step(params: dict, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1):
 
 CNN_CHANNEL_SPLIT = {"c1.w": P("tp"), "c1.b": P("tp"), "gn.w": P("tp"), "gn.b": P("tp"),
                      "c2.w": P("tp"), "c2.b": P("tp"), "fc.w": P("tp", None), "fc.b": P()}
+
+
+# Megatron tensor parallelism over "tp" for Hugging Face models, by parameter name patterns (the
+# plans README gives): column-parallel q/k/v and MLP in, row-parallel attention and MLP out.
+LLAMA_TP = {
+    "layers.*.self_attn.q_proj.weight": P("tp", None),
+    "layers.*.self_attn.k_proj.weight": P("tp", None),
+    "layers.*.self_attn.v_proj.weight": P("tp", None),
+    "layers.*.self_attn.o_proj.weight": P(None, "tp"),
+    "layers.*.mlp.gate_proj.weight": P("tp", None),
+    "layers.*.mlp.up_proj.weight": P("tp", None),
+    "layers.*.mlp.down_proj.weight": P(None, "tp"),
+}
+# GPT-2's Conv1D weights are (in, out): column-parallel splits dim 1, row-parallel dim 0
+GPT2_TP = {
+    "h.*.attn.c_attn.weight": P(None, "tp"), "h.*.attn.c_attn.bias": P("tp"),
+    "h.*.attn.c_proj.weight": P("tp", None),
+    "h.*.mlp.c_fc.weight": P(None, "tp"), "h.*.mlp.c_fc.bias": P("tp"),
+    "h.*.mlp.c_proj.weight": P("tp", None),
+}

@@ -1,0 +1,61 @@
+"""Planning on meta tensors: `f.lower(*args)` with meta arguments and a model built on the meta
+device gives the plan, report and price it gives on real tensors, allocating nothing."""
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.testing.models import LLAMA_TP
+
+MESH = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+
+
+def _collectives(lowered):
+    return [(c.kind, c.axes, c.bytes, c.dtype) for c in lowered.collectives]
+
+
+def test_a_function_on_meta_arguments():
+    def loss(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).square().mean()
+
+    step = hpfun.shard(torch.func.grad(loss, argnums=(1, 2)), mesh=MESH,
+                       in_specs=(P("dp"), P(None, "tp"), P("tp", None)), out_specs=(P(None, "tp"), P("tp", None)))
+    shapes = [(8, 16), (16, 32), (32, 16)]
+    real = step.lower(*[torch.randn(s) for s in shapes])
+    meta = step.lower(*[torch.empty(s, device="meta") for s in shapes])
+    assert _collectives(meta) == _collectives(real) and meta.cost() == real.cost()
+
+
+
+
+def _llama_step(device):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @hpfun.shard(mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=LLAMA_TP)
+    def train_step(ids, labels):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids = torch.zeros(4, 16, dtype=torch.long, device=device)
+    return train_step, ids, model
+
+
+def test_an_hf_training_step_on_the_meta_device():
+    """A Llama built on the meta device (no weights), its AdamW step planned as the real one is."""
+    meta_step, meta_ids, model = _llama_step("meta")
+    lowered = meta_step.lower(meta_ids, meta_ids)
+    assert all(p.is_meta for p in model.parameters())  # nothing was materialized
+    real_step, real_ids, _ = _llama_step("cpu")
+    real = real_step.lower(real_ids, real_ids)
+    assert _collectives(lowered) == _collectives(real)
+    assert lowered.cost() == real.cost()
