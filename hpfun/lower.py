@@ -198,7 +198,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     `reduce_dtype` ("float32" or "compute") is the dtype bfloat16/float16 sums are reduced in."""
     ctx = LowerContext(mesh, rng, reduce_dtype)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
-    reached: dict[tuple[torch.fx.Node, Layout], torch.fx.Node] = {}
+    reached: dict[torch.fx.Node, dict[Layout, torch.fx.Node]] = {}  # per value: each layout it reached, locally
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values.update(zip(inputs, ctx.begin(len(inputs)), strict=True))
     for node in inputs:
@@ -206,19 +206,19 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     labels = dict(zip(inputs, input_names, strict=True)) if input_names else {}
 
     def local(producer, dst: Layout, reason_for: str):
-        key = (producer, dst)
-        if key not in reached:
+        known = reached.setdefault(producer, {})
+        if dst not in known:
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]
             shape = tuple(val.shape)
-            passed = functools.partial(_remember, reached, producer)
-            start = _reused(src, dst, shape, [lay for (p, lay) in reached if p is producer])
+            passed = functools.partial(_remember, known)
+            start = _reused(src, dst, shape, list(known))
             if start != src:  # another consumer's redistribution already passed a layout local steps away
-                return ctx.redistribute(reached[(producer, start)], start, dst, shape, val.dtype, passed)
+                return ctx.redistribute(known[start], start, dst, shape, val.dtype, passed)
             if src != dst:
                 ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
                                 f"{labels.get(producer, producer.name)} is {src.placements_str()}")
-            reached[key] = ctx.redistribute(values[producer], src, dst, shape, val.dtype, passed)
-        return reached[key]
+            known[dst] = ctx.redistribute(values[producer], src, dst, shape, val.dtype, passed)
+        return known[dst]
 
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -235,8 +235,8 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     raise AssertionError("graph without output")
 
 
-def _remember(reached: dict, producer, layout: Layout, value) -> None:
-    reached.setdefault((producer, layout), value)
+def _remember(known: dict, layout: Layout, value) -> None:
+    known.setdefault(layout, value)
 
 
 def _reused(src: Layout, dst: Layout, shape, reached: list[Layout]) -> Layout:
