@@ -184,9 +184,13 @@ class LowerContext:
 
 def annotate(value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
     """Record on a node of the per-shard program which global value, in which layout, it holds
-    (for the verifier, `hpfun.verify`); a value two layouts share keeps its first."""
+    (for the verifier, `hpfun.verify`). A step that moves nothing (R -> P(avg), a relabel over an
+    axis of size 1) leaves the same local value in a second layout: it keeps its first, and the
+    others are listed as `hpfun_also`."""
     if "hpfun_global" not in value.meta:
         value.meta["hpfun_layout"], value.meta["hpfun_global"] = layout, (tuple(shape), dtype)
+    elif layout != value.meta.get("hpfun_layout"):
+        value.meta.setdefault("hpfun_also", []).append(layout)
 
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,

@@ -159,17 +159,29 @@ def _same(a: Layout, b: Layout) -> bool:
     return all([x for x in a.shard_axes(d) if x in big] == [x for x in b.shard_axes(d) if x in big] for d in dims)
 
 
-def _layout_of(node) -> Layout | None:
-    """The layout of a value of the per-shard program, through casts and the views redistribution
-    steps use to prepare a buffer (which lowering leaves unannotated)."""
-    seen = 0
-    while isinstance(node, torch.fx.Node) and seen < 8:
+def _layouts_of(node) -> list[Layout]:
+    """The layouts a value of the per-shard program holds (more than one where a step moved
+    nothing), through casts and the copies redistribution steps use to prepare a buffer (which
+    lowering leaves unannotated); [] where unknown."""
+    for _ in range(8):
+        if not isinstance(node, torch.fx.Node):
+            return []
         if "hpfun_layout" in node.meta:
-            return node.meta["hpfun_layout"]
+            return [node.meta["hpfun_layout"], *node.meta.get("hpfun_also", ())]
         if node.target not in _LAYOUT_PRESERVING or not node.args:
-            return None
-        node, seen = node.args[0], seen + 1
-    return None
+            return []
+        node = node.args[0]
+    return []
+
+
+def _holds(node, layout: Layout) -> bool:
+    """Whether `node` is known to hold `layout` (True when its layouts are unknown)."""
+    layouts = _layouts_of(node)
+    return not layouts or any(isinstance(have, Layout) and _same(have, layout) for have in layouts)
+
+
+def _shown(node) -> str:
+    return " or ".join(l.placements_str() for l in _layouts_of(node) if isinstance(l, Layout))
 
 
 _LAYOUT_PRESERVING = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
@@ -183,10 +195,10 @@ def verify_program(program) -> None:
         step = node.meta.get("hpfun_step")
         if step is not None:
             before, after = node.meta["hpfun_step_layouts"]
-            have = _layout_of(node.meta.get("hpfun_step_input"))
-            if have is not None and not _same(have, before):
+            given = node.meta.get("hpfun_step_input")
+            if not _holds(given, before):
                 problems.append(Problem(_where(node), f"{step.kind} expects {before.placements_str()}, "
-                                                      f"its input is {have.placements_str()}"))
+                                                      f"its input is {_shown(given)}"))
             try:
                 reached = step.apply(before)
             except Exception as err:  # the precondition does not hold
@@ -199,9 +211,8 @@ def verify_program(program) -> None:
         args = node.meta.get("hpfun_args")
         if args is not None:
             for i, (arg, want) in enumerate(zip(args, node.meta["hpfun_inputs"])):
-                have = _layout_of(arg)
-                if have is not None and not _same(have, want):
-                    problems.append(Problem(_where(node), f"input {i} is {have.placements_str()}, "
+                if not _holds(arg, want):
+                    problems.append(Problem(_where(node), f"input {i} is {_shown(arg)}, "
                                                           f"its strategy needs {want.placements_str()}"))
     problems += _shape_problems(program)
     if problems:

@@ -112,9 +112,66 @@ def test_compare_sees_nan_inf_and_dtype():
 # Pinned: programs the fuzzer found wrong or crashing during development, each fixed since.
 # These three it drew, derandomized, against the code before issue 11's fixes: a replicated
 # -inf fill made Partial as `-inf * (coord == 0)` is NaN on the other ranks (now `where`).
+# The first two it found with the verifier on (the suite runs with it): false alarms of the
+# verifier, fixed in it.
 # ---------------------------------------------------------------------------------------------
 
 PINNED = {
+    # R -> P(avg) and a relabel on a size-1 axis move nothing: one local value holds two layouts,
+    # and the verifier once took the first for the only one
+    'tp_axis_of_size_one_relabel_before_linear': Program(
+        mesh=((2, 1, 2), ('dp', 'tp', 'pp')),
+        inputs=(
+            Input('x0', (8, 3), 'float64', '[R, R, R]', sharded=True),
+            Input('x1', (8, 3), 'float64', '[R, R, R]', sharded=True),
+            Input('x2', (6, 3), 'float64', '[R, P(sum), S(0)]', sharded=True),
+            Input('x3', (6,), 'float64', '[R, P(max), R]', sharded=True),
+            Input('x4', (6, 8, 1), 'float64', '[P(avg), R, R]', sharded=True, scale=64.0),
+            Input('x5', (1, 1), 'float64', '[P(min), P(min), R]', sharded=True),
+            Input('x6', (1,), 'float64', '[R, P(avg), R]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'maximum', 'x1', 'x0'),
+            Op('v2', 'linear', 'x1', 'x2', 'x3'),
+            Op('v3', 'repeat', 'x4', repeats=(1, 1, 1, 1)),
+            Op('v4', 'linear', 'v3', 'x5', 'x6'),
+            Op('v5', 'sum_all', 'v1'),
+            Op('v6', 'add', 'v5', 'v5'),
+            Op('v7', 'scale', 'v6', c=2.0),
+            Op('v8', 'max_all', 'x6'),
+        ),
+        outputs=('v2', 'v4', 'v7', 'v8'),
+        out_specs=None,
+        seed=4816,
+    ),
+    # the same with R -> P(min) before a cat
+    'replicated_to_partial_min_before_cat': Program(
+        mesh=((2, 3), ('dp', 'tp')),
+        inputs=(
+            Input('x0', (2, 4), 'float64', '[S(1), R]', sharded=True),
+            Input('x1', (2, 4), 'bool', '[S(1), R]', sharded=True),
+            Input('x2', (1, 1), 'float64', '[P(sum), P(sum)]', sharded=True),
+            Input('x3', (4, 2), 'float64', '[S(0), R]'),
+            Input('x4', (2,), 'float64', '[R, R]'),
+            Input('x5', (4, 2), 'bool', '[R, R]'),
+            Input('x6', (2, 4), 'float64', '[P(min), P(min)]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'where', 'x1', 'x0', 'x2'),
+            Op('v2', 'permute', 'v1', dims=(0, 1)),
+            Op('v3', 'matmul', 'x3', 'x4'),
+            Op('v4', 'masked_fill_', 'x3', 'x5', value=-float('inf')),
+            Op('v5', 'cat', 'v2', 'x6', dim=0),
+            Op('v6', 'rsub', 'v5', c=-1.5),
+            Op('v7', 'mean', 'x4', dim=0, keepdim=True),
+            Op('v8', 'neg', 'v4'),
+            Op('v9', 'constrain', 'v7', spec=P()),
+            Op('v10', 'floor', 'v1'),
+        ),
+        outputs=('v6', 'v8', 'v9', 'v10'),
+        out_specs=(P(), P(), P(), P(),),
+        seed=65536,
+    ),
     # a boolean attention mask with the head dim split: NaN where eager had values
     'sdpa_bool_mask_then_where': Program(
         mesh=((2, 1, 2), ('dp', 'tp', 'pp')),
