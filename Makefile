@@ -29,11 +29,11 @@ validate-nightly: $(STAMP)
 	$(PY) -m hpfun.validate --max-examples 200
 
 # whole random programs against the unsharded run: thousands with a fresh seed (the suite runs a
-# fixed 120); FUZZ_EXAMPLES and FUZZ_SEED override, the report goes to build/fuzz-nightly.txt
+# fixed 120), with the verifier on; FUZZ_EXAMPLES and FUZZ_SEED override; report in build/fuzz-nightly.txt
 FUZZ_EXAMPLES ?= 3000
 FUZZ_SEED ?= $(shell date +%Y%m%d)
 fuzz-nightly: $(STAMP)
-	$(PY) -m hpfun.testing.fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --out build/fuzz-nightly.txt
+	HPFUN_VERIFY=1 $(PY) -m hpfun.testing.fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --out build/fuzz-nightly.txt
 
 # Notebook 03 (committed with its outputs) as HTML, and a screenshot of it by headless Chromium,
 # so a person can see the report's and the layouts' HTML views render. Chromium comes from apt.

@@ -11,6 +11,7 @@ fits the dtype's mantissa; inputs are multiples of 1/16. Use it through `fuzz.pr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -86,6 +87,15 @@ def _finite_factor(t: torch.Tensor, divisor: bool = False) -> bool:
     if not (t.is_floating_point() or t.is_complex()):
         return True
     return bool(torch.isfinite(t).all()) and not (divisor and bool((t == 0).any()))
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """torch's generator fixed while a drawn op runs eagerly: the values it makes (rand_like,
+    dropout) steer later draws, which must be the same each time hypothesis replays them."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -188,7 +198,7 @@ class _Builder:
             return False  # outside hpfun's linearity contract (see PRODUCTS): the caller draws another op
         op = Op(self.name(), kind, *args, **params)
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _seeded(self.seed + self.count[1]):
                 warnings.simplefilter("ignore")
                 result = eval(op.expression(), {**NAMESPACE, **{n: v.tensor for n, v in self.pool.items()}})
         except Exception:  # torch rejects this combination: the caller draws another op
@@ -690,7 +700,7 @@ def _grad(b: _Builder) -> bool:
     grad = Grad(outs=tuple(b.name() for _ in args), args=tuple(args), body=tuple(body.ops), loss=loss)
     env = {**NAMESPACE, **{n: v.tensor for n, v in b.pool.items()}}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _seeded(b.seed + b.count[1]):
             warnings.simplefilter("ignore")
             exec("\n".join(grad.lines()), env)
     except Exception:  # not differentiable as drawn: the caller draws another op
