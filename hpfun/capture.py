@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from hpfun.errors import CaptureError
+from hpfun.errors import CaptureError, Problem
 
 aten = torch.ops.aten
 
@@ -408,6 +408,24 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 
 
+def _refuse_overlapping_write(func, args) -> None:
+    """An in-place write into a tensor whose elements share memory (an `expand`ed one: the
+    gradient of a sum is `ones.expand(n)`) sets the shared element once per alias in eager, but
+    functionalization writes each alias back as if it were its own element, so the program would
+    compute something else. torch deprecates such writes; hpfun refuses them before tracing on."""
+    name = getattr(func, "__name__", "")
+    if not (name.endswith("_") and not name.startswith("_") or name == "__setitem__"):
+        return
+    target = args[0] if args else None
+    if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:
+        frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        raise CaptureError(
+            Problem(f"{name}{where}", f"writes in place into a tensor whose elements share memory (strides "
+                                      f"{tuple(target.stride())}, e.g. made by expand)",
+                    "clone() it first (x = x.clone()), as torch's own deprecation warning asks"))
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -416,6 +434,7 @@ class _TensorScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        _refuse_overlapping_write(func, args)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):

@@ -117,6 +117,36 @@ def test_compare_sees_nan_inf_and_dtype():
 # ---------------------------------------------------------------------------------------------
 
 PINNED = {
+    # constrain is a copy in eager; lowered as an alias of an input that a later masked_fill_
+    # writes back, its output changed with the input on one device (found by the nightly run)
+    'constrain_then_in_place_write_of_its_input': Program(
+        mesh=((2, 1, 2), ('dp', 'tp', 'pp')),
+        inputs=(
+            Input('x0', (6, 6), 'float64', '[R, S(1), S(1)]', sharded=True),
+            Input('x1', (6, 6), 'bool', '[R, R, R]'),
+            Input('x2', (6, 3, 6, 6), 'float64', '[S(2), P(max), S(0)]', sharded=True),
+            Input('x3', (6, 3, 6, 6), 'float64', '[R, S(1), S(0)]'),
+            Input('x4', (6, 3, 6, 6), 'float64', '[S(0), S(0), S(3)]'),
+            Input('x5', (6, 3), 'float64', '[S(0), S(0), P(max)]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'constrain', 'x0', spec=P('dp')),
+            Op('v2', 'masked_fill_', 'x0', 'x1', value=-float('inf')),
+            Op('v3', 'reshape', 'v2', shape=(-1,)),
+            Op('v4', 'sdpa', 'x2', 'x3', 'x4'),
+            Op('v5', 'dropout', 'x2', p=0.5),
+            Op('v6', 'sigmoid', 'v5'),
+            Op('v7', 'reshape', 'v6', shape=(-1,)),
+            Op('v8', 'prod', 'x3', dim=1),
+            Op('v9', 'matmul', 'v6', 'x5'),
+            Op('v10', 'mean_all', 'v6'),
+            Op('v11', 'transpose', 'v9', dim0=0, dim1=1),
+            Op('v12', 'prod', 'v11', dim=2),
+        ),
+        outputs=('v7', 'v8', 'v10', 'v12', 'v1'),
+        out_specs=(P(), P('pp', None, ('dp', 'tp')), P(), P(None, ('dp', 'tp')), P(('tp', 'pp'), 'dp'),),
+        seed=35330,
+    ),
     # R -> P(avg) and a relabel on a size-1 axis move nothing: one local value holds two layouts,
     # and the verifier once took the first for the only one
     'tp_axis_of_size_one_relabel_before_linear': Program(
@@ -287,3 +317,41 @@ INFINITE_FACTOR = Program(
 @pytest.mark.xfail(strict=True, reason="a Partial value times a tensor holding inf: NaN where eager has -inf")
 def test_partial_times_an_infinite_factor():
     check_program(INFINITE_FACTOR, allow_user_error=False)
+
+
+# Found by the fuzzer: masked_fill_ into a view of `torch.func.grad(sum)`, which is ones.expand(n).
+# Eager writes the one shared element; functionalization wrote each alias back as its own
+# element (3.0 where eager has 2.0), unsharded as well as sharded. hpfun now refuses the write.
+EXPANDED_WRITE = Program(
+    mesh=((3,), ('dp',)),
+    inputs=(
+        Input('x0', (1, 3), 'float64', '[R]', sharded=True),
+        Input('x1', (3,), 'float64', '[S(0)]', sharded=True),
+        Input('x2', (3, 1), 'bool', '[R]'),
+        Input('x3', (), 'float64', '[P(avg)]', sharded=True),
+        Input('x4', (2,), 'int64', '[R]', high=3),
+        Input('x5', (2, 2), 'int64', '[R]', sharded=True),
+    ),
+    ops=(
+        Grad(outs=('v4',), args=('x1',), body=(
+            Op('v1', 'sort_indices', 'x1', dim=0),
+            Op('v2', 'unsqueeze', 'v1', dim=0),
+            Op('v3', 'sum_all', 'x1'),
+        ), loss='v3'),
+        Op('v5', 'shift', 'v4', c=0.5),
+        Op('v6', 'unsqueeze', 'v4', dim=1),
+        Op('v7', 'masked_fill_', 'v6', 'x2', value=2.0),
+        Op('v8', 'mul', 'x3', 'x0'),
+        Op('v9', 'not', 'x2'),
+        Op('v10', 'index', 'v7', 'x4'),
+        Op('v11', 'index', 'v10', 'x5'),
+    ),
+    outputs=('v5', 'v8', 'v9', 'v11'),
+    out_specs=None,
+    seed=5052,
+)
+
+
+def test_a_write_into_an_expanded_tensor_is_refused():
+    outcome = run_program(EXPANDED_WRITE)
+    assert outcome.kind == "user_error" and "share memory" in outcome.detail and "clone()" in outcome.detail

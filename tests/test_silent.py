@@ -249,3 +249,21 @@ def test_partial_sums_through_linear_ops_with_special_values(name, n, data):
     eps = torch.finfo(torch.float32 if name == "down-cast" else torch.float64).eps
     assert_sharded_equal(fn, (x,), hpfun.Mesh.simulated((n,), ("a",)), None, out_specs=P(), rtol=0,
                          atol=scale * eps, registry=_PartialFirst())
+
+
+def test_in_place_write_into_an_expanded_tensor_is_refused():
+    """The gradient of a sum is ones.expand(n): one element, n aliases. A masked_fill_ into it
+    sets that element in eager; a traced program would write each alias back on its own and
+    compute something else, so hpfun refuses with the fix."""
+
+    def f(x, mask):
+        g = torch.func.grad(lambda t: t.sum())(x)
+        return g.unsqueeze(1).masked_fill_(mask, 2.0)
+
+    step = hpfun.shard(f, mesh=MESH, in_specs=(P("a"), P()), out_specs=P())
+    x, mask = torch.arange(4.0), torch.tensor([[True], [False], [True], [False]])
+    with pytest.raises(hpfun.CaptureError, match=r"masked_fill_ at .*test_silent.py:\d+.*share memory(?s:.*)clone\(\)"):
+        step(x, mask)
+    g = hpfun.shard(lambda x: torch.func.grad(lambda t: t.sum())(x).clone().mul_(2.0), mesh=MESH, in_specs=P("a"),
+                    out_specs=P())
+    assert torch.equal(g(x).full(), torch.full((4,), 2.0))  # a clone owns its memory: allowed
