@@ -84,4 +84,6 @@ class Constrain(Rule):
         return [Strategy((layout,), (layout,))]
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
-        return ctx.call(torch.ops.aten.alias.default, (args[0],))
+        # a copy, as eager's constrain is: an alias of an input written back after the call (an
+        # in-place op on it later in the function) would change with it
+        return ctx.call(torch.ops.aten.clone.default, (args[0],))
