@@ -408,13 +408,17 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 
 
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+
+
 def _refuse_overlapping_write(func, args) -> None:
     """An in-place write into a tensor whose elements share memory (an `expand`ed one: the
     gradient of a sum is `ones.expand(n)`) sets the shared element once per alias in eager, but
     functionalization writes each alias back as if it were its own element, so the program would
     compute something else. torch deprecates such writes; hpfun refuses them before tracing on."""
     name = getattr(func, "__name__", "")
-    if not (name.endswith("_") and not name.startswith("_") or name == "__setitem__"):
+    if not (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS):
         return
     target = args[0] if args else None
     if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:
