@@ -189,9 +189,8 @@ _LAYOUT_PRESERVING = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, 
 
 def verify_program(program) -> None:
     """Check a lowered per-shard program (`hpfun.lower.Program`); raise VerificationError."""
-    module, mesh = program.module, program.mesh
     problems: list[Problem] = []
-    for node in module.graph.nodes:
+    for node in program.module.graph.nodes:
         step = node.meta.get("hpfun_step")
         if step is not None:
             before, after = node.meta["hpfun_step_layouts"]
