@@ -118,9 +118,9 @@ def verify_annotation(gm: torch.fx.GraphModule, mesh: Mesh) -> None:
                 problems.append(Problem(_where(node), f"input {i} ({producer.name}): the strategy's {why}"))
             elif isinstance(have, Layout) and (why := _reaches(have, want, shape)):
                 problems.append(Problem(_where(node), f"input {i} ({producer.name}): {why}"))
-        chosen = [layout for layout in strategy.outputs]
+        chosen = list(strategy.outputs)
         placed = [layout for _, layout in _values(node)]
-        if placed != chosen[: len(placed)] or len(chosen) != len(placed):
+        if placed != chosen:
             problems.append(Problem(_where(node), f"layouts {[str(p) for p in placed]} are not its strategy's "
                                                   f"outputs {[str(c) for c in chosen]}"))
     if problems:
