@@ -1,15 +1,24 @@
 """Propagate: choose a strategy for every node by communication bytes and local work.
 
-For each op the registry's rule lists candidate strategies given the inputs' current layouts;
-each is priced by the redistributions it needs (a layout an input already reached for another
-consumer is free) plus the local work it leaves each rank (WORK_BYTES per flop or element
-touched: without it, a contraction would rather gather its small operand than resolve a Partial
-one, and compute unsharded from there on), and the cheapest wins (ties: fewer steps, then the
-rule's order). Keeping a Partial costs nothing at the op; where it is resolved is settled for
-the whole graph by a minimum cut, and a few look-ahead rounds let producers see what their
-consumers asked for (see `propagate`). Results go into `node.meta`: "hpfun_layout" (a Layout,
-or a tuple for multi-output ops), "hpfun_call", "hpfun_rule" and "hpfun_strategy". All ops
+`solve` is a pure function: it takes the graph, the mesh, the inputs' layouts and the outputs'
+wanted layouts (out_specs; pins are ops of their own, see rules/constrain.yaml) and returns an
+`Annotation`, one `NodePlan` per node (strategy, the call its rule saw, layouts). `propagate`
+writes it into `node.meta` once, at the end: "hpfun_layout" (a Layout, or a tuple for
+multi-output ops), "hpfun_call", "hpfun_rule" and "hpfun_strategy".
+
+For each op the registry's rule lists candidate strategies given the inputs' layouts; each is
+priced by the redistributions it needs (a layout an input already reached for another consumer
+is free) plus the local work it leaves each rank (WORK_BYTES per flop or element touched:
+without it, a contraction would rather gather its small operand than resolve a Partial one,
+and compute unsharded from there on), and the cheapest wins (ties: fewer steps, then the
+rule's order). Reaching each output's out_spec is priced too. Keeping a Partial costs nothing
+at the op; where it is resolved is settled for the whole graph by a minimum cut, and a few
+look-ahead rounds let producers see what their consumers asked for (see `solve`). All ops
 without a rule are reported together.
+
+A rule's answer depends only on the op, its arguments' shapes and dtypes and the inputs'
+layouts, so it is asked once per distinct question: the identical layers of a deep model ask
+the same questions, and propagation costs little more per layer than walking it.
 """
 
 from __future__ import annotations
@@ -42,18 +51,8 @@ def _outputs(node: torch.fx.Node) -> tuple[TensorMeta, ...]:
 
 def op_call(node: torch.fx.Node, mesh: Mesh) -> OpCall:
     """The OpCall a rule sees for `node`, from the layouts already in `node.meta`."""
-
-    def convert(index):
-        def leaf(x):
-            if _is_tensor_node(x):
-                val = x.meta["val"]
-                return TensorArg(tuple(val.shape), val.dtype, x.meta["hpfun_layout"], index)
-            return x
-        return leaf
-
-    args = tuple(pytree.tree_map(convert(i), a) for i, a in enumerate(node.args))
-    kwargs = {k: pytree.tree_map(convert(len(node.args) + j), v) for j, (k, v) in enumerate(node.kwargs.items())}
-    return OpCall(node.target, args, kwargs, _outputs(node), mesh)
+    site = _Site(node, None, mesh)
+    return site.call(tuple(p.meta["hpfun_layout"] for p in site.producers))
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -61,16 +60,73 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(x)]
 
 
+# ---------------------------------------------------------------------------------------------
+# The annotation: what propagation returns
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class NodePlan:
+    """One node's part of the annotation: its layout (a tuple for a multi-output op, None where
+    an element holds no tensor), and for an op the strategy chosen and the call its rule saw."""
+
+    layout: object
+    call: OpCall | None = None
+    rule: object = None
+    strategy: Strategy | None = None
+    fallback: bool = False  # ran replicated for want of a rule (fallback="replicate")
+
+
+_ANNOTATION = ("hpfun_layout", "hpfun_call", "hpfun_rule", "hpfun_strategy", "hpfun_fallback")
+
+
+@attrs.frozen(eq=False)
+class Annotation:
+    """Every node's plan, and the plan's total price (bytes moved plus weighted local work)."""
+
+    plans: dict  # fx node -> NodePlan
+    price: float
+
+    def layout(self, node: torch.fx.Node):
+        return self.plans[node].layout
+
+    def write(self, gm: torch.fx.GraphModule) -> None:
+        """Record the plan in the nodes' meta, replacing any earlier one."""
+        for node in gm.graph.nodes:
+            for key in _ANNOTATION:
+                node.meta.pop(key, None)
+            plan = self.plans[node]
+            node.meta["hpfun_layout"] = plan.layout
+            if plan.strategy is not None:
+                node.meta.update(hpfun_call=plan.call, hpfun_rule=plan.rule, hpfun_strategy=plan.strategy)
+            if plan.fallback:
+                node.meta["hpfun_fallback"] = True
+
+
 PASSES = 2
 LOOKAHEAD = 3
 
 
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
-              fallback: str | None = None, reduce_dtype: str = "float32") -> None:
-    """Annotate every node of `gm` with its chosen strategy and layouts.
+              fallback: str | None = None, reduce_dtype: str = "float32",
+              outputs: list[Layout | None] | None = None) -> Annotation:
+    """Solve (`solve`) and write the annotation into `gm`'s nodes; returns it."""
+    annotation = solve(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs)
+    annotation.write(gm)
+    if fallback == "replicate":
+        _warn_fallbacks(gm)
+    return annotation
 
-    Communication is priced as it will be lowered: under `reduce_dtype="float32"` a sum of
-    bfloat16/float16 partials moves in float32 (`hpfun.collectives.moved_dtype`).
+
+def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
+          fallback: str | None = None, reduce_dtype: str = "float32",
+          outputs: list[Layout | None] | None = None) -> Annotation:
+    """Choose every node's strategy; `gm` is not modified.
+
+    `outputs`: the layout each graph output must be delivered in (None: as computed, with any
+    Partial resolved), priced like any other redistribution. Communication is priced as it will
+    be lowered: under `reduce_dtype="float32"` a sum of bfloat16/float16 partials moves in
+    float32 (`hpfun.collectives.moved_dtype`).
 
     Ops without a rule are all reported in one MissingRuleError, unless `fallback="replicate"`:
     then each runs on gathered inputs, and one warning lists every such op and the bytes its
@@ -98,135 +154,284 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
     an embedding's gradient is accumulated only for the rank's rows of a vocab-split table.
     Each round keeps the cheaper annotation by the true price (without the look-ahead charge).
     """
-    memo: dict = {}  # (node, input layouts) -> the rule's strategies: rules are pure
-
-    def greedy(resolve, wanted) -> tuple[float, dict]:
-        hint: set = set()
-        for _ in range(PASSES):
-            hint, total, requested = _pass(gm, mesh, input_layouts, registry, set(hint), fallback, resolve, wanted, memo,
-                                           reduce_dtype)
-        return total, requested
-
-    total, requested = greedy({}, {})
-    best = (total, {}, {}, _snapshot(gm))  # price, values to resolve, layouts asked for, annotation
-    resolve = partial_cuts(gm, mesh, reduce_dtype)
-    if not _already_resolved(gm, resolve):
-        total, cut_requested = greedy(resolve, {})
-        if total < best[0]:  # the cut's model is per axis: keep it only where it helped
-            best, requested = (total, resolve, {}, _snapshot(gm)), cut_requested
+    graph = _Graph(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs)
+    best, requested = graph.greedy({}, {})
+    resolve: dict = {}
+    cut = partial_cuts(gm, mesh, best, reduce_dtype, outputs)
+    if not _already_resolved(best, cut):
+        annotation, cut_requested = graph.greedy(cut, {})
+        if annotation.price < best.price:  # the cut's model is per axis: keep it only where it helped
+            best, resolve, requested = annotation, cut, cut_requested
+    asked: dict = {}
     for _ in range(LOOKAHEAD):  # each round moves a wanted layout one producer further back
-        if not requested or requested == best[2]:  # nothing (new) asked for: the same annotation
+        if not requested or requested == asked:  # nothing (new) asked for: the same annotation
             break
-        total, next_requested = greedy(best[1], requested)
-        if total >= best[0]:
+        annotation, next_requested = graph.greedy(resolve, requested)
+        if annotation.price >= best.price:
             break
-        best, merged = (total, best[1], requested, _snapshot(gm)), {v: set(asked) for v, asked in requested.items()}
-        for v, asked in next_requested.items():  # what any round asked for
-            merged.setdefault(v, set()).update(asked)
+        best, asked = annotation, requested
+        merged = {v: set(layouts) for v, layouts in requested.items()}
+        for v, layouts in next_requested.items():  # what any round asked for
+            merged.setdefault(v, set()).update(layouts)
         requested = merged
-    _restore(gm, best[3])
-    if fallback == "replicate":
-        _warn_fallbacks(gm)
+    return best
 
 
-_ANNOTATION = ("hpfun_layout", "hpfun_call", "hpfun_rule", "hpfun_strategy", "hpfun_fallback")
+# ---------------------------------------------------------------------------------------------
+# The greedy walk
+# ---------------------------------------------------------------------------------------------
 
 
-def _snapshot(gm: torch.fx.GraphModule) -> dict:
-    return {node: {k: node.meta[k] for k in _ANNOTATION if k in node.meta} for node in gm.graph.nodes}
+class _Site:
+    """What a node's rule is asked, built once: its tensor inputs, and the call for any input
+    layouts. `key` names the question without the node, so identical layers share answers."""
+
+    __slots__ = ("node", "rule", "fallback", "producers", "mesh", "_leaves", "_spec", "_slots", "outputs", "key",
+                 "values")
+
+    def __init__(self, node: torch.fx.Node, rule, mesh: Mesh, fallback: bool = False):
+        self.node, self.rule, self.fallback, self.mesh = node, rule, fallback, mesh
+        leaves, self._spec = pytree.tree_flatten((node.args, node.kwargs))
+        owner = [i for i, a in enumerate(node.args) for _ in pytree.tree_leaves(a)]
+        owner += [len(node.args) + j for j, v in enumerate(node.kwargs.values()) for _ in pytree.tree_leaves(v)]
+        self._leaves, self._slots, self.producers = list(leaves), [], []
+        for pos, x in enumerate(leaves):
+            if _is_tensor_node(x):
+                val = x.meta["val"]
+                self._slots.append((pos, tuple(val.shape), val.dtype, owner[pos]))
+                self.producers.append(x)
+        self.outputs = _outputs(node)
+        self.values = _output_values(node)
+        tensors = {pos: slot for pos, *slot in self._slots}
+        key = (node.target, self._spec, self.outputs,  # a Python scalar's type too: True, 1 and 1.0 hash alike
+               tuple(("tensor", *tensors[i]) if i in tensors else (type(x), x) for i, x in enumerate(leaves)))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable argument (a slice): this node asks alone
+            key = (node,)
+        self.key = key
+
+    def call(self, layouts: tuple) -> OpCall:
+        leaves = list(self._leaves)
+        for (pos, shape, dtype, index), layout in zip(self._slots, layouts, strict=True):
+            leaves[pos] = TensorArg(shape, dtype, layout, index)
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return OpCall(self.node.target, tuple(args), dict(kwargs), self.outputs, self.mesh)
 
 
-def _restore(gm: torch.fx.GraphModule, snapshot: dict) -> None:
-    for node in gm.graph.nodes:
-        for k in _ANNOTATION:
-            node.meta.pop(k, None)
-        node.meta.update(snapshot[node])
+@attrs.frozen(eq=False)
+class _Options:
+    """A rule's answer for one call: the call and its strategies, each with its work price."""
+
+    call: OpCall
+    strategies: tuple[tuple[Strategy, float], ...]
 
 
-def _pass(gm, mesh: Mesh, input_layouts: list[Layout], registry, reached: set, fallback=None,
-          resolve=None, wanted=None, memo=None, reduce_dtype: str = "float32") -> tuple[set, float, dict]:
-    """One greedy pass in graph order; returns the layouts it materialized, its total price
-    (bytes moved, including resolving Partial outputs, plus weighted local work) and, per
-    value, the other layouts its consumers asked for."""
-    placeholders = iter(input_layouts)
-    missing: list[Problem] = []
-    replicated = Layout.replicated(mesh)
-    materialized: set[tuple[torch.fx.Node, Layout]] = set()
-    requested: dict[torch.fx.Node, set[Layout]] = {}
-    total = 0.0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            node.meta["hpfun_layout"] = next(placeholders)
-        elif node.op == "get_attr":
-            node.meta["hpfun_layout"] = replicated
-        elif node.op == "call_function" and node.target is operator.getitem:
-            node.meta["hpfun_layout"] = node.args[0].meta["hpfun_layout"][node.args[1]]
-        elif node.op == "call_function":
-            rule = registry.lookup(node.target)
-            call = op_call(node, mesh)
-            if rule is None and fallback == "replicate":
-                rule = _FALLBACK
-                node.meta["hpfun_fallback"] = True
-            if rule is None:
-                missing.append(_missing(node, call))
-                outs = (replicated,) * max(len(call.outputs), 1)
-                node.meta["hpfun_layout"] = _placed(node, outs)
+class _Graph:
+    """The graph prepared for greedy passes: one site per op, and the rules' answers, asked once."""
+
+    def __init__(self, gm, mesh: Mesh, input_layouts, registry, fallback, reduce_dtype, outputs):
+        self.gm, self.mesh, self.registry, self.reduce_dtype = gm, mesh, registry, reduce_dtype
+        self.nodes = list(gm.graph.nodes)
+        self.input_layouts = list(input_layouts)
+        self.sites: dict = {}
+        for node in self.nodes:
+            if node.op == "call_function" and node.target is not operator.getitem:
+                rule = registry.lookup(node.target)
+                fell = rule is None and fallback == "replicate"
+                self.sites[node] = _Site(node, _FALLBACK if fell else rule, mesh, fell)
+        out = next(n for n in reversed(self.nodes) if n.op == "output")
+        results = tensor_inputs(out)
+        wanted = outputs if outputs is not None else [None] * len(results)
+        self.sinks = list(zip(results, wanted, strict=True))
+        self._answers: dict = {}
+
+    def greedy(self, resolve: dict, wanted: dict) -> tuple[Annotation, dict]:
+        reached: set = set()
+        for _ in range(PASSES):
+            reached, annotation, requested = self.walk(set(reached), resolve, wanted)
+        return annotation, requested
+
+    def options(self, site: _Site, layouts: tuple) -> _Options:
+        """The rule's strategies for `site` with inputs in `layouts` (in the inputs' axis orders too)."""
+        key = (site.key, layouts)
+        found = self._answers.get(key)
+        if found is None:
+            call = site.call(layouts)
+            strategies = keep_orders(call, site.rule.strategies(call))  # rules list mesh order; inputs keep theirs
+            found = _Options(call, tuple((s, WORK_BYTES * local_work(site.rule, call, s)) for s in strategies))
+            self._answers[key] = found
+        return found
+
+    def walk(self, reached: set, resolve: dict, wanted: dict) -> tuple[set, Annotation, dict]:
+        """One greedy pass in graph order: the layouts it materialized, its annotation (priced:
+        bytes moved, including resolving Partial outputs and reaching out_specs, plus weighted
+        local work) and, per value, the other layouts its consumers asked for."""
+        placeholders = iter(self.input_layouts)
+        missing: list[Problem] = []
+        replicated = Layout.replicated(self.mesh)
+        layouts: dict = {}
+        plans: dict = {}
+        materialized: set = set()
+        requested: dict = {}
+        total = 0.0
+        for node in self.nodes:
+            plan = None
+            if node.op == "placeholder":
+                layout = next(placeholders)
+            elif node.op == "get_attr":
+                layout = replicated
+            elif node.op == "call_function" and node.target is operator.getitem:
+                layout = layouts[node.args[0]][node.args[1]]
+            elif node.op == "call_function":
+                site = self.sites[node]
+                have = tuple(layouts[p] for p in site.producers)
+                if site.rule is None:
+                    missing.append(_missing(node, site.call(have)))
+                    layout = _placed(node, (replicated,) * max(len(site.outputs), 1))
+                else:
+                    strategy, call, work = self._choose(site, have, reached, resolve, wanted)
+                    total += work
+                    for producer, need, current in zip(site.producers, strategy.inputs, have, strict=True):
+                        reached.add((producer, need))
+                        materialized.add((producer, need))
+                        if need != current and producer.op == "call_function":
+                            requested.setdefault(producer, set()).add(need)
+                    layout = _placed(node, strategy.outputs)
+                    plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
+            else:
+                layout = None
+                if node.op == "output":
+                    total += self._sinks(layouts, reached, materialized, requested)
+            layouts[node] = layout
+            plans[node] = plan or NodePlan(layout)
+        if missing:
+            raise MissingRuleError(missing)
+        for producer, layout in materialized:  # each layout a value reaches is paid for once
+            val = producer.meta["val"]
+            total += redistribute_cost(layouts[producer], layout, tuple(val.shape), val.dtype, self.reduce_dtype)[0]
+        return materialized, Annotation(plans, total), requested
+
+    def _sinks(self, layouts, reached, materialized, requested) -> float:
+        """Price of delivering the outputs: their out_specs reached (with the other layouts,
+        once per value and layout), or their Partial sums resolved where no spec is given."""
+        total = 0.0
+        for value, want in self.sinks:
+            have = layouts[value]
+            if want is None:
+                total += sum(_resolve_bytes(value, a, have, self.reduce_dtype) for a in have.partial_axes)
+            elif want != have:
+                if (value, want) not in reached:
+                    materialized.add((value, want))
+                    reached.add((value, want))
+                if value.op == "call_function":
+                    requested.setdefault(value, set()).add(want)
+        return total
+
+    def _choose(self, site: _Site, have: tuple, reached, resolve, wanted) -> tuple[Strategy, OpCall, float]:
+        """The cheapest strategy, the call its rule saw and its work price. Inputs in `resolve`
+        must arrive without Partial on the axes listed there, when the rule offers such a
+        strategy. With `wanted` (layouts the consumers asked for, per value), a strategy is also
+        charged for reaching those from its outputs, and `_hinted` strategies are offered too."""
+        asked = self.options(site, have)
+        if not asked.strategies:
+            layouts = ", ".join(layout.placements_str() for layout in have)
+            raise ShardingError(Problem(
+                f"{site.node.target} ({site.node.name})", f"the rule offers no strategy for inputs {layouts}",
+                "check the rule's shapes; a rule must at least offer the replicated strategy",
+            ))
+        options = [(s, asked.call, w) for s, w in asked.strategies]
+        if wanted:
+            options += self._hinted(site, asked.call, have, wanted)
+        producers = site.producers
+        if resolve:
+            def resolves(option):
+                return not any(isinstance(layout.placements[a], Partial)
+                               for producer, layout in zip(producers, option[0].inputs, strict=True)
+                               for a in resolve.get(producer, ()))
+            options = [o for o in options if resolves(o)] or options
+        args = asked.call.tensors
+        reduce_dtype = self.reduce_dtype
+
+        def price(item):
+            index, (strategy, _, work) = item
+            wire, steps = 0.0, 0
+            for producer, arg, layout in zip(producers, args, strategy.inputs, strict=True):
+                if layout != arg.layout and (producer, layout) not in reached:
+                    w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype, reduce_dtype)
+                    wire, steps = wire + w, steps + s
+            pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
+            return wire + work, steps, pending, index
+
+        values = site.values if wanted else []
+
+        def ahead(item):
+            own = price(item)
+            onward = sum(redistribute_cost(layout, want, out.shape, out.dtype, reduce_dtype)[0]
+                         for value, layout, out in zip(values, item[1][0].outputs, site.outputs)
+                         if value is not None for want in wanted.get(value, ()) if want != layout)
+            return (own[0] + onward,) + own[1:]
+
+        return min(enumerate(options), key=ahead if values else price)[1]
+
+    def _hinted(self, site: _Site, call: OpCall, have: tuple, wanted) -> list:
+        """Strategies giving an output layout the consumers asked for, from the rule's view of an
+        input of the output's shape taken in that layout, where taking it moves nothing (a block of
+        a replicated input); each with the call the rule saw, which is what reaches `emit`, since
+        the strategy takes that input in that layout."""
+        values = site.values
+        if len(values) != 1 or values[0] not in wanted:
+            return []
+        out, found = call.outputs[0], []
+        for want in wanted[values[0]]:
+            if want.partial_axes:
                 continue
-            strategy, call = _choose(node, call, rule, reached, resolve or {}, wanted or {}, {} if memo is None else memo,
-                                     reduce_dtype)
-            total += WORK_BYTES * local_work(rule, call, strategy)
-            for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
-                reached.add((producer, layout))
-                materialized.add((producer, layout))
-                if layout != producer.meta["hpfun_layout"] and producer.op == "call_function":
-                    requested.setdefault(producer, set()).add(layout)
-            node.meta.update(hpfun_call=call, hpfun_rule=rule, hpfun_strategy=strategy)
-            node.meta["hpfun_layout"] = _placed(node, strategy.outputs)
-        elif node.op == "output":
-            for value in tensor_inputs(node):
-                for a in value.meta["hpfun_layout"].partial_axes:
-                    total += _resolve_bytes(value, a, reduce_dtype)
-    if missing:
-        raise MissingRuleError(missing)
-    for producer, layout in materialized:  # each layout a value reaches is paid for once
-        val = producer.meta["val"]
-        total += redistribute_cost(producer.meta["hpfun_layout"], layout, tuple(val.shape), val.dtype, reduce_dtype)[0]
-    return materialized, total, requested
+            for i, t in enumerate(call.tensors):
+                if t.shape != out.shape or t.layout == want or redistribute_cost(t.layout, want, t.shape, t.dtype)[0]:
+                    continue
+                try:
+                    asked = self.options(site, have[:i] + (want,) + have[i + 1:])
+                except ShardingError:
+                    continue
+                found += [(s, asked.call, w) for s, w in asked.strategies if s.outputs[0] == want and s.inputs[i] == want]
+        return found
 
 
-def _already_resolved(gm: torch.fx.GraphModule, resolve: dict) -> bool:
+def _already_resolved(annotation: Annotation, resolve: dict) -> bool:
     """Whether every consumer of every value in `resolve` already takes it resolved."""
-    for node in gm.graph.nodes:
-        strategy = node.meta.get("hpfun_strategy")
-        if strategy is None:
+    for node, plan in annotation.plans.items():
+        if plan.strategy is None:
             continue
-        for producer, layout in zip(tensor_inputs(node), strategy.inputs, strict=True):
+        for producer, layout in zip(tensor_inputs(node), plan.strategy.inputs, strict=True):
             if any(isinstance(layout.placements[a], Partial) for a in resolve.get(producer, ())):
                 return False
     return True
 
 
-def _resolve_bytes(value: torch.fx.Node, axis: int, reduce_dtype: str = "float32") -> float:
-    """Bytes one rank sends to all-reduce `value`'s Partial on mesh axis `axis`."""
-    layout, val = value.meta["hpfun_layout"], value.meta["val"]
+def _resolve_bytes(value: torch.fx.Node, axis: int, layout: Layout, reduce_dtype: str = "float32") -> float:
+    """Bytes one rank sends to all-reduce `value` (in `layout`)'s Partial on mesh axis `axis`."""
+    val = value.meta["val"]
     return redistribute_cost(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype, reduce_dtype)[0]
 
 
-def _partial_on(value, axis: int) -> bool:
-    layout = value.meta.get("hpfun_layout")
-    return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
-
-
-def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, reduce_dtype: str = "float32") -> dict[torch.fx.Node, frozenset[int]]:
+def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, reduce_dtype: str = "float32",
+                 outputs: list[Layout | None] | None = None) -> dict[torch.fx.Node, frozenset[int]]:
     """Per value, the mesh axes on which its Partial should be resolved where it is produced.
 
-    For each mesh axis, from the current annotation: a value kept Partial flows from its source
-    (an op that created the sum, or an input) through consumers that keep it Partial, to consumers
-    (or outputs) that need it resolved. Each value is a node with capacity the bytes of
-    resolving it; a minimum S-T vertex cut is the cheapest set of values to resolve so that no
-    unresolved sum reaches a consumer that needs it resolved.
+    For each mesh axis, from `annotation`: a value kept Partial flows from its source (an op
+    that created the sum, or an input) through consumers that keep it Partial, to consumers (or
+    outputs) that need it resolved. Each value is a node with capacity the bytes of resolving
+    it; a minimum S-T vertex cut is the cheapest set of values to resolve so that no unresolved
+    sum reaches a consumer that needs it resolved.
     """
     import networkx as nx  # a dependency of torch: max-flow/min-cut, well tested
+
+    def layout_of(value):
+        return annotation.plans[value].layout
+
+    def partial_on(value, axis: int) -> bool:
+        layout = layout_of(value)
+        return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
 
     resolve: dict[torch.fx.Node, set[int]] = {}
     for a, size in enumerate(mesh.shape):
@@ -234,24 +439,27 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, reduce_dtype: str = "floa
             continue
         g = nx.DiGraph()
         for node in gm.graph.nodes:
-            if node.op == "placeholder" and _partial_on(node, a):
+            plan = annotation.plans[node]
+            if node.op == "placeholder" and partial_on(node, a):
                 g.add_edge("S", ("in", node))
-                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a, reduce_dtype) + 1)
+                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a, layout_of(node), reduce_dtype) + 1)
             elif node.op == "output":
-                for value in tensor_inputs(node):
-                    if _partial_on(value, a):
+                values = tensor_inputs(node)
+                wants = outputs if outputs is not None else [None] * len(values)
+                for value, want in zip(values, wants, strict=True):
+                    if partial_on(value, a) and (want is None or want.placements[a] != layout_of(value).placements[a]):
                         g.add_edge(("out", value), "T")
-            elif node.op == "call_function" and "hpfun_strategy" in node.meta:
+            elif node.op == "call_function" and plan.strategy is not None:
                 kept, needs = [], []
-                for producer, layout in zip(tensor_inputs(node), node.meta["hpfun_strategy"].inputs, strict=True):
-                    if _partial_on(producer, a):
+                for producer, layout in zip(tensor_inputs(node), plan.strategy.inputs, strict=True):
+                    if partial_on(producer, a):
                         (kept if isinstance(layout.placements[a], Partial) else needs).append(producer)
                 for producer in needs:
                     g.add_edge(("out", producer), "T")
                 for value in _output_values(node):
-                    if value is None or not _partial_on(value, a):
+                    if value is None or not partial_on(value, a):
                         continue
-                    capacity = _resolve_bytes(value, a, reduce_dtype) + 1  # +1: fewer collectives on ties
+                    capacity = _resolve_bytes(value, a, layout_of(value), reduce_dtype) + 1  # +1: fewer collectives on ties
                     g.add_edge(("in", value), ("out", value), capacity=capacity)
                     for producer in kept or ["S"]:
                         g.add_edge(producer if producer == "S" else ("out", producer), ("in", value))
@@ -272,99 +480,6 @@ def _placed(node: torch.fx.Node, layouts: tuple):
         return layouts[0]
     tensors = iter(layouts)
     return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
-
-
-def _choose(node, call: OpCall, rule, reached, resolve, wanted, memo, reduce_dtype="float32") -> tuple[Strategy, OpCall]:
-    """The cheapest strategy, and the call its rule saw. Inputs in `resolve` must arrive
-    without Partial on the axes listed there, when the rule offers such a strategy. With
-    `wanted` (layouts the consumers asked for, per value), a strategy is also charged for
-    reaching those from its outputs, and `_hinted` strategies are offered too."""
-    producers = memo.get(("inputs", node))
-    if producers is None:
-        producers = memo[("inputs", node)] = tensor_inputs(node)
-    candidates = _strategies(node, call, rule, memo, tuple(p.meta["hpfun_layout"] for p in producers))
-    if not candidates:
-        layouts = ", ".join(t.layout.placements_str() for t in call.tensors)
-        raise ShardingError(Problem(
-            f"{node.target} ({node.name})", f"the rule offers no strategy for inputs {layouts}",
-            "check the rule's shapes; a rule must at least offer the replicated strategy",
-        ))
-    options = [(strategy, call) for strategy in candidates]
-    if wanted:
-        options += _hinted(node, call, rule, wanted, memo)
-    if resolve:
-        def resolves(option):
-            return not any(isinstance(layout.placements[a], Partial)
-                           for producer, layout in zip(producers, option[0].inputs, strict=True)
-                           for a in resolve.get(producer, ()))
-        options = [o for o in options if resolves(o)] or options
-
-    def price(item):
-        index, (strategy, _) = item
-        wire, steps = 0.0, 0
-        for producer, arg, layout in zip(producers, call.tensors, strategy.inputs, strict=True):
-            if (producer, layout) not in reached:
-                w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype, reduce_dtype)
-                wire, steps = wire + w, steps + s
-        pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
-        return wire + WORK_BYTES * local_work(rule, call, strategy), steps, pending, index
-
-    values = _output_values(node) if wanted else []
-
-    def ahead(item):
-        own = price(item)
-        onward = sum(redistribute_cost(layout, want, out.shape, out.dtype, reduce_dtype)[0]
-                     for value, layout, out in zip(values, item[1][0].outputs, call.outputs)
-                     if value is not None for want in wanted.get(value, ()) if want != layout)
-        return (own[0] + onward,) + own[1:]
-
-    return min(enumerate(options), key=ahead if values else price)[1]
-
-
-def _strategies(node, call: OpCall, rule, memo: dict, layouts=None) -> list[Strategy]:
-    """`rule.strategies(call)` with their variants in the inputs' axis orders (`keep_orders`),
-    remembered per node and input `layouts` (those of `call`)."""
-    key = (node, layouts if layouts is not None else tuple(t.layout for t in call.tensors))
-    if key not in memo:
-        memo[key] = keep_orders(call, rule.strategies(call))  # rules list mesh order; inputs keep theirs
-    return memo[key]
-
-
-def _hinted(node, call: OpCall, rule, wanted, memo) -> list[tuple[Strategy, OpCall]]:
-    """Strategies giving an output layout the consumers asked for, from the rule's view of an
-    input of the output's shape taken in that layout, where taking it moves nothing (a block of
-    a replicated input); each with the call the rule saw, which is what reaches `emit`, since
-    the strategy takes that input in that layout."""
-    values = _output_values(node)
-    if len(values) != 1 or values[0] not in wanted:
-        return []
-    out, found = call.outputs[0], []
-    for want in wanted[values[0]]:
-        if want.partial_axes:
-            continue
-        for i, t in enumerate(call.tensors):
-            if t.shape != out.shape or t.layout == want or redistribute_cost(t.layout, want, t.shape, t.dtype)[0]:
-                continue
-            hypothetical = _with_layout(call, i, want)
-            try:
-                options = _strategies(node, hypothetical, rule, memo)
-            except ShardingError:
-                continue
-            found += [(s, hypothetical) for s in options if s.outputs[0] == want and s.inputs[i] == want]
-    return found
-
-
-def _with_layout(call: OpCall, position: int, layout: Layout) -> OpCall:
-    """`call` with its tensor argument number `position` (flattening order) in `layout`."""
-    count = iter(range(1 << 30))
-
-    def swap(x):
-        if isinstance(x, TensorArg) and next(count) == position:
-            return attrs.evolve(x, layout=layout)
-        return x
-
-    args, kwargs = pytree.tree_map(swap, (call.args, call.kwargs))
-    return attrs.evolve(call, args=args, kwargs=kwargs)
 
 
 def _output_values(node: torch.fx.Node) -> list:

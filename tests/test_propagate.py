@@ -36,13 +36,13 @@ def test_partial_cuts_name_the_values_to_resolve():
     """On a greedy annotation that keeps the product lazy, the cut names the product (the
     matmul) on the tp axis, and nothing on an axis of size one."""
     from hpfun.capture import capture
-    from hpfun.propagate import _pass
+    from hpfun.propagate import _Graph
     from hpfun.rules import REGISTRY
 
     args = _args()
     gm = capture(fan_out, [(tuple(t.shape), t.dtype) for t in args], None)
     layouts = [P(None, "tp").to_layout(MESH, 2), P("tp").to_layout(MESH, 2), P().to_layout(MESH, 1),
                P().to_layout(MESH, 1)]
-    _pass(gm, MESH, layouts, REGISTRY, set())
-    cuts = partial_cuts(gm, MESH)
+    _, annotation, _ = _Graph(gm, MESH, layouts, REGISTRY, None, "float32", None).walk(set(), {}, {})
+    cuts = partial_cuts(gm, MESH, annotation)
     assert {node.target for node in cuts} == {torch.ops.aten.mm.default} and set(cuts.values()) == {frozenset({0})}
