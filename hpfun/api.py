@@ -297,21 +297,22 @@ class ShardedFunction:
         writes = self._write_targets(call, traced, captured, names, lifted_index, input_layouts_, tensor_pos, leaves)
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
+        out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
+        out_layouts += [w.layout for w in writes]
+        out_paths += [f"{w.name} (written back)" for w in writes]
         propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
-                  reduce_dtype=self.options.reduce_dtype)
+                  reduce_dtype=self.options.reduce_dtype, outputs=out_layouts)  # reaching out_specs is priced too
         fuse.rejoin(gm, self.mesh, self.options.registry)
         checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
         if checked:
             verify.verify_annotation(gm, self.mesh)
-        out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
-        out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
-        program = lower(gm, self.mesh, out_layouts + [w.layout for w in writes], out_paths, rng=self.options.rng,
+        program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype)
         if checked:
             verify.verify_program(program)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
-                       len(out_layouts), tuple(writes), tuple(traced.cleared), tuple(out_paths))
+                       len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths))
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry

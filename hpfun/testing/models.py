@@ -123,16 +123,19 @@ def _attention(x, p, i, heads):
     return att.transpose(1, 2).reshape(b, s, d) @ p[f"h{i}.wo"]
 
 
-def gpt_loss(params: dict, idx: torch.Tensor, targets: torch.Tensor, *, heads: int = GPT["heads"], seq_split=None):
+def gpt_loss(params: dict, idx: torch.Tensor, targets: torch.Tensor, *, heads: int = GPT["heads"], seq_split=None,
+             pins: str = "all"):
     """Next-token cross-entropy. `seq_split` (a P spec, e.g. P(None, "tp")) lays the GPT out as
     Megatron's sequence parallelism: the residual stream and the norms split along the sequence;
     each norm's output gathered whole for the column-parallel matmuls, its gradient
     reduce-scattered back (Megatron's g); each block's row-parallel output reduce-scattered onto
-    the stream, its gradient gathered whole (g's conjugate)."""
+    the stream, its gradient gathered whole (g's conjugate). With `pins="embedding"` only the
+    embedding output is pinned, and propagation finds the rest."""
     pin = whole = scatter = (lambda x: x)
     if seq_split is not None:
         gathered = P(*seq_split.dims[:1])  # the batch stays as it was split
         pin = lambda x: _constrain(x, seq_split)  # noqa: E731
+    if seq_split is not None and pins == "all":
         whole = lambda x: _constrain(x, gathered, grad=seq_split)  # noqa: E731
         scatter = lambda x: _constrain(x, seq_split, grad=gathered)  # noqa: E731
     x = pin(F.embedding(idx, params["wte"]) + params["wpe"])
@@ -169,9 +172,9 @@ def adamw_init(params: dict) -> dict:
     return {"m": zeros, "v": dict(zeros), "step": torch.zeros(())}
 
 
-def gpt_step(params: dict, state: dict, idx: torch.Tensor, targets: torch.Tensor, seq_split=None):
+def gpt_step(params: dict, state: dict, idx: torch.Tensor, targets: torch.Tensor, seq_split=None, pins: str = "all"):
     """One AdamW training step of the GPT: returns (params, optimizer state, loss)."""
-    grads, loss = torch.func.grad_and_value(gpt_loss)(params, idx, targets, seq_split=seq_split)
+    grads, loss = torch.func.grad_and_value(gpt_loss)(params, idx, targets, seq_split=seq_split, pins=pins)
     params, state = adamw(params, grads, state)
     return params, state, loss
 
