@@ -25,13 +25,14 @@ from hpfun.explain import Lowered
 from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
 from hpfun.lower import Collective
 from hpfun.mesh import Mesh
+from hpfun.plan import CostModel
 from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
 from hpfun.visualize import visualize  # after the submodule import: hpfun.visualize is the function
 from hpfun.writeback import gather_state
 
 __all__ = [
-    "CaptureError", "Collective", "ExecutionError", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "CaptureError", "Collective", "CostModel", "ExecutionError", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "visualize",

@@ -21,6 +21,7 @@ from hpfun.layout import Layout, P
 from hpfun.execute import run
 from hpfun.lower import Program, lower
 from hpfun.mesh import Mesh
+from hpfun.plan import CostModel
 from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
@@ -33,7 +34,8 @@ from hpfun.writeback import WriteBack
 
 
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
-          rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY):
+          rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
+          cost_model: CostModel | None = None, solver: str = "greedy"):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -74,6 +76,14 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     `lookup(op) -> Rule | None`, tries rules without touching the built-in one. It keys the
     program cache by identity.
 
+    Propagation chooses every op's strategy by one price, in seconds: per collective alpha plus
+    its wire bytes over beta (per mesh axis), plus each rank's local work at `flops` per second,
+    as `cost_model` (an `hpfun.plan.CostModel`) sets them; `lower().cost()` reports the chosen
+    plan under the same model. `solver="greedy"` (the default) walks the graph in order with a
+    minimum cut for Partial sums and look-ahead rounds; `solver="exact"` then improves on that by
+    an integer program over every op's candidate strategies at once (HiGHS): slower to compile,
+    never a dearer plan.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -83,7 +93,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     if f is None:
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
-                                 registry=registry)
+                                 registry=registry, cost_model=cost_model, solver=solver)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -99,7 +109,13 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     if state_specs is not None and not isinstance(state_specs, dict):
         raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}",
                         headline="bad sharding spec")
-    options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise SpecError(f"cost_model must be an hpfun.plan.CostModel, got {type(cost_model).__name__}",
+                        headline="bad option")
+    if solver not in ("greedy", "exact"):
+        raise SpecError(f"solver must be 'greedy' or 'exact', got {solver!r}", headline="bad option")
+    options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
+                      cost_model=cost_model or CostModel(), solver=solver)
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -114,6 +130,8 @@ class Options:
     # the rules propagation looks ops up in; compared by identity (and left out of the hash):
     # two registries with the same rules today may differ tomorrow
     registry: object = attrs.field(default=REGISTRY, eq=attrs.cmp_using(eq=operator.is_), hash=False)
+    cost_model: CostModel = attrs.field(factory=CostModel)  # compared by identity: a new model may plan anew
+    solver: str = "greedy"
 
 
 @attrs.frozen
@@ -203,7 +221,7 @@ class ShardedFunction:
         constants = [f"constants.{i}" for i in range(len(entry.constants))]
         return Lowered(entry.program, input_paths=[p for p, _ in fed] + constants,
                        input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
-                       output_paths=entry.output_paths)
+                       output_paths=entry.output_paths, cost_model=self.options.cost_model)
 
     # -- one call's inputs ------------------------------------------------------------------------
 
@@ -301,7 +319,8 @@ class ShardedFunction:
         out_layouts += [w.layout for w in writes]
         out_paths += [f"{w.name} (written back)" for w in writes]
         propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
-                  reduce_dtype=self.options.reduce_dtype, outputs=out_layouts)  # reaching out_specs is priced too
+                  reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
+                  cost_model=self.options.cost_model, exact=self.options.solver == "exact")
         fuse.rejoin(gm, self.mesh, self.options.registry)
         checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
         if checked:

@@ -5,11 +5,11 @@ view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a 
 with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
 be compared by diffing their `to_json()`.
 
-Schema "hpfun.lowered", version 2 (layouts in the compact notation, on the report's mesh;
+Schema "hpfun.lowered", version 3 (layouts in the compact notation, on the report's mesh;
 shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
 names for the ops it came from):
 
-    schema: "hpfun.lowered"      version: 2
+    schema: "hpfun.lowered"      version: 3
     mesh: {shape: [2, 2], axis_names: ["dp", "tp"]}
     inputs: [{name, path, shape, local_shape, dtype, layout}]          one per tensor argument
     outputs: [{path, node, shape, local_shape, dtype, layout}]         one per output leaf
@@ -25,9 +25,12 @@ names for the ops it came from):
         bytes: the local buffer each rank hands to it, in `dtype`; dtype: what it moves (a
         reduction: the dtype it reduces in, float32 for a bfloat16 sum under the default
         reduce_dtype); node/op: what needed it; reason: why
+    cost_model: {alpha, beta, flops, per_axis: {axis name: [alpha, beta]}}   the model the plan
+        was chosen by, and `cost()`'s default
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
-collectives[].dtype.
+collectives[].dtype, version 3 cost_model; older versions are read (version 2 with the default
+cost model).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from hpfun.lower import Collective, Program
 from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 
-SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 2
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 3
+_READS = (2, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +143,8 @@ def _collective_dict(c: Collective, mesh: Mesh) -> dict:
             "node": c.node, "op": c.op, "reason": c.reason}
 
 
-def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None) -> dict:
+def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None,
+           cost_model: CostModel | None = None) -> dict:
     """The report's dict (schema in the module docstring) of a lowered program; argument and
     output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
     n, n_out = len(program.input_layouts), len(program.output_layouts)
@@ -153,7 +158,20 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
         "outputs": _outputs(program, nodes[-1].args[0], output_paths or [f"outputs[{i}]" for i in range(n_out)]),
         "nodes": [_node_dict(node, program, given, index) for node in nodes],
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
+        "cost_model": _model_dict(cost_model or CostModel()),
     }
+
+
+def _model_dict(model: CostModel) -> dict:
+    return {"alpha": model.alpha, "beta": model.beta, "flops": model.flops,
+            "per_axis": {name: list(link) for name, link in model.per_axis}}
+
+
+def _model(data: dict) -> CostModel:
+    d = data.get("cost_model")
+    if d is None:
+        return CostModel()
+    return CostModel(alpha=d["alpha"], beta=d["beta"], flops=d["flops"], per_axis=d["per_axis"])
 
 
 def _inputs(program: Program, paths, dtypes) -> list[dict]:
@@ -178,8 +196,8 @@ def _check_schema(data) -> None:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise HpfunError(Problem("report", f"not an {SCHEMA} report", "pass what Lowered.to_json() wrote"),
                          headline="cannot read the lowered report")
-    if data.get("version") != SCHEMA_VERSION:
-        what = f"schema version {data.get('version')!r}; this hpfun reads version {SCHEMA_VERSION}"
+    if data.get("version") not in _READS:
+        what = f"schema version {data.get('version')!r}; this hpfun reads versions {', '.join(map(str, _READS))}"
         raise HpfunError(Problem("report", what, "read it with the hpfun version that wrote it"),
                          headline="cannot read the lowered report")
 
@@ -232,9 +250,9 @@ def _wire_bytes(c: dict) -> float:
 
 
 def _seconds(c: dict, model: CostModel) -> float:
-    """alpha + wire bytes / beta, with the slowest parameters among the collective's axes."""
-    params = [model.per_axis.get(a, (model.alpha, model.beta)) for a in c["axes"]]
-    return max(p[0] for p in params) + _wire_bytes(c) / min(p[1] for p in params)
+    """alpha + wire bytes / beta, with the slowest parameters among the collective's axes: the
+    price propagation chose the plan by (`CostModel.collective`)."""
+    return model.collective(c["kind"], c["axes"], _wire_bytes(c))
 
 
 def price(collectives: list[dict], model: CostModel) -> Cost:
@@ -273,9 +291,10 @@ class Lowered:
     True
     """
 
-    def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None):
+    def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None,
+                 cost_model: CostModel | None = None):
         self.program = program
-        self._data = report(program, input_paths, input_dtypes, output_paths)
+        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Lowered":
@@ -343,8 +362,9 @@ class Lowered:
 
     def cost(self, model: CostModel | None = None) -> Cost:
         """Bytes per mesh axis group and estimated seconds under the alpha-beta `model`
-        (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`; default one if None)."""
-        return price(self._data["collectives"], model or CostModel())
+        (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`); by default the
+        model the plan was chosen by (`shard(cost_model=...)`)."""
+        return price(self._data["collectives"], model or _model(self._data))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Lowered) and self._data == other._data

@@ -151,8 +151,11 @@ class Layout:
     mesh: Mesh
     placements: tuple = attrs.field(converter=_to_placements)
     order: tuple = attrs.field(default=(), converter=_to_order)
+    # derived once (planning asks for it millions of times), not part of equality
+    _partial: tuple = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
+        object.__setattr__(self, "_partial", tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial)))
         if len(self.placements) != self.mesh.ndim:
             raise LayoutError(
                 f"a layout on mesh {self.mesh} needs {self.mesh.ndim} placements, got {len(self.placements)}"
@@ -183,7 +186,7 @@ class Layout:
 
     @property
     def partial_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial))
+        return self._partial
 
     @property
     def replicated_axes(self) -> tuple[int, ...]:

@@ -24,19 +24,45 @@ import attrs
 import torch
 
 from hpfun.collectives import (
-    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial, moved_dtype, wire_bytes,
+    COMMUNICATING, AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Relabel, ToPartial, moved_dtype, wire_bytes,
 )
 from hpfun.errors import ShardingError
 from hpfun.layout import Layout, Partial, R, Shard
 
 
-@attrs.frozen
+def _frozen_axes(per_axis) -> tuple:
+    return tuple(sorted((str(k), (float(v[0]), float(v[1]))) for k, v in dict(per_axis).items()))
+
+
+@attrs.frozen(cache_hash=True)
 class CostModel:
-    """alpha-beta time per collective: alpha + wire bytes / beta (seconds); per-axis overrides."""
+    """The price of a plan in seconds: per collective alpha + wire bytes / beta (the slowest
+    alpha and beta among its mesh axes, `per_axis` overriding them by axis name), and per unit
+    of local work (a multiply-add, or an element touched) 1 / `flops`.
+
+    One model prices both what propagation chooses and what `Lowered.cost()` reports."""
 
     alpha: float = 5e-6
     beta: float = 10e9
-    per_axis: dict = attrs.field(factory=dict)  # axis name -> (alpha, beta)
+    flops: float = 10e9  # local work per second per rank: by default one unit of work costs a byte
+    # axis name -> (alpha, beta), given as a dict; kept as sorted pairs so models compare by value
+    per_axis: tuple = attrs.field(factory=tuple, converter=_frozen_axes)
+
+    def link(self, axis_names) -> tuple[float, float]:
+        """(alpha, beta) of a collective over these mesh axes: the slowest of each."""
+        overrides = dict(self.per_axis)
+        params = [overrides.get(a, (self.alpha, self.beta)) for a in axis_names]
+        return max(p[0] for p in params), min(p[1] for p in params)
+
+    def collective(self, kind: str, axis_names, wire: float) -> float:
+        """Seconds of one collective moving `wire` bytes per rank (0 for a local step)."""
+        if kind not in COMMUNICATING_KINDS:
+            return 0.0
+        alpha, beta = self.link(axis_names)
+        return alpha + wire / beta
+
+    def work(self, units: float) -> float:
+        return units / self.flops
 
 
 def redistribute_plan(src: Layout, dst: Layout, shape) -> tuple:
@@ -155,6 +181,8 @@ def _accepts(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
 # Cost
 # ---------------------------------------------------------------------------------------------
 
+COMMUNICATING_KINDS = frozenset(step.kind for step in COMMUNICATING)
+
 
 def group_size(mesh, step) -> int:
     return math.prod(mesh.shape[a] for a in step.axes)
@@ -184,3 +212,25 @@ def _cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, reduce_dty
         wire += wire_bytes(step.kind, step_bytes(step, cur, shape, dtype, reduce_dtype), n)
         cur = step.apply(cur)
     return wire, len(steps)
+
+
+def redistribute_seconds(src: Layout, dst: Layout, shape, dtype: torch.dtype, model: CostModel,
+                         reduce_dtype: str = "float32") -> tuple[float, int]:
+    """(seconds under `model`, number of steps) of the plan from `src` to `dst`."""
+    if src == dst:
+        return 0.0, 0
+    return _seconds(src, dst, tuple(shape), dtype, reduce_dtype, model)
+
+
+@lru_cache(maxsize=65536)
+def _seconds(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, reduce_dtype: str,
+             model: CostModel) -> tuple[float, int]:
+    total, cur = 0.0, src
+    steps = redistribute_plan(src, dst, shape)
+    names = src.mesh.axis_names
+    for step in steps:
+        n = group_size(src.mesh, step)
+        wire = wire_bytes(step.kind, step_bytes(step, cur, shape, dtype, reduce_dtype), n)
+        total += model.collective(step.kind, [names[a] for a in step.axes], wire)
+        cur = step.apply(cur)
+    return total, len(steps)

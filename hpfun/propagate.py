@@ -31,11 +31,13 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun.annotation import Annotation, NodePlan, placed
 from hpfun.capture import user_line
+from hpfun.exact import refine
 from hpfun.errors import MissingRuleError, Problem, ShardingError
 from hpfun.layout import Layout, Partial, R
 from hpfun.mesh import Mesh
-from hpfun.plan import redistribute_cost
+from hpfun.plan import CostModel, redistribute_cost, redistribute_seconds
 from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta, keep_orders
 
 
@@ -60,58 +62,16 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [x for x in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(x)]
 
 
-# ---------------------------------------------------------------------------------------------
-# The annotation: what propagation returns
-# ---------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(eq=False)
-class NodePlan:
-    """One node's part of the annotation: its layout (a tuple for a multi-output op, None where
-    an element holds no tensor), and for an op the strategy chosen and the call its rule saw."""
-
-    layout: object
-    call: OpCall | None = None
-    rule: object = None
-    strategy: Strategy | None = None
-    fallback: bool = False  # ran replicated for want of a rule (fallback="replicate")
-
-
-_ANNOTATION = ("hpfun_layout", "hpfun_call", "hpfun_rule", "hpfun_strategy", "hpfun_fallback")
-
-
-@attrs.frozen(eq=False)
-class Annotation:
-    """Every node's plan, and the plan's total price (bytes moved plus weighted local work)."""
-
-    plans: dict  # fx node -> NodePlan
-    price: float
-
-    def layout(self, node: torch.fx.Node):
-        return self.plans[node].layout
-
-    def write(self, gm: torch.fx.GraphModule) -> None:
-        """Record the plan in the nodes' meta, replacing any earlier one."""
-        for node in gm.graph.nodes:
-            for key in _ANNOTATION:
-                node.meta.pop(key, None)
-            plan = self.plans[node]
-            node.meta["hpfun_layout"] = plan.layout
-            if plan.strategy is not None:
-                node.meta.update(hpfun_call=plan.call, hpfun_rule=plan.rule, hpfun_strategy=plan.strategy)
-            if plan.fallback:
-                node.meta["hpfun_fallback"] = True
-
-
 PASSES = 2
 LOOKAHEAD = 3
 
 
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
               fallback: str | None = None, reduce_dtype: str = "float32",
-              outputs: list[Layout | None] | None = None) -> Annotation:
+              outputs: list[Layout | None] | None = None, cost_model: CostModel | None = None,
+              exact: bool | None = None) -> Annotation:
     """Solve (`solve`) and write the annotation into `gm`'s nodes; returns it."""
-    annotation = solve(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs)
+    annotation = solve(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs, cost_model, exact)
     annotation.write(gm)
     if fallback == "replicate":
         _warn_fallbacks(gm)
@@ -120,7 +80,8 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
 
 def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
           fallback: str | None = None, reduce_dtype: str = "float32",
-          outputs: list[Layout | None] | None = None) -> Annotation:
+          outputs: list[Layout | None] | None = None, cost_model: CostModel | None = None,
+          exact: bool | None = None) -> Annotation:
     """Choose every node's strategy; `gm` is not modified.
 
     `outputs`: the layout each graph output must be delivered in (None: as computed, with any
@@ -154,10 +115,10 @@ def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], reg
     an embedding's gradient is accumulated only for the rank's rows of a vocab-split table.
     Each round keeps the cheaper annotation by the true price (without the look-ahead charge).
     """
-    graph = _Graph(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs)
+    graph = _Graph(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs, cost_model or CostModel())
     best, requested = graph.greedy({}, {})
     resolve: dict = {}
-    cut = partial_cuts(gm, mesh, best, reduce_dtype, outputs)
+    cut = partial_cuts(gm, mesh, best, reduce_dtype, outputs, graph.model)
     if not _already_resolved(best, cut):
         annotation, cut_requested = graph.greedy(cut, {})
         if annotation.price < best.price:  # the cut's model is per axis: keep it only where it helped
@@ -174,6 +135,8 @@ def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], reg
         for v, layouts in next_requested.items():  # what any round asked for
             merged.setdefault(v, set()).update(layouts)
         requested = merged
+    if exact:
+        best = refine(graph, best) or best
     return best
 
 
@@ -186,24 +149,24 @@ class _Site:
     """What a node's rule is asked, built once: its tensor inputs, and the call for any input
     layouts. `key` names the question without the node, so identical layers share answers."""
 
-    __slots__ = ("node", "rule", "fallback", "producers", "mesh", "_leaves", "_spec", "_slots", "outputs", "key",
+    __slots__ = ("node", "rule", "fallback", "producers", "mesh", "_leaves", "_shape", "_slots", "outputs", "key",
                  "values")
 
     def __init__(self, node: torch.fx.Node, rule, mesh: Mesh, fallback: bool = False):
         self.node, self.rule, self.fallback, self.mesh = node, rule, fallback, mesh
-        leaves, self._spec = pytree.tree_flatten((node.args, node.kwargs))
-        owner = [i for i, a in enumerate(node.args) for _ in pytree.tree_leaves(a)]
-        owner += [len(node.args) + j for j, v in enumerate(node.kwargs.values()) for _ in pytree.tree_leaves(v)]
-        self._leaves, self._slots, self.producers = list(leaves), [], []
+        leaves, owners = [], []
+        self._shape = (tuple(_flatten(a, leaves, owners, i) for i, a in enumerate(node.args)), tuple(node.kwargs),
+                       tuple(_flatten(v, leaves, owners, len(node.args) + j) for j, v in enumerate(node.kwargs.values())))
+        self._leaves, self._slots, self.producers = leaves, [], []
         for pos, x in enumerate(leaves):
             if _is_tensor_node(x):
                 val = x.meta["val"]
-                self._slots.append((pos, tuple(val.shape), val.dtype, owner[pos]))
+                self._slots.append((pos, tuple(val.shape), val.dtype, owners[pos]))
                 self.producers.append(x)
         self.outputs = _outputs(node)
         self.values = _output_values(node)
         tensors = {pos: slot for pos, *slot in self._slots}
-        key = (node.target, self._spec, self.outputs,  # a Python scalar's type too: True, 1 and 1.0 hash alike
+        key = (node.target, self._shape, self.outputs,  # a Python scalar's type too: True, 1 and 1.0 hash alike
                tuple(("tensor", *tensors[i]) if i in tensors else (type(x), x) for i, x in enumerate(leaves)))
         try:
             hash(key)
@@ -215,23 +178,49 @@ class _Site:
         leaves = list(self._leaves)
         for (pos, shape, dtype, index), layout in zip(self._slots, layouts, strict=True):
             leaves[pos] = TensorArg(shape, dtype, layout, index)
-        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        return OpCall(self.node.target, tuple(args), dict(kwargs), self.outputs, self.mesh)
+        it, (positional, names, keywords) = iter(leaves), self._shape
+        args = tuple(_unflatten(a, it) for a in positional)
+        kwargs = {name: _unflatten(v, it) for name, v in zip(names, keywords, strict=True)}
+        return OpCall(self.node.target, args, kwargs, self.outputs, self.mesh)
+
+
+def _flatten(x, leaves: list, owners: list, owner: int):
+    """`x`'s leaves appended to `leaves` (and `owner`, the top-level argument holding them, to
+    `owners`); returns its structure. Node arguments nest only tuples, lists and dicts: this is
+    cheaper than a pytree walk, and the structure is a plain hashable tuple."""
+    if isinstance(x, (tuple, list)):
+        return ("list" if isinstance(x, list) else "tuple", tuple(_flatten(v, leaves, owners, owner) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(x), tuple(_flatten(v, leaves, owners, owner) for v in x.values()))
+    leaves.append(x)
+    owners.append(owner)
+    return None
+
+
+def _unflatten(shape, it):
+    if shape is None:
+        return next(it)
+    if shape[0] == "dict":
+        return {k: _unflatten(s, it) for k, s in zip(shape[1], shape[2], strict=True)}
+    items = [_unflatten(s, it) for s in shape[1]]
+    return items if shape[0] == "list" else tuple(items)
 
 
 @attrs.frozen(eq=False)
 class _Options:
-    """A rule's answer for one call: the call and its strategies, each with its work price."""
+    """A rule's answer for one call: the call and its strategies, each as (strategy, its work
+    price, the moves it needs of its inputs as (input, layout, seconds, steps), how many Partial
+    outputs it leaves): all a walk needs to price it, computed once."""
 
     call: OpCall
-    strategies: tuple[tuple[Strategy, float], ...]
+    strategies: tuple[tuple[Strategy, float, tuple, int], ...]
 
 
 class _Graph:
     """The graph prepared for greedy passes: one site per op, and the rules' answers, asked once."""
 
-    def __init__(self, gm, mesh: Mesh, input_layouts, registry, fallback, reduce_dtype, outputs):
-        self.gm, self.mesh, self.registry, self.reduce_dtype = gm, mesh, registry, reduce_dtype
+    def __init__(self, gm, mesh: Mesh, input_layouts, registry, fallback, reduce_dtype, outputs, model: CostModel):
+        self.gm, self.mesh, self.registry, self.reduce_dtype, self.model = gm, mesh, registry, reduce_dtype, model
         self.nodes = list(gm.graph.nodes)
         self.input_layouts = list(input_layouts)
         self.sites: dict = {}
@@ -245,6 +234,7 @@ class _Graph:
         wanted = outputs if outputs is not None else [None] * len(results)
         self.sinks = list(zip(results, wanted, strict=True))
         self._answers: dict = {}
+        self.asked: dict = {}  # per op node, every input layouts its rule was asked about
 
     def greedy(self, resolve: dict, wanted: dict) -> tuple[Annotation, dict]:
         reached: set = set()
@@ -252,16 +242,30 @@ class _Graph:
             reached, annotation, requested = self.walk(set(reached), resolve, wanted)
         return annotation, requested
 
+    def move(self, value: torch.fx.Node, src: Layout, dst: Layout) -> tuple[float, int]:
+        """(seconds, steps) of moving `value` from `src` to `dst` under the cost model."""
+        val = value.meta["val"]
+        return redistribute_seconds(src, dst, tuple(val.shape), val.dtype, self.model, self.reduce_dtype)
+
     def options(self, site: _Site, layouts: tuple) -> _Options:
         """The rule's strategies for `site` with inputs in `layouts` (in the inputs' axis orders too)."""
+        self.asked.setdefault(site.node, {})[layouts] = None  # what the exact stage starts from
         key = (site.key, layouts)
         found = self._answers.get(key)
         if found is None:
             call = site.call(layouts)
             strategies = keep_orders(call, site.rule.strategies(call))  # rules list mesh order; inputs keep theirs
-            found = _Options(call, tuple((s, WORK_BYTES * local_work(site.rule, call, s)) for s in strategies))
+            found = _Options(call, tuple((s, self.model.work(local_work(site.rule, call, s)), self._moves(call, s),
+                                          sum(len(layout.partial_axes) for layout in s.outputs))
+                                         for s in strategies))
             self._answers[key] = found
         return found
+
+    def _moves(self, call: OpCall, strategy: Strategy) -> tuple:
+        """What `strategy` moves of `call`'s inputs: (input, layout, seconds, steps) each."""
+        return tuple((i, layout, *redistribute_seconds(t.layout, layout, t.shape, t.dtype, self.model, self.reduce_dtype))
+                     for i, (t, layout) in enumerate(zip(call.tensors, strategy.inputs, strict=True))
+                     if layout != t.layout)
 
     def walk(self, reached: set, resolve: dict, wanted: dict) -> tuple[set, Annotation, dict]:
         """One greedy pass in graph order: the layouts it materialized, its annotation (priced:
@@ -274,7 +278,7 @@ class _Graph:
         plans: dict = {}
         materialized: set = set()
         requested: dict = {}
-        total = 0.0
+        costs: list[float] = []  # summed with fsum: the same total in any order, so every rank plans alike
         for node in self.nodes:
             plan = None
             if node.op == "placeholder":
@@ -288,45 +292,43 @@ class _Graph:
                 have = tuple(layouts[p] for p in site.producers)
                 if site.rule is None:
                     missing.append(_missing(node, site.call(have)))
-                    layout = _placed(node, (replicated,) * max(len(site.outputs), 1))
+                    layout = placed(node, (replicated,) * max(len(site.outputs), 1))
                 else:
                     strategy, call, work = self._choose(site, have, reached, resolve, wanted)
-                    total += work
+                    costs.append(work)
                     for producer, need, current in zip(site.producers, strategy.inputs, have, strict=True):
                         reached.add((producer, need))
                         materialized.add((producer, need))
                         if need != current and producer.op == "call_function":
                             requested.setdefault(producer, set()).add(need)
-                    layout = _placed(node, strategy.outputs)
+                    layout = placed(node, strategy.outputs)
                     plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
             else:
                 layout = None
                 if node.op == "output":
-                    total += self._sinks(layouts, reached, materialized, requested)
+                    costs += self._sinks(layouts, reached, materialized, requested)
             layouts[node] = layout
             plans[node] = plan or NodePlan(layout)
         if missing:
             raise MissingRuleError(missing)
         for producer, layout in materialized:  # each layout a value reaches is paid for once
-            val = producer.meta["val"]
-            total += redistribute_cost(layouts[producer], layout, tuple(val.shape), val.dtype, self.reduce_dtype)[0]
-        return materialized, Annotation(plans, total), requested
+            costs.append(self.move(producer, layouts[producer], layout)[0])
+        return materialized, Annotation(plans, math.fsum(costs)), requested
 
-    def _sinks(self, layouts, reached, materialized, requested) -> float:
+    def _sinks(self, layouts, reached, materialized, requested) -> list[float]:
         """Price of delivering the outputs: their out_specs reached (with the other layouts,
         once per value and layout), or their Partial sums resolved where no spec is given."""
-        total = 0.0
+        costs = []
         for value, want in self.sinks:
             have = layouts[value]
             if want is None:
-                total += sum(_resolve_bytes(value, a, have, self.reduce_dtype) for a in have.partial_axes)
+                costs += [self.move(value, have, have.with_placement(a, R))[0] for a in have.partial_axes]
             elif want != have:
-                if (value, want) not in reached:
-                    materialized.add((value, want))
-                    reached.add((value, want))
+                materialized.add((value, want))
+                reached.add((value, want))
                 if value.op == "call_function":
                     requested.setdefault(value, set()).add(want)
-        return total
+        return costs
 
     def _choose(self, site: _Site, have: tuple, reached, resolve, wanted) -> tuple[Strategy, OpCall, float]:
         """The cheapest strategy, the call its rule saw and its work price. Inputs in `resolve`
@@ -340,7 +342,7 @@ class _Graph:
                 f"{site.node.target} ({site.node.name})", f"the rule offers no strategy for inputs {layouts}",
                 "check the rule's shapes; a rule must at least offer the replicated strategy",
             ))
-        options = [(s, asked.call, w) for s, w in asked.strategies]
+        options = [(s, asked.call, w, moves, pending) for s, w, moves, pending in asked.strategies]
         if wanted:
             options += self._hinted(site, asked.call, have, wanted)
         producers = site.producers
@@ -350,29 +352,26 @@ class _Graph:
                                for producer, layout in zip(producers, option[0].inputs, strict=True)
                                for a in resolve.get(producer, ()))
             options = [o for o in options if resolves(o)] or options
-        args = asked.call.tensors
-        reduce_dtype = self.reduce_dtype
+        model, reduce_dtype = self.model, self.reduce_dtype
 
         def price(item):
-            index, (strategy, _, work) = item
-            wire, steps = 0.0, 0
-            for producer, arg, layout in zip(producers, args, strategy.inputs, strict=True):
-                if layout != arg.layout and (producer, layout) not in reached:
-                    w, s = redistribute_cost(arg.layout, layout, arg.shape, arg.dtype, reduce_dtype)
-                    wire, steps = wire + w, steps + s
-            pending = sum(len(layout.partial_axes) for layout in strategy.outputs)  # ties: resolved outputs first
-            return wire + work, steps, pending, index
+            index, (_, _, work, moves, pending) = item
+            seconds, steps = work, 0
+            for i, layout, s, n in moves:
+                if (producers[i], layout) not in reached:
+                    seconds, steps = seconds + s, steps + n
+            return seconds, steps, pending, index  # ties: fewer steps, then resolved outputs first
 
         values = site.values if wanted else []
 
         def ahead(item):
             own = price(item)
-            onward = sum(redistribute_cost(layout, want, out.shape, out.dtype, reduce_dtype)[0]
-                         for value, layout, out in zip(values, item[1][0].outputs, site.outputs)
-                         if value is not None for want in wanted.get(value, ()) if want != layout)
+            onward = math.fsum(redistribute_seconds(layout, want, out.shape, out.dtype, model, reduce_dtype)[0]
+                               for value, layout, out in zip(values, item[1][0].outputs, site.outputs)
+                               if value is not None for want in wanted.get(value, ()) if want != layout)
             return (own[0] + onward,) + own[1:]
 
-        return min(enumerate(options), key=ahead if values else price)[1]
+        return min(enumerate(options), key=ahead if values else price)[1][:3]
 
     def _hinted(self, site: _Site, call: OpCall, have: tuple, wanted) -> list:
         """Strategies giving an output layout the consumers asked for, from the rule's view of an
@@ -393,7 +392,8 @@ class _Graph:
                     asked = self.options(site, have[:i] + (want,) + have[i + 1:])
                 except ShardingError:
                     continue
-                found += [(s, asked.call, w) for s, w in asked.strategies if s.outputs[0] == want and s.inputs[i] == want]
+                found += [(s, asked.call, w, self._moves(call, s), pending) for s, w, _, pending in asked.strategies
+                          if s.outputs[0] == want and s.inputs[i] == want]
         return found
 
 
@@ -415,7 +415,8 @@ def _resolve_bytes(value: torch.fx.Node, axis: int, layout: Layout, reduce_dtype
 
 
 def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, reduce_dtype: str = "float32",
-                 outputs: list[Layout | None] | None = None) -> dict[torch.fx.Node, frozenset[int]]:
+                 outputs: list[Layout | None] | None = None,
+                 model: CostModel | None = None) -> dict[torch.fx.Node, frozenset[int]]:
     """Per value, the mesh axes on which its Partial should be resolved where it is produced.
 
     For each mesh axis, from `annotation`: a value kept Partial flows from its source (an op
@@ -425,6 +426,15 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, r
     sum reaches a consumer that needs it resolved.
     """
     import networkx as nx  # a dependency of torch: max-flow/min-cut, well tested
+
+    model = model or CostModel()
+
+    def capacity(value, axis: int) -> float:  # in microseconds, +1: fewer collectives on ties
+        layout = layout_of(value)
+        val = value.meta["val"]
+        seconds = redistribute_seconds(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype, model,
+                                       reduce_dtype)[0]
+        return seconds * model.beta + 1  # in bytes at beta
 
     def layout_of(value):
         return annotation.plans[value].layout
@@ -442,7 +452,7 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, r
             plan = annotation.plans[node]
             if node.op == "placeholder" and partial_on(node, a):
                 g.add_edge("S", ("in", node))
-                g.add_edge(("in", node), ("out", node), capacity=_resolve_bytes(node, a, layout_of(node), reduce_dtype) + 1)
+                g.add_edge(("in", node), ("out", node), capacity=capacity(node, a))
             elif node.op == "output":
                 values = tensor_inputs(node)
                 wants = outputs if outputs is not None else [None] * len(values)
@@ -459,8 +469,7 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, r
                 for value in _output_values(node):
                     if value is None or not partial_on(value, a):
                         continue
-                    capacity = _resolve_bytes(value, a, layout_of(value), reduce_dtype) + 1  # +1: fewer collectives on ties
-                    g.add_edge(("in", value), ("out", value), capacity=capacity)
+                    g.add_edge(("in", value), ("out", value), capacity=capacity(value, a))
                     for producer in kept or ["S"]:
                         g.add_edge(producer if producer == "S" else ("out", producer), ("in", value))
         if "S" not in g or "T" not in g or not nx.has_path(g, "S", "T"):
@@ -470,16 +479,6 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, r
             if key != "S" and key[0] == "in" and ("out", key[1]) not in source_side:
                 resolve.setdefault(key[1], set()).add(a)
     return {value: frozenset(axes) for value, axes in resolve.items()}
-
-
-def _placed(node: torch.fx.Node, layouts: tuple):
-    """A node's layout: one Layout, or for a tuple output one per element (None where it holds
-    no tensor, e.g. convolution_backward's skipped grad_input), so getitem indices line up."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return layouts[0]
-    tensors = iter(layouts)
-    return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
 
 
 def _output_values(node: torch.fx.Node) -> list:

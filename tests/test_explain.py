@@ -20,7 +20,9 @@ KINDS = {"input", "coords", "seed", "constant", "op", "collective", "local", "ou
 def _lowered(layout, shape=(2, 2)):
     mesh = hpfun.Mesh.simulated(shape, ("dp", "tp"))
     pspec, xspec, yspec = MLP_LAYOUTS[layout]
-    step = hpfun.shard(mlp_step, mesh=mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()))
+    # planned by bytes alone: the collectives below are the byte-minimal plan's (test_mlp.py)
+    step = hpfun.shard(mlp_step, mesh=mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()),
+                       cost_model=CostModel(alpha=0.0))
     return step.lower(mlp_init(D, F, C), *mlp_data(B, D, C))
 
 
@@ -95,7 +97,8 @@ def test_every_node_has_its_layouts(dp_tp):
 
 def test_cost_per_axis(dp_tp):
     """Bytes per mesh axis, wire bytes of ring algorithms, and alpha-beta seconds, per-axis settable."""
-    cost = dp_tp.cost()
+    cost = dp_tp.cost(CostModel())
+    assert dp_tp.cost().seconds == pytest.approx(cost.wire_bytes / 1e10)  # by default, the model it was planned by
     tp_bytes, dp_bytes = B // 2 * C * F32, F32 + (D * F // 2 + F // 2 + F // 2 * C + C) * F32 + F32
     assert {k: (a.collectives, a.bytes) for k, a in cost.per_axis.items()} == {"tp": (1, tp_bytes), "dp": (6, dp_bytes)}
     assert cost.per_axis["tp"].wire_bytes == 2 * (1 / 2) * tp_bytes  # all-reduce over 2 ranks
@@ -140,13 +143,17 @@ def test_json_round_trip(dp_tp):
 def test_json_schema_is_versioned_and_diffable(dp_tp):
     """The export names its schema and version; one line per input, output, node and collective."""
     data = dp_tp.to_dict()
-    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 2)
-    assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives"]
+    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 3)
+    assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives", "cost_model"]
+    assert data["cost_model"] == {"alpha": 0.0, "beta": 1e10, "flops": 1e10, "per_axis": {}}  # the plan's
     assert set(data["nodes"][0]) == {"name", "kind", "op", "args", "inputs", "outputs", "shapes", "collective"}
     assert set(data["collectives"][0]) == {"kind", "axes", "bytes", "dtype", "group_size", "node", "op", "reason"}
     lines = dp_tp.to_json().splitlines()
     items = sum(len(data[k]) for k in ("inputs", "outputs", "nodes", "collectives"))
-    assert len(lines) == 2 + 3 + 4 * 2 + items  # braces, 3 scalar fields, 4 lists opened and closed
+    assert len(lines) == 2 + 4 + 4 * 2 + items  # braces, 4 one-line fields, 4 lists opened and closed
+    del data["cost_model"]
+    data["version"] = 2  # a version 2 report (no cost_model) reads back with the default model
+    assert hpfun.Lowered.from_dict(data).cost() == dp_tp.cost(CostModel())
     data["version"] = 99
     with pytest.raises(hpfun.HpfunError, match="schema version 99"):
         hpfun.Lowered.from_dict(data)

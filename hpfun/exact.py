@@ -1,0 +1,155 @@
+"""The exact stage of propagation: the whole graph's choice of strategies as one `hpfun.solve`
+problem, started from the greedy annotation and kept only where it is strictly cheaper.
+
+Each op's candidates are the strategies its rule gave for every input layouts it was asked
+about: those the greedy walks met, and probes with each input taken in each layout its producer
+can give it (a rule lists strategies seeded by its inputs' layouts, so asking it with the
+layouts upstream could produce is what makes its list independent of what upstream chose). The
+price of a choice is the greedy walk's: local work, plus every distinct layout a value is moved
+to, once, plus delivering the outputs. The solver (a MILP, HiGHS) sees every choice at once, so
+a choice that only pays later (gathering a gradient once for two consumers) is found.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hpfun.annotation import Annotation, NodePlan, placed
+from hpfun.errors import ShardingError
+from hpfun.layout import Layout, Partial, R, Shard
+from hpfun.plan import redistribute_seconds
+from hpfun import solve as milp
+
+
+def refine(graph, best, time_limit: float = 10.0):
+    """A cheaper annotation than `best` (an `Annotation` of `graph`, a propagate `_Graph`), or
+    None when the exact choice over the candidates is no cheaper (or cannot be posed)."""
+    built = _problem(graph, best)
+    if built is None:
+        return None
+    problem, start, options = built
+    start_price = milp.total_price(problem, start)
+    solution = milp.solve(problem, start=start, time_limit=time_limit)
+    if solution.price >= start_price * (1 - 1e-9) - 1e-9:
+        return None
+    plans = dict(best.plans)
+    for node, index in solution.choice.items():
+        if node in options:
+            strategy, call, _ = options[node][index]
+            plans[node] = NodePlan(placed(node, strategy.outputs), call, graph.sites[node].rule, strategy,
+                                   graph.sites[node].fallback)
+    for node in graph.nodes:  # a getitem takes its element of the chosen tuple
+        if node.op == "call_function" and node.target is operator.getitem:
+            plans[node] = NodePlan(plans[node.args[0]].layout[node.args[1]])
+    return Annotation(plans, solution.price)
+
+
+def _value(node: torch.fx.Node) -> tuple:
+    """The solver's name of the value `node` holds: (producer, index among its tensor outputs)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        parent = node.args[0]
+        leaves = pytree.tree_leaves(parent.meta.get("val"))
+        return parent, sum(isinstance(v, torch.Tensor) for v in leaves[: node.args[1]])
+    return node, 0
+
+
+def _problem(graph, best):
+    """(Problem, the greedy choice, per op node its candidates as (strategy, call, work))."""
+    nodes, candidates, edges, options, start = [], {}, {}, {}, {}
+    outputs_of: dict = {}  # value -> layouts its candidates give it
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            layout = best.plans[node].layout
+            nodes.append(node)
+            candidates[node] = (milp.Candidate((), (layout,)),)
+            start[node] = 0
+            outputs_of[(node, 0)] = {layout}
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            site = graph.sites[node]
+            if site.rule is None:
+                return None
+            found = _candidates(graph, site, best, outputs_of)
+            chosen = best.plans[node].strategy
+            index = next((i for i, (s, _, _) in enumerate(found) if (s.inputs, s.outputs) == (chosen.inputs, chosen.outputs)),
+                         None)
+            if index is None:
+                return None
+            nodes.append(node)
+            options[node] = found
+            candidates[node] = tuple(milp.Candidate(s.inputs, s.outputs, work) for s, _, work in found)
+            edges[node] = tuple(_value(p) for p in site.producers)
+            start[node] = index
+            for k in range(len(site.outputs)):
+                outputs_of[(node, k)] = {s.outputs[k] for s, _, _ in found}
+    sinks: dict = {}
+    for value, want in graph.sinks:
+        name = _value(value)
+        accepts = frozenset({want}) if want is not None else frozenset(_resolved(l) for l in outputs_of[name])
+        if sinks.setdefault(name, accepts) != accepts:
+            return None  # one value returned twice in different layouts: left to the greedy plan
+    shapes = {_value(n): (tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+
+    def move(value, src, dst) -> float:
+        shape, dtype = shapes[value]
+        try:
+            return redistribute_seconds(src, dst, shape, dtype, graph.model, graph.reduce_dtype)[0]
+        except ShardingError:
+            return math.inf
+
+    problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=move, sinks=sinks)
+    return problem, start, options
+
+
+def _resolved(layout: Layout) -> Layout:
+    for a in layout.partial_axes:
+        layout = layout.with_placement(a, R)
+    return layout
+
+
+def _candidates(graph, site, best, outputs_of) -> list:
+    """Every strategy the rule offers `site` for the input layouts the greedy walks asked about,
+    and for each input taken in each layout its producer can give it (the others as `best` has
+    them); deduplicated by layouts, each with the call the rule saw and its work price."""
+    have = tuple(best.plans[p].layout for p in site.producers)
+    asked = [have, *graph.asked.get(site.node, ())]
+    for i, producer in enumerate(site.producers):
+        for layout in sorted(outputs_of.get(_value(producer), ()), key=repr) + _neighbours(have[i], producer):
+            asked.append(have[:i] + (layout,) + have[i + 1:])
+    found, seen = [], set()
+    for layouts in dict.fromkeys(asked):
+        try:
+            answer = graph.options(site, layouts)
+        except ShardingError:
+            continue
+        for strategy, work, *_ in answer.strategies:
+            key = (strategy.inputs, strategy.outputs)
+            if key not in seen:
+                seen.add(key)
+                found.append((strategy, answer.call, work))
+    return found
+
+
+def _neighbours(layout: Layout, value: torch.fx.Node) -> list:
+    """The layouts one mesh axis away from `layout` (that axis replicated, split along any dim
+    that divides, or a Partial sum): probes that show a rule what its input could be."""
+    shape = tuple(value.meta["val"].shape)
+    out = []
+    for a in range(layout.mesh.ndim):
+        for q in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):
+            if q != layout.placements[a]:
+                candidate = _try(layout, a, q)
+                if candidate is not None and candidate.fits(shape):
+                    out.append(candidate)
+    return out
+
+
+def _try(layout: Layout, axis: int, placement):
+    try:
+        return layout.with_placement(axis, placement)
+    except Exception:  # a placement the layout cannot take on that axis (an order it cannot keep)
+        return None

@@ -1,0 +1,62 @@
+"""`solver="exact"`: the whole graph's strategies chosen at once (an integer program over every
+op's candidates, HiGHS), started from the greedy plan: never dearer than it by the cost model,
+optimal over the candidates (checked by brute force on a real graph), and equal to the
+unsharded run. The reference GPT's plans under it are in test_models.py."""
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun import solve as milp
+from hpfun.capture import capture
+from hpfun.exact import _problem
+from hpfun.propagate import _Graph, solve
+from hpfun.rules import REGISTRY
+
+MESH = hpfun.Mesh.simulated((2,), ("tp",))
+
+
+def mlp(x, w1, w2):
+    return (torch.relu(x @ w1) @ w2).sum(0)
+
+
+def _graph(fn, args, specs, outputs):
+    gm = capture(fn, [(tuple(t.shape), t.dtype) for t in args], None)
+    layouts = [spec.to_layout(MESH, t.ndim) for spec, t in zip(specs, args, strict=True)]
+    return gm, layouts, [o.to_layout(MESH, 1) for o in outputs]
+
+
+def test_the_exact_choice_is_the_brute_force_optimum_over_the_same_candidates():
+    """On a small MLP, every combination of the candidates the exact stage poses is priced by
+    `total_price`; the solver's choice is the cheapest of them, and no dearer than greedy."""
+    args = [torch.randn(8, 6), torch.randn(6, 4), torch.randn(4, 2)]
+    gm, layouts, outputs = _graph(mlp, args, (P(None, "tp"), P("tp"), P()), (P(),))
+    graph = _Graph(gm, MESH, layouts, REGISTRY, None, "float32", outputs, hpfun.CostModel())
+    greedy, _ = graph.greedy({}, {})
+    problem, start, _ = _problem(graph, greedy)
+    combinations = 1
+    for c in problem.candidates.values():
+        combinations *= len(c)
+    assert 50 < combinations <= 200_000  # a real choice, and small enough to try every one
+    _, best = milp.brute_force(problem)
+    found = milp.solve(problem, start=start)
+    assert found.price == pytest.approx(best, rel=1e-9)
+    assert found.price <= milp.total_price(problem, start) * (1 + 1e-12)
+
+
+def test_exact_is_never_dearer_than_greedy_and_runs_equal():
+    args = [torch.randn(8, 6), torch.randn(6, 4), torch.randn(4, 2)]
+    gm, layouts, outputs = _graph(mlp, args, (P(None, "tp"), P("tp"), P()), (P(),))
+    greedy = solve(gm, MESH, layouts, outputs=outputs)
+    exact = solve(gm, MESH, layouts, outputs=outputs, exact=True)
+    assert exact.price <= greedy.price
+    f = hpfun.shard(mlp, mesh=MESH, in_specs=(P(None, "tp"), P("tp"), P()), out_specs=P(), solver="exact")
+    torch.testing.assert_close(f(*args).full(), mlp(*args))
+
+
+def test_a_bad_solver_is_named():
+    with pytest.raises(hpfun.SpecError, match="solver must be 'greedy' or 'exact'"):
+        hpfun.shard(mlp, mesh=MESH, in_specs=(P(), P(), P()), solver="ilp")
+    with pytest.raises(hpfun.SpecError, match="cost_model must be an hpfun.plan.CostModel"):
+        hpfun.shard(mlp, mesh=MESH, in_specs=(P(), P(), P()), cost_model={"alpha": 1})
