@@ -5,7 +5,9 @@
 For each workload, a fresh `hpfun.shard` is lowered `--reps` times (trace, fold, propagate,
 lower; nothing runs) and the median time of each stage is reported: capture (make_fx on fake
 tensors) plus folding, propagation (greedy passes, the minimum cut of Partial resolutions and
-the look-ahead rounds), and lowering to the per-shard program.
+the look-ahead rounds), and lowering to the per-shard program. The depth sweep also times plain
+`make_fx` of the same step (the floor capture is compared with) and, at `--exact-depths`,
+propagation with `solver="exact"`.
 
 Then the reference GPT's AdamW step (d 64, 4 heads, vocab 256, 16 tokens, Megatron TP on a 2x2
 dp x tp mesh) at each of `--depths` layers, with the per-layer slope of each stage (least
@@ -73,37 +75,56 @@ def _workloads() -> dict:
     }
 
 
-def _depth_sweep(depths, reps, spent) -> list[str]:
+def _make_fx_seconds(params, state, idx, targets) -> float:
+    """Plain make_fx of the same step on fake tensors (no decompositions, no stack traces): the
+    floor capture is compared with."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    start = time.perf_counter()
+    make_fx(lambda p, s, i, t: gpt_step(p, s, i, t), tracing_mode="fake")(params, state, idx, targets)
+    return time.perf_counter() - start
+
+
+def _depth_sweep(depths, reps, spent, exact_depths=()) -> list[str]:
     mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
     sizes = {"d": 64, "heads": 4, "vocab": 256, "seq": 16}
     lines = ["", "### By depth: the reference GPT AdamW step, Megatron TP on dp x tp = 2 x 2", "",
-             "| layers | capture + fold (s) | propagate (s) | lower (s) | total (s) | (propagate + lower) / capture |",
-             "|---|---|---|---|---|---|"]
+             "| layers | make_fx (s) | capture + fold (s) | propagate (s) | lower (s) | total (s) "
+             "| (propagate + lower) / capture | capture / make_fx | propagate, solver=\"exact\" (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for layers in depths:
         params = gpt_init(layers=layers, **sizes)
         idx, targets = gpt_data(4, **sizes)
         specs = gpt_specs(params, tp="tp")
         state = {"m": specs, "v": specs, "step": P()}
-        times = {stage: [] for stage in STAGES}
-        for _ in range(reps):
-            step = hpfun.shard(gpt_step, mesh=mesh, in_specs=(specs, state, P("dp"), P("dp"), None),
-                               out_specs=(specs, state, P()))
-            for stage in spent:
-                spent[stage] = 0.0
-            step.lower(params, adamw_init(params), idx, targets, None)
-            for stage in STAGES:
-                times[stage].append(spent[stage])
-        med = {stage: statistics.median(t) for stage, t in times.items()}
+        times = {stage: [] for stage in STAGES} | {"make_fx": [], "exact": []}
+        for _ in range(reps):  # interleaved: plain make_fx, then hpfun's stages, then the exact solver
+            times["make_fx"].append(_make_fx_seconds(params, adamw_init(params), idx, targets))
+            for solver in ("greedy", "exact") if layers in exact_depths else ("greedy",):
+                step = hpfun.shard(gpt_step, mesh=mesh, in_specs=(specs, state, P("dp"), P("dp"), None),
+                                   out_specs=(specs, state, P()), solver=solver)
+                for stage in spent:
+                    spent[stage] = 0.0
+                step.lower(params, adamw_init(params), idx, targets, None)
+                if solver == "exact":
+                    times["exact"].append(spent["propagate"])
+                    continue
+                for stage in STAGES:
+                    times[stage].append(spent[stage])
+        med = {stage: statistics.median(t) for stage, t in times.items() if t}
         rows.append((layers, med))
-        lines.append(f"| {layers} | {med['capture']:.2f} | {med['propagate']:.2f} | {med['lower']:.2f} | "
-                     f"{sum(med.values()):.2f} | {(med['propagate'] + med['lower']) / med['capture']:.2f} |")
+        exact = f"{med['exact']:.2f}" if "exact" in med else "-"
+        lines.append(f"| {layers} | {med['make_fx']:.2f} | {med['capture']:.2f} | {med['propagate']:.2f} | "
+                     f"{med['lower']:.2f} | {sum(med[s] for s in STAGES):.2f} | "
+                     f"{(med['propagate'] + med['lower']) / med['capture']:.2f} | {med['capture'] / med['make_fx']:.2f} "
+                     f"| {exact} |")
     if len(rows) > 1:
         xs = [layers for layers, _ in rows]
-        slopes = {stage: _slope(xs, [med[stage] for _, med in rows]) for stage in STAGES}
+        slopes = {stage: _slope(xs, [med[stage] for _, med in rows]) for stage in (*STAGES, "make_fx")}
         lines += ["", "Per layer (least-squares slope): " + ", ".join(f"{stage} {slopes[stage] * 1e3:.0f} ms"
-                                                                    for stage in STAGES)
-                  + f"; total {sum(slopes.values()) * 1e3:.0f} ms."]
+                                                                    for stage in (*STAGES, "make_fx"))
+                  + f"; hpfun's total {sum(slopes[s] for s in STAGES) * 1e3:.0f} ms."]
     return lines
 
 
@@ -154,6 +175,8 @@ def main():
     parser.add_argument("--out", default=None, help="append the table to this markdown file")
     parser.add_argument("--depths", type=int, nargs="*", default=[2, 4, 8, 16, 32])
     parser.add_argument("--llama-layers", type=int, default=32, help="0 skips the meta-tensor Llama-3-8B plan")
+    parser.add_argument("--exact-depths", type=int, nargs="*", default=[2, 4, 8],
+                        help="depths at which solver='exact' is timed too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spent = _timed_stages()
@@ -176,7 +199,7 @@ def main():
         lines.append(f"| {name} | {med['capture'] * 1e3:.0f} | {med['propagate'] * 1e3:.0f} | {med['lower'] * 1e3:.0f} "
                      f"| {sum(med.values()) * 1e3:.0f} | {nodes} |")
     if args.depths:
-        lines += _depth_sweep(args.depths, args.reps, spent)
+        lines += _depth_sweep(args.depths, args.reps, spent, set(args.exact_depths))
     if args.llama_layers:
         lines += _llama_8b(spent, args.llama_layers)
     text = "\n".join(lines) + "\n"
