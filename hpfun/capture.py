@@ -178,6 +178,24 @@ def _innermost_user_frame(_tracer, summary: traceback.StackSummary) -> traceback
     return traceback.StackSummary.from_list(frames[-1:])
 
 
+class _UserFrame:
+    """Stands in for torch.fx's `CapturedTraceback` while tracing: fx asks it for the stack of
+    every node it records and keeps only the innermost user frame (`_innermost_user_frame`), so
+    this walks the live frames outward to that one and symbolizes it alone. Symbolizing the whole
+    stack (a hundred frames deep under make_fx) for each node was about a sixth of capture."""
+
+    @staticmethod
+    def extract(*_args, **_kwargs) -> "_UserFrame":
+        return _UserFrame()
+
+    @staticmethod
+    def summary() -> traceback.StackSummary:
+        frame = sys._getframe(1)
+        while frame is not None and not _is_user_frame(frame.f_code.co_filename):
+            frame = frame.f_back
+        return traceback.StackSummary.extract([] if frame is None else [(frame, frame.f_lineno)])
+
+
 def user_line(stack_trace: str | None) -> str:
     """'file:line in fn: code' of the user's source line recorded on a node, or ''."""
     if not stack_trace:
@@ -250,6 +268,7 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
+                mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
                 _TensorScalars():
             return traced(*fakes)
