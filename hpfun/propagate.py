@@ -7,11 +7,13 @@ writes it into `node.meta` once, at the end: "hpfun_layout" (a Layout, or a tupl
 multi-output ops), "hpfun_call", "hpfun_rule" and "hpfun_strategy".
 
 For each op the registry's rule lists candidate strategies given the inputs' layouts; each is
-priced by the redistributions it needs (a layout an input already reached for another consumer
-is free) plus the local work it leaves each rank (WORK_BYTES per flop or element touched:
-without it, a contraction would rather gather its small operand than resolve a Partial one,
-and compute unsharded from there on), and the cheapest wins (ties: fewer steps, then the
-rule's order). Reaching each output's out_spec is priced too. Keeping a Partial costs nothing
+priced in seconds by the cost model (`hpfun.plan.CostModel`, the price `Lowered.cost()` reports
+too): the redistributions it needs (a layout an input already reached for another consumer is
+free) plus the local work it leaves each rank (flops, or elements touched: without it, a
+contraction would rather gather its small operand than resolve a Partial one, and compute
+unsharded from there on), and the cheapest wins (ties: fewer steps, then the rule's order).
+With `exact=True` the greedy plan is then improved on by one integer program over every op's
+candidates (`hpfun.exact`). Reaching each output's out_spec is priced too. Keeping a Partial costs nothing
 at the op; where it is resolved is settled for the whole graph by a minimum cut, and a few
 look-ahead rounds let producers see what their consumers asked for (see `solve`). All ops
 without a rule are reported together.
@@ -408,12 +410,6 @@ def _already_resolved(annotation: Annotation, resolve: dict) -> bool:
     return True
 
 
-def _resolve_bytes(value: torch.fx.Node, axis: int, layout: Layout, reduce_dtype: str = "float32") -> float:
-    """Bytes one rank sends to all-reduce `value` (in `layout`)'s Partial on mesh axis `axis`."""
-    val = value.meta["val"]
-    return redistribute_cost(layout, layout.with_placement(axis, R), tuple(val.shape), val.dtype, reduce_dtype)[0]
-
-
 def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, reduce_dtype: str = "float32",
                  outputs: list[Layout | None] | None = None,
                  model: CostModel | None = None) -> dict[torch.fx.Node, frozenset[int]]:
@@ -489,9 +485,6 @@ def _output_values(node: torch.fx.Node) -> list:
     by_index = {u.args[1]: u for u in node.users if u.target is operator.getitem}
     leaves = pytree.tree_leaves(val)
     return [by_index.get(i) for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-
-
-WORK_BYTES = 1.0  # cost of one flop (or element touched) per rank, in bytes of communication
 
 
 def local_work(rule, call: OpCall, strategy: Strategy) -> float:

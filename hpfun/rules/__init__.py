@@ -2,7 +2,7 @@
 
 >>> import hpfun, torch
 >>> hpfun.rules.lookup(torch.ops.aten.mm.default)
-Contraction(shape_arg=None, reason=None, equation='mk,kn->mn', operands=(0, 1), bias=None)
+Contraction(shape_arg=None, reason=None, equation='mk,kn->mn', operands=(0, 1), bias=None, sums=True, linear=None, lookup=False)
 """
 
 from hpfun.rules.base import OpCall, Replicated, Rule, Strategy, TensorArg, TensorMeta, combine_axes, keep_orders
