@@ -130,7 +130,7 @@ class Options:
     # the rules propagation looks ops up in; compared by identity (and left out of the hash):
     # two registries with the same rules today may differ tomorrow
     registry: object = attrs.field(default=REGISTRY, eq=attrs.cmp_using(eq=operator.is_), hash=False)
-    cost_model: CostModel = attrs.field(factory=CostModel)  # compared by identity: a new model may plan anew
+    cost_model: CostModel = attrs.field(factory=CostModel)  # compared by value: another model plans anew
     solver: str = "greedy"
 
 

@@ -31,7 +31,19 @@ from hpfun.layout import Layout, Partial, R, Shard
 
 
 def _frozen_axes(per_axis) -> tuple:
-    return tuple(sorted((str(k), (float(v[0]), float(v[1]))) for k, v in dict(per_axis).items()))
+    try:
+        pairs = tuple(sorted((str(k), (float(v[0]), float(v[1]))) for k, v in dict(per_axis).items()))
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise ValueError(f"CostModel per_axis must map axis names to (alpha, beta) pairs, got {per_axis!r}") from None
+    for name, (alpha, beta) in pairs:
+        _check_link(f"per_axis[{name!r}]", alpha, beta)
+    return pairs
+
+
+def _check_link(where: str, alpha: float, beta: float) -> None:
+    if not (alpha >= 0 and beta > 0):  # also refuses nan
+        raise ValueError(f"CostModel {where}: alpha must be >= 0 seconds and beta > 0 bytes per second, "
+                         f"got alpha={alpha!r}, beta={beta!r}")
 
 
 @attrs.frozen(cache_hash=True)
@@ -47,6 +59,11 @@ class CostModel:
     flops: float = 10e9  # local work per second per rank: by default one unit of work costs a byte
     # axis name -> (alpha, beta), given as a dict; kept as sorted pairs so models compare by value
     per_axis: tuple = attrs.field(factory=tuple, converter=_frozen_axes)
+
+    def __attrs_post_init__(self):
+        _check_link("link", self.alpha, self.beta)
+        if not self.flops > 0:
+            raise ValueError(f"CostModel flops must be > 0 (local work per second per rank), got {self.flops!r}")
 
     def link(self, axis_names) -> tuple[float, float]:
         """(alpha, beta) of a collective over these mesh axes: the slowest of each."""

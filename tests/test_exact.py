@@ -60,3 +60,11 @@ def test_a_bad_solver_is_named():
         hpfun.shard(mlp, mesh=MESH, in_specs=(P(), P(), P()), solver="ilp")
     with pytest.raises(hpfun.SpecError, match="cost_model must be an hpfun.plan.CostModel"):
         hpfun.shard(mlp, mesh=MESH, in_specs=(P(), P(), P()), cost_model={"alpha": 1})
+
+
+@pytest.mark.parametrize("bad", [{"beta": 0}, {"alpha": -1.0}, {"flops": 0}, {"per_axis": {"dp": 3}},
+                                 {"per_axis": {"dp": (1e-6, 0.0)}}])
+def test_a_bad_cost_model_is_named(bad):
+    """A price that would divide by zero or go negative is refused where the model is made."""
+    with pytest.raises(ValueError, match="CostModel"):
+        hpfun.CostModel(**bad)
