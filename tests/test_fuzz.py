@@ -272,6 +272,37 @@ PINNED = {
         out_specs=(P(), P(), P(), P(),),
         seed=30250,
     ),
+    # a view the global trace made of a permuted einsum output: the rank's block, laid out as the
+    # meta kernels lay it out, is not viewable; the per-shard program now reshapes (the same view
+    # where one is possible). Found by a fuzz run with the verifier on.
+    'view_of_a_permuted_block': Program(
+        mesh=((4,), ('dp',)),
+        inputs=(
+            Input('x0', (2, 12, 2), 'float64', '[S(1)]', scale=64.0),
+            Input('x1', (2, 2, 12, 2), 'float64', '[S(2)]', scale=64.0),
+            Input('x2', (), 'float64', '[R]', sharded=True),
+            Input('x3', (2, 12, 2, 12), 'float64', '[S(1)]', sharded=True),
+            Input('x4', (2,), 'float64', '[R]'),
+            Input('x5', (12, 12, 2), 'float64', '[R]', sharded=True),
+            Input('x6', (12, 2, 12, 2), 'float64', '[S(2)]', sharded=True),
+        ),
+        ops=(
+            Op('v1', 'einsum', 'x0', 'x1', equation='abc,jaic->ibaj'),
+            Op('v2', 'log_abs', 'x2'),
+            Op('v3', 'min_all', 'x3'),
+            Op('v4', 'matmul', 'v1', 'x4'),
+            Op('v5', 'mean', 'v4', dim=0, keepdim=True),
+            Op('v6', 'einsum', 'v4', 'x5', equation='abc,aij->bjic'),
+            Op('v7', 'mul_', 'v6', 'v6'),
+            Op('v8', 'std', 'v4', dim=2, keepdim=True),
+            Op('v9', 'norm', 'x4', dim=-1, keepdim=False),
+            Op('v10', 'permute', 'v7', dims=(2, 1, 3, 0)),
+            Op('v11', 'long', 'x6'),
+        ),
+        outputs=('v8', 'v9', 'v10', 'v11'),
+        out_specs=(P(), P(), P(), P(),),
+        seed=40015,
+    ),
 }
 
 

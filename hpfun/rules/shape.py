@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 
 import attrs
+import torch
 
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 
 def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -77,6 +81,15 @@ class Reshape(Rule):
             else:
                 ins.append(p), outs.append(p)
         return _with_fallback(call, ins, outs)
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        """A view becomes a reshape in the per-shard program: a rank's block need not have the
+        strides the global value had when it was traced (a block of a permuted value, or a
+        kernel that lays its output out differently), and reshape is the same view wherever one
+        is possible, a copy where not."""
+        if call.op in _VIEWS:
+            call = attrs.evolve(call, op=aten.reshape.default)
+        return super().emit(ctx, call, strategy, args, kwargs)
 
 
 @attrs.frozen(kw_only=True)
