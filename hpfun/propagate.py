@@ -222,7 +222,7 @@ class _Graph:
     """The graph prepared for greedy passes: one site per op, and the rules' answers, asked once."""
 
     def __init__(self, gm, mesh: Mesh, input_layouts, registry, fallback, reduce_dtype, outputs, model: CostModel):
-        self.gm, self.mesh, self.registry, self.reduce_dtype, self.model = gm, mesh, registry, reduce_dtype, model
+        self.mesh, self.reduce_dtype, self.model = mesh, reduce_dtype, model
         self.nodes = list(gm.graph.nodes)
         self.input_layouts = list(input_layouts)
         self.sites: dict = {}
