@@ -25,6 +25,7 @@ from hpfun.plan import CostModel
 from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
+from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
@@ -35,7 +36,8 @@ from hpfun.writeback import WriteBack
 
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
-          cost_model: CostModel | None = None, solver: str = "greedy"):
+          cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+          overlap: bool = True):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -84,6 +86,12 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     an integer program over every op's candidate strategies at once (HiGHS): slower to compile,
     never a dearer plan.
 
+    Small collectives of one kind over the same mesh axes that are ready at about the same point
+    (data parallel gradients) are fused into flat buffers of at most `bucket_bytes` (25 MiB by
+    default, as DDP's buckets; 0 turns bucketing off). With `overlap=True` (the default) each
+    collective is issued as soon as its input exists and waited on just before its first use, so
+    compute runs while it travels; `lower()` shows the buckets and the issue and wait points.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -93,7 +101,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     if f is None:
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
-                                 registry=registry, cost_model=cost_model, solver=solver)
+                                 registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
+                                 overlap=overlap)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -114,8 +123,11 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
                         headline="bad option")
     if solver not in ("greedy", "exact"):
         raise SpecError(f"solver must be 'greedy' or 'exact', got {solver!r}", headline="bad option")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise SpecError(f"bucket_bytes must be an int >= 0 (0: no bucketing), got {bucket_bytes!r}", headline="bad option")
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
-                      cost_model=cost_model or CostModel(), solver=solver)
+                      cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
+                      overlap=bool(overlap))
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -132,6 +144,8 @@ class Options:
     registry: object = attrs.field(default=REGISTRY, eq=attrs.cmp_using(eq=operator.is_), hash=False)
     cost_model: CostModel = attrs.field(factory=CostModel)  # compared by value: another model plans anew
     solver: str = "greedy"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # cap of a fused collective's buffer; 0: no bucketing
+    overlap: bool = True  # issue collectives once their input exists, wait at first use
 
 
 @attrs.frozen
@@ -327,7 +341,8 @@ class ShardedFunction:
             verify.verify_annotation(gm, self.mesh)
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
-                        input_names=in_names, reduce_dtype=self.options.reduce_dtype)
+                        input_names=in_names, reduce_dtype=self.options.reduce_dtype,
+                        bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,

@@ -24,6 +24,7 @@ from hpfun.mesh import Mesh
 from hpfun.collectives import local_dtype, moved_dtype
 from hpfun.plan import group_size, redistribute_plan, step_bytes
 from hpfun.propagate import _is_tensor_node
+from hpfun.schedule import DEFAULT_BUCKET_BYTES
 
 aten = torch.ops.aten
 
@@ -194,12 +195,15 @@ def annotate(value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
 
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
-          rng: str = "philox", input_names=None, reduce_dtype: str = "float32") -> Program:
+          rng: str = "philox", input_names=None, reduce_dtype: str = "float32",
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True) -> Program:
     """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
 
     `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need;
     `input_names` (e.g. "args[0]['wo']") name the inputs in the collectives' reasons;
-    `reduce_dtype` ("float32" or "compute") is the dtype bfloat16/float16 sums are reduced in."""
+    `reduce_dtype` ("float32" or "compute") is the dtype bfloat16/float16 sums are reduced in;
+    `bucket_bytes` caps fused collectives (0: none) and `overlap` moves issues and waits apart
+    (`hpfun.schedule`)."""
     ctx = LowerContext(mesh, rng, reduce_dtype)
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[torch.fx.Node, dict[Layout, torch.fx.Node]] = {}  # per value: each layout it reached, locally
