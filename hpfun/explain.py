@@ -5,11 +5,11 @@ view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a 
 with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
 be compared by diffing their `to_json()`.
 
-Schema "hpfun.lowered", version 3 (layouts in the compact notation, on the report's mesh;
+Schema "hpfun.lowered", version 4 (layouts in the compact notation, on the report's mesh;
 shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
 names for the ops it came from):
 
-    schema: "hpfun.lowered"      version: 3
+    schema: "hpfun.lowered"      version: 4
     mesh: {shape: [2, 2], axis_names: ["dp", "tp"]}
     inputs: [{name, path, shape, local_shape, dtype, layout}]          one per tensor argument
     outputs: [{path, node, shape, local_shape, dtype, layout}]         one per output leaf
@@ -20,17 +20,25 @@ names for the ops it came from):
         op: the target ("aten.mm.default"), or null; args: each argument as text
         inputs, outputs: layouts the node reads and writes (null where not recorded: local glue)
         shapes: global shape of each output (null where not recorded)
-        collective: index into `collectives` (collective nodes only), else null
-    collectives: [{kind, axes, bytes, dtype, group_size, node, op, reason}]   in program order
+        collective: index into `collectives` (collective nodes only), else null; a bucket's
+              collective node has none (its members are listed in `buckets`)
+    collectives: [{kind, axes, bytes, dtype, group_size, node, op, reason}]   in the order lowering
+        emitted them (`buckets` lists them as the program issues them)
         bytes: the local buffer each rank hands to it, in `dtype`; dtype: what it moves (a
         reduction: the dtype it reduces in, float32 for a bfloat16 sum under the default
         reduce_dtype); node/op: what needed it; reason: why
+    buckets: [{node, kind, axes, members, bytes, dtype, group_size, issued_after, waited_before,
+               overlapped}]   every collective op the program issues, in program order
+        node: its node; members: indices into `collectives` (several: a bucket, their inputs
+        fused into one flat buffer; one: a collective issued alone); bytes: the buffer per rank;
+        issued_after / waited_before: the nodes it is issued after and waited on before
+        ("output": at the end); overlapped: ops of the global graph that run in between
     cost_model: {alpha, beta, flops, per_axis: {axis name: [alpha, beta]}}   the model the plan
         was chosen by, and `cost()`'s default
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
-collectives[].dtype, version 3 cost_model; older versions are read (version 2 with the default
-cost model).
+collectives[].dtype, version 3 cost_model, version 4 buckets; older versions are read (version 2
+with the default cost model; before version 4 every collective is issued alone, where it is waited).
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
 from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
+from hpfun.schedule import points
 
-SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 3
-_READS = (2, 3)
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 4
+_READS = (2, 3, 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +94,9 @@ def _kind(node: torch.fx.Node, inputs: dict) -> str:
         return "input" if node in inputs else node.name
     if node.op in ("output", "get_attr"):
         return {"output": "output", "get_attr": "constant"}[node.op]
-    return "collective" if "hpfun_collective" in node.meta else "op" if "hpfun_origin" in node.meta else "local"
+    if "hpfun_collective" in node.meta or "hpfun_bucket" in node.meta:
+        return "collective"
+    return "op" if "hpfun_origin" in node.meta else "local"
 
 
 def _node_layouts(node: torch.fx.Node, program: Program, inputs: dict):
@@ -158,8 +169,25 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
         "outputs": _outputs(program, nodes[-1].args[0], output_paths or [f"outputs[{i}]" for i in range(n_out)]),
         "nodes": [_node_dict(node, program, given, index) for node in nodes],
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
+        "buckets": _buckets(program, index),
         "cost_model": _model_dict(cost_model or CostModel()),
     }
+
+
+def _buckets(program: Program, index: dict) -> list[dict]:
+    """Each collective op the program issues: alone or a bucket, where it is issued and waited."""
+    out = []
+    for node, at in points(program.module.graph).items():
+        record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
+        if record is None:
+            continue
+        members = getattr(record, "members", (record,))
+        group = math.prod(program.mesh.axis_size(a) for a in record.axes)
+        out.append({"node": node.name, "kind": record.kind, "axes": list(record.axes),
+                    "members": [index[id(m)] for m in members], "bytes": record.bytes, "dtype": record.dtype,
+                    "group_size": group, "issued_after": at.issued_after, "waited_before": at.waited_before,
+                    "overlapped": at.overlapped})
+    return out
 
 
 def _model_dict(model: CostModel) -> dict:
@@ -215,7 +243,8 @@ class AxisCost:
     collectives: int
     bytes: int  # the buffers handed to the collectives
     wire_bytes: float  # what ring algorithms send: factor * (n - 1) / n * bytes (2x for all-reduce)
-    seconds: float  # alpha per collective + wire bytes / beta
+    seconds: float  # alpha per collective issued (a bucket: one) + wire bytes / beta
+    issued: int | None = None  # collective ops issued: fewer than `collectives` where buckets fuse them
 
 
 @attrs.frozen
@@ -241,6 +270,7 @@ class Cost:
         if not self.per_axis:
             return "communication per rank: none"
         parts = [f"{axes} {a.bytes} B in {a.collectives} collective{'s' * (a.collectives != 1)}"
+                 + (f" ({a.issued} issued)" if a.issued not in (None, a.collectives) else "")
                  for axes, a in self.per_axis.items()]
         return f"communication per rank: {', '.join(parts)}; about {self.seconds * 1e6:.1f} us"
 
@@ -255,13 +285,20 @@ def _seconds(c: dict, model: CostModel) -> float:
     return model.collective(c["kind"], c["axes"], _wire_bytes(c))
 
 
-def price(collectives: list[dict], model: CostModel) -> Cost:
-    """Sum the report's collectives per axis group under `model`."""
+def price(collectives: list[dict], model: CostModel, buckets: list[dict] = ()) -> Cost:
+    """Sum the report's collectives per axis group under `model`; the members of a bucket pay
+    one alpha between them."""
     groups: dict[str, list[dict]] = {}
     for c in collectives:
         groups.setdefault(",".join(c["axes"]), []).append(c)
-    per_axis = {axes: AxisCost(len(cs), sum(c["bytes"] for c in cs), sum(map(_wire_bytes, cs)),
-                               sum(_seconds(c, model) for c in cs)) for axes, cs in groups.items()}
+    fused: dict[str, int] = {}  # per axis group: collectives that ride in another's launch
+    for b in buckets:
+        fused[",".join(b["axes"])] = fused.get(",".join(b["axes"]), 0) + len(b["members"]) - 1
+    per_axis = {}
+    for axes, cs in groups.items():
+        saved = fused.get(axes, 0) * model.link(cs[0]["axes"])[0]
+        per_axis[axes] = AxisCost(len(cs), sum(c["bytes"] for c in cs), sum(map(_wire_bytes, cs)),
+                                  sum(_seconds(c, model) for c in cs) - saved, len(cs) - fused.get(axes, 0))
     return Cost(per_axis, model)
 
 
@@ -364,7 +401,7 @@ class Lowered:
         """Bytes per mesh axis group and estimated seconds under the alpha-beta `model`
         (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`); by default the
         model the plan was chosen by (`shard(cost_model=...)`)."""
-        return price(self._data["collectives"], model or _model(self._data))
+        return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Lowered) and self._data == other._data
@@ -404,8 +441,23 @@ def _render_text(data: dict, total: Cost) -> str:
     lines.append(f"collectives ({len(data['collectives'])}):")
     lines += [f"  {c['kind']} over {', '.join(c['axes'])}: {c['bytes']} B {c['dtype']} for {c['node']} ({c['op']}): "
               f"{c['reason']}" for c in data["collectives"]] or ["  none"]
+    if data.get("buckets"):
+        fused = sum(len(b["members"]) > 1 for b in data["buckets"])
+        lines.append(f"issued ({len(data['buckets'])} collective ops, {fused} of them bucket{'s' * (fused != 1)}):")
+        lines += [f"  {_bucket_text(b)}" for b in data["buckets"]]
     lines.append(str(total))
     return "\n".join(lines)
+
+
+def _bucket_text(b: dict) -> str:
+    what = f"{b['kind']} over {', '.join(b['axes'])}, {b['bytes']} B {b['dtype']}"
+    if len(b["members"]) > 1:
+        what = f"bucket of {len(b['members'])} {what} (collectives {', '.join(map(str, b['members']))})"
+    else:
+        what = f"{what} (collective {b['members'][0]})"
+    waited = "at the end" if b["waited_before"] == "output" else f"before %{b['waited_before']}"
+    return (f"%{b['node']}: {what}; issued after %{b['issued_after']}, waited {waited}, "
+            f"{b['overlapped']} op{'s' * (b['overlapped'] != 1)} in between")
 
 
 def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> str:
@@ -425,6 +477,9 @@ def _node_line(node: dict, mesh: Mesh, inputs, seed_used: bool, data: dict) -> s
                    if o["path"].endswith(back)]
         return "return " + ", ".join(returned) + (f"; written back: {', '.join(written)}" if written else "")
     text = f"%{name} = {_short_op(node['op'])}({', '.join(node['args'])})"
+    if kind == "collective" and node["collective"] is None:  # a bucket
+        b = next(b for b in data.get("buckets", []) if b["node"] == name)
+        return f"{text}    # {_bucket_text(b).split(': ', 1)[1].split(';')[0]}"
     if kind == "collective":
         c = data["collectives"][node["collective"]]
         step = f"{node['inputs'][0]} -> {node['outputs'][0]}"

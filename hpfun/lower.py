@@ -18,13 +18,13 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun.collectives import COMMUNICATING
+from hpfun.collectives import COMMUNICATING, ReduceScatter
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
 from hpfun.collectives import local_dtype, moved_dtype
 from hpfun.plan import group_size, redistribute_plan, step_bytes
 from hpfun.propagate import _is_tensor_node
-from hpfun.schedule import DEFAULT_BUCKET_BYTES
+from hpfun.schedule import DEFAULT_BUCKET_BYTES, schedule
 
 aten = torch.ops.aten
 
@@ -65,6 +65,7 @@ class Program:
     output_dtypes: tuple[torch.dtype, ...]
     collectives: tuple[Collective, ...]
     uses_seed: bool = False  # the program draws random numbers: each call needs a seed
+    buckets: tuple = ()  # the hpfun.schedule.Bucket of each fused collective, in program order
 
 
 class LowerContext:
@@ -150,6 +151,7 @@ class LowerContext:
         axes = tuple(self.mesh.axis_names[a] for a in step.axes)
         node = self.call(op, (*args, ",".join(axes)))
         node.meta["hpfun_axes"] = axes
+        node.meta["hpfun_in_shape"] = _collective_input_shape(step, local_shape, group_size(self.mesh, step))
         waited = self.call(torch.ops._c10d_functional.wait_tensor.default, (node,))
         nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype, self.reduce_dtype)
         name, op_name, reason = self.consumer
@@ -181,6 +183,17 @@ class LowerContext:
             if passed is not None:
                 passed(cur, value)
         return value
+
+
+def _collective_input_shape(step, local_shape, n: int) -> list[int]:
+    """The local shape of the tensor `step.emit` hands its collective (for `hpfun.schedule`'s
+    buckets): the value's own, but for a reduce-scatter off dim 0, which scatters the value with
+    that dim cut in n and the n moved to the front."""
+    shape = list(local_shape)
+    if isinstance(step, ReduceScatter) and step.dim:
+        shape[step.dim] //= n
+        return [n, *shape]
+    return shape
 
 
 def annotate(value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
@@ -239,7 +252,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             values[node] = _emit(ctx, node, local)
         elif node.op == "output":
             names = output_names or [f"outputs[{i}]" for i in range(len(node.args[0]))]
-            return _finish(ctx, gm, node, inputs, output_layouts, names, local)
+            return _finish(ctx, gm, node, inputs, output_layouts, names, local, bucket_bytes, overlap)
     raise AssertionError("graph without output")
 
 
@@ -311,7 +324,8 @@ def _in_dtype(ctx: LowerContext, producer, value, widen: bool):
     return value
 
 
-def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -> Program:
+def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, bucket_bytes: int,
+            overlap: bool) -> Program:
     outs, layouts = [], []
     for producer, want, name in zip(node.args[0], output_layouts, names, strict=True):
         ctx.consumer = (name, "output", "")
@@ -319,6 +333,7 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -
         outs.append(_in_dtype(ctx, producer, local(producer, dst, f"out_specs of {name}"), False))
         layouts.append(dst)
     ctx.graph.output(outs)
+    buckets = schedule(ctx.graph, bucket_bytes, overlap)
     module = torch.fx.GraphModule(gm, ctx.graph)
     vals = [p.meta["val"] for p in node.args[0]]
     return Program(
@@ -331,4 +346,5 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local) -
         output_dtypes=tuple(v.dtype for v in vals),
         collectives=tuple(ctx.collectives),
         uses_seed=bool(ctx.seed.users),
+        buckets=buckets,
     )

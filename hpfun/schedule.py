@@ -1,5 +1,334 @@
-"""Schedule: bucket small collectives and overlap them with compute, on a lowered program."""
+"""Schedule: bucket small collectives and overlap them with compute, on a lowered program.
+
+Lowering emits each collective where its first consumer needs it, followed at once by its
+`wait_tensor`: every collective runs synchronously. Two passes over the per-shard graph change
+that, in this order:
+
+- `bucket` fuses collectives of one kind over the same mesh axes (same reduce op, dtype and group
+  size) into one flat buffer, like DDP's gradient buckets: each member flattened, concatenated,
+  one collective, split and viewed back. Members join in the order their inputs become ready,
+  up to `bucket_bytes`; a bucket takes a member only if every member's input exists before any
+  member's result is first used (so the fused collective creates no cycle: no member's input
+  can depend on another member's output). Sums are elementwise, so a bucketed all-reduce gives
+  bitwise the result of its members' all-reduces.
+- `overlap` moves each collective, with the glue that only feeds it (a cast to the reduce dtype,
+  the bucket's flatten and cat), up to right after its inputs exist, and its wait, with the
+  glue that only reads it (the split, a cast back), down to right before its first user. The
+  runtime issues a functional collective asynchronously and blocks only in `wait_tensor`, so
+  what lies between runs while it travels: gradient reduction overlaps the rest of backward.
+
+Both passes only reorder and fuse: one program for every rank, the same collectives in the same
+order on all of them.
+"""
 
 from __future__ import annotations
 
+import math
+import operator
+
+import attrs
+import torch
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+WAIT = c10d.wait_tensor.default
+COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+               c10d.all_to_all_single.default)
+_BUCKETABLE = COLLECTIVES[:3]  # all-to-all's splits do not concatenate
+
+
+@attrs.frozen(eq=False)
+class Bucket:
+    """Collectives fused into one: `members` (their `hpfun.lower.Collective` records) in buffer
+    order, `bytes` per rank in all."""
+
+    kind: str
+    axes: tuple[str, ...]
+    members: tuple
+    bytes: int
+    dtype: str | None
+
+    def __str__(self) -> str:
+        return f"bucket of {len(self.members)} {self.kind} over {', '.join(self.axes)}: {self.bytes} B {self.dtype}"
+
+
+def schedule(graph: torch.fx.Graph, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True) -> tuple[Bucket, ...]:
+    """Bucket the collectives of a lowered program under `bucket_bytes` (0: none), then move
+    issues and waits apart when `overlap`; the buckets made."""
+    buckets = bucket(graph, bucket_bytes) if bucket_bytes > 0 else ()
+    if overlap:
+        spread(graph)
+    graph.lint()
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# What belongs to a collective: the glue that only feeds it, the glue that only reads its wait
+# ---------------------------------------------------------------------------------------------
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVES
+
+
+def _glue(node: torch.fx.Node) -> bool:
+    """Lowering's own nodes (casts, reshapes, flattening): not an op of the global graph, not a
+    collective or a wait, not an input."""
+    return (node.op == "call_function" and "hpfun_origin" not in node.meta and not is_collective(node)
+            and node.target is not WAIT)
+
+
+def issue_group(collective: torch.fx.Node) -> list[torch.fx.Node]:
+    """The collective and the glue nodes that exist only to feed it, in program order."""
+    group, frontier = {collective}, list(collective.all_input_nodes)
+    while frontier:
+        node = frontier.pop()
+        if node not in group and _glue(node) and all(u in group for u in node.users):
+            group.add(node)
+            frontier += node.all_input_nodes
+    return _in_order(collective.graph, group)
+
+
+def wait_of(collective: torch.fx.Node) -> torch.fx.Node:
+    (wait,) = collective.users
+    assert wait.target is WAIT, f"{collective} is not followed by its wait_tensor"
+    return wait
+
+
+def wait_group(collective: torch.fx.Node) -> list[torch.fx.Node]:
+    """The wait and the glue that reads only it (a split, views, a cast back), in program order."""
+    group, frontier = {wait_of(collective)}, list(wait_of(collective).users)
+    while frontier:
+        node = frontier.pop()
+        if node not in group and _glue(node) and all(a in group for a in node.all_input_nodes):
+            group.add(node)
+            frontier += node.users
+    return _in_order(collective.graph, group)
+
+
+def _in_order(graph: torch.fx.Graph, nodes: set) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n in nodes]
+
+
+def _positions(graph: torch.fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _ready(group: list[torch.fx.Node], pos: dict) -> torch.fx.Node | None:
+    """The last node the group reads from outside it (None: only constants)."""
+    inside = set(group)
+    outside = [a for n in group for a in n.all_input_nodes if a not in inside]
+    return max(outside, key=pos.__getitem__, default=None)
+
+
+def _first_use(group: list[torch.fx.Node], pos: dict) -> torch.fx.Node | None:
+    """The first node outside the group that reads from it (None: the result is never used)."""
+    inside = set(group)
+    return min((u for n in group for u in n.users if u not in inside), key=pos.__getitem__, default=None)
+
+
+@attrs.frozen
+class Points:
+    """Where a collective runs in the program: issued after node `issued_after`, waited on
+    before node `waited_before` (the nearest nodes that are not another collective's glue), with
+    `overlapped` ops of the global graph in between."""
+
+    issued_after: str
+    waited_before: str
+    overlapped: int
+
+
+def points(graph: torch.fx.Graph) -> dict[torch.fx.Node, Points]:
+    """Every collective's issue and wait points."""
+    collectives = [n for n in graph.nodes if is_collective(n)]
+    issues = {c: issue_group(c) for c in collectives}
+    waits = {c: wait_group(c) for c in collectives}
+    issuing = {n for g in issues.values() for n in g}
+    waiting = {n for g in waits.values() for n in g}
+    out = {}
+    for c in collectives:
+        after = issues[c][0].prev
+        while after in issuing:
+            after = after.prev
+        before = waits[c][-1].next
+        while before in waiting:
+            before = before.next
+        out[c] = Points(after.name, before.name if before.op != "output" else "output", _overlapped(c))
+    return out
+
+
+def _overlapped(collective: torch.fx.Node) -> int:
+    count, node, wait = 0, collective.next, wait_of(collective)
+    while node is not wait:
+        count += "hpfun_origin" in node.meta
+        node = node.next
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlap
+# ---------------------------------------------------------------------------------------------
+
+
+def spread(graph: torch.fx.Graph) -> None:
+    """Issue every collective right after its inputs exist, wait right before the first use."""
+    collectives = [n for n in graph.nodes if is_collective(n)]
+    for collective in reversed(collectives):  # last first: two issued after one node keep their order
+        group = issue_group(collective)
+        anchor = _ready(group, _positions(graph))
+        if anchor is None or anchor.op == "placeholder":
+            anchor = _last_placeholder(graph)
+        for node in reversed(group):
+            anchor.append(node)
+    for collective in collectives:
+        group = wait_group(collective)
+        before = _first_use(group, _positions(graph))
+        for node in group if before is not None else ():
+            before.prepend(node)
+
+
+def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
+    return [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Candidate:
+    collective: torch.fx.Node
+    ready: int  # position of the last input it reads
+    first_use: int  # position of the first user of its result
+    record: object  # its hpfun.lower.Collective
+
+    @property
+    def key(self):
+        """What must agree to share a buffer: the op, its arguments (reduce op, group size, mesh
+        axes) and the dtype moved."""
+        return self.collective.target, tuple(self.collective.args[1:]), self.record.dtype
+
+
+@attrs.define
+class _Open:
+    members: list
+    bytes: int = 0
+
+    def takes(self, c: _Candidate, cap: int) -> bool:
+        ready = max([m.ready for m in self.members] + [c.ready])
+        first_use = min([m.first_use for m in self.members] + [c.first_use])
+        return self.bytes + c.record.bytes <= cap and ready < first_use
+
+
+def bucket(graph: torch.fx.Graph, cap: int) -> tuple[Bucket, ...]:
+    """Fuse collectives of one key, in the order their inputs are ready, into buckets of at most
+    `cap` bytes per rank (a collective alone over the cap stays alone)."""
+    pos = _positions(graph)
+    candidates = [_candidate(n, pos) for n in graph.nodes
+                  if n.op == "call_function" and n.target in _BUCKETABLE and "hpfun_collective" in n.meta]
+    candidates.sort(key=lambda c: (c.ready, pos[c.collective]))
+    open_: dict = {}
+    closed: list[list[_Candidate]] = []
+    for c in candidates:
+        current = open_.get(c.key)
+        if current is not None and current.takes(c, cap):
+            current.members.append(c)
+            current.bytes += c.record.bytes
+            continue
+        if current is not None:
+            closed.append(current.members)
+        open_[c.key] = _Open([c], c.record.bytes)
+    closed += [o.members for o in open_.values()]
+    return tuple(_fuse(graph, members) for members in closed if len(members) > 1)
+
+
+def _candidate(collective: torch.fx.Node, pos: dict) -> _Candidate:
+    ready = _ready(issue_group(collective), pos)
+    first_use = _first_use(wait_group(collective), pos)
+    return _Candidate(collective, -1 if ready is None else pos[ready], len(pos) if first_use is None else pos[first_use],
+                      collective.meta["hpfun_collective"])
+
+
+def _fuse(graph: torch.fx.Graph, members: list[_Candidate]) -> Bucket:
+    """Replace the members by one collective on their concatenated inputs, placed right before
+    the first use of any member's result (every member's input exists by then); the glue that
+    feeds each member and the glue that reads its result move there with it."""
+    pos = _positions(graph)
+    uses = [_first_use(wait_group(m.collective), pos) for m in members]
+    before = min((u for u in uses if u is not None), key=pos.__getitem__, default=_output(graph))
+    first = members[0].collective
+    after = [wait_group(m.collective)[1:] for m in members]
+    for m in members:
+        for node in issue_group(m.collective)[:-1]:
+            before.prepend(node)
+    n = _group_size(first)
+    with graph.inserting_before(before):
+        inputs = [m.collective.args[0] for m in members]
+        shapes = [list(m.collective.meta["hpfun_in_shape"]) for m in members]
+        fused = graph.call_function(first.target, (_flat(graph, first.target, inputs, shapes, n), *first.args[1:]))
+        waited = graph.call_function(WAIT, (fused,))
+        outs = _unflat(graph, first.target, waited, shapes, n)
+    record = Bucket(members[0].record.kind, members[0].record.axes, tuple(m.record for m in members),
+                    sum(m.record.bytes for m in members), members[0].record.dtype)
+    fused.meta.update(hpfun_axes=first.meta["hpfun_axes"], hpfun_bucket=record)
+    for glue in after:
+        for node in glue:
+            before.prepend(node)
+    for m, out in zip(members, outs, strict=True):
+        _replace(m.collective, out)
+    return record
+
+
+def _group_size(collective: torch.fx.Node) -> int:
+    """Ranks in the collective's group (its `n` argument; 1 for an all-reduce, which needs none)."""
+    if collective.target is c10d.all_reduce.default:
+        return 1
+    return collective.args[1] if collective.target is c10d.all_gather_into_tensor.default else collective.args[2]
+
+
+def _flat(graph, target, inputs, shapes, n: int) -> torch.fx.Node:
+    """One 1-D buffer of the members' inputs. A reduce-scatter hands rank r the r-th of n equal
+    parts of the buffer: each member is cut in n rows and the rows laid side by side, so part r
+    holds every member's r-th block."""
+    if target is c10d.reduce_scatter_tensor.default:
+        rows = [graph.call_function(aten.reshape.default, (x, [n, math.prod(s) // n])) for x, s in zip(inputs, shapes)]
+        return graph.call_function(aten.view.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
+    flat = [graph.call_function(aten.reshape.default, (x, [-1])) for x in inputs]
+    return graph.call_function(aten.cat.default, (flat,))
+
+
+def _unflat(graph, target, buffer, shapes, n: int) -> list[torch.fx.Node]:
+    """Each member's result, cut from the collective's output buffer."""
+    if target is c10d.all_gather_into_tensor.default:  # n rows, each the buffer of one rank
+        rows = graph.call_function(aten.view.default, (buffer, [n, -1]))
+        parts = graph.call_function(aten.split_with_sizes.default, (rows, [math.prod(s) for s in shapes], 1))
+        outs = []
+        for i, s in enumerate(shapes):
+            part = graph.call_function(aten.clone.default, (graph.call_function(operator.getitem, (parts, i)),),
+                                       {"memory_format": torch.contiguous_format})
+            outs.append(graph.call_function(aten.view.default, (part, [n * s[0], *s[1:]])))
+        return outs
+    if target is c10d.reduce_scatter_tensor.default:  # each member's r-th block, side by side
+        shapes = [[s[0] // n, *s[1:]] for s in shapes]
+    parts = graph.call_function(aten.split_with_sizes.default, (buffer, [math.prod(s) for s in shapes]))
+    return [graph.call_function(aten.view.default, (graph.call_function(operator.getitem, (parts, i)), s))
+            for i, s in enumerate(shapes)]
+
+
+def _output(graph: torch.fx.Graph) -> torch.fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def _replace(collective: torch.fx.Node, out: torch.fx.Node) -> None:
+    """`out` takes the member's place: its users, and what its wait and collective recorded (the
+    value's layout for the verifier and the report, the step that made it)."""
+    wait = wait_of(collective)
+    out.meta.update({k: v for k, v in wait.meta.items() if k != "val"})
+    out.meta.update({k: v for k, v in collective.meta.items() if k.startswith("hpfun_step")})
+    out.meta["hpfun_member"] = collective.meta["hpfun_collective"]
+    wait.replace_all_uses_with(out)
+    collective.graph.erase_node(wait)
+    collective.graph.erase_node(collective)

@@ -20,9 +20,10 @@ KINDS = {"input", "coords", "seed", "constant", "op", "collective", "local", "ou
 def _lowered(layout, shape=(2, 2)):
     mesh = hpfun.Mesh.simulated(shape, ("dp", "tp"))
     pspec, xspec, yspec = MLP_LAYOUTS[layout]
-    # planned by bytes alone: the collectives below are the byte-minimal plan's (test_mlp.py)
+    # planned by bytes alone: the collectives below are the byte-minimal plan's (test_mlp.py);
+    # each issued alone, where it is needed (buckets and overlap: tests/test_bucket.py, test_overlap.py)
     step = hpfun.shard(mlp_step, mesh=mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()),
-                       cost_model=CostModel(alpha=0.0))
+                       cost_model=CostModel(alpha=0.0), bucket_bytes=0, overlap=False)
     return step.lower(mlp_init(D, F, C), *mlp_data(B, D, C))
 
 
@@ -143,14 +144,18 @@ def test_json_round_trip(dp_tp):
 def test_json_schema_is_versioned_and_diffable(dp_tp):
     """The export names its schema and version; one line per input, output, node and collective."""
     data = dp_tp.to_dict()
-    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 3)
-    assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives", "cost_model"]
+    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 4)
+    assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives", "buckets",
+                          "cost_model"]
     assert data["cost_model"] == {"alpha": 0.0, "beta": 1e10, "flops": 1e10, "per_axis": {}}  # the plan's
     assert set(data["nodes"][0]) == {"name", "kind", "op", "args", "inputs", "outputs", "shapes", "collective"}
     assert set(data["collectives"][0]) == {"kind", "axes", "bytes", "dtype", "group_size", "node", "op", "reason"}
     lines = dp_tp.to_json().splitlines()
-    items = sum(len(data[k]) for k in ("inputs", "outputs", "nodes", "collectives"))
-    assert len(lines) == 2 + 4 + 4 * 2 + items  # braces, 4 one-line fields, 4 lists opened and closed
+    items = sum(len(data[k]) for k in ("inputs", "outputs", "nodes", "collectives", "buckets"))
+    assert len(lines) == 2 + 4 + 5 * 2 + items  # braces, 4 one-line fields, 5 lists opened and closed
+    del data["buckets"]
+    data["version"] = 3  # a version 3 report (no buckets): each collective issued alone
+    assert hpfun.Lowered.from_dict(data).cost() == dp_tp.cost()
     del data["cost_model"]
     data["version"] = 2  # a version 2 report (no cost_model) reads back with the default model
     assert hpfun.Lowered.from_dict(data).cost() == dp_tp.cost(CostModel())

@@ -96,14 +96,16 @@ def _segments(module: torch.fx.GraphModule, compile: bool) -> torch.fx.GraphModu
 
 
 def _split(module: torch.fx.GraphModule, compile: bool) -> torch.fx.GraphModule:
-    piece, pieces, waiting = 0, {}, False
+    """Each collective a piece of its own, the compute between them in pieces. Waits are dropped:
+    a collective computed in lockstep is done when it returns, however far from it the program
+    (`hpfun.schedule`) placed its `wait_tensor`."""
+    module = _without_waits(module)
+    piece, pieces = 0, {}
     for node in module.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         if node.op == "call_function" and node.target in COLLECTIVES:
-            piece, waiting = piece + 1, True  # a collective and its wait form a piece of their own
-        elif waiting and node.op == "call_function" and node.target is c10d.wait_tensor.default:
-            pieces[node], piece, waiting = piece, piece + 1, False
+            pieces[node], piece = piece + 1, piece + 2
             continue
         pieces[node] = piece
     top = split_module(module, None, lambda n: pieces[n], keep_original_order=True)
@@ -116,6 +118,16 @@ def _split(module: torch.fx.GraphModule, compile: bool) -> torch.fx.GraphModule:
         elif compile:
             setattr(top, node.target, torch.compile(sub, backend="inductor", dynamic=False))
     return top
+
+
+def _without_waits(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(module.graph, {}))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is c10d.wait_tensor.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    return torch.fx.GraphModule(module, graph)
 
 
 def _run_piece_in_lockstep(sub: torch.fx.GraphModule, call, mesh: Mesh, envs):
