@@ -1,0 +1,115 @@
+"""Bucketed collectives (hpfun.schedule): data parallel GPT reduces its gradients in a few flat
+buffers, bitwise as it does one by one; reduce-scatters and all-gathers fuse too; the report
+shows the buckets and prices one alpha per bucket."""
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+from hpfun.plan import CostModel
+from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step
+
+MESH = hpfun.Mesh.simulated((2,), ("dp",))
+
+
+def _dp_gpt(**options):
+    params = gpt_init()
+    specs = gpt_specs(params)
+    step = hpfun.shard(gpt_step, mesh=MESH, in_specs=(specs, {"m": specs, "v": specs, "step": P()}, P("dp"), P("dp"), None),
+                       out_specs=(specs, {"m": specs, "v": specs, "step": P()}, P()), **options)
+    args = (params, adamw_init(params), *gpt_data(4), None)
+    new, state, loss = step(*args)
+    return step.lower(*args), {k: v.full() for k, v in new.items()} | {"loss": loss.full()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The DP GPT step as lowered one collective at a time, with the default buckets, and with
+    buckets capped at 4 KiB."""
+    return {"alone": _dp_gpt(bucket_bytes=0, overlap=False), "default": _dp_gpt(), "4k": _dp_gpt(bucket_bytes=4096)}
+
+
+def test_dp_gpt_gradients_go_in_a_few_buckets(runs):
+    """One all-reduce per gradient becomes a few: the 28 gradients and the loss in one 25 MiB
+    bucket; the label count, needed before backward, alone. The per-collective list is unchanged."""
+    alone, default = runs["alone"][0], runs["default"][0]
+    assert default.collectives == alone.collectives and len(default.collectives) == 30
+    issued = default.to_dict()["buckets"]
+    assert [len(b["members"]) for b in issued] == [1, 29]
+    assert sorted(m for b in issued for m in b["members"]) == list(range(30))
+    fused = issued[1]
+    assert (fused["kind"], fused["axes"], fused["dtype"]) == ("all_reduce", ["dp"], "float32")
+    assert fused["bytes"] == sum(alone.collectives[m].bytes for m in fused["members"])
+    assert len(default.program.buckets) == 1 and len(alone.to_dict()["buckets"]) == 30
+
+
+def test_the_cap_bounds_each_bucket(runs):
+    """At 4 KiB the gradients fill several buckets, none over the cap unless it holds one
+    collective bigger than the cap."""
+    issued = runs["4k"][0].to_dict()["buckets"]
+    assert 4 <= sum(len(b["members"]) > 1 for b in issued) <= 8
+    assert all(b["bytes"] <= 4096 or len(b["members"]) == 1 for b in issued)
+
+
+@pytest.mark.parametrize("name", ["default", "4k"])
+def test_bucketing_is_bitwise(runs, name):
+    """Sums are elementwise: bucketed, every parameter, moment and the loss are bitwise those of
+    one all-reduce per gradient, and within 1e-5 of the unsharded step."""
+    got, alone = runs[name][1], runs["alone"][1]
+    assert all(torch.equal(got[k], alone[k]) for k in alone)
+    params = gpt_init()
+    ref, _, loss = gpt_step(params, adamw_init(params), *gpt_data(4))
+    for k, v in ref.items():
+        assert ((got[k] - v).norm() / v.norm()).item() <= 1e-5, k
+    assert (got["loss"] - loss).abs().item() <= 1e-5
+
+
+def test_report_shows_buckets_and_prices_one_alpha_each(runs):
+    """str() lists each bucket with its members and bytes; the JSON carries them; cost() pays one
+    alpha per collective op issued."""
+    default, alone = runs["default"][0], runs["alone"][0]
+    text = str(default)
+    assert "issued (2 collective ops, 1 of them bucket):" in text
+    fused = default.to_dict()["buckets"][1]
+    assert f"bucket of 29 all_reduce over dp, {fused['bytes']} B float32 (collectives " in text
+    assert f"dp {sum(c.bytes for c in alone.collectives)} B in 30 collectives (2 issued)" in text
+    back = hpfun.Lowered.from_json(default.to_json())
+    assert back == default and str(back) == text
+    model = CostModel(alpha=1e-5)
+    assert default.cost(model).seconds == pytest.approx(alone.cost(model).seconds - 28 * 1e-5)
+
+
+def _pair(fn, args, in_specs, out_specs):
+    results = []
+    for cap in (0, 2**20):
+        f = hpfun.shard(fn, mesh=MESH, in_specs=in_specs, out_specs=out_specs, bucket_bytes=cap)
+        results.append(({k: v.full() for k, v in f(*args).items()}, f.lower(*args).to_dict()["buckets"]))
+    return results
+
+
+def _grads(ws, x):
+    return torch.func.grad(lambda ws: sum(((x @ w.T).tanh() ** 2).sum() for w in ws.values()))(ws)
+
+
+def test_reduce_scatters_and_all_gathers_bucket_too():
+    """Gradients reduce-scattered onto dim 0, and shards gathered whole, fuse into one buffer
+    each (rows of every member laid side by side), bitwise as one by one."""
+    ws = {f"w{i}": torch.randn(4 + 2 * i, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(9))
+    cases = [(_grads, (ws, x), ({k: P() for k in ws}, P("dp")), {k: P("dp") for k in ws}, "reduce_scatter"),
+             (lambda ws: {k: w * 2 for k, w in ws.items()}, (ws,), ({k: P("dp") for k in ws},), {k: P() for k in ws},
+              "all_gather")]
+    for fn, args, in_specs, out_specs, kind in cases:
+        (alone, _), (fused, issued) = _pair(fn, args, in_specs, out_specs)
+        assert [len(b["members"]) for b in issued if b["kind"] == kind] == [4]
+        assert all(torch.equal(fused[k], alone[k]) for k in ws)
+        ref = fn(*args)
+        assert all(torch.allclose(fused[k], ref[k], atol=1e-6) for k in ws)
+
+
+def test_bucket_bytes_is_checked():
+    """A negative or non-integer cap is a spec error naming the option."""
+    for bad in (-1, 1.5, True):
+        with pytest.raises(hpfun.SpecError, match="bucket_bytes"):
+            hpfun.shard(lambda x: x, mesh=MESH, in_specs=(P("dp"),), bucket_bytes=bad)
