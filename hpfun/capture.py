@@ -12,16 +12,17 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
 - decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and
   var / var_mean in two passes of reductions: over a split batch the statistics become
   per-channel Partial sums (a sync batch norm at the cost of all-reducing C values), where the
-  whole op would gather the activations. Scaled-dot-product attention: torch's core table
-  decomposes the CPU flash forward, but autograd records the fused backward above it, which
-  would then read the forward's attention weights as its logsumexp (measured: wrong
-  gradients); the backward is decomposed too, from its math. Both directions are then
-  matmuls (folded into einsums) and softmax pieces that stay split on batch and heads.
-- kept whole: native_layer_norm (torch's decomposition is about 20x slower on CPU at
-  (8, 512, 768); the rule splits every leading dim, which sequence parallelism needs; its
-  backward is decomposed by the core table); native_group_norm (likewise); embedding, whose
-  rule looks a split vocab up locally; its backward is torch's decomposition into index_put,
-  whose rule does the same.
+  whole op would gather the activations. Attention with dropout (torch takes its math path).
+- kept whole (`KEPT_WHOLE`, and what torch's core table leaves whole): fused kernels whose
+  rules split them where the kernel allows, so the per-shard program calls the same kernel
+  the unsharded step does. Scaled-dot-product attention (the CPU flash op, forward and
+  backward: no T x T scores on any rank; batch, heads and, not causal, query rows split);
+  native_layer_norm and its backward (torch's decomposition is about 20x slower on CPU at
+  (8, 512, 768); every leading dim may be split, which sequence parallelism needs);
+  native_group_norm; embedding and its backward, whose rules look a split vocab up locally;
+  activations (SiLU, softplus, mish...) and their backwards (GELU's, ReLU's...), pointwise.
+  A layout those rules do not offer moves the data first (a key-split attention gathers the
+  keys, or trades the split for heads by an all-to-all), priced as such by propagation.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ from hpfun.errors import CaptureError, Problem
 
 aten = torch.ops.aten
 
+# Fused kernels recorded whole (torch's core table would decompose them): their rules split
+# them where the kernel allows; a layout that needs more moves the data first, and is priced so
+KEPT_WHOLE = frozenset([
+    # attention without dropout (with it, torch takes the math path, decomposed)
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    # activations and their backwards: one pass over memory instead of several
+    aten.gelu_backward.default, aten.threshold_backward.default, aten.silu.default, aten.silu_backward.default,
+    aten.sigmoid_backward.default, aten.tanh_backward.default, aten.hardtanh_backward.default,
+    aten.leaky_relu_backward.default, aten.elu_backward.default, aten.softplus.default,
+    aten.softplus_backward.default, aten.mish.default, aten.mish_backward.default, aten.hardsigmoid.default,
+    aten.hardsigmoid_backward.default,
+    # layer norm's backward and embedding's backward (rules in rules/norm.yaml, rules/gather.yaml)
+    aten.native_layer_norm_backward.default, aten.embedding_dense_backward.default,
+])
+
 _DECOMPOSE_TOO = [
     aten.nll_loss_forward, aten.nll_loss_backward,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
@@ -54,7 +71,7 @@ _DECOMPOSE_TOO = [
 
 @functools.cache
 def decompositions() -> dict:
-    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED}
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED and op not in KEPT_WHOLE}
     table.update(get_decompositions(_DECOMPOSE_TOO))
     table.update(_OWN)
     table.update(_foreach_decompositions())
@@ -84,37 +101,6 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
 def _var(x, dim=None, *, correction=None, keepdim=False):
     out = _var_mean(x, dim, correction=correction, keepdim=keepdim)
     return out if out is NotImplemented else out[0]
-
-
-def _attention_backward(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
-    """The CPU flash attention backward from its math, the softmax recomputed from q and k.
-
-    Capture decomposes the forward (torch's core table), whose second output is then the
-    attention weights where the fused op's is logsumexp; the fused backward, recorded by
-    autograd above the decomposition, would read that tensor as logsumexp (wrong gradients).
-    """
-    if dropout_p:
-        return NotImplemented
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    groups = q.shape[1] // k.shape[1]  # grouped-query attention: k and v heads serve `groups` q heads
-    k_all, v_all = (aten.repeat_interleave.self_int(t, groups, 1) if groups > 1 else t for t in (k, v))
-    scores = aten.mul.Scalar(torch.matmul(q, k_all.transpose(-2, -1)), scale)
-    if is_causal:
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(keep), float("-inf"))
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores = aten.masked_fill.Scalar(scores, aten.logical_not.default(attn_mask), float("-inf"))
-    elif attn_mask is not None:
-        scores = aten.add.Tensor(scores, attn_mask)
-    p = aten._softmax.default(scores, -1, False)
-    grad_v = torch.matmul(p.transpose(-2, -1), grad_out)
-    grad_p = torch.matmul(grad_out, v_all.transpose(-2, -1))
-    grad_scores = aten._softmax_backward_data.default(grad_p, p, -1, p.dtype)
-    grad_q = aten.mul.Scalar(torch.matmul(grad_scores, k_all), scale)
-    grad_k = aten.mul.Scalar(torch.matmul(grad_scores.transpose(-2, -1), q), scale)
-    if groups > 1:
-        grad_k, grad_v = (t.unflatten(1, (k.shape[1], groups)).sum(2) for t in (grad_k, grad_v))
-    return grad_q, grad_k, grad_v
 
 
 def _foreach_decompositions() -> dict:
@@ -159,7 +145,6 @@ def _foreach_loop(name: str, *args, **kwargs):
 _OWN = {
     aten.var_mean.correction: _var_mean,
     aten.var.correction: _var,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_backward,
 }
 
 

@@ -31,7 +31,7 @@ def _check(fn, args, in_specs, mesh_shape, names, tol=1e-5):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention: decomposed forward and backward
+# Attention: the fused kernel kept whole, forward and backward
 # ---------------------------------------------------------------------------------------------
 
 
@@ -57,7 +57,7 @@ ATTENTION = {  # name: (sdpa kwargs, k/v heads, mask)
 @pytest.mark.parametrize("spec", [P(None, "tp"), P("tp")], ids=["heads", "batch"])
 def test_attention_backward_is_exact_and_local(name, spec):
     """F.scaled_dot_product_attention forward and backward, split on heads or batch, equal the
-    unsharded gradients with no collective (capture decomposes both directions)."""
+    unsharded gradients with no collective."""
     kwargs, kv_heads, mask = ATTENTION[name]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 8, 4, generator=g, dtype=torch.float64)
@@ -67,13 +67,82 @@ def test_attention_backward_is_exact_and_local(name, spec):
     assert all(c.node.startswith("outputs") for c in collectives)  # only the out_specs' gathers
 
 
-def test_attention_backward_op_is_decomposed():
-    """The fused CPU backward would read the decomposed forward's attention weights as its
-    logsumexp (wrong gradients), so capture writes the backward out too."""
+def test_attention_is_kept_whole():
+    """Capture records the fused CPU kernels, forward and backward, not matmuls and a softmax."""
     q = torch.randn(2, 4, 8, 4, generator=_GEN)
     ops = _ops(_attention_grads(is_causal=True), q, q, q)
-    assert aten._scaled_dot_product_flash_attention_for_cpu_backward.default not in ops
-    assert aten._scaled_dot_product_flash_attention_for_cpu.default not in ops
+    assert ops[aten._scaled_dot_product_flash_attention_for_cpu.default] == 1
+    assert ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] == 1
+    assert not {aten._softmax.default, aten.bmm.default, aten.einsum.default} & set(ops)
+
+
+def _block_step(params, x):
+    """A causal attention block with projections, forward and backward."""
+    def loss(params, x):
+        b, t, d = x.shape
+        q, k, v = (torch.matmul(x, params[w]).view(b, t, 4, d // 4).transpose(1, 2) for w in ("wq", "wk", "wv"))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        return (out @ params["wo"]).pow(2).mean()
+    return torch.func.grad(loss)(params, x)
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every shape an op produces while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.update(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("split", ["batch", "heads"])
+def test_attention_program_holds_no_scores_matrix(split):
+    """The per-shard program of a causal attention block split on batch or heads (Megatron)
+    never makes a T x T tensor: attention runs as the fused kernel on each rank's block."""
+    T, D = 24, 16  # T differs from every other size, so a trailing (T, T) can only be scores
+    params = {w: torch.randn(D, D, generator=_GEN, dtype=torch.float64) / 4 for w in ("wq", "wk", "wv", "wo")}
+    x = torch.randn(4, T, D, generator=_GEN, dtype=torch.float64)
+    col, row = (P(None, "m"), P("m", None)) if split == "heads" else (P(), P())
+    specs = ({"wq": col, "wk": col, "wv": col, "wo": row}, P("m") if split == "batch" else P())
+    f = hpfun.shard(_block_step, mesh=hpfun.Mesh.simulated((2,), ("m",)), in_specs=specs, out_specs=specs[0])
+    f(params, x)  # compiled outside the recording
+    with _Shapes() as seen:
+        grads = f(params, x)
+    assert seen.shapes and not [s for s in seen.shapes if s[-2:] == (T, T)]
+    expected = _block_step(params, x)
+    for name, g in grads.items():
+        torch.testing.assert_close(g.full(), expected[name], rtol=1e-10, atol=1e-10)
+
+
+def _cuda_attention_grads(kernel):
+    """Gradients through one of CUDA's fused attention kernels, called as torch's SDPA would."""
+    def loss(q, k, v):
+        if kernel == "flash":
+            out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+        elif kernel == "efficient":
+            out = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0]
+        else:
+            out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)[0]
+        return out.float().pow(2).sum()
+    return lambda q, k, v: torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("spec", [P(None, "tp"), P("tp")], ids=["heads", "batch"])
+def test_cuda_attention_kernels_plan_split_on_heads_or_batch(kernel, spec):
+    """CUDA's flash, memory-efficient and cuDNN kernels (forward and backward) keep their
+    heads or batch split with no collective; planned on meta tensors (no GPU here to run them)."""
+    q, k, v = (torch.empty(2, 4, 16, 8, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    f = hpfun.shard(_cuda_attention_grads(kernel), mesh=hpfun.Mesh.simulated((2,), ("tp",)),
+                    in_specs=(spec,) * 3, out_specs=(spec,) * 3)
+    lowered = f.lower(q, k, v)
+    assert lowered.collectives == []
+    kernels = [n for n in lowered.program.module.graph.nodes if "attention" in str(n.target)]
+    assert len(kernels) == 2  # forward and backward, whole
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +177,7 @@ def test_var_over_a_split_dim_reduces_partial_sums():
 
 
 # ---------------------------------------------------------------------------------------------
-# Kept whole: layer norm (forward), embedding (forward)
+# Kept whole: layer norm and embedding, forward and backward
 # ---------------------------------------------------------------------------------------------
 
 
@@ -120,15 +189,20 @@ def test_layer_norm_forward_is_kept_whole_and_shards_on_leading_dims():
     def grads(x, w, b):
         return torch.func.grad(lambda x, w, b: F.layer_norm(x, (16,), w, b).pow(3).sum(), argnums=(0, 1, 2))(x, w, b)
 
-    assert _ops(grads, x, w, b)[aten.native_layer_norm.default] == 1
+    ops = _ops(grads, x, w, b)
+    assert ops[aten.native_layer_norm.default] == 1 and ops[aten.native_layer_norm_backward.default] == 1
     collectives = _check(grads, (x, w, b), (P(None, "sp"), P(), P()), (2,), ("sp",), tol=1e-4)
     kinds = sorted((c.kind, c.bytes) for c in collectives)  # grad_x gathered for the out_spec; grad_w, grad_b summed
     assert kinds == [("all_gather", 4 * 4 * 16 * 4), ("all_reduce", 16 * 4), ("all_reduce", 16 * 4)]
 
 
-def test_embedding_is_kept_and_its_backward_is_index_put():
-    """F.embedding captures as aten.embedding; its backward as index_put (torch's decomposition),
-    both of which look up a split vocab locally."""
+def test_embedding_and_its_backward_are_kept_whole():
+    """F.embedding captures as aten.embedding and its backward as embedding_dense_backward
+    (one scatter-add kernel), both of which look up a split vocab locally."""
     ids, w = torch.randint(0, 8, (4, 3), generator=_GEN), torch.randn(8, 4, generator=_GEN)
-    ops = _ops(lambda ids, w: torch.func.grad(lambda w: F.embedding(ids, w).pow(2).sum())(w), ids, w)
-    assert ops[aten.embedding.default] == 1 and ops[aten.index_put.default] == 1
+    step = lambda ids, w: torch.func.grad(lambda w: F.embedding(ids, w).pow(2).sum())(w)  # noqa: E731
+    ops = _ops(step, ids, w)
+    assert ops[aten.embedding.default] == 1 and ops[aten.embedding_dense_backward.default] == 1
+    assert aten.index_put.default not in ops
+    collectives = _check(step, (ids, w), (P(), P("tp")), (2,), ("tp",), tol=1e-6)
+    assert [c.kind for c in collectives] == ["all_gather"]  # only the out_spec's

@@ -678,6 +678,66 @@ def test_normalizations(data, name):
     check_op(data.draw, op, fn, tuple(_rand(*s) for s in shapes), partial=partial)
 
 
+# ---------------------------------------------------------------------------------------------
+# Fused attention (the CPU flash op), forward and backward
+# ---------------------------------------------------------------------------------------------
+
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _flash(causal, with_mask=False):
+    def fn(q, k, v, *mask):
+        return _FLASH(q, k, v, 0.0, causal, attn_mask=mask[0] if mask else None)
+    return fn
+
+
+def _flash_backward(causal):
+    def fn(g, q, k, v, *mask):
+        kw = {"attn_mask": mask[0]} if mask else {}
+        out, lse = _FLASH(q, k, v, 0.0, causal, **kw)
+        return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, causal, **kw)
+    return fn
+
+
+ATTENTION = {  # name: (op, fn, input shapes, partial positions); q (B, H, T, E), k and v (B, Hkv, S, E)
+    "forward": (_FLASH, _flash(False), ((4, 4, 8, 4), (4, 4, 8, 4), (4, 4, 8, 4)), (2,)),
+    "forward_causal_gqa": (_FLASH, _flash(True), ((4, 4, 8, 4), (4, 2, 8, 4), (4, 2, 8, 4)), ()),
+    "forward_mask": (_FLASH, _flash(False), ((4, 4, 8, 4), (4, 4, 8, 4), (4, 4, 8, 4), (4, 1, 8, 8)), ()),
+    "forward_row_mask": (_FLASH, _flash(False), ((4, 4, 8, 4), (4, 4, 8, 4), (4, 4, 8, 4), (8, 8)), ()),
+    "backward": (_FLASH_BACKWARD, _flash_backward(False), ((4, 4, 8, 4),) * 4, (0,)),
+    "backward_causal_gqa": (_FLASH_BACKWARD, _flash_backward(True),
+                            ((4, 4, 8, 4), (4, 4, 8, 4), (4, 2, 8, 4), (4, 2, 8, 4)), (0,)),
+    "backward_mask": (_FLASH_BACKWARD, _flash_backward(False), ((4, 4, 8, 4),) * 4 + ((4, 4, 1, 8),), (0,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_fused_attention(data, name):
+    """The fused attention kernel split on batch, heads or (not causal) query rows, and its
+    backward from a Partial gradient, equal the kernel on whole tensors."""
+    op, fn, shapes, partial = ATTENTION[name]
+    check_op(data.draw, op, fn, tuple(_rand(*s) for s in shapes), partial=partial, tol=1e-8)
+
+
+def test_fused_attention_keeps_its_inputs_local_splits():
+    """Batch, heads and query rows split in the inputs are kept; keys split along the sequence
+    are not (they are gathered first, or moved to another split)."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    gm = make_fx(_flash(False), tracing_mode="fake", pre_dispatch=True)(*(_rand(4, 4, 8, 4) for _ in range(3)))
+    r, split = Layout.replicated(mesh), lambda d: Layout(mesh, (Shard(d),))
+
+    def offered(*layouts):
+        return {tuple(l.placements_str().strip("[]") for l in s.inputs) for s in _strategies(gm, mesh, _FLASH, list(layouts))}
+
+    assert {("S(0)",) * 3, ("R",) * 3} <= offered(split(0), split(0), r)
+    assert {("S(1)",) * 3, ("R",) * 3} <= offered(r, split(1), split(1))
+    assert ("S(2)", "R", "R") in offered(split(2), split(2), split(2))
+    assert all(p[1] != "S(2)" for p in offered(split(2), split(2), split(2)))
+
+
 def test_batch_norm_legit_with_running_stats():
     """_native_batch_norm_legit (running stats updated in place) runs with the channels split."""
     x, w, b = _rand(4, 4, 3), _rand(4), _rand(4)

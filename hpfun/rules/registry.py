@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from hpfun.errors import Problem, RuleFileError
+from hpfun.rules.attention import Attention
 from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
@@ -59,6 +60,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "group_norm": GroupNorm,
     "group_norm_backward": GroupNormBackward,
     "batch_norm": BatchNorm,
+    "attention": Attention,
     "replicated": Replicated,
     "data_dependent": DataDependent,
 }
