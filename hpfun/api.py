@@ -26,7 +26,7 @@ from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
-from hpfun.sharded import Sharded, rank_block, redistribute  # redistribute: hpfun.api's name too
+from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
     spec_tree_problems, tensor_layout,
@@ -166,16 +166,24 @@ class _Leaf:
         return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)} {self.layout.placements_str()}"
 
 
-@attrs.frozen(eq=False)
 class _Call:
-    """One call's inputs: positional and keyword-only arguments, lifted state, and their leaves."""
+    """One call's inputs: positional and keyword-only arguments, lifted state, and their leaves;
+    `key` is the cheap cache key of a cache hit (None where the inputs hold a pytree node type
+    other than tuple, list and dict, or a NumPy array), and the pytree spec is built only on a
+    miss."""
 
-    args: tuple
-    kwonly: dict
-    state: lift.State
-    lifted: dict  # name -> tensor or Sharded value (a block a distributed call left)
-    flat: list
-    tree: object
+    __slots__ = ("args", "kwonly", "state", "lifted", "flat", "key", "_tree")
+
+    def __init__(self, args: tuple, kwonly: dict, state: lift.State, lifted: dict, flat: list, key, tree=None):
+        self.args, self.kwonly, self.state = args, kwonly, state
+        self.lifted = lifted  # name -> tensor or Sharded value (a block a distributed call left)
+        self.flat, self.key, self._tree = flat, key, tree
+
+    @property
+    def tree(self):
+        if self._tree is None:
+            self._tree = pytree.tree_flatten(self.inputs, is_leaf=is_sharded)[1]
+        return self._tree
 
     @property
     def inputs(self):
@@ -202,6 +210,8 @@ class ShardedFunction:
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
         self.trace_count = 0
         self._signature_obj = _signature(fn)
+        self._arity = _plain_arity(self._signature_obj, len(in_specs) if isinstance(in_specs, tuple) else None)
+        self._roots = lift.RootCache(fn)  # the state the function reaches, found again when its closures change
         if not isinstance(fn, torch.nn.Module):
             functools.update_wrapper(self, fn)
 
@@ -209,20 +219,22 @@ class ShardedFunction:
 
     def __call__(self, *args, **kwargs):
         call = self._prepare(args, kwargs)
-        fast = _fast_key(call)
-        entry = self._fast.get(fast) if _hashable(fast) else None  # unhashable: _signature names the value
+        try:
+            entry = self._fast.get(call.key)
+        except TypeError:  # an unhashable argument: _signature names it
+            entry = None
         if entry is None:
             entry = self._program(call)[1]
-        program = entry.program
-        tensors = [x for x, leaf in zip(call.flat, entry.leaves, strict=True) if leaf.kind != "static"]
-        fed = [tensors[i] for i in entry.fed] + list(entry.constants)
-        shards = execute(program, fed, self.options.compile)
+        flat = call.flat
+        shards = execute(entry.program, [flat[i] for i in entry.fed_flat] + entry.constants_list, self.options.compile)
         n = entry.n_outputs
-        writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
-        writeback.clear(entry.cleared, call.state)
-        results = [Sharded(lay, shape, s) for lay, shape, s in
-                   zip(program.output_layouts[:n], program.output_shapes[:n], shards[:n], strict=True)]
-        return entry.unflatten(results)
+        if entry.writes:
+            tensors = [flat[i] for i in entry.tensor_pos]
+            writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
+        if entry.cleared:
+            writeback.clear(entry.cleared, call.state)
+        return entry.unflatten([unchecked(lay, shape, s, token) for (lay, shape, token), s in
+                                zip(entry.outputs, shards[:n], strict=True)])
 
     def lower(self, *args, **kwargs) -> Lowered:
         """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""
@@ -240,16 +252,28 @@ class ShardedFunction:
     # -- one call's inputs ------------------------------------------------------------------------
 
     def _prepare(self, args, kwargs) -> _Call:
-        n_specs = len(self.in_specs) if isinstance(self.in_specs, tuple) else None
-        args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs, n_specs)
-        args, kwonly = _from_numpy(args, kwonly)
-        state = lift.collect(*lift.find_roots(self.fn))
-        given = {id(x) for x in pytree.tree_leaves((args, kwonly)) if isinstance(x, torch.Tensor)}
-        lifted = state.values(skip_ids=given)
-        if self.mesh.runtime == "distributed":
-            lifted = {k: writeback.held_block(v) or v if isinstance(v, torch.Tensor) else v for k, v in lifted.items()}
-        flat, tree = pytree.tree_flatten((args, kwonly, lifted), is_leaf=is_sharded)
-        return _Call(args, kwonly, state, lifted, flat, tree)
+        if kwargs or len(args) not in self._arity:
+            n_specs = len(self.in_specs) if isinstance(self.in_specs, tuple) else None
+            args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs, n_specs)
+        else:  # all parameters given by position: binding changes nothing
+            kwonly = {}
+        flat, key = [], []
+        if not _flatten((args, kwonly), flat, key):  # NumPy arrays, or pytree nodes of other types
+            args, kwonly = _from_numpy(args, kwonly)
+            flat, key = pytree.tree_leaves((args, kwonly), is_leaf=is_sharded), None
+        state = self._roots.state()
+        lifted = {}
+        if state.slots:
+            lifted = state.values(skip_ids={id(x) for x in flat if isinstance(x, torch.Tensor)})
+            if self.mesh.runtime == "distributed":
+                lifted = {k: writeback.held_block(v) or v if isinstance(v, torch.Tensor) else v for k, v in lifted.items()}
+            if key is not None:
+                _flatten(lifted, flat, key)
+            else:
+                flat += lifted.values()
+        if key is not None:
+            key = (tuple(key), tuple(state.statics.items()))
+        return _Call(args, kwonly, state, lifted, flat, key)
 
     # -- compile and cache --------------------------------------------------------------------------
 
@@ -261,9 +285,8 @@ class ShardedFunction:
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
             entry = self._compile(call, leaves)
             self._cache[key] = entry
-        fast = _fast_key(call)
-        if _hashable(fast):
-            self._fast[fast] = entry
+        if call.key is not None and _hashable(call.key):
+            self._fast[call.key] = entry
         return entry.program, entry
 
     def _signature(self, call: _Call):
@@ -438,10 +461,58 @@ class _Entry:
     cleared: tuple  # slots the function emptied (zero_grad)
     output_paths: tuple
 
+    # derived once, for cache-hit calls
+    tensor_pos: tuple = attrs.field(init=False)  # flat input positions of the tensor leaves
+    fed_flat: tuple = attrs.field(init=False)  # flat input positions of the fed tensors
+    constants_list: list = attrs.field(init=False)
+    outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
+    _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
+
+    def __attrs_post_init__(self):
+        program, n = self.program, self.n_outputs
+        tensor_pos = tuple(i for i, leaf in enumerate(self.leaves) if leaf.kind != "static")
+        object.__setattr__(self, "tensor_pos", tensor_pos)
+        object.__setattr__(self, "fed_flat", tuple(tensor_pos[i] for i in self.fed))
+        object.__setattr__(self, "constants_list", list(self.constants))
+        outputs = tuple((lay, tuple(shape), signature(lay, shape, dtype)) for lay, shape, dtype in
+                        zip(program.output_layouts[:n], program.output_shapes[:n], program.output_dtypes[:n], strict=True))
+        object.__setattr__(self, "outputs", outputs)
+        object.__setattr__(self, "_build", _builder(self.out_tree))
+
     def unflatten(self, results: list):
-        it = iter(results)
-        flat = [self.out_statics[i] if i in self.out_statics else next(it) for i in range(self.out_tree.num_leaves)]
-        return pytree.tree_unflatten(flat, self.out_tree)
+        if self.out_statics:
+            it = iter(results)
+            results = [self.out_statics[i] if i in self.out_statics else next(it) for i in range(self.out_tree.num_leaves)]
+        if self._build is None:
+            return pytree.tree_unflatten(results, self.out_tree)
+        return self._build(results)
+
+
+def _builder(spec):
+    """A function building the value `spec` describes from the list of its leaves (faster than
+    `pytree.tree_unflatten`: one expression, written once per program); None where `spec`
+    holds a node other than a tuple, a list or a dict."""
+    keys: list = []
+    leaves = iter(range(spec.num_leaves))
+
+    def expression(node) -> str | None:
+        if node.is_leaf():
+            return f"r[{next(leaves)}]"
+        kids = [expression(child) for child in node.children()]
+        if None in kids:
+            return None
+        if node.type is tuple:
+            return "(" + "".join(k + ", " for k in kids) + ")"
+        if node.type is list:
+            return "[" + ", ".join(kids) + "]"
+        if node.type is dict:
+            keys.extend(node.context)
+            first = len(keys) - len(kids)
+            return "{" + ", ".join(f"k[{first + i}]: {kid}" for i, kid in enumerate(kids)) + "}"
+        return None
+
+    body = expression(spec)
+    return None if body is None else eval(f"lambda r, k=k: {body}", {"k": tuple(keys)})
 
 
 def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, name: str, follows, call) -> Layout:
@@ -576,10 +647,6 @@ def _from_numpy(args: tuple, kwonly: dict) -> tuple[tuple, dict]:
     return args, kwonly
 
 
-def _fast_key(call: _Call):
-    return (call.tree, tuple(map(_fast_leaf, call.flat)), tuple(call.state.statics.items()))
-
-
 def _describe(call: _Call, leaves) -> list[str]:
     """One line per input leaf and per Python value deciding the trace, for ranks to compare."""
     lines = [f"{path}: {leaf.describe()}" for path, leaf in zip(call.paths(), leaves, strict=True)]
@@ -596,12 +663,60 @@ def execute(program: Program, tensors: list, compile: bool = False) -> list[tupl
     return run(program, blocks, compile)
 
 
-def _fast_leaf(x):
-    if isinstance(x, torch.Tensor):
-        return (x.shape, x.dtype, x.device, x.requires_grad)
-    if isinstance(x, Sharded):
-        return (x.layout, x.global_shape, x.dtype)
-    return ("static", type(x), x)
+def _flatten(tree, flat: list, key: list) -> bool:
+    """`tree`'s leaves appended to `flat` in pytree order (Sharded values as leaves), and to
+    `key` what the program cache keys on: the structure, each tensor's shape, dtype, device and
+    requires_grad, each Sharded value's signature, other values as they are. Tuples, lists and
+    dicts only (False for another pytree node or a NumPy array: the general path takes those),
+    walked as `pytree.tree_flatten` walks them."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        key.append((kind, len(tree)))
+    elif kind is dict:
+        key.append((dict, *tree))
+        tree = tree.values()
+    else:
+        return _flatten_leaf(tree, flat, key)
+    for x in tree:
+        if type(x) is Sharded:  # the common leaf, inline
+            flat.append(x)
+            key.append(x.token if x.token is not None else x.signature())
+        elif not _flatten(x, flat, key):
+            return False
+    return True
+
+
+def _flatten_leaf(x, flat: list, key: list) -> bool:
+    kind = type(x)
+    if kind is Sharded:
+        key.append(x.signature())
+    elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x):
+        return False  # a namedtuple, an OrderedDict, a registered class, a subclass...
+    elif isinstance(x, torch.Tensor):
+        key.append((x.shape, x.dtype, x.device, x.requires_grad))
+    else:
+        key.append(("static", kind, x))
+    flat.append(x)
+    return True
+
+
+def _is_numpy(x) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _plain_arity(signature: inspect.Signature | None, n_specs: int | None) -> range:
+    """How many positional arguments a call may give, with no keyword arguments, for binding
+    to change nothing (`_bind` returns them as they are): every required parameter given, none
+    that in_specs covers left to its default; empty when binding may change any call."""
+    if signature is None:
+        return range(0)
+    params = signature.parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL or p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params):
+        return range(0)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    return range(max(required, min(n_specs or 0, len(positional))), len(positional) + 1)
 
 
 def _is_tensor(x) -> bool:

@@ -61,10 +61,13 @@ class Root:
 # ---------------------------------------------------------------------------------------------
 
 
-def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
+def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[str, object]]]:
     """Modules, optimizers and tensors `fn` can reach through closures and loaded globals; and
     the other objects it reaches (by name), which an error can point at when an unlifted tensor
-    turns up in the trace."""
+    turns up in the trace. `guard` receives (holder, name, object) for every closure cell, global
+    and code object the walk read (`holder` a dict for globals, else an object whose attribute
+    `name` held `object`), and None if it went into a container or an object whose contents can
+    change in place (see `RootCache`)."""
     roots: list[Root] = []
     opaque: list[tuple[str, object]] = []
     seen_objects: set[int] = set()
@@ -85,16 +88,19 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
             roots.append(Root(name, obj))
         elif isinstance(obj, dict) and _holds_state(obj):
             seen_objects.add(id(obj))
+            note(None)
             for k, v in list(obj.items()):
                 value(v, f"{name}.{k}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
         elif isinstance(obj, (list, tuple)) and _holds_state(obj):
             seen_objects.add(id(obj))
+            note(None)
             for i, v in enumerate(obj):
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
         elif _is_user_object(obj):  # an instance of the user's own class (a Trainer holding model and opt)
             seen_objects.add(id(obj))
+            note(None)
             for k, v in list(vars(obj).items()):
                 value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
             function(obj, name)  # its __call__, if it has one
@@ -103,6 +109,8 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
 
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
+            if fn.keywords:
+                note(None)  # a dict, changeable in place
             function(fn.func, name, given)
             for i, a in enumerate(fn.args):
                 value(a, f"{name}.args.{i}", _constant(a), None)
@@ -122,25 +130,71 @@ def find_roots(fn) -> tuple[list[Root], list[tuple[str, object]]]:
         if code in seen_code or not given and _is_library(code.co_filename):
             return
         seen_code.add(code)
+        note((fn, "__code__", code))
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell: a name assigned later in the enclosing function
+            contents = getattr(cell, "cell_contents", _MISSING)
+            note((cell, "cell_contents", contents))
+            if contents is _MISSING:  # an empty cell: a name assigned later in the enclosing function
                 continue
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
                   functools.partial(setattr, cell, "cell_contents"))
         g = fn.__globals__
         for var in _global_names(code):
+            note((g, var, g.get(var, _MISSING)))
             if var in g:
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
 
+    note = guard.append if guard is not None else lambda _: None
     if isinstance(fn, torch.nn.Module):
         roots.append(Root("", fn))
         seen_objects.add(id(fn))
+        note((type(fn), "forward", type(fn).forward))
         function(type(fn).forward.__get__(fn), "")
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
     return roots, opaque
+
+
+_MISSING = object()  # an empty closure cell, a global not (or no longer) defined
+
+
+class RootCache:
+    """`find_roots` of one function, walked again only when a closure cell, global or code object
+    the last walk read holds another object, or when that walk went into containers or objects
+    whose contents can change in place. Modules' and optimizers' contents are not part of this:
+    `collect` reads them at every call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._last = None  # (roots, opaque, guard) of a reusable walk
+        self._state = None  # (roots, State) when those roots are Python values only
+
+    def __call__(self) -> tuple[list[Root], list[tuple[str, object]]]:
+        if self._last is not None and _holds(self._last[2]):
+            return self._last[0], self._last[1]
+        guard: list = []
+        roots, opaque = find_roots(self.fn, guard)
+        self._last = (roots, opaque, guard) if None not in guard else None
+        return roots, opaque
+
+    def state(self) -> State:
+        """`collect` of the roots; where they are Python values only (no module, optimizer or
+        tensor: no slots), the last State again while those values are the same."""
+        roots, opaque = self()
+        if self._state is not None and self._state[0] is roots and statics(roots) == self._state[1].statics:
+            return self._state[1]
+        state = collect(roots, opaque)
+        self._state = (roots, state) if all(root.value is _SCALAR for root in roots) else None
+        return state
+
+
+def _holds(guard: list) -> bool:
+    """Every place a walk read still holds the object it held then."""
+    for holder, name, obj in guard:
+        now = holder.get(name, _MISSING) if type(holder) is dict else getattr(holder, name, _MISSING)
+        if now is not obj:
+            return False
+    return True
 
 
 def _is_library(filename: str) -> bool:

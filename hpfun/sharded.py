@@ -34,6 +34,8 @@ class Sharded:
     layout: Layout
     global_shape: tuple[int, ...] = attrs.field(converter=tuple)
     shards: tuple[torch.Tensor, ...] = attrs.field(converter=tuple)  # one per rank; this rank's only when distributed
+    # what a program cache key records of this value, interned: `signature()`, set when first asked
+    token: int | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self):
         mesh = self.layout.mesh
@@ -68,6 +70,21 @@ class Sharded:
             raise LayoutError("from_local is for distributed meshes; in a simulation give all shards: "
                               "Sharded(layout, global_shape, shards) or Sharded.from_global")
         return cls(layout.normalized(len(global_shape)), tuple(global_shape), (tensor,))
+
+    def signature(self) -> int:
+        """(layout, global shape, dtype) as a small interned token: compared and hashed at C speed
+        by the program cache of a sharded function, called with this value again and again."""
+        if self.token is None:
+            object.__setattr__(self, "token", signature(self.layout, self.global_shape, self.dtype))
+        return self.token
+
+    def __getstate__(self) -> dict:
+        """Pickled without its token: tokens are this process's (another one interns anew)."""
+        return {"layout": self.layout, "global_shape": self.global_shape, "shards": self.shards}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in (state | {"token": None}).items():
+            object.__setattr__(self, name, value)
 
     @property
     def local(self) -> torch.Tensor:
@@ -113,9 +130,39 @@ class Sharded:
         return Visualization(self.layout, tuple(self.global_shape), self.dtype)._repr_html_()
 
 
+_SIGNATURES: dict = {}  # (layout, global shape, dtype) -> its token
+
+
+def signature(layout: Layout, global_shape: tuple, dtype: torch.dtype) -> int:
+    """The interned token of a Sharded value's (layout, global shape, dtype)."""
+    key = (layout, tuple(global_shape), dtype)
+    token = _SIGNATURES.get(key)
+    if token is None:
+        token = _SIGNATURES[key] = len(_SIGNATURES)
+    return token
+
+
+_SET_LAYOUT, _SET_SHAPE, _SET_SHARDS, _SET_TOKEN = (
+    Sharded.__dict__[name].__set__ for name in ("layout", "global_shape", "shards", "token"))
+
+
+def unchecked(layout: Layout, global_shape: tuple, shards: tuple, token: int) -> Sharded:
+    """A Sharded value whose layout, shape and shards are known to agree, with its signature
+    token: a program's output, as its plan says (the constructor's checks cost more than a
+    cache-hit call may). Fields are set through their slots, as attrs' own __init__ does."""
+    value = object.__new__(Sharded)
+    _SET_LAYOUT(value, layout)
+    _SET_SHAPE(value, global_shape)
+    _SET_SHARDS(value, shards)
+    _SET_TOKEN(value, token)
+    return value
+
+
 def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: bool = False) -> torch.Tensor:
     """The block of a global tensor held at mesh `coords` (a view where possible)."""
     local = layout.local_shape(tensor.shape)
+    if local == tuple(tensor.shape) and not (partial_zeros and layout.partial_axes):
+        return tensor  # no dim split: every rank's block is the whole tensor
     block = tensor
     for d, offset in enumerate(layout.offsets(tensor.shape, coords)):
         if local[d] != tensor.shape[d]:
@@ -130,12 +177,15 @@ def rank_block(x, layout: Layout, coords, device=None) -> torch.Tensor:
     global tensor laid out by `layout`; made contiguous, as programs are traced on contiguous
     stand-ins (a kernel such as group norm requires it, and a view's sizes are only valid for
     the strides it was traced with)."""
-    if isinstance(x, Sharded):
+    if type(x) is Sharded or isinstance(x, Sharded):
         block = x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
     else:
-        block = local_block(x.detach(), layout, coords)
-    block = block.to(device) if device is not None else block
-    return block.detach().contiguous()
+        block = local_block(x, layout, coords)
+    if device is not None and block.device != device:
+        block = block.to(device)
+    if block.requires_grad:
+        block = block.detach()
+    return block.contiguous()
 
 
 def redistribute(x: Sharded, layout: Layout) -> Sharded:
