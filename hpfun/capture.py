@@ -4,9 +4,11 @@
 functionalized (no in-place ops) and decomposed to core ATen. On top of torch's core
 decompositions, the NLL loss is decomposed too: as reductions, pointwise ops and
 gather/scatter, its general rules shard it along any dim (the vocab-parallel loss), where a
-fused kernel would need its dim whole. Softmax and log-softmax (forward and backward) are
-recorded whole and then split the same way (`split_fused`); `hpfun.fuse` puts the fused kernel
-back after propagation wherever the layouts allow (the dim whole).
+fused kernel would need its dim whole. Softmax and log-softmax (forward and backward) and the
+embedding's backward are recorded whole and then split the same way (`split_fused`);
+`hpfun.fuse` puts the fused kernel back after propagation wherever the layouts allow (the
+softmax dim whole; the embedding gradient replicated, or split on the vocab as its update
+needs).
 
 Composites, decided one by one (each choice is tested in tests/test_composites.py):
 - decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and
@@ -19,7 +21,7 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
   backward: no T x T scores on any rank; batch, heads and, not causal, query rows split);
   native_layer_norm and its backward (torch's decomposition is about 20x slower on CPU at
   (8, 512, 768); every leading dim may be split, which sequence parallelism needs);
-  native_group_norm; embedding and its backward, whose rules look a split vocab up locally;
+  native_group_norm; embedding, whose rule looks a split vocab up locally;
   activations (SiLU, softplus, mish...) and their backwards (GELU's, ReLU's...), pointwise.
   A layout those rules do not offer moves the data first (a key-split attention gathers the
   keys, or trades the split for heads by an all-to-all), priced as such by propagation.
@@ -59,8 +61,8 @@ KEPT_WHOLE = frozenset([
     aten.leaky_relu_backward.default, aten.elu_backward.default, aten.softplus.default,
     aten.softplus_backward.default, aten.mish.default, aten.mish_backward.default, aten.hardsigmoid.default,
     aten.hardsigmoid_backward.default,
-    # layer norm's backward and embedding's backward (rules in rules/norm.yaml, rules/gather.yaml)
-    aten.native_layer_norm_backward.default, aten.embedding_dense_backward.default,
+    # layer norm's backward (rule in rules/norm.yaml)
+    aten.native_layer_norm_backward.default,
 ])
 
 _DECOMPOSE_TOO = [
@@ -270,7 +272,8 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
 # ---------------------------------------------------------------------------------------------
 
 FUSED = (aten._softmax.default, aten._log_softmax.default,
-         aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+         aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
+         aten.embedding_dense_backward.default)
 
 
 @attrs.define(eq=False)

@@ -1,4 +1,5 @@
-"""Fused kernels where the layouts allow them: softmax and log-softmax, forward and backward.
+"""Fused kernels where the layouts allow them: softmax and log-softmax, forward and backward,
+and the embedding's backward.
 
 Decomposed into reductions and pointwise ops, softmax shards along any dim (the
 vocab-parallel loss splits log-softmax over the vocabulary, with two small all-reduces);
@@ -8,7 +9,10 @@ differently). So capture records these ops whole, splits each into its decomposi
 remembers the group of nodes it became (`hpfun.capture.split_fused`), propagation chooses
 layouts for the decomposed graph as before, and `rejoin` puts the fused op back wherever its
 group runs with no collective inside: the normalized dim whole, every node of the group on
-the layouts its producers have, and the op's own rule offering exactly those layouts.
+the layouts its producers have (or a block of them), and the op's own rule offering exactly
+those layouts. The embedding's backward is a scatter-add into a zero table: its pieces follow
+what the update needs (the table replicated, or split on the vocab), which a greedy walk
+offered the whole op could not see.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from hpfun.capture import FusedGroup
+from hpfun.plan import redistribute_cost
 from hpfun.propagate import op_call, tensor_inputs
 from hpfun.rules import REGISTRY
 
@@ -53,7 +58,10 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
 
 
 def _boundary_layouts(group: FusedGroup) -> dict | None:
-    """The layout each outside input is read in, if the group moves no data inside (None if it does)."""
+    """The layout each outside input is read in, if the group sends nothing between ranks
+    inside (None if it does). A local move inside (a block cut from a replicated value the
+    group made) is no reason to keep the pieces: the fused op's rule must offer the boundary
+    layouts anyway, and computes the same values from them."""
     inside = set(group.nodes)
     needs: dict = {}
     for n in group.nodes:
@@ -62,7 +70,8 @@ def _boundary_layouts(group: FusedGroup) -> dict | None:
             return None
         for producer, layout in zip(tensor_inputs(n), strategy.inputs, strict=True):
             if producer in inside:
-                if layout != producer.meta["hpfun_layout"]:
+                val = producer.meta["val"]
+                if redistribute_cost(producer.meta["hpfun_layout"], layout, val.shape, val.dtype)[0]:
                     return None
             elif needs.setdefault(producer, layout) != layout:
                 return None

@@ -97,4 +97,4 @@ def test_lookup_is_masked_and_local(shape):
 def test_gradient_is_computed_vocab_split():
     """The embedding's gradient is accumulated only for the rank's vocab block."""
     lowered = _sharded_step((2,), "vocab").lower(*_data())
-    assert _layouts(lowered)["index_put"].placements[0] == hpfun.Shard(0)
+    assert _layouts(lowered)["embedding_dense_backward"].placements[0] == hpfun.Shard(0)

@@ -169,10 +169,14 @@ class EmbeddingBackward(Rule):
     The gradient adds each grad row into the row its id names: linear in grad. Per mesh axis:
     grad split on D gives the output split on D; grad and ids split alike on a token dim give
     Partial(sum) (each rank adds its tokens; needs global counts, so not with scale_grad_by_freq);
-    a Partial grad gives a Partial output; replicated inputs give a replicated output. (Not
-    the output split on V, each rank adding only its block's ids: cheaper work, but a greedy
-    walk takes it and then carries the split through the whole update, to gather it at the
-    end; a block of the replicated gradient is a free local slice where one is needed.)
+    a Partial grad gives a Partial output; replicated inputs may also give the output split on
+    V, each rank adding only the ids in its block (the others go to a padding row, cut off).
+
+    Capture records the op whole and splits it into torch's decomposition (`FUSED` in
+    hpfun.capture), which propagation lays out; `hpfun.fuse` puts the op back where this rule
+    offers the layouts the pieces ran in. (Offered to a greedy walk directly, the vocab split
+    from replicated inputs would look cheaper and be carried through the whole update, to be
+    gathered at the end, where the pieces' own rules follow what the update needs.)
     """
 
     def strategies(self, call: OpCall) -> list[Strategy]:
@@ -180,7 +184,7 @@ class EmbeddingBackward(Rule):
         per_axis = []
         for a in range(call.mesh.ndim):
             g, q = grad.layout.placements[a], ids.layout.placements[a]
-            options = [replicated_option(call)]
+            options = [replicated_option(call), ((R, R), (Shard(0),))]
             if g == Shard(grad.ndim - 1):
                 options.insert(0, ((g, R), (Shard(1),)))
             elif isinstance(g, Partial) and g.reduce in ("sum", "avg"):
@@ -190,6 +194,20 @@ class EmbeddingBackward(Rule):
                 options.insert(0, ((Shard(d), Shard(d)), (Partial("sum"),)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        out_layout, shape = strategy.outputs[0], call.outputs[0].shape
+        if not out_layout.shard_axes(0):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        grad, ids = args[0], args[1]
+        padding_idx = call.arg(3, default=-1)
+        if padding_idx >= 0:  # rows of the padding id get no gradient; its local index varies by rank
+            keep = ctx.call(aten.ne.Scalar, (ids, padding_idx))
+            grad = ctx.call(aten.where.ScalarOther, (ctx.call(aten.unsqueeze.default, (keep, -1)), grad, 0))
+        size = out_layout.local_shape(shape)[0]
+        local, _ = _masked_index(ctx, out_layout, shape, 0, ids, size, size)
+        out = ctx.call(aten.embedding_dense_backward.default, (grad, local, size + 1, -1, call.arg(4, default=False)))
+        return ctx.call(aten.slice.Tensor, (out, 0, 0, size))
 
 
 @attrs.frozen(kw_only=True)
