@@ -1,7 +1,7 @@
 """Per-step time of hpfun vs hand-written Megatron code vs DTensor, world size 2, gloo, CPU.
 
     python benchmarks/overhead.py [--workloads mlp mlp_gelu block gpt llama] [--reps 15] [--iters 20]
-                                  [--no-compile] [--compile-hf] [--out benchmarks/RESULTS.md]
+                                  [--no-compile] [--no-compile-hf] [--out benchmarks/RESULTS.md]
 
 Two processes, one thread each, tensor parallel over both (Megatron's layout). Workloads: an MLP
 with ReLU (fwd+bwd), the same MLP with GELU and an MSE loss (fwd+bwd), a transformer block
@@ -14,7 +14,7 @@ After a warm-up the versions' losses must agree to 1e-4. Then every workload's e
 timed in interleaved repetitions (a, b, c, ..., a, b, c, ...), each timing `iters` steps between
 barriers; the table reports medians. Also measured per workload: the cost of a cache-hit call
 of the hpfun step beyond running its program (us) and of its first call (trace + propagate +
-lower, ms).
+lower, ms). The whole run takes about 5 minutes on 2 cores (compiling: about 2 of them).
 """
 
 from __future__ import annotations
@@ -494,7 +494,7 @@ def build_llama(env: Env) -> Workload:
 
     notes = []
     versions, step = _hpfun_versions(make, lambda s: lambda: s(ids), env.compile and env.compile_hf, notes,
-                                     "" if not env.compile else " (inductor takes minutes here: --compile-hf)")
+                                     "" if not env.compile else " (--no-compile-hf)")
     hand = _llama(env.world, env.rank)
     versions["hand"] = _train_step(hand, torch.optim.AdamW(hand.parameters(), lr=1e-3), ids)
     layers = range(LLAMA["num_hidden_layers"])
@@ -593,7 +593,7 @@ def worker(rank: int, world: int, port: int, args, queue):
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    env = Env(rank, world, mesh, device_mesh, compile=not args.no_compile, compile_hf=args.compile_hf)
+    env = Env(rank, world, mesh, device_mesh, compile=not args.no_compile, compile_hf=not args.no_compile_hf)
     workloads, setup = {}, {}
     for name in args.workloads:
         start = time.perf_counter()
@@ -666,7 +666,8 @@ def main():
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-compile", action="store_true", help="leave out hpfun's compile=True versions")
-    parser.add_argument("--compile-hf", action="store_true", help="also compile the HF Llama step (minutes)")
+    parser.add_argument("--no-compile-hf", action="store_true",
+                        help="leave out the HF Llama step's compile=True version (inductor takes 1-2 minutes on it)")
     parser.add_argument("--out", default=None, help="write the table into this markdown file (its section only)")
     args = parser.parse_args()
     with socket.socket() as s:

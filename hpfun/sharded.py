@@ -146,10 +146,10 @@ _SET_LAYOUT, _SET_SHAPE, _SET_SHARDS, _SET_TOKEN = (
     Sharded.__dict__[name].__set__ for name in ("layout", "global_shape", "shards", "token"))
 
 
-def unchecked(layout: Layout, global_shape: tuple, shards: tuple, token: int) -> Sharded:
+def unchecked(layout: Layout, global_shape: tuple, shards: tuple, token: int | None = None) -> Sharded:
     """A Sharded value whose layout, shape and shards are known to agree, with its signature
-    token: a program's output, as its plan says (the constructor's checks cost more than a
-    cache-hit call may). Fields are set through their slots, as attrs' own __init__ does."""
+    token if known: a program's output, as its plan says (the constructor's checks cost more
+    than a cache-hit call may). Fields are set through their slots, as attrs' own __init__ does."""
     value = object.__new__(Sharded)
     _SET_LAYOUT(value, layout)
     _SET_SHAPE(value, global_shape)

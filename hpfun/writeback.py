@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
-from hpfun.sharded import Sharded, local_block
+from hpfun.sharded import Sharded, local_block, unchecked
 
 # tensor -> (layout, global shape, data pointer): lifted state a distributed call left sharded
 _LOCAL = WeakIdKeyDictionary()
@@ -36,7 +36,7 @@ def held_block(x: torch.Tensor) -> Sharded | None:
     if x.data_ptr() != ptr or tuple(x.shape) != layout.local_shape(shape):
         del _LOCAL[x]
         return None
-    return Sharded(layout, shape, (x,))
+    return unchecked(layout, shape, (x,))  # its local shape checked just above
 
 
 def _hold(x: torch.Tensor, layout: Layout, shape: tuple) -> None:
@@ -69,7 +69,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     must meet its parameter's new block)."""
     with torch.no_grad():
         for wb, shards in sorted(zip(writes, shards_per_output, strict=True), key=lambda w: w[0].input is None):
-            value = Sharded(wb.layout, wb.shape, shards)
+            value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             if wb.input is not None:
                 _update(inputs[wb.input], value)
             elif wb.optimizer is not None:
