@@ -69,7 +69,7 @@ def _workloads() -> dict:
 
     return {
         "transformer block fwd+bwd, Megatron TP (tp=2)":
-            lambda: (overhead.hpfun_step(overhead.block_loss, overhead.BLOCK_SPECS, mesh), (pb, xb)),
+            lambda: (overhead._grad_step(overhead.block_loss, overhead.BLOCK_SPECS, mesh, 1), (pb, xb)),
         "GPT AdamW step, vocab-parallel (tp=2)": lambda: gpt({"vocab": "tp"}),
         "GPT AdamW step, TP + sequence parallel (tp=2)": lambda: gpt({"tp": "tp"}, P(None, "tp")),
     }
