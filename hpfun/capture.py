@@ -2,13 +2,13 @@
 
 `make_fx` runs the function on fake tensors of the global shapes (nothing is computed),
 functionalized (no in-place ops) and decomposed to core ATen. On top of torch's core
-decompositions, the NLL loss is decomposed too: as reductions, pointwise ops and
+decompositions, the NLL loss's forward is decomposed too: as reductions, pointwise ops and
 gather/scatter, its general rules shard it along any dim (the vocab-parallel loss), where a
-fused kernel would need its dim whole. Softmax and log-softmax (forward and backward) and the
-embedding's backward are recorded whole and then split the same way (`split_fused`);
-`hpfun.fuse` puts the fused kernel back after propagation wherever the layouts allow (the
-softmax dim whole; the embedding gradient replicated, or split on the vocab as its update
-needs).
+fused kernel would need its dim whole. Softmax and log-softmax (forward and backward), the NLL
+loss's backward and the embedding's backward are recorded whole and then split the same way
+(`split_fused`); `hpfun.fuse` puts the fused kernel back after propagation wherever the layouts
+allow (the softmax dim whole; the loss's classes whole; the embedding gradient replicated, or
+split on the vocab as its update needs).
 
 Composites, decided one by one (each choice is tested in tests/test_composites.py):
 - decomposed: training-mode batch norm (native_batch_norm, _native_batch_norm_legit*), and
@@ -66,7 +66,7 @@ KEPT_WHOLE = frozenset([
 ])
 
 _DECOMPOSE_TOO = [
-    aten.nll_loss_forward, aten.nll_loss_backward,
+    aten.nll_loss_forward,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
 ]
 
@@ -273,7 +273,7 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
 
 FUSED = (aten._softmax.default, aten._log_softmax.default,
          aten._softmax_backward_data.default, aten._log_softmax_backward_data.default,
-         aten.embedding_dense_backward.default)
+         aten.embedding_dense_backward.default, aten.nll_loss_backward.default)
 
 
 @attrs.define(eq=False)
@@ -292,10 +292,14 @@ class FusedGroup:
     probes: list = attrs.Factory(list)
 
     def current_args(self) -> tuple | None:
+        originals = [a for a in self.args if _is_tensor_node(a)]
         found = []
-        for probe in self.probes:
-            if probe is None:
-                return None
+        for probe, original in zip(self.probes, originals, strict=True):
+            if probe is None:  # no piece reads it: the argument itself, if no pass replaced it
+                if getattr(original, "_erased", False):
+                    return None
+                found.append(original)
+                continue
             node, index = probe
             found.append(pytree.tree_leaves((node.args, node.kwargs))[index])
         it = iter(found)
@@ -315,7 +319,7 @@ def split_fused(gm: torch.fx.GraphModule) -> None:
             continue
         tensors = [a for a in node.args if _is_tensor_node(a)]
         sub = _fused_decomposition(node.target, tuple((tuple(t.meta["val"].shape), t.meta["val"].dtype) for t in tensors),
-                                   tuple(None if _is_tensor_node(a) else a for a in node.args))
+                                   tuple(_TENSOR if _is_tensor_node(a) else a for a in node.args))
         last = sub.graph.output_node().args[0][0]
         if last.op != "call_function":
             continue  # nothing to split (a decomposition that returns an input as it is)
@@ -343,6 +347,9 @@ def split_fused(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+_TENSOR = object()  # a tensor argument's place among a fused op's static arguments (None is an argument)
+
+
 def _probe(placeholder, env) -> tuple | None:
     for user in placeholder.users:
         if user.op == "call_function":
@@ -358,7 +365,7 @@ def _fused_decomposition(target, metas: tuple, static_args: tuple) -> torch.fx.G
 
     def run(*tensors):
         it = iter(tensors)
-        return [decompose(*[next(it) if a is None else a for a in static_args])]
+        return [decompose(*[next(it) if a is _TENSOR else a for a in static_args])]
 
     return capture(run, list(metas))
 

@@ -41,7 +41,9 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
         decomposed = (out.target, out.args, out.kwargs)
         out.target, out.args, out.kwargs = group.target, args, group.kwargs
         call = op_call(out, mesh)
-        want = tuple(needs.get(p) for p in tensor_inputs(out))
+        # an argument the pieces never read (nll_loss's total_weight under reduction="sum") is
+        # taken as it is: no move is planned for it
+        want = tuple(needs.get(p, p.meta.get("hpfun_layout")) for p in tensor_inputs(out))
         rule = registry.lookup(group.target)
         match = None if rule is None or None in want else next(
             (s for s in rule.strategies(call) if s.inputs == want and s.outputs == (layout,)), None)

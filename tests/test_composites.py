@@ -145,6 +145,26 @@ def test_cuda_attention_kernels_plan_split_on_heads_or_batch(kernel, spec):
     assert len(kernels) == 2  # forward and backward, whole
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_backward_is_one_kernel_on_split_rows_and_pieces_on_split_classes(reduction):
+    """F.cross_entropy's backward: with the batch split (data parallel) the per-shard program
+    runs torch's nll_loss_backward kernel; with the classes split (vocab parallel) it runs the
+    pieces that can place a target only in the rank's block. Both equal the unsharded step."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(16, 32, generator=g, dtype=torch.float64), torch.randn(8, 16, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 32, (8,), generator=g)
+    t[3] = -100  # ignored
+
+    def step(w, x, t):
+        return torch.func.grad(lambda w: F.cross_entropy(x @ w, t, reduction=reduction).square().sum())(w)
+
+    for axis, specs, fused in (("dp", (P(), P("dp"), P("dp")), 1), ("tp", (P(None, "tp"), P(), P()), 0)):
+        f = hpfun.shard(step, mesh=hpfun.Mesh.simulated((2,), (axis,)), in_specs=specs, out_specs=specs[0])
+        torch.testing.assert_close(f(w, x, t).full(), step(w, x, t), rtol=1e-10, atol=1e-10)
+        ops = collections.Counter(n.target for n in f.lower(w, x, t).program.module.graph.nodes)
+        assert ops[aten.nll_loss_backward.default] == fused, axis
+
+
 # ---------------------------------------------------------------------------------------------
 # Batch norm and var: decomposed into reductions (a split batch costs per-channel all-reduces)
 # ---------------------------------------------------------------------------------------------

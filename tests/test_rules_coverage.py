@@ -738,6 +738,39 @@ def test_fused_attention_keeps_its_inputs_local_splits():
     assert all(p[1] != "S(2)" for p in offered(split(2), split(2), split(2)))
 
 
+# ---------------------------------------------------------------------------------------------
+# The NLL loss's backward, whole (capture splits it for propagation; hpfun.fuse puts it back)
+# ---------------------------------------------------------------------------------------------
+
+_NLL_BACKWARD = aten.nll_loss_backward.default
+_TARGETS = torch.tensor([3, 0, -100, 5, 1, 5, 2, 7])  # one row ignored
+
+
+def _nll_backward(reduction, weighted):
+    def fn(g, x, t, *w):
+        weight = w[0] if weighted else None
+        kept = aten._to_copy.default(t != -100, dtype=x.dtype)
+        total = (weight[t.clamp(min=0)] * kept).sum() if weighted else kept.sum()
+        return _NLL_BACKWARD(g, x, t, weight, reduction, -100, total)
+    return fn
+
+
+NLL = {  # name: (reduction, weighted); logits (8, 8)
+    "mean": (1, False), "mean_weighted": (1, True), "sum": (2, False), "none_weighted": (0, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NLL))
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_nll_loss_backward(data, name):
+    """nll_loss_backward split on the batch (with the global total weight) equals it whole."""
+    reduction, weighted = NLL[name]
+    g = _rand(8) if reduction == 0 else _rand(1)[0]
+    inputs = (g, _rand(8, 8), _TARGETS) + ((_rand(8, low=0.5),) if weighted else ())
+    check_op(data.draw, _NLL_BACKWARD, _nll_backward(reduction, weighted), inputs)
+
+
 def test_batch_norm_legit_with_running_stats():
     """_native_batch_norm_legit (running stats updated in place) runs with the channels split."""
     x, w, b = _rand(4, 4, 3), _rand(4), _rand(4)

@@ -24,6 +24,7 @@ from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
 from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
 from hpfun.rules.index import Index, IndexPut
+from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise
 from hpfun.rules.reduction import Normalize, Pad, Reduction
@@ -61,6 +62,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "group_norm_backward": GroupNormBackward,
     "batch_norm": BatchNorm,
     "attention": Attention,
+    "nll_loss_backward": NllLossBackward,
     "replicated": Replicated,
     "data_dependent": DataDependent,
 }
