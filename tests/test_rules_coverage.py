@@ -163,6 +163,9 @@ UNARY = {  # op: (low, high) of its inputs' domain
     aten.elu.default: (-2, 2), aten.hardtanh.default: (-2, 2), aten.leaky_relu.default: (-2, 2),
     aten.isinf.default: (-2, 2), aten.isnan.default: (-2, 2), aten.erfinv.default: (-0.9, 0.9),
     aten.lift_fresh_copy.default: (-2, 2),
+    # kept whole by capture (torch's core table would decompose them)
+    aten.silu.default: (-3, 3), aten.softplus.default: (-3, 3), aten.mish.default: (-3, 3),
+    aten.hardsigmoid.default: (-4, 4),
 }
 
 
@@ -173,6 +176,30 @@ def test_unary_pointwise(data, op):
     """New unary pointwise ops keep any split of their input."""
     low, high = UNARY[op]
     check_op(data.draw, op, op, (_rand(4, 6, low=low, high=high),))
+
+
+ACTIVATION_BACKWARD = {  # kept whole by capture: linear in the incoming gradient (arg 0)
+    "gelu_backward": lambda g, x: aten.gelu_backward.default(g, x, approximate="tanh"),
+    "silu_backward": lambda g, x: aten.silu_backward.default(g, x),
+    "sigmoid_backward": lambda g, x: aten.sigmoid_backward.default(g, torch.sigmoid(x)),
+    "tanh_backward": lambda g, x: aten.tanh_backward.default(g, torch.tanh(x)),
+    "hardtanh_backward": lambda g, x: aten.hardtanh_backward.default(g, x, -1.0, 1.0),
+    "leaky_relu_backward": lambda g, x: aten.leaky_relu_backward.default(g, x, 0.1, False),
+    "elu_backward": lambda g, x: aten.elu_backward.default(g, 1.0, 1.0, 1.0, False, x),
+    "softplus_backward": lambda g, x: aten.softplus_backward.default(g, x, 1.0, 20.0),
+    "mish_backward": lambda g, x: aten.mish_backward.default(g, x),
+    "hardsigmoid_backward": lambda g, x: aten.hardsigmoid_backward.default(g, x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATION_BACKWARD))
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_activations_kept_whole(data, name):
+    """Activations and their backwards (capture no longer decomposes them) keep any split, and
+    a Partial gradient passes the backwards."""
+    op = getattr(aten, name).default
+    check_op(data.draw, op, ACTIVATION_BACKWARD[name], (_rand(4, 6), _rand(4, 6)), partial=(0,))
 
 
 BINARY = {
