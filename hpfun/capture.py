@@ -56,10 +56,11 @@ KEPT_WHOLE = frozenset([
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     # activations and their backwards: one pass over memory instead of several
-    aten.gelu_backward.default, aten.threshold_backward.default, aten.silu.default, aten.silu_backward.default,
+    # (silu_backward and mish_backward are composites the dispatcher expands before capture)
+    aten.gelu_backward.default, aten.threshold_backward.default, aten.silu.default,
     aten.sigmoid_backward.default, aten.tanh_backward.default, aten.hardtanh_backward.default,
     aten.leaky_relu_backward.default, aten.elu_backward.default, aten.softplus.default,
-    aten.softplus_backward.default, aten.mish.default, aten.mish_backward.default, aten.hardsigmoid.default,
+    aten.softplus_backward.default, aten.mish.default, aten.hardsigmoid.default,
     aten.hardsigmoid_backward.default,
     # layer norm's backward (rule in rules/norm.yaml)
     aten.native_layer_norm_backward.default,
