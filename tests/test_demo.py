@@ -6,12 +6,13 @@ Each run is a subprocess with a bounded wait; nothing is left running."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from hpfun.testing import ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = [sys.executable, "-m", "hpfun.demo"]
@@ -43,30 +44,12 @@ def test_demo_matches_the_unsharded_run(flags):
         assert "opt.state.model.down.weight.exp_avg" in done.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_module_demo_on_four_processes(tmp_path):
     """`torchrun --nproc-per-node 4 -m hpfun.demo --module --distributed`, launched by hand: the
     parameters stay sharded between calls, and gathered they match the unsharded run."""
-    world, port, procs = 4, _free_port(), []
-    try:
-        for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            log = open(tmp_path / f"rank{rank}.txt", "w")
-            procs.append(subprocess.Popen(DEMO + ["--module", "--distributed", "--steps", "3"], cwd=ROOT, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(world)]
+    world = 4
+    codes = ranks.launch(DEMO + ["--module", "--distributed", "--steps", "3"], world, tmp_path, timeout=300, cwd=ROOT)
+    logs = [(tmp_path / f"log-rank{rank}.txt").read_text() for rank in range(world)]
     assert codes == [0] * world, "\n".join(log[-3000:] for log in logs)
     steps, diff, traces = _result(logs[0])
     assert steps == 3 and diff < 1e-5 and traces == 2

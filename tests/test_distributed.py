@@ -3,9 +3,6 @@
 Each test launches one process per rank running tests/dist_worker.py, waits with a bound, and
 always kills what is left."""
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,38 +12,15 @@ import torch.nn.functional as F
 
 import hpfun
 from hpfun import P
+from hpfun.testing import ranks
 from hpfun.testing.models import MLP_LAYOUTS, mlp_data, mlp_init, mlp_step
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, world: int, out: Path, timeout: float = 240) -> list[int]:
     """Run one job; returns the ranks' exit codes. Never leaves a process behind."""
-    port = _free_port()
-    procs = []
-    try:
-        for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            log = open(out / f"log-rank{rank}.txt", "w")
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _logs(out: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("log-rank*.txt")))
+    return ranks.launch([sys.executable, str(WORKER), scenario, str(out)], world, out, timeout)
 
 
 def _simulated(name, shape, axes):
@@ -72,7 +46,7 @@ def _rel(a, b):
 def test_mlp_steps_match_simulated_and_unsharded(world, tmp_path):
     """Two MLP steps per layout on gloo equal the simulated runtime shard by shard and the unsharded step."""
     codes = launch("mlp", world, tmp_path)
-    assert codes == [0] * world, _logs(tmp_path)
+    assert codes == [0] * world, ranks.logs(tmp_path)
     sys.path.insert(0, str(WORKER.parent))
     try:
         import dist_worker
@@ -100,7 +74,7 @@ def test_adopted_device_mesh_and_local_shards(tmp_path):
     """Mesh.from_device_mesh adopts a user's DeviceMesh; Sharded.from_local inputs give the same
     results as global inputs, with one program for both."""
     codes = launch("adopt", 2, tmp_path)
-    assert codes == [0, 0], _logs(tmp_path)
+    assert codes == [0, 0], ranks.logs(tmp_path)
     for rank in range(2):
         got = torch.load(tmp_path / f"adopt-rank{rank}.pt")
         assert got["same"] and got["traces"] == 1
@@ -115,7 +89,7 @@ def _unsharded_one_step_loss():
 def test_compile_option_on_gloo(tmp_path):
     """compile=True runs the per-shard program through inductor with the same results."""
     codes = launch("compile", 2, tmp_path, timeout=400)
-    assert codes == [0, 0], _logs(tmp_path)
+    assert codes == [0, 0], ranks.logs(tmp_path)
     for rank in range(2):
         got = torch.load(tmp_path / f"compile-rank{rank}.pt")
         for key in got[False]:
@@ -148,7 +122,7 @@ def _worker():
 def _job(tmp_path_factory, scenario: str, world: int) -> list[dict]:
     out = tmp_path_factory.mktemp(scenario)
     codes = launch(scenario, world, out)
-    assert codes == [0] * world, _logs(out)
+    assert codes == [0] * world, ranks.logs(out)
     return [torch.load(out / f"{scenario}-rank{rank}.pt") for rank in range(world)]
 
 
@@ -263,7 +237,7 @@ def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_
 def test_failed_rank_makes_the_others_fail_not_hang(scenario, tmp_path):
     """When a rank raises or dies, the surviving rank gets an error within the timeout."""
     codes = launch(scenario, 2, tmp_path, timeout=120)
-    assert codes[1] != 0 and codes[0] == 1, _logs(tmp_path)
+    assert codes[1] != 0 and codes[0] == 1, ranks.logs(tmp_path)
     elapsed, message = (tmp_path / "err-rank0.txt").read_text().split("\n", 1)
     assert float(elapsed) < 20 + 10, message  # the worker's timeout, plus slack
     assert message != "NO ERROR"
@@ -273,7 +247,7 @@ def test_stalled_rank_makes_the_others_fail_after_the_timeout(tmp_path, monkeypa
     """A rank that stays alive but never joins: the others fail once the mesh's timeout passes."""
     monkeypatch.setenv("HPFUN_TEST_TIMEOUT", "5")
     codes = launch("rank_stalls", 2, tmp_path, timeout=120)
-    assert codes[0] == 1, _logs(tmp_path)
+    assert codes[0] == 1, ranks.logs(tmp_path)
     elapsed, message = (tmp_path / "err-rank0.txt").read_text().split("\n", 1)
     assert 4 <= float(elapsed) < 5 + 15, message
     assert message != "NO ERROR"

@@ -6,7 +6,6 @@ Run as a script, this file is one rank of the gloo job (`python tests/test_overl
 with RANK, WORLD_SIZE, MASTER_* set)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 import hpfun
 from hpfun import P
+from hpfun.testing import ranks
 from hpfun.testing.models import MLP_LAYOUTS, adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step, mlp_data, mlp_init, mlp_step
 
 VARIANTS = {"sync": {"bucket_bytes": 0, "overlap": False}, "overlapped": {"bucket_bytes": 2048, "overlap": True}}
@@ -98,24 +98,8 @@ def test_overlap_is_bitwise_under_gloo(simulated, tmp_path):
     all-reduces run on gloo's threads until wait_tensor) and synchronously: each rank's shards
     are bitwise equal between the two, and equal the simulated run (to rounding: one thread per
     rank there, several here)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_distributed import _free_port, _logs
-
-    port, procs = _free_port(), []
-    try:
-        for rank in range(2):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            log = open(tmp_path / f"log-rank{rank}.txt", "w")
-            procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0, 0], _logs(tmp_path)
+    codes = ranks.launch([sys.executable, __file__, str(tmp_path)], 2, tmp_path)
+    assert codes == [0, 0], ranks.logs(tmp_path)
     for rank in range(2):
         got = torch.load(tmp_path / f"overlap-rank{rank}.pt")
         assert all(torch.equal(got["overlapped"][k], got["sync"][k]) for k in got["sync"])

@@ -7,8 +7,6 @@ MASTER_* set) this file is one rank of the gloo job of `test_distributed_runtime
 """
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from hpfun.api import Options
 from hpfun.errors import SpecError
 from hpfun.layout import parse
 from hpfun.plan import redistribute_cost
+from hpfun.testing import ranks
 
 aten = torch.ops.aten
 POLICIES = ("float32", "compute")
@@ -171,32 +170,11 @@ def _worker(out: Path):
     torch.save(got, out / f"rank{os.environ['RANK']}.pt")
 
 
-def _launch(world: int, out: Path, timeout: float = 240) -> list[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    try:
-        for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            log = open(out / f"log-rank{rank}.txt", "w")
-            procs.append(subprocess.Popen([sys.executable, __file__, "worker", str(out)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        return [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def test_distributed_runtime_reduces_alike(tmp_path):
     """On gloo, the same programs give the simulated runtime's shards, bitwise (two terms sum
     the same in any order), for both options."""
-    codes = _launch(2, tmp_path)
-    logs = "\n".join(p.read_text()[-3000:] for p in sorted(tmp_path.glob("log-rank*.txt")))
-    assert codes == [0, 0], logs
+    codes = ranks.launch([sys.executable, __file__, "worker", str(tmp_path)], 2, tmp_path)
+    assert codes == [0, 0], ranks.logs(tmp_path)
     mesh = hpfun.Mesh.simulated((2,), ("tp",))
     x, w = _operands()
     for policy in POLICIES:
