@@ -82,13 +82,7 @@ def _glue(node: torch.fx.Node) -> bool:
 
 def issue_group(collective: torch.fx.Node) -> list[torch.fx.Node]:
     """The collective and the glue nodes that exist only to feed it, in program order."""
-    group, frontier = {collective}, list(collective.all_input_nodes)
-    while frontier:
-        node = frontier.pop()
-        if node not in group and _glue(node) and all(u in group for u in node.users):
-            group.add(node)
-            frontier += node.all_input_nodes
-    return _in_order(collective.graph, group)
+    return _grown(collective, lambda n: n.all_input_nodes, lambda n: n.users)
 
 
 def wait_of(collective: torch.fx.Node) -> torch.fx.Node:
@@ -99,13 +93,19 @@ def wait_of(collective: torch.fx.Node) -> torch.fx.Node:
 
 def wait_group(collective: torch.fx.Node) -> list[torch.fx.Node]:
     """The wait and the glue that reads only it (a split, views, a cast back), in program order."""
-    group, frontier = {wait_of(collective)}, list(wait_of(collective).users)
+    return _grown(wait_of(collective), lambda n: n.users, lambda n: n.all_input_nodes)
+
+
+def _grown(seed: torch.fx.Node, onward, back) -> list[torch.fx.Node]:
+    """`seed` and the glue reached from it through `onward` whose `back` neighbours are all in
+    the group already (glue that exists only for the group), in program order."""
+    group, frontier = {seed}, list(onward(seed))
     while frontier:
         node = frontier.pop()
-        if node not in group and _glue(node) and all(a in group for a in node.all_input_nodes):
+        if node not in group and _glue(node) and all(x in group for x in back(node)):
             group.add(node)
-            frontier += node.users
-    return _in_order(collective.graph, group)
+            frontier += onward(node)
+    return _in_order(seed.graph, group)
 
 
 def _in_order(graph: torch.fx.Graph, nodes: set) -> list[torch.fx.Node]:

@@ -95,13 +95,13 @@ class Attention(Rule):
 
     def _split(self, call: OpCall, ins, outs, dim: int):
         """Batch (dim 0) or heads (dim 1) split in every tensor that has it at full size."""
-        full = [t.shape for t, r in zip(call.tensors, ins, strict=True) if r == "q"][0]
+        full = _query_shape(call, ins)
         return (tuple(_follow(t.shape, r, dim, full) for t, r in zip(call.tensors, ins, strict=True)),
                 tuple(_follow(o.shape, r, dim, full) for o, r in zip(call.outputs, outs, strict=True)))
 
     def _rows(self, call: OpCall, ins, outs):
         """Query rows split: keys and values whole, their gradients summed over the rows."""
-        full = [t.shape for t, r in zip(call.tensors, ins, strict=True) if r == "q"][0]
+        full = _query_shape(call, ins)
 
         def row(shape, role, output):
             if role in ("q", "lse"):
@@ -136,6 +136,11 @@ class Attention(Rule):
         rows = strategy.inputs[q].local_shape(call.tensors[q].shape)
         keys = strategy.inputs[kv].local_shape(call.tensors[kv].shape)[2]
         return float((5 if "lse" in ins else 2) * math.prod(rows) * keys)
+
+
+def _query_shape(call: OpCall, ins: tuple) -> tuple:
+    """(B, Hq, T, E): the shape of the query (or the output's gradient, alike)."""
+    return call.tensors[ins.index("q")].shape
 
 
 def _follow(shape: tuple, role: str, dim: int, full: tuple):
