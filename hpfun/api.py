@@ -125,6 +125,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"solver must be 'greedy' or 'exact', got {solver!r}", headline="bad option")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise SpecError(f"bucket_bytes must be an int >= 0 (0: no bucketing), got {bucket_bytes!r}", headline="bad option")
+    if not isinstance(overlap, bool):  # overlap="no" would read as True
+        raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
                       overlap=bool(overlap))

@@ -109,7 +109,9 @@ def test_reduce_scatters_and_all_gathers_bucket_too():
 
 
 def test_bucket_bytes_is_checked():
-    """A negative or non-integer cap is a spec error naming the option."""
+    """A negative or non-integer cap, or an overlap flag that is not a bool, is a spec error naming the option."""
     for bad in (-1, 1.5, True):
         with pytest.raises(hpfun.SpecError, match="bucket_bytes"):
             hpfun.shard(lambda x: x, mesh=MESH, in_specs=(P("dp"),), bucket_bytes=bad)
+    with pytest.raises(hpfun.SpecError, match="overlap must be True or False"):
+        hpfun.shard(lambda x: x, mesh=MESH, in_specs=(P("dp"),), overlap="no")
