@@ -34,6 +34,18 @@ The formulation
   candidates agree); on graphs with many cycles of conflicting preferences the proof can take
   long, hence `time_limit` and `start`.
 
+Side conditions (used by automatic sharding, `hpfun.auto`)
+-----------------------------------------------------------
+- `ties`: groups of nodes with the same candidates that must choose the same index (an
+  argument's layout and the layout its update is returned in; the same weight of two identical
+  layers): rows `x[a, c] = x[b, c]`.
+- `memory` and `budget`: per program *point*, the bytes per rank each node's candidates hold
+  there (a value live at that point, in the layout the candidate gives it); every point's sum
+  over the chosen candidates must be at most `budget`. `least_memory` finds the choice whose
+  largest point is smallest (what budget would fit).
+- `cuts`: partial choices (node -> candidate) no choice may take all at once: a runner-up is
+  the cheapest choice with one more cut.
+
 Before the MILP the problem shrinks: candidates of infinite price, or needing a layout no
 remaining neighbour candidate can reach (or be reached from) at a finite price, are dropped until
 nothing changes; a candidate equal to an earlier one in layouts and no cheaper is dropped; a node
@@ -118,9 +130,13 @@ class Problem:
     edges: Mapping[Node, tuple[Value, ...]]
     move: Callable[[Value, Hashable, Hashable], float]
     sinks: Mapping[Value, frozenset] = attrs.field(factory=dict)
+    ties: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(g) for g in t))
+    memory: tuple = attrs.field(default=(), converter=tuple)  # per point: {node: bytes per candidate}
+    budget: float | None = None
+    cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
     def __attrs_post_init__(self):
-        issues = _node_issues(self) + _edge_issues(self) + _sink_issues(self)
+        issues = _node_issues(self) + _edge_issues(self) + _sink_issues(self) + _side_issues(self)
         if issues:
             raise ProblemError(issues)
 
@@ -169,6 +185,52 @@ def _sink_issues(p: Problem) -> list[Issue]:
         if not layouts:
             issues.append(Issue(f"sink {value!r}", "accepts no layout", "give at least one acceptable layout"))
     return issues
+
+
+def _side_issues(p: Problem) -> list[Issue]:
+    issues = []
+    for group in p.ties:
+        if any(n not in p.candidates for n in group):
+            issues.append(Issue(f"tie {group!r}", "names a node that is not in nodes"))
+        elif len({len(p.candidates[n]) for n in group}) > 1:
+            issues.append(Issue(f"tie {group!r}", "ties nodes with different numbers of candidates",
+                                "tie nodes whose candidates correspond one to one"))
+    for i, point in enumerate(p.memory):
+        for n, weights in point.items():
+            if n not in p.candidates or len(weights) != len(p.candidates[n]):
+                issues.append(Issue(f"memory point {i} node {n!r}", "needs one weight per candidate of a node"))
+            elif not all(w >= 0 for w in weights):
+                issues.append(Issue(f"memory point {i} node {n!r}", "has a negative or NaN weight"))
+    if p.budget is not None and not p.budget >= 0:
+        issues.append(Issue("budget", f"is {p.budget!r}", "give bytes >= 0, or None"))
+    for cut in p.cuts:
+        if not cut or any(n not in p.candidates or not 0 <= c < len(p.candidates[n]) for n, c in cut.items()):
+            issues.append(Issue(f"cut {cut!r}", "must map nodes to indices of their candidates"))
+    return issues
+
+
+def _tied(problem: Problem) -> dict:
+    """Node -> the nodes it is tied to (itself included), ties merged."""
+    group_of: dict = {}
+    for group in problem.ties:
+        merged = set(group).union(*(group_of.get(n, ()) for n in group))
+        for n in merged:
+            group_of[n] = merged
+    return {n: tuple(m for m in problem.nodes if m in g) for n, g in group_of.items()}
+
+
+def memory_of(problem: Problem, choice: Choice) -> float:
+    """The largest sum over the `memory` points of the chosen candidates' bytes (0: none)."""
+    return max((math.fsum(w[choice[n]] for n, w in point.items()) for point in problem.memory), default=0.0)
+
+
+def allowed(problem: Problem, choice: Choice) -> bool:
+    """Whether a choice keeps the ties, avoids the cuts and fits the budget."""
+    if any(len({choice[n] for n in group}) > 1 for group in problem.ties):
+        return False
+    if any(all(choice[n] == c for n, c in cut.items()) for cut in problem.cuts):
+        return False
+    return problem.budget is None or memory_of(problem, choice) <= problem.budget * (1 + 1e-9)
 
 
 @attrs.frozen
@@ -248,6 +310,8 @@ def brute_force(problem: Problem, *, limit: int = 200_000) -> tuple[dict, float]
     best, best_price = None, math.inf
     for indices in itertools.product(*map(range, sizes)):
         choice = dict(zip(problem.nodes, indices, strict=True))
+        if not allowed(problem, choice):
+            continue
         price = total_price(problem, choice)
         if price < best_price:
             best, best_price = choice, price
@@ -311,9 +375,19 @@ def _undominated(problem: Problem, prices: _Prices, node: Node) -> list[int]:
 
 def _prune(problem: Problem, prices: _Prices) -> dict[Node, list[int]]:
     """Node -> the candidates some finite choice may use, by dropping, until nothing changes, any
-    candidate that needs a layout no remaining candidate of a neighbour can meet at a finite price."""
-    alive = {n: _undominated(problem, prices, n) for n in problem.nodes}
-    _raise_if_empty(problem, [n for n in problem.nodes if not alive[n]], "has an infinite price")
+    candidate that needs a layout no remaining candidate of a neighbour can meet at a finite price
+    (and, for tied nodes, any index a node of the tie has dropped)."""
+    tied = _tied(problem)
+    forbidden = {(n, c) for cut in problem.cuts if len(cut) == 1 for n, c in cut.items()}
+    alive = {n: [c for c in (_undominated(problem, prices, n) if n not in tied else  # keep indices aligned
+                             [c for c in range(len(problem.candidates[n])) if prices.own(n, c) < math.inf])
+                 if (n, c) not in forbidden] for n in problem.nodes}
+    for group in dict.fromkeys(map(tuple, tied.values())):
+        common = sorted(set.intersection(*(set(alive[n]) for n in group)))
+        for n in group:
+            alive[n] = common
+    _raise_if_empty(problem, [n for n in problem.nodes if not alive[n]], "has an infinite price, is cut or is "
+                    "tied to a node whose candidate of that index is")
     readers = _readers(problem)
     queue, queued = deque(problem.nodes), set(problem.nodes)
     while queue:
@@ -324,11 +398,13 @@ def _prune(problem: Problem, prices: _Prices) -> dict[Node, list[int]]:
             _raise_if_empty(problem, [n], "has an infinite price or needs a layout that the remaining "
                             "candidates of its neighbours reach only by impossible moves")
         if kept != alive[n]:
-            alive[n] = kept
-            outputs = range(len(problem.candidates[n][0].outputs))
-            neighbours = [p for p, _ in problem.inputs(n)] + [q for i in outputs for q, _ in readers.get((n, i), ())]
-            queue.extend(m for m in dict.fromkeys(neighbours) if m not in queued)
-            queued.update(neighbours)
+            for m in tied.get(n, (n,)):
+                alive[m] = [c for c in alive[m] if c in kept]
+                outputs = range(len(problem.candidates[m][0].outputs))
+                neighbours = [p for p, _ in problem.inputs(m)] + [q for i in outputs for q, _ in readers.get((m, i), ())]
+                neighbours += [o for o in tied.get(m, ()) if o != n]
+                queue.extend(o for o in dict.fromkeys(neighbours) if o not in queued)
+                queued.update(neighbours)
     return alive
 
 
@@ -419,7 +495,35 @@ def _build(problem: Problem, prices: _Prices, alive: dict) -> tuple[_Model, dict
         model.row({x[n, c]: 1.0 for c in alive[n]}, 1.0, 1.0)
     for value, readers in _readers(problem).items():
         _add_value(problem, prices, alive, model, x, value, readers)
+    for group in dict.fromkeys(map(tuple, _tied(problem).values())):
+        first = group[0]
+        if len(alive[first]) > 1:
+            for other in group[1:]:
+                for c in alive[first]:
+                    model.row({x[first, c]: 1.0, x[other, c]: -1.0}, 0.0, 0.0)
+    for cut in problem.cuts:
+        if all(c in alive[n] for n, c in cut.items()):
+            terms = {x[n, c]: 1.0 for n, c in cut.items() if len(alive[n]) > 1}
+            if not terms:
+                raise InfeasibleError(f"the cut {cut!r} forbids the only choice left")
+            model.row(terms, -math.inf, len(terms) - 1.0)
     return model, x
+
+
+def _memory_rows(problem: Problem, alive: dict, x: dict) -> list[tuple[dict, float]]:
+    """Per memory point: the terms over the `x` columns, and the bytes of the constant nodes."""
+    rows = []
+    for point in problem.memory:
+        terms, constant = {}, []
+        for n, weights in point.items():
+            if len(alive[n]) == 1:
+                constant.append(weights[alive[n][0]])
+            else:
+                for c in alive[n]:
+                    if weights[c]:
+                        terms[x[n, c]] = float(weights[c])
+        rows.append((terms, math.fsum(constant)))
+    return rows
 
 
 def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, readers) -> None:
@@ -513,12 +617,22 @@ def solve(problem: Problem, *, start: Choice | None = None, time_limit: float = 
     >>> solve(p)
     Solution(choice={'a': 1, 'b': 0}, price=1.0, optimal=True, status='optimal')
     """
-    start_price = math.inf if start is None else total_price(problem, start)
+    start_price = math.inf if start is None or not allowed(problem, start) else total_price(problem, start)
     prices = _Prices(problem)
     alive = _prune(problem, prices)
     model, x = _build(problem, prices, alive)
+    if problem.budget is not None:
+        scale = max(problem.budget, 1.0)  # rows in units of the budget: coefficients near 1 for HiGHS
+        for terms, constant in _memory_rows(problem, alive, x):
+            if terms:
+                model.row({col: w / scale for col, w in terms.items()}, -math.inf, (problem.budget - constant) / scale)
+            elif constant > problem.budget * (1 + 1e-9):
+                raise InfeasibleError(f"{constant:.0f} bytes are held whatever the choice, over the budget of "
+                                      f"{problem.budget:.0f}")
     if not model.costs:
         choice = _decode(x, alive, ())
+        if not allowed(problem, choice):
+            raise InfeasibleError("the only choice left breaks a tie, a cut or the memory budget")
         return Solution(choice, total_price(problem, choice), optimal=True, status="optimal")
     result, objective = _run(model, time_limit)
     found = None if result.x is None else _decode(x, alive, result.x)
@@ -532,6 +646,35 @@ def solve(problem: Problem, *, start: Choice | None = None, time_limit: float = 
     if start_price < math.inf:
         return Solution(dict(start), start_price, optimal=False, status="start")
     if result.status == 2:
-        raise InfeasibleError("the layouts the nodes need cannot all be met at once without an impossible move")
+        raise InfeasibleError("the layouts the nodes need cannot all be met at once without an impossible move"
+                              + (", within the memory budget" if problem.budget is not None else ""))
     raise ShardingError(Issue("solve", f"the MILP found no choice in {time_limit} s ({result.message})",
                               "raise time_limit, or pass a start choice to fall back on"))
+
+
+def least_memory(problem: Problem, *, time_limit: float = 10.0) -> tuple[dict, float]:
+    """The choice of finite price (keeping ties and cuts, ignoring `budget`) whose largest memory
+    point is smallest, and that memory (`memory_of`): the least budget any choice fits.
+
+    >>> p = Problem(nodes=("a",), candidates={"a": (Candidate((), ("R",)), Candidate((), ("S",), 1.0))},
+    ...             edges={}, move=lambda v, s, d: 0.0, memory=({"a": (8.0, 4.0)},))
+    >>> least_memory(p)
+    ({'a': 1}, 4.0)
+    """
+    problem = attrs.evolve(problem, budget=None)
+    prices = _Prices(problem)
+    alive = _prune(problem, prices)
+    model, x = _build(problem, prices, alive)
+    model.costs = [0.0] * len(model.costs)
+    model.offset = []
+    rows = _memory_rows(problem, alive, x)
+    scale = max([1.0] + [c + math.fsum(terms.values()) for terms, c in rows])  # no point exceeds it: top <= 1
+    top = model.column(1.0, integral=False)
+    for terms, constant in rows:
+        model.row({**{col: w / scale for col, w in terms.items()}, top: -1.0}, -math.inf, -constant / scale)
+    model.costs[top] = 1.0
+    result, _ = _run(model, time_limit)
+    if result.x is None:
+        raise ShardingError(Issue("least_memory", f"the MILP found no choice in {time_limit} s ({result.message})"))
+    choice = _decode(x, alive, result.x)
+    return choice, memory_of(problem, choice)
