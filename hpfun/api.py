@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import fuse, lift, log, verify, writeback
+from hpfun import fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, Problem, SpecError
@@ -37,7 +37,7 @@ from hpfun.writeback import WriteBack
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
           cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          overlap: bool = True):
+          overlap: bool = True, gather_params=None):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -92,6 +92,15 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     collective is issued as soon as its input exists and waited on just before its first use, so
     compute runs while it travels; `lower()` shows the buckets and the issue and wait points.
 
+    `gather_params` (a mesh axis name or a tuple of them; None by default) asks for FSDP's
+    schedule (ZeRO-3) over those axes: an input split over them (a parameter) is all-gathered
+    just before each use by a matmul, an embedding, a norm or a broadcasting op, once in the
+    forward and again in the backward, and freed after; elementwise uses with its own shape
+    (the optimizer update) keep the shard, so its gradient is reduce-scattered onto it. The
+    gathers are issued one use ahead (prefetch) and bucketed only with those of the same use
+    (`hpfun.fsdp`). Without it, propagation picks the cheapest plan, which may move
+    activations instead.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -102,7 +111,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
                                  registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
-                                 overlap=overlap)
+                                 overlap=overlap, gather_params=gather_params)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -129,7 +138,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
-                      overlap=bool(overlap))
+                      overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params))
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -148,6 +157,7 @@ class Options:
     solver: str = "greedy"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # cap of a fused collective's buffer; 0: no bucketing
     overlap: bool = True  # issue collectives once their input exists, wait at first use
+    gather_params: tuple = ()  # mesh axes parameters are gathered over at each use (FSDP); () none
 
 
 @attrs.frozen
@@ -357,6 +367,7 @@ class ShardedFunction:
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
         out_layouts += [w.layout for w in writes]
         out_paths += [f"{w.name} (written back)" for w in writes]
+        fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
         propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
                   reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
                   cost_model=self.options.cost_model, exact=self.options.solver == "exact")

@@ -77,6 +77,7 @@ class LowerContext:
         self.graph = torch.fx.Graph()
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
+        self.gather_for: str | None = None  # an FSDP gather's use (hpfun.fsdp): tags its collectives
         self._coords = self.seed = None
         self._cache: dict = {}
         self._random_ops = 0
@@ -158,6 +159,8 @@ class LowerContext:
         moved = str(self.reduce_in(step)[1]).removeprefix("torch.")
         record = Collective(step.kind, axes, nbytes, name, op_name, reason, moved)
         node.meta["hpfun_collective"] = record
+        if self.gather_for is not None:
+            node.meta["hpfun_fsdp"] = self.gather_for
         node.meta["hpfun_step_layouts"] = (self._step_layout, step.apply(self._step_layout))  # for reports
         node.meta["hpfun_step"], node.meta["hpfun_step_input"] = step, self._step_input  # for the verifier
         self.collectives.append(record)
@@ -227,6 +230,11 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     labels = dict(zip(inputs, input_names, strict=True)) if input_names else {}
 
     def local(producer, dst: Layout, reason_for: str):
+        if ctx.gather_for is not None:  # an FSDP gather (hpfun.fsdp): each use its own copy, shared with none
+            src, val = producer.meta["hpfun_layout"], producer.meta["val"]
+            ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
+                            f"{labels.get(producer, producer.name)} is {src.placements_str()} (gather_params)")
+            return ctx.redistribute(values[producer], src, dst, tuple(val.shape), val.dtype)
         known = reached.setdefault(producer, {})
         if dst not in known:
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]
@@ -278,8 +286,10 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     required = iter(strategy.inputs)
     widen = _keeps_wide(ctx, node)
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    ctx.gather_for = node.meta.get("hpfun_fsdp")
     leaves = [_in_dtype(ctx, x, local(x, next(required), f"{node.target}"), widen) if _is_tensor_node(x) else x
               for x in leaves]
+    ctx.gather_for = None
     taken = tuple(new for old, new in zip(pytree.tree_leaves((node.args, node.kwargs)), leaves) if _is_tensor_node(old))
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)

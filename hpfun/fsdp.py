@@ -1,0 +1,187 @@
+"""`shard(..., gather_params="dp")`: the FSDP / ZeRO-3 schedule, chosen by the user.
+
+Parameters, gradients and optimizer state split over the data-parallel axis are ordinary specs
+(`P("dp", None)`). Left to itself, propagation picks the cheapest plan for them, which at a
+small batch is to move the activations (an all-to-all of the batch, a reduce-scatter of the
+product) rather than the weights: cheaper in bytes, but not what scales, and not what the user
+asked for. `gather_params` names the axes over which parameters are instead gathered where they
+are used, FSDP's way:
+
+- each use of a parameter by a matmul, an embedding, a norm, a broadcasting add (a bias)...
+  reads a copy gathered over those axes just before it, freed after: one all-gather per use
+  site, so the forward and the backward each gather (memory holds one gathered layer at a
+  time, as FSDP frees the weight after the forward and gathers it again for the backward);
+- a use by an elementwise op whose other operands have the parameter's shape (or are 0-d) —
+  the optimizer update, weight decay, Adam's moments — keeps the shard: ZeRO's update runs on
+  the shard, and the gradient, a Partial sum over the gather axes, is reduce-scattered onto it.
+
+Which inputs are parameters is read off the graph, not names: every input whose layout splits
+it over a gather axis and that the program updates (an output computed from it elementwise, as
+an optimizer's update is; optimizer state too, whose uses all keep the shard). A batch of data
+split over the same axis is read, never updated: it is left to propagation. The pass rewrites
+the captured global graph before propagation: each gathering use gets an `hpfun::constrain`
+node pinning the input's spec minus the gather axes, placed right before the use (views between
+the parameter and the use, `w.t()`, are cloned per use; dtype casts stay before the gather, as
+FSDP gathers in the compute dtype). Each such node carries `node.meta["hpfun_fsdp"]`, the name
+of the op using it: lowering gives every use its own gather (never shared with another use) and
+tags its collective with that name; `hpfun.schedule` issues those gathers at most one use ahead
+(FSDP's prefetch) and buckets them only with the gathers of the same use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpfun.constrain import _constrain, _encode
+from hpfun.errors import SpecError
+from hpfun.layout import Layout, P
+from hpfun.mesh import Mesh
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+META = "hpfun_fsdp"  # on a policy gather (the global graph's constrain node, the lowered collective): its use's name
+
+# same-shape copies followed to the use; the gather goes after them (a cast to the compute dtype
+# gathers fewer bytes, as FSDP's mixed precision does)
+_CASTS = frozenset([aten._to_copy.default, aten.clone.default, prims.convert_element_type.default])
+# ops that read only the shape (or copy) of their input: they keep the shard
+_LIKE = frozenset([aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                   aten.rand_like.default, aten.randn_like.default, aten.copy.default])
+
+
+def gather_axes(mesh: Mesh, gather_params) -> tuple[str, ...]:
+    """The `gather_params` option as a tuple of mesh axis names (empty: no policy), checked."""
+    if gather_params is None:
+        return ()
+    axes = (gather_params,) if isinstance(gather_params, str) else gather_params
+    if not isinstance(axes, (tuple, list)) or not axes or not all(isinstance(a, str) for a in axes):
+        raise SpecError(f"gather_params must be None, a mesh axis name or a tuple of them, got {gather_params!r}",
+                        headline="bad option")
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if unknown:
+        raise SpecError(f"gather_params names {', '.join(map(repr, unknown))}, but the mesh {mesh} has axes "
+                        f"{list(mesh.axis_names)}", headline="bad option")
+    if len(set(axes)) != len(axes):
+        raise SpecError(f"gather_params names an axis twice: {gather_params!r}", headline="bad option")
+    return tuple(axes)
+
+
+def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Layout], axes: tuple[str, ...]) -> int:
+    """Rewrite the captured global graph so every gathering use of an input split over `axes`
+    reads a copy pinned to its spec minus `axes` (an `hpfun::constrain` node right before the
+    use); returns how many such copies were inserted."""
+    if not axes:
+        return 0
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    wanted = {mesh.axis_index(a) for a in axes}
+    inserted = 0
+    for node, layout in zip(placeholders, in_layouts, strict=True):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or layout is None or layout.partial_axes:
+            continue
+        split = {a for d in range(val.ndim) for a in layout.shard_axes(d)}
+        if not split & wanted or not _updated(node, val.numel()):
+            continue
+        spec = _without(P.from_layout(layout, val.ndim), axes)
+        inserted += _rewrite(graph, node, spec, val.numel())
+    if inserted:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return inserted
+
+
+def _without(spec: P, axes: tuple[str, ...]) -> P:
+    return P(*[tuple(a for a in spec.axes(d) if a not in axes) or None for d in range(len(spec.dims))])
+
+
+def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -> int:
+    uses: list[tuple[torch.fx.Node, torch.fx.Node, list]] = []  # (consumer, operand it reads, chain of views)
+
+    def walk(node, chain):
+        for user in list(node.users):
+            if _follows(user, node):
+                walk(user, chain + [user])
+            elif user.op == "call_function" and not _keeps_shard(user, node, numel):
+                uses.append((user, node, chain))
+
+    walk(param, [])
+    gathered: dict = {}  # (consumer, base) -> its constrain node
+    done = set()
+    for consumer, operand, chain in uses:
+        if (consumer, operand) in done:
+            continue
+        done.add((consumer, operand))
+        k = 0
+        while k < len(chain) and chain[k].target in _CASTS:
+            k += 1
+        base = chain[k - 1] if k else param
+        with graph.inserting_before(consumer):
+            if (consumer, base) not in gathered:
+                pin = graph.create_node("call_function", _constrain, (base, _encode(spec)),
+                                        name=f"gather_for_{consumer.name}")
+                pin.meta.update(val=base.meta["val"], stack_trace=consumer.meta.get("stack_trace"))
+                pin.meta[META] = consumer.name
+                gathered[(consumer, base)] = pin
+            value = gathered[(consumer, base)]
+            for view in chain[k:]:
+                copy = graph.node_copy(view, lambda a, v=view, prev=value: prev if a is v.args[0] else a)
+                value = copy
+        consumer.replace_input_with(operand, value)
+    return len(gathered)
+
+
+def _updated(param: torch.fx.Node, numel: int) -> bool:
+    """Whether the program updates `param`: an output is computed from it by elementwise ops
+    of its shape (an optimizer's update, an in-place write functionalized). That is what tells a
+    parameter (or optimizer state) from a batch of data split over the same axis."""
+    seen, frontier = {param}, [param]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "output":
+                return True
+            if user not in seen and (_keeps_shard(user, node, numel) or
+                                     user.target in _CASTS and _shape(user) == _shape(node)):
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def _follows(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """A view of `node`, or a same-shape copy of it (a cast): followed to the op that uses it."""
+    if user.op != "call_function" or not user.args or user.args[0] is not node:
+        return False
+    if user.target in _CASTS:
+        return _shape(user) == _shape(node)
+    target = user.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view and isinstance(user.meta.get("val"), torch.Tensor)
+
+
+def _keeps_shard(user: torch.fx.Node, operand: torch.fx.Node, numel: int) -> bool:
+    """An elementwise op (or one reading only the shape) whose tensor operands all have the
+    operand's shape or are 0-d, on the whole parameter: the update, weight decay, moments."""
+    target = user.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target not in _LIKE and torch.Tag.pointwise not in target.tags:
+        return False
+    shape = _shape(operand)
+    if shape is None or _numel(shape) != numel:
+        return False
+    tensors = [a for a in user.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return all(_shape(a) == shape or _shape(a) == () for a in tensors) and _shape(user) == shape
+
+
+def _shape(node: torch.fx.Node):
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
