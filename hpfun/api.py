@@ -259,7 +259,8 @@ class ShardedFunction:
         constants = [f"constants.{i}" for i in range(len(entry.constants))]
         return Lowered(entry.program, input_paths=[p for p, _ in fed] + constants,
                        input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
-                       output_paths=entry.output_paths, cost_model=self.options.cost_model)
+                       output_paths=entry.output_paths, cost_model=self.options.cost_model,
+                       input_groups=[_group(p, call.state, self._signature_obj) for p, _ in fed] + ["constants"] * len(constants))
 
     # -- one call's inputs ------------------------------------------------------------------------
 
@@ -535,6 +536,29 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+def _group(path: str, state: lift.State, signature: inspect.Signature | None) -> str:
+    """What an input is, for the memory report: a lifted tensor's kind, or the parameter name
+    of the argument it is in ("args[0]['w1']" of `step(params, x)`: "params")."""
+    slot = state.slots.get(path)
+    if slot is not None:
+        if slot.requires_grad:
+            return "parameters"
+        if slot.follows is not None:
+            return "gradients" if path.endswith(".grad") else "optimizer state"
+        return "buffers"
+    if path.startswith("kwargs["):
+        return path[len("kwargs['"):].split("'", 1)[0]
+    if path.startswith("args[") and signature is not None:
+        i = int(path[len("args["):].split("]", 1)[0])
+        params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if i < len(params):
+            return params[i].name
+        var = next((p for p in signature.parameters.values() if p.kind == p.VAR_POSITIONAL), None)
+        if var is not None:
+            return f"{var.name}[{i - len(params)}]"
+    return path.split("[", 1)[0] if path.startswith("args[") else path
 
 
 def _same_shape(a, b) -> bool:

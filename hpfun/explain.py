@@ -5,11 +5,11 @@ view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a 
 with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
 be compared by diffing their `to_json()`.
 
-Schema "hpfun.lowered", version 4 (layouts in the compact notation, on the report's mesh;
+Schema "hpfun.lowered", version 5 (layouts in the compact notation, on the report's mesh;
 shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
 names for the ops it came from):
 
-    schema: "hpfun.lowered"      version: 4
+    schema: "hpfun.lowered"      version: 5
     mesh: {shape: [2, 2], axis_names: ["dp", "tp"]}
     inputs: [{name, path, shape, local_shape, dtype, layout}]          one per tensor argument
     outputs: [{path, node, shape, local_shape, dtype, layout}]         one per output leaf
@@ -35,10 +35,18 @@ names for the ops it came from):
         ("output": at the end); overlapped: ops of the global graph that run in between
     cost_model: {alpha, beta, flops, per_axis: {axis name: [alpha, beta]}}   the model the plan
         was chosen by, and `cost()`'s default
+    memory: {inputs: {group: bytes}, transient_peak, peak_node, at_peak: {activations,
+             collective buffers, outputs}, collective_peak, outputs, timeline: [bytes per node]}
+        bytes per rank (every rank alike; see `hpfun.memory`): what the inputs hold, by group
+        (parameters, gradients, optimizer state, buffers, or an argument's parameter name); the
+        most the program allocates on top (transient_peak, at node peak_node, split there into
+        what it holds); the most collective buffers hold at once; the new outputs' bytes; and
+        the bytes the program holds at each node, in program order
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
-collectives[].dtype, version 3 cost_model, version 4 buckets; older versions are read (version 2
-with the default cost model; before version 4 every collective is issued alone, where it is waited).
+collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory; older versions
+are read (version 2 with the default cost model; before version 4 every collective is issued
+alone, where it is waited; before version 5 `memory()` is not known).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import re
 import attrs
 import torch
 
+from hpfun import memory
 from hpfun.collectives import wire_bytes
 from hpfun.drawing import lowered_html
 from hpfun.errors import HpfunError, Problem
@@ -60,8 +69,8 @@ from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 from hpfun.schedule import points
 
-SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 4
-_READS = (2, 3, 4)
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 5
+_READS = (2, 3, 4, 5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +164,7 @@ def _collective_dict(c: Collective, mesh: Mesh) -> dict:
 
 
 def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None,
-           cost_model: CostModel | None = None) -> dict:
+           cost_model: CostModel | None = None, input_groups=None) -> dict:
     """The report's dict (schema in the module docstring) of a lowered program; argument and
     output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
     n, n_out = len(program.input_layouts), len(program.output_layouts)
@@ -171,6 +180,7 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
         "buckets": _buckets(program, index),
         "cost_model": _model_dict(cost_model or CostModel()),
+        "memory": memory.estimate(program, input_groups),
     }
 
 
@@ -329,9 +339,9 @@ class Lowered:
     """
 
     def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, input_groups=None):
         self.program = program
-        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model)
+        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, input_groups)
 
     @classmethod
     def from_dict(cls, data: dict) -> "Lowered":
@@ -403,6 +413,15 @@ class Lowered:
         model the plan was chosen by (`shard(cost_model=...)`)."""
         return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
+    def memory(self) -> memory.Memory:
+        """Estimated bytes per rank: what the inputs hold, by group, and the peak the program
+        allocates on top, from its liveness (`hpfun.memory`); `print()` it, or show it in a
+        notebook for a plot of live bytes over the program."""
+        if "memory" not in self._data:
+            raise HpfunError(Problem("report", f"is schema version {self._data['version']}, written before reports "
+                                     "carried memory", "lower the function again"), headline="no memory estimate")
+        return memory.Memory.from_dict(self._data["memory"])
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Lowered) and self._data == other._data
 
@@ -416,7 +435,8 @@ class Lowered:
 
     def _repr_html_(self) -> str:
         total = self.cost()
-        return lowered_html(self._data, total, _render_text(self._data, total))
+        page = lowered_html(self._data, total, _render_text(self._data, total))
+        return page + (self.memory()._repr_html_() if "memory" in self._data else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,6 +466,8 @@ def _render_text(data: dict, total: Cost) -> str:
         lines.append(f"issued ({len(data['buckets'])} collective ops, {fused} of them bucket{'s' * (fused != 1)}):")
         lines += [f"  {_bucket_text(b)}" for b in data["buckets"]]
     lines.append(str(total))
+    if "memory" in data:
+        lines.append(str(memory.Memory.from_dict(data["memory"])))
     return "\n".join(lines)
 
 

@@ -218,9 +218,10 @@ def verify_program(program) -> None:
         raise VerificationError(problems)
 
 
-def _shape_problems(program) -> list[Problem]:
-    """Run the program on fake tensors of the inputs' local shapes; every value with a layout
-    and a global shape must come out its layout's block."""
+def fake_run(program) -> None:
+    """Run the program on fake tensors of the inputs' local shapes, leaving each node's local
+    value in `node.meta["val"]`. Raises DataDependentOutputException where a value is read to
+    decide a shape (a native generator's seed), or the error of a shape the program cannot run with."""
     module, mesh = program.module, program.mesh
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     inputs = placeholders[: len(program.input_layouts)]
@@ -228,14 +229,21 @@ def _shape_problems(program) -> list[Problem]:
     with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fakes = [torch.empty(layout.local_shape(shape), dtype=n.meta["hpfun_global"][1])
                  for n, layout, shape in zip(inputs, program.input_layouts, program.input_shapes)]
-        try:  # compiled helpers (the random-number kernels) run as Python: never compiled on fakes
-            with torch.compiler.set_stance("force_eager"):
-                FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes, *rank)
-        except torch._subclasses.fake_tensor.DataDependentOutputException:
-            return []  # a value read to decide a shape (a native generator's seed): no shapes to check
-        except Exception as err:  # a shape the program cannot even run with
-            return [Problem("the per-shard program", f"does not run on its inputs' local shapes: "
-                                                     f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")]
+        with torch.compiler.set_stance("force_eager"):  # compiled helpers (random-number kernels) run as Python
+            FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes, *rank)
+
+
+def _shape_problems(program) -> list[Problem]:
+    """Run the program on fake tensors of the inputs' local shapes; every value with a layout
+    and a global shape must come out its layout's block."""
+    module = program.module
+    try:
+        fake_run(program)
+    except torch._subclasses.fake_tensor.DataDependentOutputException:
+        return []  # a value read to decide a shape (a native generator's seed): no shapes to check
+    except Exception as err:  # a shape the program cannot even run with
+        return [Problem("the per-shard program", f"does not run on its inputs' local shapes: "
+                                                 f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")]
     problems = []
     for node in module.graph.nodes:
         layout, meta = node.meta.get("hpfun_layout"), node.meta.get("hpfun_global")

@@ -29,12 +29,14 @@ from __future__ import annotations
 from hpfun.drawing import MAX_LINES, Visualization, html_table, lowered_html, rank_color  # importable from here as before
 from hpfun.errors import LayoutError
 from hpfun.layout import Layout
+from hpfun.memory import Memory
 from hpfun.sharded import Sharded
 
 
 def visualize(x, shape=None) -> "Visualization":
     """The blocks of a `Sharded` value, or of a tensor of global `shape` under a `Layout`
-    (without a shape, blocks are numbered instead of given as index ranges). `str()` draws it
+    (without a shape, blocks are numbered instead of given as index ranges); or a program's
+    memory per rank (`Lowered.memory()`), as a table and the live bytes over the program. `str()` draws it
     as text, `_repr_html_` as HTML (a notebook shows it when it is a cell's value).
 
     >>> import hpfun
@@ -42,10 +44,12 @@ def visualize(x, shape=None) -> "Visualization":
     >>> print(str(hpfun.visualize(layout, (4,))).splitlines()[4])
     │ 0+1 │ 2+3 │
     """
+    if isinstance(x, Memory):
+        return x
     if isinstance(x, Sharded):
         return Visualization(x.layout, tuple(x.global_shape), x.dtype)
     if not isinstance(x, Layout):
-        raise LayoutError(f"visualize takes a Layout (with a global shape) or a Sharded value, got {type(x).__name__}")
+        raise LayoutError(f"visualize takes a Layout (with a global shape), a Sharded value or a Memory, got {type(x).__name__}")
     if shape is not None:
         layout = x.normalized(len(shape))
         problems = layout.problems(tuple(shape))

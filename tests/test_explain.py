@@ -144,15 +144,18 @@ def test_json_round_trip(dp_tp):
 def test_json_schema_is_versioned_and_diffable(dp_tp):
     """The export names its schema and version; one line per input, output, node and collective."""
     data = dp_tp.to_dict()
-    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 4)
+    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 5)
     assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives", "buckets",
-                          "cost_model"]
+                          "cost_model", "memory"]
     assert data["cost_model"] == {"alpha": 0.0, "beta": 1e10, "flops": 1e10, "per_axis": {}}  # the plan's
     assert set(data["nodes"][0]) == {"name", "kind", "op", "args", "inputs", "outputs", "shapes", "collective"}
     assert set(data["collectives"][0]) == {"kind", "axes", "bytes", "dtype", "group_size", "node", "op", "reason"}
     lines = dp_tp.to_json().splitlines()
     items = sum(len(data[k]) for k in ("inputs", "outputs", "nodes", "collectives", "buckets"))
-    assert len(lines) == 2 + 4 + 5 * 2 + items  # braces, 4 one-line fields, 5 lists opened and closed
+    assert len(lines) == 2 + 5 + 5 * 2 + items  # braces, 5 one-line fields, 5 lists opened and closed
+    del data["memory"]
+    data["version"] = 4  # a version 4 report (no memory) reads back; memory() says to lower again
+    assert hpfun.Lowered.from_dict(data).cost() == dp_tp.cost()
     del data["buckets"]
     data["version"] = 3  # a version 3 report (no buckets): each collective issued alone
     assert hpfun.Lowered.from_dict(data).cost() == dp_tp.cost()
@@ -172,7 +175,8 @@ def test_text_view(dp_tp):
     assert "  %in0: global [16, 32] [R, S(1)], local [16, 16] float32  (args[0]['w1'])" in text
     assert "  %mm = mm.default(%in4, %in0)    # [S(0), R], [R, S(1)] -> [S(0), S(1)] local [4, 16]" in text
     assert "# all_reduce over tp, 128 B float32: [S(0), P(sum)] -> [S(0), R]" in text
-    assert "collectives (7):" in text and text.endswith(str(dp_tp.cost()))
+    assert "collectives (7):" in text and text.endswith(str(dp_tp.memory()))
+    assert f"\n{dp_tp.cost()}\nmemory per rank" in text
     assert repr(dp_tp) == "<Lowered: 7 collectives on {dp: 2, tp: 2}>"
 
 

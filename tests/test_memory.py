@@ -1,0 +1,116 @@
+"""Memory per rank: the liveness estimate in the lowered report against the allocator's peak
+measured while one rank's program runs (`hpfun.memory.measure`), on the MLP, the reference GPT
+and a Hugging Face Llama step; the report's memory section in text, JSON and HTML."""
+
+import json
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P, memory
+from hpfun.testing import models as m
+
+MESH_2x2 = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+
+
+def _close(f, *args, tol=0.10):
+    est = f.lower(*args).memory()
+    got = memory.measure(f, *args)
+    assert got.held == pytest.approx(est.held, rel=1e-3), (got, est)
+    assert est.peak == pytest.approx(got.peak, rel=tol), f"estimate {est.peak} B, measured {got.peak} B\n{est}"
+    return est, got
+
+
+def test_mlp_step_estimate_matches_the_allocator():
+    mesh = hpfun.Mesh.simulated((4,), ("dp",))
+    params = m.mlp_init(d_in=64, d_hidden=256, n_classes=16)
+    x, y = m.mlp_data(batch=64, d_in=64, n_classes=16)
+    f = hpfun.shard(m.mlp_step, mesh=mesh, in_specs=(None, P("dp"), P("dp")))
+    est, got = _close(f, params, x, y)
+    assert est.inputs["params"] == sum(p.numel() * 4 for p in params.values())  # replicated: every rank holds all
+    assert est.inputs["x"] == x.numel() * 4 // 4
+
+
+def test_gpt_step_estimate_matches_the_allocator():
+    params = m.gpt_init()
+    state = m.adamw_init(params)
+    idx, tgt = m.gpt_data()
+    specs = m.gpt_specs(params, tp="tp")
+    f = hpfun.shard(m.gpt_step, mesh=MESH_2x2, in_specs=(specs, None, P("dp"), P("dp")))
+    est, got = _close(f, params, state, idx, tgt, tol=0.05)
+    assert set(est.inputs) == {"params", "state", "idx", "targets"}
+    assert est.transient > 0 and est.peak == est.held + est.transient
+
+
+def test_tensor_parallel_split_shows_in_the_held_bytes():
+    params = m.gpt_init()
+    idx, tgt = m.gpt_data()
+    loss = lambda p, i, t: m.gpt_loss(p, i, t)  # noqa: E731
+    replicated = hpfun.shard(loss, mesh=MESH_2x2, in_specs=(None, P("dp"), P("dp")), out_specs=P())
+    split = hpfun.shard(loss, mesh=MESH_2x2, in_specs=(m.gpt_specs(params, tp="tp"), P("dp"), P("dp")), out_specs=P())
+    whole = replicated.lower(params, idx, tgt).memory().inputs["p"]
+    part = split.lower(params, idx, tgt).memory().inputs["p"]
+    assert whole == sum(v.numel() * 4 for v in params.values())
+    assert part < whole  # the matrices are halved, the norms and embeddings not
+
+
+def test_hf_llama_step_estimate_matches_the_allocator_and_names_lifted_state():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @hpfun.shard(mesh=hpfun.Mesh.simulated((2,), ("tp",)), in_specs=(P(),), out_specs=P(), state_specs=m.LLAMA_TP)
+    def step(ids):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    step(ids)  # the optimizer's state exists from the first step on
+    est, _ = _close(step, ids)
+    assert {"parameters", "optimizer state", "ids"} <= set(est.inputs)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert est.inputs["parameters"] < n_params * 4  # tensor parallel: split matrices
+    assert est.inputs["optimizer state"] > est.inputs["parameters"]  # two moments per parameter, and steps
+
+
+def test_a_view_keeps_its_buffer_alive():
+    """A value read only through a view (a bucket's gradient, a transposed matrix) holds its
+    whole buffer until the view's last use."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def f(x):
+        y = x * 2  # 4 KiB
+        v = y[:1]  # a view: y lives as long as v does
+        z = x + 1  # 4 KiB, while y still lives
+        return (z * v).sum()
+
+    x = torch.randn(32, 64)
+    est = hpfun.shard(f, mesh=mesh, in_specs=(P(),), out_specs=P()).lower(x).memory()
+    assert est.transient >= 2 * 32 * 64 * 4
+
+
+def test_report_carries_memory_through_json_text_and_html():
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    f = hpfun.shard(m.mlp_step, mesh=mesh, in_specs=(None, P("dp"), P("dp")))
+    params = m.mlp_init()
+    x, y = m.mlp_data()
+    lowered = f.lower(params, x, y)
+    back = hpfun.Lowered.from_json(lowered.to_json())
+    assert back.memory() == lowered.memory()
+    assert "memory per rank" in str(lowered) and "peak" in str(lowered.memory())
+    assert "<svg" in lowered._repr_html_()
+    assert hpfun.visualize(lowered.memory()) is not None
+    old = lowered.to_dict()
+    old["version"] = 4
+    del old["memory"]
+    with pytest.raises(hpfun.HpfunError, match="lower the function again"):
+        hpfun.Lowered.from_dict(old).memory()
+    assert json.loads(lowered.to_json())["memory"]["transient_peak"] == lowered.memory().transient
