@@ -164,14 +164,14 @@ def _collective_dict(c: Collective, mesh: Mesh) -> dict:
 
 
 def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None,
-           cost_model: CostModel | None = None, input_groups=None) -> dict:
+           cost_model: CostModel | None = None, input_groups=None, with_memory: bool = True) -> dict:
     """The report's dict (schema in the module docstring) of a lowered program; argument and
     output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
     n, n_out = len(program.input_layouts), len(program.output_layouts)
     nodes = list(program.module.graph.nodes)
     given = {node: i for i, node in enumerate([x for x in nodes if x.op == "placeholder"][:n])}
     index = {id(c): i for i, c in enumerate(program.collectives)}
-    return {
+    data = {
         "schema": SCHEMA, "version": SCHEMA_VERSION,
         "mesh": {"shape": list(program.mesh.shape), "axis_names": list(program.mesh.axis_names)},
         "inputs": _inputs(program, input_paths or [f"in{i}" for i in range(n)], input_dtypes or [None] * n),
@@ -180,8 +180,10 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
         "buckets": _buckets(program, index),
         "cost_model": _model_dict(cost_model or CostModel()),
-        "memory": memory.estimate(program, input_groups),
     }
+    if with_memory:
+        data["memory"] = memory.estimate(program, input_groups)
+    return data
 
 
 def _buckets(program: Program, index: dict) -> list[dict]:
@@ -341,7 +343,9 @@ class Lowered:
     def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None,
                  cost_model: CostModel | None = None, input_groups=None):
         self.program = program
-        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, input_groups)
+        # the memory estimate runs the program on fake tensors: made at its first use, not by lower()
+        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, with_memory=False)
+        self._groups, self._memory_pending = input_groups, True
 
     @classmethod
     def from_dict(cls, data: dict) -> "Lowered":
@@ -349,6 +353,7 @@ class Lowered:
         _check_schema(data)
         lowered = cls.__new__(cls)
         lowered.program, lowered._data = None, json.loads(json.dumps(data))
+        lowered._memory_pending = False
         return lowered
 
     @classmethod
@@ -358,12 +363,12 @@ class Lowered:
 
     def to_dict(self) -> dict:
         """The report as plain data (a copy), in the documented schema."""
-        return json.loads(json.dumps(self._data))
+        return json.loads(json.dumps(self._full()))
 
     def to_json(self) -> str:
         """The report as JSON, keys in a fixed order and one line per input, output, node and
         collective: diff two versions of a program with it."""
-        fields = [f" {json.dumps(k)}: {_json_value(v)}" for k, v in self._data.items()]
+        fields = [f" {json.dumps(k)}: {_json_value(v)}" for k, v in self._full().items()]
         return "{\n" + ",\n".join(fields) + "\n}\n"
 
     # -- views ----------------------------------------------------------------------------------
@@ -413,29 +418,36 @@ class Lowered:
         model the plan was chosen by (`shard(cost_model=...)`)."""
         return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
+    def _full(self) -> dict:
+        """The report's dict with its memory section (estimated at the first call)."""
+        if self._memory_pending:
+            self._data["memory"] = memory.estimate(self.program, self._groups)
+            self._memory_pending = False
+        return self._data
+
     def memory(self) -> memory.Memory:
         """Estimated bytes per rank: what the inputs hold, by group, and the peak the program
         allocates on top, from its liveness (`hpfun.memory`); `print()` it, or show it in a
         notebook for a plot of live bytes over the program."""
-        if "memory" not in self._data:
+        if "memory" not in self._full():
             raise HpfunError(Problem("report", f"is schema version {self._data['version']}, written before reports "
                                      "carried memory", "lower the function again"), headline="no memory estimate")
         return memory.Memory.from_dict(self._data["memory"])
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Lowered) and self._data == other._data
+        return isinstance(other, Lowered) and self._full() == other._full()
 
     __hash__ = None
 
     def __str__(self) -> str:
-        return _render_text(self._data, self.cost())
+        return _render_text(self._full(), self.cost())
 
     def __repr__(self) -> str:
         return f"<Lowered: {len(self._data['collectives'])} collectives on {self.mesh}>"
 
     def _repr_html_(self) -> str:
         total = self.cost()
-        page = lowered_html(self._data, total, _render_text(self._data, total))
+        page = lowered_html(self._data, total, _render_text(self._full(), total))
         return page + (self.memory()._repr_html_() if "memory" in self._data else "")
 
 
