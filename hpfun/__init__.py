@@ -28,11 +28,12 @@ from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
+from hpfun.specs import AUTO
 from hpfun.visualize import visualize  # after the submodule import: hpfun.visualize is the function
 from hpfun.writeback import gather_state
 
 __all__ = [
-    "CaptureError", "Collective", "CostModel", "ExecutionError", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "visualize",

@@ -28,7 +28,7 @@ from hpfun.runtime.distributed import runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
-    bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
+    AUTO, Auto, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
     spec_tree_problems, tensor_layout,
 )
 from hpfun.writeback import WriteBack
@@ -37,7 +37,7 @@ from hpfun.writeback import WriteBack
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
           cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          overlap: bool = True, gather_params=None):
+          overlap: bool = True, gather_params=None, memory_budget: int | None = None):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -101,6 +101,15 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     (`hpfun.fsdp`). Without it, propagation picks the cheapest plan, which may move
     activations instead.
 
+    Any spec leaf (in `in_specs`, `state_specs` or `out_specs`) may be `hpfun.AUTO`: the planner
+    then chooses that layout with every op's strategy, in one integer program (`hpfun.auto`),
+    for the least step time, holding at most `memory_budget` bytes per rank (an int; None: no
+    limit) by its liveness estimate, or raises an error naming the budget that would fit. The
+    gradient, optimizer state and update of an AUTO lifted tensor take its layout; an AUTO
+    output that mirrors an AUTO argument (same structure, shapes and dtypes: `return
+    new_params, loss`) comes back in that argument's layout; leaves of repeated layers
+    (`layers.0.wq`, `layers.1.wq`) get the same layout. `lower().auto` lists what was chosen.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -111,7 +120,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
                                  registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
-                                 overlap=overlap, gather_params=gather_params)
+                                 overlap=overlap, gather_params=gather_params, memory_budget=memory_budget)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -136,9 +145,14 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"bucket_bytes must be an int >= 0 (0: no bucketing), got {bucket_bytes!r}", headline="bad option")
     if not isinstance(overlap, bool):  # overlap="no" would read as True
         raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                      or memory_budget <= 0):
+        raise SpecError(f"memory_budget must be None or an int > 0 (bytes per rank, e.g. 8 << 30), got "
+                        f"{memory_budget!r}", headline="bad option")
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
-                      overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params))
+                      overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params),
+                      memory_budget=memory_budget)
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -158,6 +172,7 @@ class Options:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # cap of a fused collective's buffer; 0: no bucketing
     overlap: bool = True  # issue collectives once their input exists, wait at first use
     gather_params: tuple = ()  # mesh axes parameters are gathered over at each use (FSDP); () none
+    memory_budget: int | None = None  # bytes per rank the AUTO layouts must fit in (hpfun.auto)
 
 
 @attrs.frozen
@@ -257,10 +272,13 @@ class ShardedFunction:
         tensors = [(path, leaf) for path, leaf in zip(call.paths(), entry.leaves, strict=True) if leaf.kind != "static"]
         fed = [tensors[i] for i in entry.fed]
         constants = [f"constants.{i}" for i in range(len(entry.constants))]
-        return Lowered(entry.program, input_paths=[p for p, _ in fed] + constants,
-                       input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
-                       output_paths=entry.output_paths, cost_model=self.options.cost_model,
-                       input_groups=[_group(p, call.state, self._signature_obj) for p, _ in fed] + ["constants"] * len(constants))
+        lowered = Lowered(entry.program, input_paths=[p for p, _ in fed] + constants,
+                          input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
+                          output_paths=entry.output_paths, cost_model=self.options.cost_model,
+                          input_groups=[_group(p, call.state, self._signature_obj) for p, _ in fed]
+                          + ["constants"] * len(constants))
+        lowered.auto = entry.auto  # what AUTO chose (an hpfun.auto.AutoPlan), or None
+        return lowered
 
     # -- one call's inputs ------------------------------------------------------------------------
 
@@ -340,6 +358,9 @@ class ShardedFunction:
             follows = call.state.slots[name].follows if name in call.state.slots else None
             if name not in specs and follows in specs and _same_shape(call.lifted.get(follows), x):
                 spec = specs[follows]
+                if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
+                    out.append(Auto(follows, self.mesh))
+                    continue
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
         return out
 
@@ -368,25 +389,51 @@ class ShardedFunction:
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
         out_layouts += [w.layout for w in writes]
         out_paths += [f"{w.name} (written back)" for w in writes]
-        fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
-        propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
-                  reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
-                  cost_model=self.options.cost_model, exact=self.options.solver == "exact")
+        in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
+        chosen = None
+        if any(isinstance(l, Auto) for l in in_layouts + out_layouts) or AUTO in out_layouts:
+            in_layouts, out_layouts, writes, chosen = self._choose(call, traced, gm, in_layouts, out_layouts, in_names,
+                                                                   out_paths, writes)
+        else:
+            fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
+            propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
+                      reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
+                      cost_model=self.options.cost_model, exact=self.options.solver == "exact")
         fuse.rejoin(gm, self.mesh, self.options.registry)
         checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
         if checked:
             verify.verify_annotation(gm, self.mesh)
-        in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype,
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
-                       len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths))
+                       len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen)
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
+
+    def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes):
+        """AUTO layouts chosen (`hpfun.auto`) and `gm` annotated: (input layouts, output layouts,
+        write-backs in their layouts, the AutoPlan)."""
+        from hpfun import auto
+
+        if self.options.gather_params:
+            raise SpecError("gather_params and AUTO specs cannot be combined yet: give the parameters explicit specs",
+                            headline="bad option")
+        n = len(out_layouts) - len(writes)
+        flags = [l is AUTO for l in out_layouts[:n]]
+        if any(flags):
+            arg_layouts = input_layouts(self.mesh, self.in_specs, call.args, [])
+            ties = auto.output_ties(traced.out_example, flags, call.args, arg_layouts)
+            out_layouts = [t if f else l for l, f, t in zip(out_layouts[:n], flags, ties, strict=True)] + out_layouts[n:]
+        o = self.options
+        ins, outs, plan = auto.choose(gm, self.mesh, in_layouts, out_layouts, in_names, out_paths, registry=o.registry,
+                                      fallback=o.fallback, reduce_dtype=o.reduce_dtype, cost_model=o.cost_model,
+                                      budget=o.memory_budget)
+        writes = [attrs.evolve(w, layout=layout) for w, layout in zip(writes, outs[n:], strict=True)]
+        return ins, outs, writes, plan
 
     def _run_substituted(self, call: _Call, tensor_pos, traced: "_Traced", *fakes):
         """The function on fake stand-ins: arguments, and lifted state swapped in where it lives."""
@@ -474,6 +521,7 @@ class _Entry:
     writes: tuple
     cleared: tuple  # slots the function emptied (zero_grad)
     output_paths: tuple
+    auto: object = None  # the hpfun.auto.AutoPlan of a program with AUTO leaves
 
     # derived once, for cache-hit calls
     tensor_pos: tuple = attrs.field(init=False)  # flat input positions of the tensor leaves
@@ -603,6 +651,9 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
         if (bad := bad_spec(path, spec, mesh)) is not None:
             problems.append(bad)
             layouts.append(None)
+            continue
+        if spec is AUTO:  # hpfun.auto ties it to the argument it mirrors, if any
+            layouts.append(AUTO)
             continue
         layouts.append(tensor_layout(mesh, path, tuple(value.shape), spec or P(), problems,
                                      "pick out_specs whose axes divide the output, or None to keep hpfun's layout"))

@@ -58,12 +58,23 @@ def _value(node: torch.fx.Node) -> tuple:
     return node, 0
 
 
-def _problem(graph, best):
-    """(Problem, the greedy choice, per op node its candidates as (strategy, call, work))."""
+def _problem(graph, best, open_inputs=None, skip_sinks=()):
+    """(Problem, the greedy choice, per op node its candidates as (strategy, call, work)).
+
+    `open_inputs` (placeholder -> layouts, `best`'s among them) lets those inputs take any of
+    the layouts (automatic sharding, `hpfun.auto`); the graph outputs at positions `skip_sinks`
+    get no sink (the caller prices them)."""
     nodes, candidates, edges, options, start = [], {}, {}, {}, {}
     outputs_of: dict = {}  # value -> layouts its candidates give it
+    open_inputs = open_inputs or {}
     for node in graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node in open_inputs:
+            layouts = tuple(open_inputs[node])
+            nodes.append(node)
+            candidates[node] = tuple(milp.Candidate((), (layout,)) for layout in layouts)
+            start[node] = layouts.index(best.plans[node].layout)
+            outputs_of[(node, 0)] = set(layouts)
+        elif node.op in ("placeholder", "get_attr"):
             layout = best.plans[node].layout
             nodes.append(node)
             candidates[node] = (milp.Candidate((), (layout,)),)
@@ -87,7 +98,9 @@ def _problem(graph, best):
             for k in range(len(site.outputs)):
                 outputs_of[(node, k)] = {s.outputs[k] for s, _, _ in found}
     sinks: dict = {}
-    for value, want in graph.sinks:
+    for k, (value, want) in enumerate(graph.sinks):
+        if k in skip_sinks:
+            continue
         name = _value(value)
         accepts = frozenset({want}) if want is not None else frozenset(_resolved(l) for l in outputs_of[name])
         if sinks.setdefault(name, accepts) != accepts:

@@ -71,9 +71,10 @@ LOOKAHEAD = 3
 def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
               fallback: str | None = None, reduce_dtype: str = "float32",
               outputs: list[Layout | None] | None = None, cost_model: CostModel | None = None,
-              exact: bool | None = None) -> Annotation:
+              exact: bool | None = None, refine_with=None) -> Annotation:
     """Solve (`solve`) and write the annotation into `gm`'s nodes; returns it."""
-    annotation = solve(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs, cost_model, exact)
+    annotation = solve(gm, mesh, input_layouts, registry, fallback, reduce_dtype, outputs, cost_model, exact,
+                       refine_with)
     annotation.write(gm)
     if fallback == "replicate":
         _warn_fallbacks(gm)
@@ -83,8 +84,11 @@ def propagate(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout],
 def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], registry=REGISTRY,
           fallback: str | None = None, reduce_dtype: str = "float32",
           outputs: list[Layout | None] | None = None, cost_model: CostModel | None = None,
-          exact: bool | None = None) -> Annotation:
+          exact: bool | None = None, refine_with=None) -> Annotation:
     """Choose every node's strategy; `gm` is not modified.
+
+    `refine_with(graph, greedy annotation)`, when given, replaces the exact stage (automatic
+    sharding, `hpfun.auto`, opens the inputs' layouts there); it returns an annotation or None.
 
     `outputs`: the layout each graph output must be delivered in (None: as computed, with any
     Partial resolved), priced like any other redistribution. Communication is priced as it will
@@ -137,7 +141,9 @@ def solve(gm: torch.fx.GraphModule, mesh: Mesh, input_layouts: list[Layout], reg
         for v, layouts in next_requested.items():  # what any round asked for
             merged.setdefault(v, set()).update(layouts)
         requested = merged
-    if exact:
+    if refine_with is not None:
+        best = refine_with(graph, best) or best
+    elif exact:
         best = refine(graph, best) or best
     return best
 

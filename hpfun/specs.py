@@ -8,6 +8,10 @@ and `state_specs`, are read as *name patterns* instead: each key is a glob patte
 `"layers.*.q_proj.weight"` matches `model.model.layers.3.q_proj.weight`. Unmatched leaves are
 replicated; a pattern that matches nothing and a name matched by two patterns are errors.
 Every problem is collected, then raised together with its path and fix.
+
+`AUTO` may stand wherever a `P` may (in_specs, state_specs, out_specs): the leaf's layout is
+chosen by the planner (`hpfun.auto`); until then it is an `Auto` marker naming whose choice
+it takes (its own path, or the parameter a gradient or optimizer state follows).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -22,6 +27,46 @@ from hpfun.errors import Problem, SpecError
 from hpfun.layout import Layout, P, Partial, Replicate, Shard
 from hpfun.mesh import Mesh
 from hpfun.sharded import Sharded
+
+
+class _AutoSpec:
+    """The spec `hpfun.AUTO`: the planner chooses this leaf's layout (one object, compared by identity)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+    def __reduce__(self):
+        return (_AutoSpec, ())
+
+
+AUTO = _AutoSpec()
+
+
+@attrs.frozen
+class Auto:
+    """The layout of a leaf whose spec is AUTO, before the planner chooses it: `group` names
+    the leaf whose choice it takes (its own path, or the parameter it follows)."""
+
+    group: str
+    mesh: Mesh
+
+    def placements_str(self) -> str:
+        return f"AUTO({self.group})"
+
+    def __str__(self) -> str:
+        return self.placements_str()
+
+
+def is_spec_leaf(spec) -> bool:
+    """A P, None or AUTO: a spec for one leaf or a whole subtree."""
+    return spec is None or spec is AUTO or isinstance(spec, P)
 
 
 def is_sharded(x) -> bool:
@@ -67,8 +112,8 @@ def n_leaves(tree) -> int:
 
 
 def bad_spec(where: str, spec, mesh: Mesh | None = None) -> Problem | None:
-    """Why `spec` is not a spec (a P or None), with the spelling that was meant; None if it is one."""
-    if spec is None or isinstance(spec, P):
+    """Why `spec` is not a spec (a P, None or AUTO), with the spelling that was meant; None if it is one."""
+    if is_spec_leaf(spec):
         return None
     if isinstance(spec, str):
         return Problem(where, f"spec is the string {spec!r}, not a P", f"write P({spec!r})")
@@ -168,7 +213,7 @@ def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "
     """Leaves of a spec tree that are no spec whatever the values they cover (a string, a tuple
     of axis names, a placement): found before tracing, so they are reported with the other
     problems of the call."""
-    if specs is None or isinstance(specs, P):
+    if is_spec_leaf(specs):
         return []
     if isinstance(specs, dict):
         return [p for k, v in specs.items() for p in spec_tree_problems(v, root, mesh, f"{path}[{k!r}]")]
@@ -186,7 +231,7 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     """One spec per leaf of `tree` from a prefix tree of specs (P or None at any level); a dict
     of specs whose keys differ from a dict argument's is read as name patterns."""
     where = root + pytree.keystr(path)
-    if specs is None or isinstance(specs, P):
+    if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
     if isinstance(specs, dict) and isinstance(tree, dict):
         if set(specs) == set(tree):
@@ -291,6 +336,8 @@ def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | Non
     if (bad := bad_spec(where, spec, mesh)) is not None:
         problems.append(bad)
         return None
+    if spec is AUTO:
+        return Auto(where, mesh)
     return tensor_layout(mesh, where, tuple(x.shape), spec or P(), problems,
                          "pad the tensor, pick a size divisible by the axes, or shard another dim")
 

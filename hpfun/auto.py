@@ -1,0 +1,475 @@
+"""Automatic sharding: the layouts of `AUTO` leaves chosen with every op's strategy, in one MILP.
+
+A leaf whose spec is `hpfun.AUTO` (an argument's, a lifted tensor's through `state_specs`, an
+output's) gets the layout that makes the step cheapest under the cost model the rest of the
+planner uses (`hpfun.plan.CostModel`: alpha-beta communication per mesh axis plus each rank's
+local work), subject to `memory_budget` bytes per rank:
+
+1. **Candidates.** Each AUTO leaf may take every layout of its shape on the mesh: per mesh axis
+   replicated or split along a dim it divides evenly (several axes on one dim in mesh order).
+   Taking a layout at the input is free (the caller hands the data in that layout).
+2. **Start.** The greedy planner runs with every AUTO leaf replicated.
+3. **Exact stage.** `hpfun.exact` poses the whole graph's strategy choice as an `hpfun.solve`
+   problem, with the AUTO inputs' candidates opened: each op's rule is asked again with each
+   layout its producers could give, so the split layouts reach the rules. HiGHS solves it.
+4. **Ties.** What must come back in the layout it went in is tied to it: the update of an AUTO
+   lifted tensor (written back) and its gradient and optimizer state (which follow their
+   parameter unless given their own spec), and an AUTO output that mirrors an AUTO argument
+   (see `output_ties`): each is a reader of the new value that needs it in the input's chosen
+   layout, so delivering it is priced like any other move. Repeated layers get the same plan:
+   AUTO leaves whose names differ only in numbered parts (`layers.0.wq`, `layers.1.wq`;
+   `args[0]['h'][3]`) and have the same shape and dtype choose the same layout.
+5. **Memory.** A rank holds its inputs' blocks for the whole step, and each value of the
+   program from the op that makes it to its last use (views hold nothing of their own; outputs
+   to the end): at any point of the program the bytes held are a sum over live values, each
+   linear in the choice of its producer's strategy. The budget is imposed at the points where
+   the plan found peaks: solve, find the chosen plan's peak, add that point, solve again, until
+   the plan fits everywhere (a few rounds). When nothing fits, the least-memory plan is found
+   the same way and the error names its peak: the smallest budget that would fit.
+6. **Report.** `AutoPlan` lists every AUTO leaf's chosen spec, the plan's price and memory, and
+   (`runner_ups()`, solved on demand) for each choice the cheapest plan choosing otherwise.
+
+Each compile with AUTO leaves runs the exact stage, whatever `solver=` says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import re
+import time
+
+import attrs
+import torch
+
+from hpfun import exact, solve as milp
+from hpfun.annotation import Annotation, NodePlan, placed
+from hpfun.errors import Problem, ShardingError, SpecError
+from hpfun.layout import Layout, P
+from hpfun.mesh import Mesh
+from hpfun.specs import AUTO, Auto
+
+TIME_LIMIT = 30.0  # seconds per MILP
+MAX_ROUNDS = 12  # memory points added before giving up on fitting the budget
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates, names
+# ---------------------------------------------------------------------------------------------
+
+
+def candidate_layouts(mesh: Mesh, shape: tuple) -> tuple[Layout, ...]:
+    """Every layout of a tensor of `shape` on `mesh` a P spec can give: per mesh axis replicated
+    or split along one dim, several axes on one dim in mesh order, dims divided evenly;
+    replicated first.
+
+    >>> [str(P.from_layout(l, 2)) for l in candidate_layouts(Mesh.simulated((2,), ("tp",)), (4, 3))]
+    ["P()", "P('tp')"]
+    """
+    ndim = len(shape)
+    out = []
+    for assign in itertools.product([None, *range(ndim)], repeat=mesh.ndim):
+        dims = [tuple(mesh.axis_names[a] for a in range(mesh.ndim) if assign[a] == d) or None for d in range(ndim)]
+        layout = P(*dims).to_layout(mesh, ndim)
+        if layout.fits(shape):
+            out.append(layout)
+    return tuple(dict.fromkeys(out))
+
+
+def repeated_name(name: str) -> str:
+    """`name` with its numbered parts (a dotted part that is a number, a list index) as `#`,
+    the argument's position kept: leaves of repeated layers share it.
+
+    >>> repeated_name("args[0]['layers.3.wq']"), repeated_name("model.h.11.mlp.weight"), repeated_name("args[1][2]")
+    ("args[0]['layers.#.wq']", 'model.h.#.mlp.weight', 'args[1][#]')
+    """
+    head = re.match(r"^(?:args|kwargs)\[[^\]]*\]", name)
+    start = head.end() if head else 0
+    rest = re.sub(r"\[\d+\]", "[#]", name[start:])
+    rest = re.sub(r"(?:^|(?<=[.'\"]))\d+(?=[.'\"]|$)", "#", rest)
+    return name[:start] + rest
+
+
+def spec_text(layout: Layout, ndim: int) -> str:
+    return str(P.from_layout(layout, ndim))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs that mirror arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def output_ties(out_example, out_auto: list[bool], args: tuple, arg_layouts: list) -> list:
+    """Per tensor output leaf whose out_spec is AUTO: `Auto(path)` of the AUTO argument leaf it
+    mirrors, or None (hpfun keeps the layout it chose). An output mirrors an argument when a
+    top-level output (an element of a returned tuple, or the value returned) has the same pytree
+    structure, shapes and dtypes as exactly one positional argument: `return new_params, loss`
+    for `step(params, x, y)` returns each new parameter in its parameter's chosen layout, so the
+    next call reads them where they are.
+
+    `out_auto` holds one flag per tensor output leaf; `arg_layouts` one layout (or `Auto`, or
+    None) per leaf of `args`."""
+    from torch.utils import _pytree as pytree
+
+    from hpfun.specs import is_sharded
+
+    outs = list(out_example) if isinstance(out_example, tuple) else [out_example]
+    arg_leaves = iter(arg_layouts)
+    per_arg = []
+    for a in args:
+        leaves, spec = pytree.tree_flatten(a, is_leaf=is_sharded)
+        per_arg.append((spec, leaves, [next(arg_leaves) for _ in leaves]))
+    flags = iter(out_auto)
+    result = []
+    for o in outs:
+        leaves, spec = pytree.tree_flatten(o)
+        signature = _signature(leaves)
+        mirrors = [layouts for a_spec, a_leaves, layouts in per_arg
+                   if a_spec == spec and _signature(a_leaves) == signature]
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            flag = next(flags)
+            target = mirrors[0][i] if len(mirrors) == 1 else None
+            result.append(target if flag and isinstance(target, Auto) else None)
+    return result
+
+
+def _signature(leaves) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
+                 (tuple(x.global_shape), x.dtype) if hasattr(x, "global_shape") else type(x) for x in leaves)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan and its report
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class AutoPlan:
+    """What automatic sharding chose: per AUTO group (a leaf and the leaves taking its choice)
+    the spec; the plan's price in seconds (communication and local work, as the planner prices
+    it) beside the greedy plan's with every AUTO leaf replicated; the memory per rank the plan
+    holds at its peak by the planner's liveness estimate; the budget; and how long it took."""
+
+    chosen: tuple  # (group, members, shape, spec text, layout text, tied to), per group
+    price: float
+    replicated_price: float
+    memory: float
+    budget: int | None
+    seconds: float
+    stats: dict
+    _runner_ups: object = attrs.field(default=None, repr=False)  # () -> list of dicts, computed once
+    _cache: dict = attrs.field(factory=dict, repr=False)
+
+    def specs(self) -> dict:
+        """Leaf name -> the spec chosen (as text, e.g. "P(None, 'tp')"), for every AUTO leaf."""
+        return {m: spec for _, members, _, spec, _, _ in self.chosen for m in members}
+
+    def runner_ups(self) -> list[dict]:
+        """Per group of tied choices: the cheapest plan that chooses another layout there (its
+        spec, price, and the price difference), solved on demand."""
+        if "runner_ups" not in self._cache:
+            self._cache["runner_ups"] = self._runner_ups() if self._runner_ups else []
+        return self._cache["runner_ups"]
+
+    def to_dict(self) -> dict:
+        return {"chosen": [{"group": g, "leaves": list(members), "shape": list(shape), "spec": spec, "layout": lay,
+                            "same_as": tied} for g, members, shape, spec, lay, tied in self.chosen],
+                "price": self.price, "replicated_price": self.replicated_price, "memory": self.memory,
+                "budget": self.budget, "seconds": self.seconds, "stats": dict(self.stats)}
+
+    def __str__(self) -> str:
+        return auto_text(self.to_dict())
+
+    def explain(self) -> str:
+        """The chosen specs, then per choice its runner-up and what it would cost more."""
+        lines = [str(self), "runner-ups (the cheapest plan choosing otherwise, per choice):"]
+        for r in self.runner_ups():
+            if r["spec"] is None:
+                lines.append(f"  {r['group']}: no other layout has a finite price{r['why']}")
+            else:
+                lines.append(f"  {r['group']}: {r['spec']} at {r['price'] * 1e6:.1f} us "
+                             f"(+{(r['price'] - self.price) * 1e6:.1f} us){r['why']}")
+        return "\n".join(lines)
+
+
+def auto_text(data: dict) -> str:
+    """The text section of a report's `auto` field."""
+    budget = "no memory budget" if data["budget"] is None else f"memory_budget {data['budget']} B"
+    lines = [f"auto: {len(data['chosen'])} choice{'s' * (len(data['chosen']) != 1)} in {data['seconds']:.2f} s; "
+             f"plan {data['price'] * 1e6:.1f} us (all AUTO replicated: {data['replicated_price'] * 1e6:.1f} us); "
+             f"peak about {data['memory']:.0f} B per rank ({budget})"]
+    for c in data["chosen"]:
+        same = f" (same as {c['same_as']})" if c["same_as"] else ""
+        lines += [f"  {leaf} -> {c['spec']}{same}" for leaf in c["leaves"]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: bytes held at each point of the global program, linear in the choice
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _nbytes(layout: Layout, shape: tuple, dtype: torch.dtype) -> float:
+    return float(math.prod(layout.local_shape(shape)) * torch.empty((), dtype=dtype).element_size())
+
+
+class _Memory:
+    """The values of the global program with the interval of points each is held, and their
+    bytes per rank under each candidate of their producer."""
+
+    def __init__(self, graph_nodes: list, problem: milp.Problem):
+        self.problem = problem
+        order = {n: i for i, n in enumerate(graph_nodes)}
+        self.n_points = len(graph_nodes)
+        base: dict = {}
+        spans: dict = {}  # value -> [first, last, shape, dtype]
+        for node in graph_nodes:
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor) or node.op in ("output",):
+                continue
+            if node.op == "call_function" and _is_view(node):
+                src = next((a for a in node.args if isinstance(a, torch.fx.Node) and a in base), None)
+                if src is not None:
+                    base[node] = base[src]
+                    continue
+            value = exact._value(node)
+            base[node] = value
+            spans.setdefault(value, [order[node], order[node], tuple(val.shape), val.dtype])
+        for node in graph_nodes:
+            for user in node.users:
+                if node in base:
+                    span = spans[base[node]]
+                    span[1] = max(span[1], self.n_points - 1 if user.op == "output" else order[user])
+        for node in graph_nodes:
+            if node.op == "placeholder" and node in base:
+                spans[base[node]][0], spans[base[node]][1] = 0, self.n_points - 1
+        self.spans = {v: s for v, s in spans.items() if v[0] in problem.candidates}
+        self.weights = {v: tuple(_nbytes(c.outputs[v[1]], shape, dtype) for c in problem.candidates[v[0]])
+                        for v, (_, _, shape, dtype) in self.spans.items()}
+
+    def at(self, point: int) -> dict:
+        """{node: bytes per candidate} of the values held at `point`."""
+        out: dict = {}
+        for value, (first, last, _, _) in self.spans.items():
+            if first <= point <= last:
+                w = self.weights[value]
+                prev = out.get(value[0])
+                out[value[0]] = w if prev is None else tuple(a + b for a, b in zip(prev, w, strict=True))
+        return out
+
+    def profile(self, choice: dict) -> list[float]:
+        """Bytes held at every point under `choice`."""
+        delta = [0.0] * (self.n_points + 1)
+        for value, (first, last, _, _) in self.spans.items():
+            b = self.weights[value][choice[value[0]]]
+            delta[first] += b
+            delta[last + 1] -= b
+        out, total = [], 0.0
+        for d in delta[:-1]:
+            total += d
+            out.append(total)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Group:
+    shape: tuple
+    dtype: torch.dtype
+    candidates: tuple
+    inputs: list = attrs.field(factory=list)  # placeholder nodes
+    sinks: list = attrs.field(factory=list)  # positions of outputs tied to it
+    members: list = attrs.field(factory=list)  # names of the leaves taking its choice
+
+
+def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: list, in_names: list,
+           out_names: list, *, registry, fallback, reduce_dtype: str, cost_model, budget: int | None,
+           time_limit: float = TIME_LIMIT):
+    """Choose the AUTO layouts (`Auto` markers among `in_layouts` and `out_layouts`; an output
+    marked `Auto(group)` comes back in that group's layout), annotate `gm` with the plan, and
+    return (input layouts, output layouts, AutoPlan)."""
+    from hpfun.propagate import propagate, tensor_inputs
+
+    began = time.perf_counter()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    results = tensor_inputs(next(n for n in reversed(gm.graph.nodes) if n.op == "output"))
+    groups: dict[str, _Group] = {}
+    problems: list[Problem] = []
+
+    def group(name: str, val, where: str) -> _Group | None:
+        shape, dtype = tuple(val.shape), val.dtype
+        g = groups.get(name)
+        if g is None:
+            g = groups[name] = _Group(shape, dtype, candidate_layouts(mesh, shape))
+        elif (g.shape, g.dtype) != (shape, dtype):
+            problems.append(Problem(where, f"is AUTO tied to {name} but has shape {list(shape)} {dtype}, not "
+                                    f"{list(g.shape)} {g.dtype}", "give it its own spec"))
+            return None
+        return g
+
+    for node, layout, name in zip(placeholders, in_layouts, in_names, strict=True):
+        if isinstance(layout, Auto) and (g := group(layout.group, node.meta["val"], name)) is not None:
+            g.inputs.append(node)
+            g.members.append(name)
+    for k, (layout, value) in enumerate(zip(out_layouts, results, strict=True)):
+        if isinstance(layout, Auto) and (g := group(layout.group, value.meta["val"], out_names[k])) is not None:
+            g.sinks.append(k)
+            g.members.append(out_names[k])
+    if problems:
+        raise SpecError(problems, headline="bad AUTO specs")
+    replicated = Layout.replicated(mesh)
+    start_in = [replicated if isinstance(l, Auto) else l for l in in_layouts]
+    start_out = [replicated if isinstance(l, Auto) else l for l in out_layouts]
+    found: dict = {}
+
+    def refine_with(graph, best):
+        found["replicated_price"] = best.price
+        return _solve(graph, best, groups, budget, time_limit, found)
+
+    annotation = propagate(gm, mesh, start_in, registry=registry, fallback=fallback, reduce_dtype=reduce_dtype,
+                           outputs=start_out, cost_model=cost_model, refine_with=refine_with)
+    layout_of = found["layouts"]
+    ins = [layout_of[l.group] if isinstance(l, Auto) else l for l in in_layouts]
+    outs = [layout_of[l.group] if isinstance(l, Auto) else l for l in out_layouts]
+    classes = found["classes"]
+    chosen = []
+    for name, g in groups.items():
+        lay = layout_of[name]
+        rep = classes[name]
+        chosen.append((name, tuple(dict.fromkeys(g.members)), g.shape, spec_text(lay, len(g.shape)),
+                       lay.placements_str(), rep if rep != name else None))
+    plan = AutoPlan(tuple(chosen), annotation.price, found["replicated_price"], found["memory"], budget,
+                    time.perf_counter() - began, found["stats"], found["runner_ups"])
+    return ins, outs, plan
+
+
+def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) -> Annotation:
+    open_inputs = {node: g.candidates for g in groups.values() for node in g.inputs}
+    tied = {k for g in groups.values() for k in g.sinks}
+    built = exact._problem(graph, best, open_inputs, skip_sinks=tied)
+    if built is None:
+        raise ShardingError(Problem("AUTO", "the plan cannot be posed as one strategy problem (an op without a rule, "
+                                    "or a value returned twice in different layouts)",
+                                    "give those leaves explicit specs"), headline="automatic sharding failed")
+    base, start, options = built
+    nodes, candidates, edges = list(base.nodes), dict(base.candidates), dict(base.edges)
+    members: dict = {name: list(g.inputs) for name, g in groups.items()}
+    for name, g in groups.items():
+        for k in g.sinks:
+            key = ("auto sink", k)
+            nodes.append(key)
+            candidates[key] = tuple(milp.Candidate((layout,), ()) for layout in g.candidates)
+            edges[key] = (exact._value(graph.sinks[k][0]),)
+            start[key] = 0
+            members[name].append(key)
+    # repeated layers: groups whose names differ only in numbered parts, same shape and dtype
+    classes: dict = {}
+    by_key: dict = {}
+    for name, g in groups.items():
+        classes[name] = by_key.setdefault((repeated_name(name), g.shape, g.dtype), name)
+    ties = []
+    for rep in dict.fromkeys(classes.values()):
+        tied_nodes = [n for name in groups if classes[name] == rep for n in members[name]]
+        if len(tied_nodes) > 1:
+            ties.append(tuple(tied_nodes))
+    problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=base.move, sinks=base.sinks,
+                           ties=ties)
+    memory = _Memory(graph.nodes, problem)
+    points: list[int] = []
+    if budget is not None:
+        profile = memory.profile(start)
+        points.append(max(range(len(profile)), key=profile.__getitem__))
+    solution, rounds = None, 0
+    while True:
+        rounds += 1
+        posed = attrs.evolve(problem, memory=tuple(memory.at(t) for t in points), budget=budget)
+        try:
+            solution = milp.solve(posed, start=start, time_limit=time_limit)
+        except milp.InfeasibleError:
+            if budget is None:
+                raise
+            raise _over_budget(problem, memory, points, budget, groups, members, time_limit) from None
+        profile = memory.profile(solution.choice)
+        peak = max(range(len(profile)), key=profile.__getitem__)
+        if budget is None or profile[peak] <= budget * (1 + 1e-9) or peak in points:
+            break
+        if rounds >= MAX_ROUNDS:
+            raise ShardingError(Problem("memory_budget", f"the plan still peaks at {profile[peak]:.0f} B per rank after "
+                                        f"{rounds} rounds of adding memory points", "raise memory_budget"),
+                                headline="automatic sharding failed")
+        points.append(peak)
+    choice = solution.choice
+    found["layouts"] = {name: g.candidates[choice[members[name][0]]] if members[name] else g.candidates[0]
+                        for name, g in groups.items()}
+    found["classes"] = classes
+    found["memory"] = max(memory.profile(choice), default=0.0)
+    found["stats"] = {"nodes": len(nodes), "candidates": sum(len(c) for c in candidates.values()),
+                      "rounds": rounds, "memory_points": len(points), "optimal": solution.optimal}
+    final = attrs.evolve(problem, memory=tuple(memory.at(t) for t in points), budget=budget)
+    found["runner_ups"] = lambda: _runner_ups(final, choice, solution.price, groups, classes, members, time_limit)
+    plans = dict(best.plans)
+    for node, index in choice.items():
+        if node in options:
+            strategy, call, _ = options[node][index]
+            site = graph.sites[node]
+            plans[node] = NodePlan(placed(node, strategy.outputs), call, site.rule, strategy, site.fallback)
+        elif node in open_inputs:
+            plans[node] = NodePlan(open_inputs[node][index])
+    for node in graph.nodes:  # a getitem takes its element of the chosen tuple
+        if node.op == "call_function" and node.target is operator.getitem:
+            plans[node] = NodePlan(plans[node.args[0]].layout[node.args[1]])
+    return Annotation(plans, solution.price)
+
+
+def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:
+    """The error for a budget no plan fits, naming the peak of the least-memory plan found."""
+    points = list(points)
+    for _ in range(MAX_ROUNDS):
+        choice, least = milp.least_memory(attrs.evolve(problem, memory=tuple(memory.at(t) for t in points)),
+                                          time_limit=time_limit)
+        profile = memory.profile(choice)
+        peak = max(range(len(profile)), key=profile.__getitem__)
+        if profile[peak] <= least * (1 + 1e-9) or peak in points:
+            break
+        points.append(peak)
+    need = math.ceil(profile[peak])
+    specs = ", ".join(f"{name} -> {spec_text(g.candidates[choice[members[name][0]]], len(g.shape))}"
+                      for name, g in groups.items() if members[name])
+    return ShardingError(Problem("memory_budget", f"no plan fits {budget} B per rank: the plan of least memory found "
+                                 f"peaks at {need} B per rank ({specs})",
+                                 f"give memory_budget >= {need}, a bigger mesh, or a smaller step"),
+                         headline="no AUTO layout fits the memory budget")
+
+
+def _runner_ups(problem, choice: dict, price: float, groups, classes, members, time_limit) -> list[dict]:
+    out = []
+    for rep in dict.fromkeys(classes.values()):
+        node = next((n for name in groups if classes[name] == rep for n in members[name]), None)
+        if node is None:
+            continue
+        g = groups[rep]
+        cut = attrs.evolve(problem, cuts=({node: choice[node]},))
+        try:
+            other = milp.solve(cut, time_limit=time_limit)
+        except (milp.InfeasibleError, ShardingError):
+            out.append({"group": rep, "spec": None, "price": math.inf,
+                        "why": "" if problem.budget is None else " within the memory budget"})
+            continue
+        out.append({"group": rep, "spec": spec_text(g.candidates[other.choice[node]], len(g.shape)),
+                    "price": other.price, "why": "" if other.optimal else " (not proven the cheapest)"})
+    return out
