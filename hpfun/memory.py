@@ -119,6 +119,7 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
     buffer: dict = {}  # node -> the node that allocated its buffer (itself, or a view's base)
     size: dict = {}  # allocating node -> bytes, for transient buffers only (not inputs)
     kind: dict = {}
+    feeds = _collective_buffers(nodes)
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
             buffer[node] = node
@@ -143,7 +144,7 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
                     kind[(node, k)] = "activations"
         elif tensors:
             size[node] = sum(t.numel() * t.element_size() for t in tensors)
-            kind[node] = "collective buffers" if _is_collective_buffer(node) else "activations"
+            kind[node] = "collective buffers" if node in feeds else "activations"
     born = {b: index[b if isinstance(b, torch.fx.Node) else b[0]] for b in size}
     last = dict(born)
     for node in nodes:
@@ -156,31 +157,41 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
                 kind[b] = "outputs"
             else:
                 last[b] = max(last[b], index[user])
-    timeline = [0] * len(nodes)
-    for b, n in size.items():
-        for t in range(born[b], min(last[b], end - 1) + 1):
-            timeline[t] += n
+    timeline = _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items()))
     peak_at = max(range(len(nodes)), key=timeline.__getitem__) if nodes else 0
     at_peak = {k: 0 for k in ("activations", "collective buffers", "outputs")}
     for b, n in size.items():
         if born[b] <= peak_at <= last[b]:
             at_peak[kind[b]] += n
-    collective = [0] * len(nodes)
-    for b, n in size.items():
-        if kind[b] == "collective buffers":
-            for t in range(born[b], min(last[b], end - 1) + 1):
-                collective[t] += n
+    collective = _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items() if kind[b] == "collective buffers"))
     return {"transient_peak": timeline[peak_at] if nodes else 0, "peak_node": nodes[peak_at].name if nodes else None,
             "at_peak": at_peak, "collective_peak": max(collective, default=0),
             "outputs": sum(n for b, n in size.items() if kind[b] == "outputs"), "timeline": timeline}
 
 
-def _is_collective_buffer(node: torch.fx.Node) -> bool:
-    if node.target in _COLLECTIVES:
-        return True
-    users = list(node.users)  # a flat bucket buffer, a cast to the reduce dtype: only feeds collectives
-    return bool(users) and all(u.op == "call_function" and (u.target in _COLLECTIVES or _is_collective_buffer(u))
-                               for u in users)
+def _sweep(n: int, spans) -> list[int]:
+    """Bytes live at each of `n` steps, given (first step, last step, bytes) spans."""
+    delta = [0] * (n + 1)
+    for first, last, nbytes in spans:
+        delta[first] += nbytes
+        delta[min(last, n - 1) + 1] -= nbytes
+    out, total = [], 0
+    for d in delta[:n]:
+        total += d
+        out.append(total)
+    return out
+
+
+def _collective_buffers(nodes: list[torch.fx.Node]) -> set:
+    """The results of collectives, and the values that only feed collectives (a flat bucket
+    buffer, a cast to the reduce dtype), found in one walk from the end."""
+    found: set = set()
+    for node in reversed(nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _COLLECTIVES or (node.users and all(u.target in _COLLECTIVES or u in found for u in node.users)):
+            found.add(node)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
