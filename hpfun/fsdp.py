@@ -30,6 +30,8 @@ tags its collective with that name; `hpfun.schedule` issues those gathers at mos
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from hpfun.constrain import _constrain, _encode
@@ -77,6 +79,7 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     wanted = {mesh.axis_index(a) for a in axes}
     inserted = 0
+    updated: dict = {}  # input updated on its shard -> its spec
     for node, layout in zip(placeholders, in_layouts, strict=True):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or layout is None or layout.partial_axes:
@@ -84,8 +87,9 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
         split = {a for d in range(val.ndim) for a in layout.shard_axes(d)}
         if not split & wanted or not _updated(node, val.numel()):
             continue
-        spec = _without(P.from_layout(layout, val.ndim), axes)
-        inserted += _rewrite(graph, node, spec, val.numel())
+        updated[node] = P.from_layout(layout, val.ndim)
+        inserted += _rewrite(graph, node, _without(updated[node], axes), val.numel())
+    inserted += _pin_gradients(graph, updated)
     if inserted:
         graph.eliminate_dead_code()
         graph.lint()
@@ -131,6 +135,74 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
                 value = copy
         consumer.replace_input_with(operand, value)
     return len(gathered)
+
+
+def _pin_gradients(graph: torch.fx.Graph, updated: dict) -> int:
+    """Pin what the updates read from outside them (the gradient, made by the backward pass) to
+    the updated input's spec: the Partial sum is reduce-scattered onto the shard, once per
+    gradient. (Propagation alone resolves it to replicated, an all-reduce, and takes the rank's
+    block after: a pointwise op offers the splits its inputs have, and a Partial input has none.)
+    The update region is every value computed from an updated input by elementwise ops of its
+    shape; a value entering it is traced back through elementwise ops of one operand
+    (`0.1 * g`, `g * g`) to the value they all come from, and that value is pinned."""
+    region: dict = {}  # node -> the spec of the input it updates
+    frontier = list(updated.items())
+    while frontier:
+        node, spec = frontier.pop()
+        if node in region:
+            if region[node] != spec:
+                region[node] = None  # two inputs of different specs meet: pin nothing here
+            continue
+        region[node] = spec
+        numel = _numel(_shape(node))
+        frontier += [(u, spec) for u in node.users if u.op == "call_function" and
+                     (_keeps_shard(u, node, numel) or u.target in _CASTS and _shape(u) == _shape(node))]
+    pins: dict = {}  # the value pinned -> spec
+    memo: dict = {}
+    for node, spec in region.items():
+        if node.op != "call_function" or spec is None:
+            continue
+        for arg in node.all_input_nodes:
+            if arg in region or _shape(arg) != _shape(node):
+                continue
+            root = _root(arg, region, memo)
+            if root.op != "call_function" or root in region:
+                continue
+            pins[root] = spec if pins.get(root, spec) == spec else None
+    count = 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for root, spec in pins.items():
+        if spec is None:
+            continue
+        # right before the first use (the update, after the backward): the reduce-scatter is then
+        # issued once the gradient exists and waited on only there
+        with graph.inserting_before(min(root.users, key=order.__getitem__)):
+            pin = graph.create_node("call_function", _constrain, (root, _encode(spec)), name=f"scatter_{root.name}")
+        pin.meta.update(val=root.meta["val"], stack_trace=root.meta.get("stack_trace"))
+        # bucketed only with the gradients the same op makes (a norm's weight and bias), issued
+        # as soon as it exists: the whole gradient is freed during the backward, as FSDP frees it
+        producer = root.args[0] if root.target is operator.getitem else root
+        pin.meta[META] = f"gradients of {producer.name}"
+        root.replace_all_uses_with(pin, delete_user_cb=lambda user, pin=pin: user is not pin)
+        count += 1
+    return count
+
+
+def _root(node: torch.fx.Node, region: dict, memo: dict) -> torch.fx.Node:
+    """The value `node` is computed from by elementwise ops of its shape whose operands all
+    come from that one value (`0.01 * g * g`: g), or `node` itself."""
+    if node in memo:
+        return memo[node]
+    memo[node] = node
+    target = node.target
+    if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+            and node not in region):
+        operands = [a for a in node.all_input_nodes if _shape(a) != ()]
+        if operands and all(_shape(a) == _shape(node) for a in operands):
+            roots = {_root(a, region, memo) for a in operands}
+            if len(roots) == 1:
+                memo[node] = roots.pop()
+    return memo[node]
 
 
 def _updated(param: torch.fx.Node, numel: int) -> bool:

@@ -289,10 +289,12 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     ctx.gather_for = node.meta.get("hpfun_fsdp")
     leaves = [_in_dtype(ctx, x, local(x, next(required), f"{node.target}"), widen) if _is_tensor_node(x) else x
               for x in leaves]
-    ctx.gather_for = None
     taken = tuple(new for old, new in zip(pytree.tree_leaves((node.args, node.kwargs)), leaves) if _is_tensor_node(old))
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    if ctx.gather_for is not None and out.target is aten.clone.default:
+        out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed
+    ctx.gather_for = None
     if widen:
         out.meta["hpfun_local_dtype"] = torch.float32
     out._rename(node.name)  # the report and the collectives' reasons use the global graph's names

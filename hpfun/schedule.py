@@ -17,6 +17,15 @@ that, in this order:
   runtime issues a functional collective asynchronously and blocks only in `wait_tensor`, so
   what lies between runs while it travels: gradient reduction overlaps the rest of backward.
 
+FSDP's gathers (`shard(..., gather_params=...)`, `hpfun.fsdp`; their collectives carry
+`meta["hpfun_fsdp"]`, the name of the op that uses the gathered parameter) are scheduled as
+FSDP schedules them, not as soon as their input exists: that would be the program's start for
+a parameter, gathering every layer up front and holding them all, and bucketing would fuse every
+layer's gather into one. They bucket only with the gathers of the same use (a linear layer's
+weight and bias), and each use's gathers are issued right before the previous use runs
+(prefetch depth one, FSDP's forward and backward prefetch): at most two gathered uses are alive
+at a time, the one computing and the one in flight.
+
 Both passes only reorder and fuse: one program for every rank, the same collectives in the same
 order on all of them.
 """
@@ -37,6 +46,7 @@ WAIT = c10d.wait_tensor.default
 COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                c10d.all_to_all_single.default)
 _BUCKETABLE = COLLECTIVES[:3]  # all-to-all's splits do not concatenate
+FSDP = "hpfun_fsdp"  # on FSDP's gathers (hpfun.fsdp.META): the name of the use they serve
 
 
 @attrs.frozen(eq=False)
@@ -173,20 +183,56 @@ def _overlapped(collective: torch.fx.Node) -> int:
 
 
 def spread(graph: torch.fx.Graph) -> None:
-    """Issue every collective right after its inputs exist, wait right before the first use."""
+    """Issue every collective right after its inputs exist, wait right before the first use;
+    FSDP's gathers one use ahead (`_prefetch`)."""
     collectives = [n for n in graph.nodes if is_collective(n)]
     for collective in reversed(collectives):  # last first: two issued after one node keep their order
+        if _prefetched(collective):
+            continue
         group = issue_group(collective)
         anchor = _ready(group, _positions(graph))
         if anchor is None or anchor.op == "placeholder":
             anchor = _last_placeholder(graph)
         for node in reversed(group):
             anchor.append(node)
+    _prefetch(graph, [c for c in collectives if _prefetched(c)])
     for collective in collectives:
         group = wait_group(collective)
         before = _first_use(group, _positions(graph))
         for node in group if before is not None else ():
             before.prepend(node)
+
+
+def _prefetched(collective: torch.fx.Node) -> bool:
+    """An FSDP gather of a parameter (its gradient's reduce-scatter is issued as any other)."""
+    return FSDP in collective.meta and collective.target is c10d.all_gather_into_tensor.default
+
+
+def _prefetch(graph: torch.fx.Graph, gathers: list[torch.fx.Node]) -> None:
+    """FSDP's gathers, grouped by the use they serve and taken in the order of their uses: the
+    first issued once its input exists, each next one right before the previous use (once its
+    input exists, if later)."""
+    uses: dict = {}
+    for collective in gathers:
+        uses.setdefault(collective.meta[FSDP], []).append(collective)
+    pos = _positions(graph)
+    first = {key: min(pos[_first_use(wait_group(c), pos) or _output(graph)] for c in group) for key, group in uses.items()}
+    previous = None  # the previous use's first reader
+    for key in sorted(uses, key=first.__getitem__):
+        for collective in uses[key]:
+            group = issue_group(collective)
+            pos = _positions(graph)
+            ready = _ready(group, pos)
+            if ready is None or ready.op == "placeholder":
+                ready = _last_placeholder(graph)
+            if previous is not None and pos[previous] > pos[ready]:
+                for node in group:  # right before the previous use...
+                    previous.prepend(node)
+            else:
+                for node in reversed(group):  # ...or right after its input exists, if later
+                    ready.append(node)
+        pos = _positions(graph)
+        previous = min((_first_use(wait_group(c), pos) or _output(graph) for c in uses[key]), key=pos.__getitem__)
 
 
 def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -209,7 +255,7 @@ class _Candidate:
     def key(self):
         """What must agree to share a buffer: the op, its arguments (reduce op, group size, mesh
         axes) and the dtype moved."""
-        return self.collective.target, tuple(self.collective.args[1:]), self.record.dtype
+        return self.collective.target, tuple(self.collective.args[1:]), self.record.dtype, self.collective.meta.get(FSDP)
 
 
 @attrs.define
@@ -274,6 +320,8 @@ def _fuse(graph: torch.fx.Graph, members: list[_Candidate]) -> Bucket:
     record = Bucket(members[0].record.kind, members[0].record.axes, tuple(m.record for m in members),
                     sum(m.record.bytes for m in members), members[0].record.dtype)
     fused.meta.update(hpfun_axes=first.meta["hpfun_axes"], hpfun_bucket=record)
+    if FSDP in first.meta:  # FSDP's gathers bucket only with those of the same use
+        fused.meta[FSDP] = first.meta[FSDP]
     for glue in after:
         for node in glue:
             before.prepend(node)
