@@ -52,6 +52,7 @@ from hpfun.specs import AUTO, Auto
 
 TIME_LIMIT = 30.0  # seconds per MILP
 MAX_ROUNDS = 12  # memory points added before giving up on fitting the budget
+LAYER_HOPS = 4  # how far two ops' neighbourhoods must look alike for them to be tied as repeated layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def candidate_layouts(mesh: Mesh, shape: tuple) -> tuple[Layout, ...]:
     replicated first.
 
     >>> [str(P.from_layout(l, 2)) for l in candidate_layouts(Mesh.simulated((2,), ("tp",)), (4, 3))]
-    ["P()", "P('tp')"]
+    ['P()', "P('tp')"]
     """
     ndim = len(shape)
     out = []
@@ -78,17 +79,23 @@ def candidate_layouts(mesh: Mesh, shape: tuple) -> tuple[Layout, ...]:
 
 
 def repeated_name(name: str) -> str:
-    """`name` with its numbered parts (a dotted part that is a number, a list index) as `#`,
-    the argument's position kept: leaves of repeated layers share it.
+    """`name` with the number of its first numbered part (`layers.3`, `h3`, `[3]`) as `#`: leaves
+    of repeated layers share it. The argument's position and the leaf's own name (its last
+    part: `w1`, `ln2`, a list index) are kept, so `h0.w1` and `h0.w2` stay apart.
 
-    >>> repeated_name("args[0]['layers.3.wq']"), repeated_name("model.h.11.mlp.weight"), repeated_name("args[1][2]")
-    ("args[0]['layers.#.wq']", 'model.h.#.mlp.weight', 'args[1][#]')
+    >>> repeated_name("args[0]['layers.3.wq']"), repeated_name("model.h.11.mlp.w1"), repeated_name("args[0]['h2.ln1.w']")
+    ("args[0]['layers.#.wq']", 'model.h.#.mlp.w1', "args[0]['h#.ln1.w']")
+    >>> repeated_name("args[0]['blocks'][2]['wq']"), repeated_name("args[1][2]"), repeated_name("w1")
+    ("args[0]['blocks'][#]['wq']", 'args[1][2]', 'w1')
     """
     head = re.match(r"^(?:args|kwargs)\[[^\]]*\]", name)
     start = head.end() if head else 0
-    rest = re.sub(r"\[\d+\]", "[#]", name[start:])
-    rest = re.sub(r"(?:^|(?<=[.'\"]))\d+(?=[.'\"]|$)", "#", rest)
-    return name[:start] + rest
+    rest = name[start:]
+    for m in re.finditer(r"(?:(?<=[A-Za-z_.'\"\[])|^)\d+(?=[.'\"\]]|$)", rest):
+        if re.fullmatch(r"['\"\]]*", rest[m.end():]):
+            break  # the leaf's own name
+        return name[:start] + rest[:m.start()] + "#" + rest[m.end():]
+    return name
 
 
 def spec_text(layout: Layout, ndim: int) -> str:
@@ -196,14 +203,16 @@ class AutoPlan:
 
 
 def auto_text(data: dict) -> str:
-    """The text section of a report's `auto` field."""
+    """The text section of a report's `auto` field: one line per AUTO leaf that chose (the
+    others take a choice: an update returned or written back, a repeated layer's leaf)."""
     budget = "no memory budget" if data["budget"] is None else f"memory_budget {data['budget']} B"
-    lines = [f"auto: {len(data['chosen'])} choice{'s' * (len(data['chosen']) != 1)} in {data['seconds']:.2f} s; "
-             f"plan {data['price'] * 1e6:.1f} us (all AUTO replicated: {data['replicated_price'] * 1e6:.1f} us); "
-             f"peak about {data['memory']:.0f} B per rank ({budget})"]
+    lines = [f"auto: {len(data['chosen'])} AUTO layout{'s' * (len(data['chosen']) != 1)} chosen in "
+             f"{data['seconds']:.2f} s; plan {data['price'] * 1e6:.1f} us (all AUTO replicated: "
+             f"{data['replicated_price'] * 1e6:.1f} us); peak about {data['memory']:.0f} B per rank ({budget})"]
     for c in data["chosen"]:
-        same = f" (same as {c['same_as']})" if c["same_as"] else ""
-        lines += [f"  {leaf} -> {c['spec']}{same}" for leaf in c["leaves"]]
+        first, *others = c["leaves"] or [c["group"]]
+        notes = ([f"as {c['same_as']}"] if c["same_as"] else []) + ([f"also {', '.join(others)}"] if others else [])
+        lines.append(f"  {first} -> {c['spec']}" + (f"  ({'; '.join(notes)})" if notes else ""))
     return "\n".join(lines)
 
 
@@ -389,6 +398,9 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
             ties.append(tuple(tied_nodes))
     problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=base.move, sinks=base.sinks,
                            ties=ties)
+    tie_of = {node: classes[name] for name, g in groups.items() for node in g.inputs}
+    layer_ties = _layer_ties(graph, problem, tie_of)
+    problem = attrs.evolve(problem, ties=ties + layer_ties)
     memory = _Memory(graph.nodes, problem)
     points: list[int] = []
     if budget is not None:
@@ -419,6 +431,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
     found["classes"] = classes
     found["memory"] = max(memory.profile(choice), default=0.0)
     found["stats"] = {"nodes": len(nodes), "candidates": sum(len(c) for c in candidates.values()),
+                      "tied_ops": sum(len(t) for t in layer_ties),
                       "rounds": rounds, "memory_points": len(points), "optimal": solution.optimal}
     final = attrs.evolve(problem, memory=tuple(memory.at(t) for t in points), budget=budget)
     found["runner_ups"] = lambda: _runner_ups(final, choice, solution.price, groups, classes, members, time_limit)
@@ -434,6 +447,38 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
         if node.op == "call_function" and node.target is operator.getitem:
             plans[node] = NodePlan(plans[node.args[0]].layout[node.args[1]])
     return Annotation(plans, solution.price)
+
+
+def _layer_ties(graph, problem: milp.Problem, tie_of: dict, rounds: int = LAYER_HOPS) -> list[tuple]:
+    """Ops of repeated layers, tied to choose alike: ops with the same candidates whose
+    neighbourhoods `rounds` edges deep look the same (the same ops on the same shapes, the AUTO
+    inputs of one tie class), so the MILP solves the layers once (HiGHS's presolve merges tied
+    columns). Ops near what differs (the first layer's input, the last one's output) see it
+    and stay apart."""
+    fx_nodes = [n for n in problem.nodes if isinstance(n, torch.fx.Node)]
+    label: dict = {}
+    for n in problem.nodes:
+        if not isinstance(n, torch.fx.Node):
+            label[n] = hash(("sink",))
+        elif n.op == "placeholder":
+            label[n] = hash(("input", tie_of.get(n, n.name)))
+        elif n.op == "get_attr":
+            label[n] = hash(("constant", n.name))
+        else:
+            label[n] = hash(graph.sites[n].key)
+    producers = {n: [p for p, _ in problem.inputs(n)] for n in problem.nodes}
+    consumers: dict = {n: [] for n in problem.nodes}
+    for n, ps in producers.items():
+        for p in ps:
+            consumers[p].append(n)
+    for _ in range(rounds):
+        label = {n: hash((label[n], tuple(label[p] for p in producers[n]), tuple(sorted(label[c] for c in consumers[n]))))
+                 for n in problem.nodes}
+    alike: dict = {}
+    for n in fx_nodes:
+        if n.op == "call_function" and len(problem.candidates[n]) > 1:
+            alike.setdefault((label[n], problem.candidates[n]), []).append(n)
+    return [tuple(group) for group in alike.values() if len(group) > 1]
 
 
 def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:

@@ -108,12 +108,16 @@ def _problem(graph, best, open_inputs=None, skip_sinks=()):
     shapes = {_value(n): (tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in graph.nodes
               if isinstance(n.meta.get("val"), torch.Tensor)}
 
+    priced: dict = {}  # (shape, dtype, src, dst) -> seconds: identical layers move alike
+
     def move(value, src, dst) -> float:
-        shape, dtype = shapes[value]
-        try:
-            return redistribute_seconds(src, dst, shape, dtype, graph.model, graph.reduce_dtype)[0]
-        except ShardingError:
-            return math.inf
+        key = (*shapes[value], src, dst)
+        if key not in priced:
+            try:
+                priced[key] = redistribute_seconds(src, dst, key[0], key[1], graph.model, graph.reduce_dtype)[0]
+            except ShardingError:
+                priced[key] = math.inf
+        return priced[key]
 
     problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=move, sinks=sinks)
     return problem, start, options

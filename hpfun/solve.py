@@ -552,9 +552,12 @@ def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dic
                 for S, produced in made.items() for L, need in needed.items()}
     mu = {(S, L): _Sum((model.column(0.0, integral=False),), 0)
           for S in made for L in needed if prices.move(value, S, L) < math.inf}
+    rows: tuple[dict, dict] = ({}, {})  # per side, per layout: the mu columns with it (one pass: layouts compare slowly)
+    for pair, joint in mu.items():
+        for side in (0, 1):
+            rows[side].setdefault(pair[side], {})[joint.columns[0]] = 1.0
     for layout, side, indicator in [(S, 0, X) for S, X in made.items()] + [(L, 1, D) for L, D in needed.items()]:
-        row = {joint.columns[0]: 1.0 for pair, joint in mu.items() if pair[side] == layout}
-        model.row({**row, **{col: -1.0 for col in indicator.columns}}, 0.0, 0.0)
+        model.row({**rows[side].get(layout, {}), **{col: -1.0 for col in indicator.columns}}, 0.0, 0.0)
     return mu
 
 

@@ -1,0 +1,267 @@
+"""`hpfun.AUTO`: spec leaves whose layouts the planner chooses with every op's strategy, in one
+MILP (`hpfun.auto`), under `memory_budget`. The choice matches brute force over every
+combination of the AUTO leaves' layouts; a large batch goes data parallel, large weights under a
+tight budget split; an impossible budget names one that fits; the sharded step equals the
+unsharded one; repeated layers choose alike; bad options are named."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import AUTO, P
+from hpfun import solve as milp
+from hpfun.auto import candidate_layouts, repeated_name
+from hpfun.capture import capture
+from hpfun.propagate import solve
+
+DP = hpfun.Mesh.simulated((2,), ("dp",))
+DP4 = hpfun.Mesh.simulated((4,), ("dp",))
+MESH = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+
+
+def loss_fn(w1, w2, x, y):
+    return ((torch.relu(x @ w1) @ w2 - y) ** 2).mean()
+
+
+def step(w1, w2, x, y):
+    (g1, g2), loss = torch.func.grad_and_value(loss_fn, argnums=(0, 1))(w1, w2, x, y)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2, loss
+
+
+def dict_step(params, x, y):
+    grads, loss = torch.func.grad_and_value(lambda p: loss_fn(p["w1"], p["w2"], x, y))(params)
+    return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+
+
+def chain(x, w1, w2):
+    return x @ w1 @ w2
+
+
+def _data(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+def _brute_force(fn, mesh, args, auto: list[int], fixed: dict, outputs) -> tuple[float, tuple]:
+    """The cheapest plan over every combination of layouts of the args at `auto` (the others
+    as `fixed` says), each priced by the planner with explicit layouts (greedy, then exact)."""
+    gm = capture(fn, [(tuple(a.shape), a.dtype) for a in args], None)
+    options = [candidate_layouts(mesh, tuple(args[i].shape)) for i in auto]
+    best = (math.inf, None)
+    for combo in itertools.product(*options):
+        layouts = dict(fixed) | dict(zip(auto, combo, strict=True))
+        ins = [layouts[i] for i in range(len(args))]
+        price = solve(gm, mesh, ins, outputs=outputs(ins), exact=True).price
+        best = min(best, (price, combo), key=lambda b: b[0])
+    return best
+
+
+def test_auto_on_a_training_step_matches_brute_force():
+    """Four AUTO leaves of an MLP step (the updated weights come back as they went in): the plan
+    is the cheapest of all 81 combinations, each planned with explicit specs."""
+    args = _data((16, 32), (32, 8), (64, 16), (64, 8))
+    f = hpfun.shard(step, mesh=DP, in_specs=(AUTO,) * 4, out_specs=(AUTO, AUTO, P()))
+    plan = f.lower(*args).auto
+    replicated = hpfun.Layout.replicated(DP)
+    best, combo = _brute_force(step, DP, args, [0, 1, 2, 3], {}, lambda ins: [ins[0], ins[1], replicated])
+    assert plan.price == pytest.approx(best, rel=1e-9)
+    assert plan.price < plan.replicated_price
+    assert plan.specs()["outputs[0]"] == plan.specs()["args[0]"]  # the update comes back where it went in
+
+
+def test_auto_on_a_matmul_chain_matches_brute_force_on_two_axes():
+    args = _data((64, 32), (32, 64), (64, 16))
+    f = hpfun.shard(chain, mesh=MESH, in_specs=(P("dp"), AUTO, AUTO), out_specs=P("dp"))
+    plan = f.lower(*args).auto
+    x = P("dp").to_layout(MESH, 2)
+    best, _ = _brute_force(chain, MESH, args, [1, 2], {0: x}, lambda ins: [x])
+    assert plan.price == pytest.approx(best, rel=1e-9)
+    torch.testing.assert_close(f(*args).full(), chain(*args))
+
+
+def test_a_large_batch_goes_data_parallel():
+    params = dict(zip(("w1", "w2"), _data((8, 16), (16, 8))))
+    x, y = _data((4096, 8), (4096, 8), seed=1)
+    f = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()))
+    lowered = f.lower(params, x, y)
+    specs = lowered.auto.specs()
+    assert specs["args[0]['w1']"] == specs["args[0]['w2']"] == "P()"
+    assert specs["args[1]"] == specs["args[2]"] == "P('dp')"
+    assert [c.kind for c in lowered.collectives].count("all_reduce") >= 2  # the gradients (and loss)
+    assert "args[1] -> P('dp')" in str(lowered.auto)
+
+
+def _weights_heavy():
+    params = dict(zip(("w1", "w2"), _data((256, 1024), (1024, 256))))
+    x, y = _data((8, 256), (8, 256), seed=1)
+    return params, x, y
+
+
+def test_large_weights_under_a_tight_budget_split_and_fit():
+    params, x, y = _weights_heavy()
+    replicated_weights = 2 * 256 * 1024 * 4
+    f = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()),
+                    memory_budget=replicated_weights)  # the weights alone, replicated, would fill it
+    lowered = f.lower(params, x, y)
+    plan = lowered.auto
+    assert plan.memory <= replicated_weights
+    assert lowered.memory().peak <= replicated_weights  # hpfun.memory's estimate of the lowered program
+    assert all(plan.specs()[f"args[0]['{k}']"] != "P()" for k in params)
+    out, loss = f(params, x, y)
+    ref, ref_loss = dict_step(params, x, y)
+    torch.testing.assert_close(loss.full(), ref_loss)
+    for k in ref:
+        torch.testing.assert_close(out[k].full(), ref[k])
+        assert out[k].layout == f.lower(params, x, y).program.input_layouts[list(params).index(k)]
+
+
+def test_an_impossible_budget_names_one_that_fits():
+    params, x, y = _weights_heavy()
+    f = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()), memory_budget=100_000)
+    with pytest.raises(hpfun.ShardingError, match=r"no plan fits 100000 B per rank") as err:
+        f.lower(params, x, y)
+    need = int(str(err.value).split("give memory_budget >= ")[1].split(",")[0])
+    assert need > 100_000
+    fits = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()), memory_budget=need)
+    assert fits.lower(params, x, y).auto.memory <= need
+
+
+def test_an_auto_step_equals_the_unsharded_step_and_feeds_the_next_call():
+    params = dict(zip(("w1", "w2"), _data((16, 32), (32, 8))))
+    x, y = _data((64, 16), (64, 8), seed=1)
+    f = hpfun.shard(dict_step, mesh=MESH, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()))
+    out, loss = f(params, x, y)
+    ref, ref_loss = dict_step(params, x, y)
+    torch.testing.assert_close(loss.full(), ref_loss)
+    for k in ref:
+        torch.testing.assert_close(out[k].full(), ref[k])
+    out2, loss2 = f(out, x, y)  # the Sharded update, in the layout its parameter was chosen
+    ref2, ref_loss2 = dict_step(ref, x, y)
+    torch.testing.assert_close(loss2.full(), ref_loss2)
+    for k in ref:
+        torch.testing.assert_close(out2[k].full(), ref2[k])
+
+
+def test_lifted_module_state_optimizer_state_follows_and_is_written_back():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(x):
+        opt.zero_grad()
+        loss = ((model(x)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    f = hpfun.shard(train, mesh=MESH, in_specs=(AUTO,), out_specs=P(), state_specs={"*": AUTO})
+    x = torch.randn(8, 16)
+    lowered = f.lower(x)
+    specs = lowered.auto.specs()
+    assert specs["opt.state.model.0.weight.exp_avg (written back)"] == specs["model.0.weight"]  # follows it
+    assert specs["model.0.weight.grad (written back)"] == specs["model.0.weight"]
+    for _ in range(2):
+        loss = f(x)
+        ref_opt.zero_grad()
+        ref_loss = (ref(x) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.full(), ref_loss)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_repeated_layers_choose_alike():
+    layers = 3
+    params = {f"layers.{i}.{n}": w for i in range(layers) for n, w in zip(("a", "b"), _data((32, 64), (64, 32), seed=i))}
+
+    def deep(params, x):
+        for i in range(layers):
+            x = torch.relu(x @ params[f"layers.{i}.a"]) @ params[f"layers.{i}.b"]
+        return x.sum()
+
+    (x,) = _data((16, 32), seed=9)
+    f = hpfun.shard(deep, mesh=MESH, in_specs=(AUTO, P("dp")), out_specs=P())
+    plan = f.lower(params, x).auto
+    specs = plan.specs()
+    for n in ("a", "b"):
+        assert len({specs[f"args[0]['layers.{i}.{n}']"] for i in range(layers)}) == 1
+    same = {c[0]: c[5] for c in plan.chosen}
+    assert same["args[0]['layers.2.a']"] == "args[0]['layers.0.a']"
+    torch.testing.assert_close(f(params, x).full(), deep(params, x))
+
+
+def test_repeated_names():
+    assert repeated_name("args[0]['h3.wq']") == repeated_name("args[0]['h0.wq']") == "args[0]['h#.wq']"
+    assert repeated_name("model.layers.11.mlp.weight") == "model.layers.#.mlp.weight"
+    assert repeated_name("args[0]['h0.w1']") != repeated_name("args[0]['h0.w2']")
+    assert repeated_name("args[1]") != repeated_name("args[2]")
+
+
+def test_runner_ups_and_the_report():
+    args = _data((64, 32), (32, 64), (64, 16))
+    f = hpfun.shard(chain, mesh=MESH, in_specs=(P("dp"), AUTO, AUTO), out_specs=P("dp"))
+    plan = f.lower(*args).auto
+    ups = plan.runner_ups()
+    assert [u["group"] for u in ups] == ["args[1]", "args[2]"]
+    for u in ups:
+        assert u["spec"] != plan.specs()[u["group"]] and u["price"] >= plan.price
+    text = plan.explain()
+    assert "runner-ups" in text and "args[1] -> " in text
+    assert plan.to_dict()["chosen"][0]["group"] == "args[1]"
+
+
+@pytest.mark.parametrize("budget", [-1, 0, 1.5, "8G", True])
+def test_a_bad_memory_budget_is_named(budget):
+    with pytest.raises(hpfun.SpecError, match="memory_budget must be None or an int > 0"):
+        hpfun.shard(chain, mesh=MESH, in_specs=(AUTO, AUTO, AUTO), memory_budget=budget)
+
+
+def test_auto_and_gather_params_are_not_combined():
+    f = hpfun.shard(chain, mesh=MESH, in_specs=(AUTO, AUTO, AUTO), gather_params="dp")
+    with pytest.raises(hpfun.SpecError, match="gather_params and AUTO"):
+        f.lower(*_data((8, 8), (8, 8), (8, 8)))
+
+
+def test_auto_is_a_spec_leaf_not_a_dim():
+    with pytest.raises(Exception):
+        hpfun.shard(chain, mesh=MESH, in_specs=(P(AUTO), AUTO, AUTO)).lower(*_data((8, 8), (8, 8), (8, 8)))
+    assert repr(AUTO) == "AUTO"
+
+
+def test_the_solver_side_conditions_match_brute_force():
+    """Ties, memory points under a budget, cuts and least_memory on random small problems."""
+    rng = random.Random(0)
+    layouts = ["R", "S0", "S1"]
+    for _ in range(60):
+        names = [f"n{i}" for i in range(rng.randint(2, 5))]
+        cands, edges = {}, {}
+        for i, n in enumerate(names):
+            edges[n] = () if i == 0 else ((names[rng.randrange(i)], 0),)
+            cands[n] = tuple(milp.Candidate(tuple(rng.choice(layouts) for _ in edges[n]), (layouts[c],), rng.random())
+                             for c in range(3))
+        moves: dict = {}
+        problem = milp.Problem(
+            names, cands, edges, lambda v, s, d: moves.setdefault((v, s, d), rng.choice([1.0, 2.0, math.inf])),
+            ties=[(names[0], names[-1])] if rng.random() < 0.5 else [],
+            memory=[{n: tuple(rng.random() for _ in range(3)) for n in names}],
+            budget=rng.uniform(0.5, 2.5) if rng.random() < 0.7 else None,
+            cuts=[{names[1]: 0, names[0]: 1}] if rng.random() < 0.5 else [])
+        try:
+            expected = milp.brute_force(problem)[1]
+        except milp.InfeasibleError:
+            expected = None
+        try:
+            found = milp.solve(problem)
+        except milp.InfeasibleError:
+            found = None
+        assert (expected is None) == (found is None)
+        if found is not None:
+            assert found.price == pytest.approx(expected, rel=1e-9)
+            assert milp.allowed(problem, found.choice)
