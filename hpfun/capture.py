@@ -45,6 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from hpfun.checkpoint import rematerialize
 from hpfun.errors import CaptureError, Problem
 
 aten = torch.ops.aten
@@ -246,6 +247,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
         mutated = _mutations_as_outputs(gm)
     _drop_profiler_calls(gm)
     gm.graph.eliminate_dead_code()
+    rematerialize(gm)  # hpfun.checkpoint's regions: recompute before the backward reads, not kept
     split_fused(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()

@@ -81,6 +81,8 @@ class LowerContext:
         self._coords = self.seed = None
         self._cache: dict = {}
         self._random_ops = 0
+        self.redraws: dict[str, str] = {}  # an op recomputed by hpfun.checkpoint -> the op it recomputes
+        self._drawn: dict[str, list[int]] = {}  # per node, the op numbers its random draws took
 
     def begin(self, n_inputs: int) -> list[torch.fx.Node]:
         """The program's inputs: `n_inputs` tensors, then `coords` and `seed`."""
@@ -89,9 +91,17 @@ class LowerContext:
         return inputs
 
     def next_random_op(self) -> int:
-        """A number for each random op, in program order (the same for every layout)."""
-        self._random_ops += 1
-        return self._random_ops
+        """A number for each random op, in program order (the same for every layout). An op that
+        `hpfun.checkpoint` recomputes takes its original's numbers again: it draws the same values."""
+        node = self.consumer[0]
+        drawn = self._drawn.setdefault(node, [])
+        original = self._drawn.get(self.redraws.get(node), [])
+        if len(drawn) < len(original):
+            drawn.append(original[len(drawn)])
+        else:
+            self._random_ops += 1
+            drawn.append(self._random_ops)
+        return drawn[-1]
 
     def global_index(self, layout: Layout, shape) -> torch.fx.Node:
         """Global row-major index of each element of this rank's block (int64, local shape)."""
@@ -221,6 +231,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     `bucket_bytes` caps fused collectives (0: none) and `overlap` moves issues and waits apart
     (`hpfun.schedule`)."""
     ctx = LowerContext(mesh, rng, reduce_dtype)
+    ctx.redraws = {n.name: n.meta["hpfun_recomputes"] for n in gm.graph.nodes if "hpfun_recomputes" in n.meta}
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[torch.fx.Node, dict[Layout, torch.fx.Node]] = {}  # per value: each layout it reached, locally
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -1,0 +1,285 @@
+"""`hpfun.checkpoint(fn, save=None)`: recompute a block's activations in the backward pass instead
+of keeping them (rematerialisation, as `torch.utils.checkpoint`), inside a sharded step.
+
+A sharded step is captured as one joint graph: forward, `torch.func.grad`'s backward and the
+update. Every value the backward reads (the activations autograd saves) stays alive from the
+forward op that makes it to the backward op that reads it, so the activation memory of a deep
+model grows with its depth. `y = hpfun.checkpoint(block)(x, ...)` marks the ops `block` runs as a
+recompute region:
+
+- the region's inputs (arguments, parameters, anything it reads from outside) and its outputs
+  (the tensors `block` returns) stay alive as usual;
+- every other value the region computes that is read after the region ends (by the backward
+  pass) is not kept: the part of the region that computes such values is cloned and inserted in
+  the graph right before the first of those later reads (one recompute per region, at the start
+  of the region's backward), and the later reads take the clones. The forward's own values then
+  die inside the forward.
+
+The recompute is an ordinary part of the captured graph, before propagation: it is sharded and
+lowered like any other op, its collectives are listed by `lower()`, and no pass merges it back
+into the forward (hpfun runs no common-subexpression elimination). Random ops in a region
+(dropout) draw the same numbers when recomputed: the clone of a random op reuses its original's
+draw (its op number in the counter-based generator, `hpfun.rng`), so the checkpointed step
+computes what the step without checkpoints computes.
+
+Selective checkpointing (`save=`) keeps the outputs of the chosen ops instead of recomputing
+them; the recompute then starts from them. `save="matmuls"` keeps what the matmul-like ops in
+`MATMULS` produce (mm, bmm, addmm, baddbmm, convolution and the fused scaled-dot-product
+attention kernels) and recomputes everything else (norms, activations, dropout, softmax): the
+usual choice, trading little compute for most of the memory. `save` may also be an iterable of
+ops (`torch.ops.aten.mm`, `torch.ops.aten.mm.default`) or their names ("mm", "aten.mm",
+"aten.mm.default"), or a predicate called with each ATen op (`OpOverload`) the region records.
+The ops are those of the captured graph: core ATen after hpfun's decompositions (a `x @ w` on a
+3-D `x` is a view, an `mm` and a view; a `F.linear` with a bias is an `addmm`).
+
+Outside a sharded function (eager PyTorch) the wrapper just calls `fn`: the values are the
+same, and nothing is saved or recomputed. A checkpoint inside a checkpointed block belongs to
+the outer region (under the outer `save`).
+
+>>> import torch, hpfun
+>>> from hpfun import P
+>>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
+>>> def block(x, w):
+...     return torch.tanh(torch.tanh(x @ w) @ w)
+>>> def loss(w, x):
+...     return hpfun.checkpoint(block, save="matmuls")(x, w).sum()
+>>> step = hpfun.shard(lambda w, x: torch.func.grad(loss)(w, x), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())
+>>> w, x = torch.randn(4, 4), torch.randn(8, 4)
+>>> torch.allclose(step(w, x).full(), torch.func.grad(loss)(w, x), atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import threading
+
+import torch
+from torch.fx.experimental import proxy_tensor
+from torch.utils import _pytree as pytree
+
+from hpfun.errors import SpecError
+
+aten = torch.ops.aten
+
+# the ops `save="matmuls"` keeps: matmul-like, the expensive ones to recompute
+MATMULS = frozenset([
+    aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.convolution.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+])
+
+# node.meta["custom"] keys (the one field torch copies when the capture re-traces a graph)
+REGION, SAVED = "hpfun_checkpoint", "hpfun_checkpoint_saved"
+# on a recomputed node: the name of the node it recomputes (lowering gives a random op its draw)
+RECOMPUTES = "hpfun_recomputes"
+
+# The output marker: an identity recorded on each tensor a region returns, so the pass knows the
+# region's outputs (a traced graph has no notion of a function's return). A plain op whose
+# autograd is `_MarkOutput` (composes with torch.func transforms, as hpfun.constrain's does).
+_LIB = torch.library.Library("hpfun", "FRAGMENT")
+_LIB.define("checkpoint_output(Tensor x) -> Tensor")
+_LIB.impl("checkpoint_output", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("hpfun::checkpoint_output", lambda x: torch.empty_like(x), lib=_LIB)
+_output = torch.ops.hpfun.checkpoint_output.default
+
+
+class _MarkOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return _output(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+_regions = itertools.count(1)
+_active = threading.local()  # .depth: checkpointed blocks being traced on this thread
+
+
+_NO_FUNCTION = object()  # checkpoint(save=...) without a function: a decorator
+
+
+def checkpoint(fn=_NO_FUNCTION, *, save=None):
+    """`fn`, its activations recomputed in the backward pass of a sharded step instead of kept.
+
+    Call the result as `fn`: `y = hpfun.checkpoint(block)(x, w)`; or decorate, `@hpfun.checkpoint`
+    / `@hpfun.checkpoint(save="matmuls")`. Inside a function given to `hpfun.shard`, the values
+    `fn` computes that the backward pass reads are recomputed right before the backward first
+    needs them, from `fn`'s inputs, instead of being kept alive from the forward; `fn`'s inputs
+    and outputs stay alive as usual. Results are those of `fn` without checkpointing (random
+    ops recomputed draw the same numbers).
+
+    `save` keeps the outputs of some ops instead of recomputing them (selective checkpointing):
+    None (the default) recomputes everything; "matmuls" keeps the outputs of the ops in
+    `hpfun.checkpoint.MATMULS` (mm, bmm, addmm, baddbmm, convolution, fused attention); else an
+    iterable of ATen ops or their names ("mm", "aten.bmm", "aten.addmm.default",
+    `torch.ops.aten.mm`), or a predicate `save(op) -> bool` on each `torch._ops.OpOverload`.
+
+    Outside a sharded function `fn` just runs.
+    """
+    keeps = _policy(save)
+    if fn is _NO_FUNCTION:
+        return functools.partial(checkpoint, save=save)
+    if not callable(fn):
+        raise SpecError(f"hpfun.checkpoint needs a function (or module) to call, got {type(fn).__name__}: "
+                        "write hpfun.checkpoint(block)(x), not hpfun.checkpoint(block(x))",
+                        headline="bad hpfun.checkpoint")
+
+    @functools.wraps(fn)
+    def checkpointed(*args, **kwargs):
+        mode = proxy_tensor.get_proxy_mode()
+        if mode is None or getattr(_active, "depth", 0):
+            return fn(*args, **kwargs)  # eager, or inside another region (which it belongs to)
+        graph = mode.tracer.graph
+        before = next(iter(reversed(graph.nodes)), None)
+        _active.depth = 1
+        try:
+            out = fn(*args, **kwargs)
+            out = pytree.tree_map(lambda x: _MarkOutput.apply(x) if isinstance(x, torch.Tensor) else x, out)
+        finally:
+            _active.depth = 0
+        _tag(graph, before, next(_regions), keeps)
+        return out
+
+    return checkpointed
+
+
+def _tag(graph: torch.fx.Graph, before, region: int, keeps) -> None:
+    """Tag the nodes recorded after `before` as `region`, and those whose value `keeps` saves."""
+    node = before.next if before is not None else next(iter(graph.nodes), None)
+    saved: set = set()
+    while node is not None and node.op != "root":
+        custom = node.meta.setdefault("custom", {})
+        custom[REGION] = region
+        if node.op == "call_function":
+            target = node.target
+            if target is operator.getitem and node.args[0] in saved or \
+                    isinstance(target, torch._ops.OpOverload) and target is not _output and keeps(target):
+                saved.add(node)
+                custom[SAVED] = True
+        node = node.next
+
+
+def _policy(save):
+    """`save=` as a predicate on ATen ops."""
+    if save is None:
+        return lambda op: False
+    if isinstance(save, str) and save == "matmuls":
+        return MATMULS.__contains__
+    if callable(save) and not isinstance(save, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return save
+    items = [save] if isinstance(save, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else save
+    try:
+        items = list(items)
+    except TypeError:
+        items = None
+    bad = [x for x in items or [save] if not isinstance(x, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket))]
+    if items is None or bad:
+        raise SpecError(f"hpfun.checkpoint's save= takes None, 'matmuls', ATen ops or their names ('mm', "
+                        f"'aten.bmm.default'), or a predicate on ops; got {bad[0] if bad else save!r}",
+                        headline="bad hpfun.checkpoint")
+    names = set()
+    for x in items:
+        if isinstance(x, torch._ops.OpOverload):
+            names.add(_qualified(x))
+        elif isinstance(x, torch._ops.OpOverloadPacket):
+            names.add(x._qualified_op_name.replace("::", "."))
+        else:
+            name = x if "." in x else f"aten.{x}"
+            if not _exists(name):
+                raise SpecError(f"hpfun.checkpoint's save= names {x!r}, which is no ATen op: give an op's name as in "
+                                "the captured graph ('mm', 'aten.bmm', 'aten.addmm.default'), or save='matmuls'",
+                                headline="bad hpfun.checkpoint")
+            names.add(name)
+    return lambda op: _qualified(op) in names or _qualified(op).rsplit(".", 1)[0] in names
+
+
+def _exists(name: str) -> bool:
+    """Whether 'ns.op' or 'ns.op.overload' names an operator torch knows."""
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        return False
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        return len(parts) == 2 or parts[2] in packet.overloads()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _qualified(op: torch._ops.OpOverload) -> str:
+    """'aten.mm.default'."""
+    return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass: on the captured graph, before propagation
+# ---------------------------------------------------------------------------------------------
+
+
+def rematerialize(gm: torch.fx.GraphModule) -> int:
+    """Drop the output markers of `gm` and recompute each region's saved values before their
+    first use after the region; returns how many nodes were cloned. A graph without regions is
+    left as it is."""
+    graph = gm.graph
+    regions: dict[int, list[torch.fx.Node]] = {}
+    outputs: dict[int, set] = {}
+    for node in list(graph.nodes):
+        region = node.meta.get("custom", {}).get(REGION)
+        if node.op == "call_function" and node.target is _output:
+            if region is not None:
+                outputs.setdefault(region, set()).add(node.args[0])
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif region is not None and node.op == "call_function":
+            regions.setdefault(region, []).append(node)
+    if not regions and not outputs:
+        return 0
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    end = graph.output_node()
+    cloned = 0
+    for region, nodes in regions.items():
+        inside = set(nodes)
+        kept = outputs.get(region, set()) | {n for n in nodes if n.meta["custom"].get(SAVED) or end in n.users}
+        saved = [n for n in nodes if n not in kept and any(u not in inside for u in n.users)]
+        if not saved:
+            continue
+        first = min((u for n in saved for u in n.users if u not in inside), key=order.__getitem__)
+        need, stack = set(), list(saved)
+        while stack:
+            n = stack.pop()
+            if n in need or n in kept or n not in inside:
+                continue
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+        clones: dict[torch.fx.Node, torch.fx.Node] = {}
+        with graph.inserting_before(first):
+            for n in sorted(need, key=order.__getitem__):
+                clone = graph.node_copy(n, lambda a: clones.get(a, a))
+                clone.meta = {k: v for k, v in n.meta.items() if k != "custom"}
+                clone.meta[RECOMPUTES] = n.name
+                clones[n] = clone
+        cloned += len(clones)
+        for n in saved:
+            for user in [u for u in n.users if u not in inside and u not in clones.values()]:
+                user.replace_input_with(n, clones[n])
+    for node in graph.nodes:
+        custom = node.meta.get("custom")
+        if custom is not None:
+            custom.pop(REGION, None)
+            custom.pop(SAVED, None)
+            if not custom:
+                del node.meta["custom"]
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return cloned
+
+
+checkpoint.MATMULS = MATMULS  # hpfun.checkpoint is the function: its policy's ops are read there
