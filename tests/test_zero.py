@@ -1,0 +1,322 @@
+"""ZeRO-1/2/3 as layouts: parameters, gradients and optimizer state split over the data-parallel
+axis are ordinary specs, every variant equals the unsharded step, and with
+`shard(..., gather_params="dp")` the program runs FSDP's schedule: each parameter all-gathered
+just before each use (forward, and again in backward), one reduce-scatter per gradient, the
+update on the shard, the gathers prefetched one use ahead and never bucketed across uses."""
+
+import collections
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpfun
+from hpfun import P
+from hpfun.errors import SpecError
+from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_step, mlp_data, mlp_init, mlp_step
+
+MESH = hpfun.Mesh.simulated((4,), ("dp",))
+MLP_Z3 = {"w1": P("dp", None), "b1": P("dp"), "w2": P("dp", None), "b2": P("dp")}
+
+
+def _close(got: dict, want: dict, tol: float = 1e-5):
+    for k, v in want.items():
+        assert torch.allclose(got[k], v, rtol=tol, atol=tol), (k, (got[k] - v).abs().max().item())
+
+
+def _gathers(lowered) -> collections.Counter:
+    """All-gathers per input, by the input's path, from the collectives' reasons."""
+    out = collections.Counter()
+    for c in lowered.program.collectives:
+        if c.kind == "all_gather":
+            out[re.search(r"needs \[[^\]]*\], (.+) is \[", c.reason).group(1)] += 1
+    return out
+
+
+def _kinds(lowered) -> collections.Counter:
+    return collections.Counter(c.kind for c in lowered.program.collectives)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP: what the policy changes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    params, (x, y) = mlp_init(), mlp_data(64)
+    ref, loss = mlp_step(params, x, y)
+    out = {}
+    for name, options in {"fsdp": {"gather_params": "dp"}, "free": {}}.items():
+        f = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), out_specs=(MLP_Z3, P()), **options)
+        new, got_loss = f(params, x, y)
+        out[name] = ({k: v.full() for k, v in new.items()} | {"loss": got_loss.full()}, f.lower(params, x, y))
+    return ref | {"loss": loss}, out
+
+
+def test_zero3_mlp_equals_the_unsharded_step(mlp):
+    ref, runs = mlp
+    for got, _ in runs.values():
+        _close(got, ref)
+
+
+def test_zero3_mlp_runs_fsdp_schedule(mlp):
+    """Each parameter gathered where it is used: w1 by the first matmul (its backward use, the
+    input's gradient, is not needed: x takes none), b1 and b2 by their broadcasting adds, w2 by
+    the second matmul forward and again by its backward; one reduce-scatter per gradient; the
+    batch is never moved (no all-to-all), its split kept."""
+    low = mlp[1]["fsdp"][1]
+    assert _gathers(low) == {"args[0]['w1']": 1, "args[0]['b1']": 1, "args[0]['w2']": 2, "args[0]['b2']": 1}
+    kinds = _kinds(low)
+    assert kinds["reduce_scatter"] == 4 and kinds["all_to_all"] == 0
+    assert kinds["all_reduce"] == 2 and all(c.bytes == 4 for c in low.program.collectives if c.kind == "all_reduce")
+    scatters = [c for c in low.program.collectives if c.kind == "reduce_scatter"]
+    assert sorted(c.bytes for c in scatters) == sorted(p.numel() * 4 for p in mlp_init().values())  # whole gradients
+
+
+def test_without_the_policy_hpfun_chooses_its_own_plan_and_is_still_right(mlp):
+    """Left to itself, propagation prices the plans and picks one (at batch 64 it moved the
+    batch, an all-to-all, rather than gathering every weight); its results equal the step's too
+    (test_zero3_mlp_equals_the_unsharded_step), and the policy is what changed the plan."""
+    free, fsdp = mlp[1]["free"][1], mlp[1]["fsdp"][1]
+    assert _gathers(free) != _gathers(fsdp)
+    assert not any("(gather_params)" in c.reason for c in free.program.collectives)
+
+
+def test_lower_lists_the_gathers_at_their_use_points(mlp):
+    """print(f.lower(...)) shows each gather with the op it serves: the gathered copy (an alias
+    of the collective's buffer, not a copy) right before its use."""
+    text = str(mlp[1]["fsdp"][1])
+    assert "for gather_for_mm (hpfun.constrain.default)" in text and "(gather_params)" in text
+    lines = text.splitlines()
+    pin = next(i for i, l in enumerate(lines) if l.strip().startswith("%gather_for_mm = alias.default("))
+    assert lines[pin + 1].strip().startswith("%mm = mm.default(") and "%gather_for_mm" in lines[pin + 1]
+
+
+def test_the_option_is_checked_and_keys_the_cache():
+    with pytest.raises(SpecError, match=r"gather_params names 'data', but the mesh \{dp: 4\} has axes \['dp'\]"):
+        hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params="data")
+    with pytest.raises(SpecError, match="gather_params must be None, a mesh axis name or a tuple"):
+        hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=1)
+    a = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=("dp",)).options
+    b = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params="dp").options
+    c = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp"))).options
+    assert a == b and hash(a) == hash(b) and a != c
+
+
+def test_zero3_with_tensor_parallel_on_a_2x2_mesh():
+    """FSDP over dp on top of Megatron over tp: the gathers run over dp only, each weight keeps
+    its tp split, gradients reduce-scatter over dp."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    specs = {"w1": P("dp", "tp"), "b1": P(("tp", "dp")), "w2": P(("tp", "dp"), None), "b2": P("dp")}
+    params, (x, y) = mlp_init(), mlp_data(64)
+    f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(specs, P("dp"), P("dp")), out_specs=(specs, P()), gather_params="dp")
+    new, loss = f(params, x, y)
+    ref, ref_loss = mlp_step(params, x, y)
+    _close({k: v.full() for k, v in new.items()} | {"loss": loss.full()}, ref | {"loss": ref_loss})
+    low = f.lower(params, x, y)
+    assert _gathers(low) == {"args[0]['w1']": 1, "args[0]['b1']": 1, "args[0]['w2']": 2, "args[0]['b2']": 1}
+    assert all(c.axes == ("dp",) for c in low.program.collectives if c.kind in ("all_gather", "reduce_scatter"))
+    assert _kinds(low)["reduce_scatter"] == 4 and _kinds(low)["all_to_all"] == 0
+    assert "needs [R, S(1)], args[0]['w1'] is [S(0), S(1)]" in str(low)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPT with AdamW: ZeRO-1, -2, -3
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpt(param_spec, state_spec, **options):
+    params = gpt_init()
+    specs = {k: param_spec for k in params}
+    state = {k: state_spec for k in params}
+    opt_specs = {"m": state, "v": state, "step": P()}
+    f = hpfun.shard(gpt_step, mesh=MESH, in_specs=(specs, opt_specs, P("dp"), P("dp"), None),
+                    out_specs=(specs, opt_specs, P()), **options)
+    args = (params, adamw_init(params), *gpt_data(4), None)
+    new, opt, loss = f(*args)
+    got = {k: v.full() for k, v in new.items()} | {f"m.{k}": v.full() for k, v in opt["m"].items()}
+    return got | {"loss": loss.full()}, f.lower(*args), new
+
+
+@pytest.fixture(scope="module")
+def gpt_ref():
+    params = gpt_init()
+    new, opt, loss = gpt_step(params, adamw_init(params), *gpt_data(4))
+    return new | {f"m.{k}": v for k, v in opt["m"].items()} | {"loss": loss}
+
+
+@pytest.fixture(scope="module")
+def zero3(gpt_ref):
+    return _gpt(P("dp"), P("dp"), gather_params="dp")
+
+
+def test_zero3_gpt_equals_the_unsharded_step(zero3, gpt_ref):
+    _close(zero3[0], gpt_ref)
+    assert all(v.layout.placements_str() == "[S(0)]" for v in zero3[2].values())
+
+
+def test_zero3_gpt_collectives_are_fsdp_schedule(zero3):
+    """Every matmul weight gathered twice (its forward use, and its backward use for the input's
+    gradient); the tied embedding three times (lookup, head forward, head backward); norm weights
+    and biases twice (the norm and its backward); biases added once (their backward needs no
+    weight); one reduce-scatter per gradient (28, counting bucket members); the only all-reduces
+    are the loss's two scalars; nothing moves activations."""
+    low = zero3[1]
+    gathers = _gathers(low)
+    names = list(gpt_init())
+    want = {}
+    for k in names:
+        if k == "wte":
+            want[k] = 3
+        elif k.endswith((".wq", ".wk", ".wv", ".wo", ".w1", ".w2", ".w", ".b")) and "ln" in k or \
+                k.endswith((".wq", ".wk", ".wv", ".wo", ".w1", ".w2")):
+            want[k] = 2
+        else:  # wpe, the MLP biases
+            want[k] = 1
+    assert gathers == {f"args[0]['{k}']": n for k, n in want.items()}
+    kinds = _kinds(low)
+    assert kinds["reduce_scatter"] == len(names) == 28 and kinds["all_to_all"] == 0
+    assert kinds["all_reduce"] == 2 and all(c.bytes == 4 for c in low.program.collectives if c.kind == "all_reduce")
+    buckets = low.to_dict()["buckets"]
+    assert sum(len(b["members"]) for b in buckets if b["kind"] == "reduce_scatter") == 28
+
+
+def test_zero3_gathers_are_prefetched_one_use_ahead_and_bucketed_per_use(zero3):
+    """No gather is issued before the use ahead of its own has begun (at most two gathered uses
+    alive: the one computing and the one in flight), and a bucket of gathers holds only the
+    parameters of one op (a norm's weight and bias)."""
+    graph = zero3[1].program.module.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    gathers = [n for n in nodes if n.op == "call_function" and "hpfun_fsdp" in n.meta
+               and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    assert len(gathers) > 20
+    uses = {}  # the use each gather serves -> the position of the gathered copy's first reader
+    for g in gathers:
+        (wait,) = g.users
+        uses[g] = min(pos[u] for u in _readers(wait))
+    order = sorted(gathers, key=uses.__getitem__)
+    for previous, g in zip(order, order[1:]):
+        # issued no earlier than the use before its own (the previous gather's first reader) ...
+        assert pos[g] <= uses[g]
+        earlier = [h for h in order if uses[h] < uses[g]]
+        assert sum(pos[g] < uses[h] for h in earlier) <= 1, g.name  # ... one use ahead at most
+    fused = [g for g in gathers if "hpfun_bucket" in g.meta]
+    assert fused  # the norms' weight and bias
+    for g in fused:
+        (wait,) = g.users
+        assert len({u for r in _readers(wait) for u in r.users}) == 1  # the copies feed one op
+
+
+def _readers(node) -> list:
+    """The nodes that read a collective's result, through the glue (views, splits) of its wait."""
+    out, frontier = [], list(node.users)
+    while frontier:
+        u = frontier.pop()
+        if "hpfun_origin" in u.meta or u.op == "output":
+            out.append(u)
+        else:
+            frontier += list(u.users)
+    return out
+
+
+def test_zero2_gpt_reduce_scatters_gradients_onto_the_split_state(gpt_ref):
+    """ZeRO-2: parameters replicated, optimizer state split. With the policy there is nothing to
+    gather, each gradient is reduce-scattered onto its state's shard, the update runs on the
+    shard, and the new parameters are gathered back to replicated."""
+    got, low, new = _gpt(P(), P("dp"), gather_params="dp")
+    _close(got, gpt_ref)
+    kinds = _kinds(low)
+    assert kinds["reduce_scatter"] == 28 and kinds["all_gather"] == 28 and kinds["all_to_all"] == 0
+    assert all(c.reason.startswith("out_specs of outputs[0]") for c in low.program.collectives if c.kind == "all_gather")
+    assert all(v.layout.placements_str() == "[R]" for v in new.values())
+
+
+def test_zero1_gpt_equals_the_unsharded_step(gpt_ref):
+    """ZeRO-1: optimizer state split only, hpfun's own plan (gradients all-reduced, the update on
+    the state's shard, the parameters gathered back)."""
+    got, low, _ = _gpt(P(), P("dp"))
+    _close(got, gpt_ref)
+    assert _kinds(low)["all_to_all"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# nn.Module and torch.optim.AdamW
+# ---------------------------------------------------------------------------------------------
+
+
+def _module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_zero3_module_and_adamw_over_three_steps():
+    """The stock training step, parameters (and so their AdamW state) split over dp, gathered at
+    each use: three steps equal eager's; each Linear's weight and bias are gathered in one
+    bucket; the second weight again for the backward; four reduce-scatters."""
+    model, opt = _module()
+    ref_model, ref_opt = _module()
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    plan = {"0.weight": P("dp"), "0.bias": P("dp"), "2.weight": P("dp"), "2.bias": P("dp")}
+    f = hpfun.shard(step, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=plan, gather_params="dp")
+    x, y = torch.randn(32, 16), torch.randint(0, 8, (32,))
+    for _ in range(3):
+        loss = f(x, y)
+        ref_loss = F.cross_entropy(ref_model(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.allclose(loss.full(), ref_loss, atol=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    low = f.lower(x, y)
+    assert _gathers(low) == {"model.0.weight": 1, "model.0.bias": 1, "model.2.weight": 2, "model.2.bias": 1}
+    assert _kinds(low)["reduce_scatter"] == 4 and _kinds(low)["all_to_all"] == 0
+    fused = [b for b in low.program.buckets if b.kind == "all_gather"]
+    assert sorted(len(b.members) for b in fused) == [2, 2]  # weight and bias of one Linear, never across layers
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per rank
+# ---------------------------------------------------------------------------------------------
+
+
+def test_zero3_memory_per_rank_is_a_quarter_of_the_state_plus_a_gathered_layer():
+    """ZeRO-3 on 4 ranks, a GPT whose parameters outweigh its activations (d=64, batch 4 of 8
+    tokens), by `Lowered.memory()`'s liveness estimate: each rank holds exactly a quarter of the
+    replicated state (parameters, AdamW's two moments); through forward and backward it adds
+    about the largest gathered layer (one block's weights: the weight in use, the next in flight,
+    a whole gradient before its reduce-scatter, and the activations kept for backward), within
+    25%: ~1.14x measured. The update then writes the new quarter of the state beside the old
+    (the step is functional), so the peak is under half the state plus a layer. Replicated, the
+    state alone is four times what a rank holds here."""
+    cfg = {"d": 64, "layers": 2}
+    params = gpt_init(**cfg)
+    specs = {k: P("dp") for k in params}
+    opt_specs = {"m": specs, "v": specs, "step": P()}
+    f = hpfun.shard(gpt_step, mesh=MESH, in_specs=(specs, opt_specs, P("dp"), P("dp"), None),
+                    out_specs=(specs, opt_specs, P()), gather_params="dp")
+    idx, targets = gpt_data(4, **cfg)
+    low = f.lower(params, adamw_init(params), idx, targets, None)
+    memory = low.memory()
+    param_bytes = sum(p.numel() * 4 for p in params.values())
+    quarter = 3 * param_bytes / 4  # parameters and two moments, a quarter each
+    block = sum(p.numel() * 4 for k, p in params.items() if k.startswith("h0."))  # the largest gathered layer
+    assert memory.inputs["params"] == param_bytes / 4
+    assert memory.inputs["state"] == 2 * param_bytes / 4 + 4  # the moments' shards and the step count
+    assert memory.held == quarter + 4 + (idx.numel() + targets.numel()) * 8 / 4
+    nodes = list(low.program.module.graph.nodes)
+    update = min(i for i, n in enumerate(nodes) if n.name.startswith("scatter_"))  # the optimizer step begins
+    forward_backward = memory.held + max(memory.timeline[:update])
+    assert 0.75 * (quarter + block) <= forward_backward <= 1.25 * (quarter + block)
+    assert memory.peak <= 2 * quarter + block
