@@ -2,10 +2,16 @@
 axis are ordinary specs, every variant equals the unsharded step, and with
 `shard(..., gather_params="dp")` the program runs FSDP's schedule: each parameter all-gathered
 just before each use (forward, and again in backward), one reduce-scatter per gradient, the
-update on the shard, the gathers prefetched one use ahead and never bucketed across uses."""
+update on the shard, the gathers prefetched one use ahead and never bucketed across uses.
+
+Run as a script, this file is one rank of a gloo job (`python tests/test_zero.py OUT_DIR` with
+RANK, WORLD_SIZE, MASTER_* set)."""
 
 import collections
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 import hpfun
 from hpfun import P
 from hpfun.errors import SpecError
+from hpfun.testing import ranks
 from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_step, mlp_data, mlp_init, mlp_step
 
 MESH = hpfun.Mesh.simulated((4,), ("dp",))
@@ -320,3 +327,33 @@ def test_zero3_memory_per_rank_is_a_quarter_of_the_state_plus_a_gathered_layer()
     forward_backward = memory.held + max(memory.timeline[:update])
     assert 0.75 * (quarter + block) <= forward_backward <= 1.25 * (quarter + block)
     assert memory.peak <= 2 * quarter + block
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.distributed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_zero3_under_gloo(tmp_path):
+    """Two gloo processes run the ZeRO-3 MLP step with the FSDP schedule (gathers issued one use
+    ahead run on gloo's threads until their wait): each rank's shards of the new parameters, and
+    the loss, equal its blocks of the unsharded step."""
+    codes = ranks.launch([sys.executable, __file__, str(tmp_path)], 2, tmp_path)
+    assert codes == [0, 0], ranks.logs(tmp_path)
+    params, (x, y) = mlp_init(), mlp_data(64)
+    ref, loss = mlp_step(params, x, y)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"zero3-rank{rank}.pt")
+        _close(got, {k: v.chunk(2)[rank] for k, v in ref.items()} | {"loss": loss})
+
+
+def _worker(out: Path) -> None:
+    mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=60)
+    f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(MLP_Z3, P("dp"), P("dp")), out_specs=(MLP_Z3, P()),
+                    gather_params="dp")
+    new, loss = f(mlp_init(), *mlp_data(64))
+    torch.save({k: v.local for k, v in new.items()} | {"loss": loss.local}, out / f"zero3-rank{os.environ['RANK']}.pt")
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
