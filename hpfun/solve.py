@@ -486,21 +486,23 @@ def _indicator(x: dict, node: Node, group: list[int], always: bool) -> _Sum:
 def _build(problem: Problem, prices: _Prices, alive: dict) -> tuple[_Model, dict]:
     """The MILP of the module docstring over the remaining candidates, and its `x` columns."""
     model, x = _Model(), {}
+    tied = _tied(problem)
     for n in problem.nodes:
         if len(alive[n]) == 1:
             model.offset.append(prices.own(n, alive[n][0]))
             continue
+        first = tied.get(n, (n,))[0]  # tied nodes share the first one's columns (its candidates' prices summed)
         for c in alive[n]:
-            x[n, c] = model.column(prices.own(n, c), integral=True)
-        model.row({x[n, c]: 1.0 for c in alive[n]}, 1.0, 1.0)
+            if first == n:
+                x[n, c] = model.column(prices.own(n, c), integral=True)
+            else:
+                x[n, c] = x[first, c]
+                model.costs[x[n, c]] += prices.own(n, c)
+        if first == n:
+            model.row({x[n, c]: 1.0 for c in alive[n]}, 1.0, 1.0)
+    joints: dict = {}  # the mu columns of each pair of (made, needed) indicators: tied edges share them
     for value, readers in _readers(problem).items():
-        _add_value(problem, prices, alive, model, x, value, readers)
-    for group in dict.fromkeys(map(tuple, _tied(problem).values())):
-        first = group[0]
-        if len(alive[first]) > 1:
-            for other in group[1:]:
-                for c in alive[first]:
-                    model.row({x[first, c]: 1.0, x[other, c]: -1.0}, 0.0, 0.0)
+        _add_value(problem, prices, alive, model, x, value, readers, joints)
     for cut in problem.cuts:
         if all(c in alive[n] for n, c in cut.items()):
             terms = {x[n, c]: 1.0 for n, c in cut.items() if len(alive[n]) > 1}
@@ -520,13 +522,13 @@ def _memory_rows(problem: Problem, alive: dict, x: dict) -> list[tuple[dict, flo
                 constant.append(weights[alive[n][0]])
             else:
                 for c in alive[n]:
-                    if weights[c]:
-                        terms[x[n, c]] = float(weights[c])
+                    if weights[c]:  # tied nodes share a column: their weights add up
+                        terms[x[n, c]] = terms.get(x[n, c], 0.0) + float(weights[c])
         rows.append((terms, math.fsum(constant)))
     return rows
 
 
-def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, readers) -> None:
+def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, readers, joints: dict) -> None:
     """The columns and rows that deliver `value` to the layouts its readers need, each distinct
     move paid once."""
     producer, index = value
@@ -536,22 +538,27 @@ def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, rea
     for reader, slot in readers:
         wants = _by_layout(alive[reader], lambda c, r=reader, s=slot: problem.candidates[r][c].inputs[s])
         needed = {L: _indicator(x, reader, group, len(wants) == 1) for L, group in wants.items()}
-        for (S, L), joint in _joint(prices, model, value, made, needed).items():
+        for (S, L), joint in _joint(prices, model, value, made, needed, joints).items():
             if S != L:
                 moves.setdefault((S, L), {})[joint] = None
     for (S, L), joints in moves.items():
         _pay(model, prices.move(value, S, L), list(joints))
 
 
-def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dict) -> dict[tuple, _Sum]:
+def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dict, joints: dict) -> dict[tuple, _Sum]:
     """(S, L) -> 1 when the value is made in S and one reader slot needs it in L. A product of two
     indicators when one is constant, else a column `mu` tied to both by its marginals (the
-    producer's layout is S, the slot's is L), over the pairs of finite move price only."""
+    producer's layout is S, the slot's is L), over the pairs of finite move price only. Edges
+    with the same indicators (between tied nodes: repeated layers) share their `mu`: in an
+    integral choice they are the same products."""
     if len(made) == 1 or len(needed) == 1:
         return {(S, L): need if produced.constant else produced
                 for S, produced in made.items() for L, need in needed.items()}
-    mu = {(S, L): _Sum((model.column(0.0, integral=False),), 0)
-          for S in made for L in needed if prices.move(value, S, L) < math.inf}
+    pairs = tuple((S, L) for S in made for L in needed if prices.move(value, S, L) < math.inf)
+    key = (tuple(made.items()), tuple(needed.items()), pairs)
+    if key in joints:
+        return joints[key]
+    mu = joints[key] = {pair: _Sum((model.column(0.0, integral=False),), 0) for pair in pairs}
     rows: tuple[dict, dict] = ({}, {})  # per side, per layout: the mu columns with it (one pass: layouts compare slowly)
     for pair, joint in mu.items():
         for side in (0, 1):
