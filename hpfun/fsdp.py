@@ -213,7 +213,7 @@ def _updated(param: torch.fx.Node, numel: int) -> bool:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.op == "output":
+            if user.op == "output" and node is not param:  # returned as it came in: not updated
                 return True
             if user not in seen and (_keeps_shard(user, node, numel) or
                                      user.target in _CASTS and _shape(user) == _shape(node)):

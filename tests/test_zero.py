@@ -129,6 +129,51 @@ def test_zero3_with_tensor_parallel_on_a_2x2_mesh():
     assert "needs [R, S(1)], args[0]['w1'] is [S(0), S(1)]" in str(low)
 
 
+def test_hsdp_gathers_within_a_group_and_replicates_across():
+    """HSDP: parameters split over `shard`, replicated over `rep`, the batch over both. Gathers
+    run over `shard` only; each weight's gradient is summed over `rep` and reduce-scattered over
+    `shard`."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("rep", "shard"))
+    specs = {k: P("shard") for k in MLP_Z3}
+    batch = P(("rep", "shard"))
+    params, (x, y) = mlp_init(), mlp_data(64)
+    f = hpfun.shard(mlp_step, mesh=mesh, in_specs=(specs, batch, batch), out_specs=(specs, P()), gather_params="shard")
+    new, loss = f(params, x, y)
+    ref, ref_loss = mlp_step(params, x, y)
+    _close({k: v.full() for k, v in new.items()} | {"loss": loss.full()}, ref | {"loss": ref_loss})
+    low = f.lower(params, x, y)
+    assert _gathers(low) == {"args[0]['w1']": 1, "args[0]['b1']": 1, "args[0]['w2']": 2, "args[0]['b2']": 1}
+    assert {c.axes for c in low.program.collectives if c.kind == "all_gather"} == {("shard",)}
+    assert {c.node for c in low.program.collectives if c.kind == "reduce_scatter" and c.axes == ("shard",)} >= \
+        {"scatter_mm_4", "scatter_mm_2"}  # the weights' gradients
+
+
+def test_mixed_precision_gathers_the_compute_dtype():
+    """Parameters kept in float32 and cast to bfloat16 where used (FSDP's param_dtype): the cast
+    runs on the shard and the gather moves bfloat16, half the bytes; gradients are reduced in
+    float32 (reduce_dtype)."""
+    def loss_fn(p, x, y):
+        h = torch.relu(x.bfloat16() @ p["w1"].bfloat16() + p["b1"].bfloat16())
+        return F.cross_entropy((h @ p["w2"].bfloat16() + p["b2"].bfloat16()).float(), y)
+
+    def step(p, x, y):
+        g, loss = torch.func.grad_and_value(loss_fn)(p, x, y)
+        return {k: p[k] - 0.1 * g[k] for k in p}, loss
+
+    params, (x, y) = mlp_init(), mlp_data(64)
+    f = hpfun.shard(step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), out_specs=(MLP_Z3, P()), gather_params="dp")
+    new, loss = f(params, x, y)
+    ref, ref_loss = step(params, x, y)
+    _close({k: v.full() for k, v in new.items()} | {"loss": loss.full()}, ref | {"loss": ref_loss}, tol=2e-4)
+    collectives = f.lower(params, x, y).program.collectives
+    gathers = [c for c in collectives if c.kind == "all_gather"]
+    assert len(gathers) == 5 and all(c.dtype == "bfloat16" for c in gathers)
+    assert sum(c.bytes for c in gathers) == 2 * (params["w1"].numel() + params["b1"].numel() + 2 * params["w2"].numel()
+                                                 + params["b2"].numel()) // 4
+    scatters = [c for c in collectives if c.kind == "reduce_scatter"]
+    assert len(scatters) == 4 and all(c.dtype == "float32" for c in scatters)
+
+
 # ---------------------------------------------------------------------------------------------
 # The GPT with AdamW: ZeRO-1, -2, -3
 # ---------------------------------------------------------------------------------------------
