@@ -60,7 +60,7 @@ import torch
 from torch.fx.experimental import proxy_tensor
 from torch.utils import _pytree as pytree
 
-from hpfun.errors import SpecError
+from hpfun.errors import Problem, ShardingError, SpecError
 
 aten = torch.ops.aten
 
@@ -280,6 +280,34 @@ def rematerialize(gm: torch.fx.GraphModule) -> int:
     graph.eliminate_dead_code()
     gm.recompile()
     return cloned
+
+
+def redraws(gm: torch.fx.GraphModule, rng: str = "philox") -> dict[str, str]:
+    """For lowering a propagated graph: each recomputed node's name -> the name of the node it
+    recomputes (a random op draws its original's numbers again). Under `rng="native"` a draw
+    depends on the block it is made in: a recomputed random op laid out otherwise than its
+    original would draw other numbers than the forward did, and that is refused."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = {n.name: n.meta[RECOMPUTES] for n in gm.graph.nodes if RECOMPUTES in n.meta}
+    problems = []
+    for name, original in out.items():
+        clone, first = nodes[name], nodes.get(original)
+        if rng == "native" and first is not None and getattr(clone.target, "_nondeterministic_seeded", False) and \
+                clone.meta.get("hpfun_layout") != first.meta.get("hpfun_layout"):
+            problems.append(Problem(
+                f"{name} ({clone.target}, recomputing {original})",
+                f"is laid out {_layouts(clone)} where the forward drew it {_layouts(first)}; with rng='native' the "
+                "numbers depend on the layout, so the recompute would draw other ones",
+                "use rng='philox' (the default: the same numbers on every layout), or save= the random op's output"))
+    if problems:
+        raise ShardingError(problems, headline="a recomputed random op would draw other numbers")
+    return out
+
+
+def _layouts(node) -> str:
+    layout = node.meta.get("hpfun_layout")
+    layouts = layout if isinstance(layout, (tuple, list)) else [layout]
+    return ", ".join(x.placements_str() if hasattr(x, "placements_str") else str(x) for x in layouts)
 
 
 checkpoint.MATMULS = MATMULS  # hpfun.checkpoint is the function: its policy's ops are read there

@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun.checkpoint import redraws
 from hpfun.collectives import COMMUNICATING, ReduceScatter
 from hpfun.layout import Layout
 from hpfun.mesh import Mesh
@@ -231,7 +232,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     `bucket_bytes` caps fused collectives (0: none) and `overlap` moves issues and waits apart
     (`hpfun.schedule`)."""
     ctx = LowerContext(mesh, rng, reduce_dtype)
-    ctx.redraws = {n.name: n.meta["hpfun_recomputes"] for n in gm.graph.nodes if "hpfun_recomputes" in n.meta}
+    ctx.redraws = redraws(gm, rng)  # hpfun.checkpoint's recomputed ops: which draws they repeat
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[torch.fx.Node, dict[Layout, torch.fx.Node]] = {}  # per value: each layout it reached, locally
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]

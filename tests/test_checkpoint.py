@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 import hpfun
 from hpfun import P
 from hpfun.capture import trace
+from hpfun.checkpoint import RECOMPUTES, redraws
 from hpfun.rules import random
 from hpfun.testing.models import (
     MEGATRON, _attention, _ln, adamw, adamw_init, gpt_data, gpt_init, gpt_loss, gpt_specs, gpt_step, mlp_data,
@@ -150,25 +151,50 @@ def test_mlp_step_dp_tp(remat):
     _assert_bitwise(_full(checked(params, x, y)), _full(plain(params, x, y)))
 
 
-def test_dropout_recomputed_draws_the_same_numbers():
+@pytest.mark.parametrize("rng", ["philox", "native"])
+def test_dropout_recomputed_draws_the_same_numbers(rng):
     """Dropout inside a checkpointed block: the recompute draws the forward's mask again (the
     clone reuses its original's op number), so the step is bitwise the uncheckpointed one, on
-    two layouts; and the program draws no more random op numbers than without checkpoints."""
+    two layouts; and the program draws no more random op numbers than without checkpoints.
+    rng="native" too, where the recompute has its original's layout (see the next test)."""
     params, (x, y) = mlp_init(), mlp_data()
+    draws = (random._sample, random.sample, random.native_sample)
     for specs in [(MEGATRON, P("dp"), P("dp")), ({k: P() for k in params}, P(("dp", "tp")), P(("dp", "tp")))]:
         results, ops = {}, {}
         for remat in (None, "all"):
             f = hpfun.shard(functools.partial(remat_mlp_step, remat=remat, p=0.5), mesh=MESH, in_specs=specs,
-                            out_specs=(specs[0], P()))
+                            out_specs=(specs[0], P()), rng=rng)
             with hpfun.random_seed(7):
                 results[remat] = _full(f(params, x, y))
             program = f.lower(params, x, y).program.module
-            ops[remat] = [n.args[3] for n in program.graph.nodes if n.target in (random._sample, random.sample)]
+            ops[remat] = [n.args[3] for n in program.graph.nodes if n.target in draws]
         _assert_bitwise(results["all"], results[None])
         assert len(ops["all"]) == 2 * len(ops[None]) and set(ops["all"]) == set(ops[None])
     with hpfun.random_seed(8):  # and the draw does change with the seed: the test can fail
         other = _full(f(params, x, y))
     assert not torch.equal(other[1], results["all"][1])
+
+
+def test_native_rng_refuses_a_recompute_laid_out_otherwise():
+    """With rng="native" a draw depends on its block: a recomputed random op whose layout is not
+    its original's would draw other numbers, and lowering says so instead."""
+    params, (x, y) = mlp_init(), mlp_data()
+    leaves, tree = pytree.tree_flatten((params, x, y))
+
+    def flat(*xs):
+        return pytree.tree_leaves(remat_mlp_step(*pytree.tree_unflatten(list(xs), tree), remat="all", p=0.5))
+
+    gm = trace(flat, [(tuple(t.shape), t.dtype) for t in leaves]).gm
+    clone = next(n for n in gm.graph.nodes
+                 if getattr(n.target, "_nondeterministic_seeded", False) and RECOMPUTES in n.meta)
+    original = next(n for n in gm.graph.nodes if n.name == clone.meta[RECOMPUTES])
+    original.meta["hpfun_layout"] = hpfun.parse("[S(0), R] on {dp: 2, tp: 2}")
+    clone.meta["hpfun_layout"] = hpfun.parse("[S(0), S(1)] on {dp: 2, tp: 2}")
+    assert redraws(gm, "philox") == {n.name: n.meta[RECOMPUTES] for n in gm.graph.nodes if RECOMPUTES in n.meta}
+    with pytest.raises(hpfun.ShardingError, match="rng='philox'"):
+        redraws(gm, "native")
+    clone.meta["hpfun_layout"] = original.meta["hpfun_layout"]
+    assert clone.name in redraws(gm, "native")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,3 +371,41 @@ def test_docstring_example():
 
     result = doctest.testmod(importlib.import_module("hpfun.checkpoint"))
     assert result.failed == 0 and result.attempted > 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.a, self.b = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.b(F.dropout(F.gelu(self.a(self.ln(x))), 0.2, self.training))
+
+
+def test_modules_with_backward_and_optimizer():
+    """Checkpointed nn.Modules in the stock training step (loss.backward(), the optimizer's step,
+    state lifted and written back), tensor parallel by state_specs: two steps, bitwise the step
+    without checkpoints, dropout included; the second call reuses the first's program."""
+    x = torch.randn(8, 8)
+    results = {}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList([_Block() for _ in range(2)])
+        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+
+        def step(x):
+            for block in blocks:
+                x = (hpfun.checkpoint(block) if ck else block)(x)  # noqa: B023 - ck is this loop's
+            loss = x.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P(),
+                        state_specs={"*.a.weight": P("tp", None), "*.a.bias": P("tp"), "*.b.weight": P(None, "tp")})
+        with hpfun.random_seed(1):
+            losses = [f(x).full() for _ in range(2)]
+        results[ck] = losses, [p.detach().clone() for p in blocks.parameters()], f.trace_count
+    _assert_bitwise(results[True][:2], results[False][:2])
+    assert results[True][2] == results[False][2] == 1
