@@ -211,28 +211,30 @@ def _prefetched(collective: torch.fx.Node) -> bool:
 def _prefetch(graph: torch.fx.Graph, gathers: list[torch.fx.Node]) -> None:
     """FSDP's gathers, grouped by the use they serve and taken in the order of their uses: the
     first issued once its input exists, each next one right before the previous use (once its
-    input exists, if later)."""
+    input exists, if later). Only issue groups move, and the nodes compared (inputs, first
+    readers) are never among them, so one numbering of the nodes serves throughout."""
     uses: dict = {}
     for collective in gathers:
         uses.setdefault(collective.meta[FSDP], []).append(collective)
     pos = _positions(graph)
-    first = {key: min(pos[_first_use(wait_group(c), pos) or _output(graph)] for c in group) for key, group in uses.items()}
+    end = _output(graph)
+    reader = {key: min((_first_use(wait_group(c), pos) or end for c in group), key=pos.__getitem__)
+              for key, group in uses.items()}
     previous = None  # the previous use's first reader
-    for key in sorted(uses, key=first.__getitem__):
+    start = _last_placeholder(graph)
+    for key in sorted(uses, key=lambda k: pos[reader[k]]):
         for collective in uses[key]:
             group = issue_group(collective)
-            pos = _positions(graph)
             ready = _ready(group, pos)
             if ready is None or ready.op == "placeholder":
-                ready = _last_placeholder(graph)
+                ready = start
             if previous is not None and pos[previous] > pos[ready]:
                 for node in group:  # right before the previous use...
                     previous.prepend(node)
             else:
                 for node in reversed(group):  # ...or right after its input exists, if later
                     ready.append(node)
-        pos = _positions(graph)
-        previous = min((_first_use(wait_group(c), pos) or _output(graph) for c in uses[key]), key=pos.__getitem__)
+        previous = reader[key]
 
 
 def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
