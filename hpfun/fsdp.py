@@ -91,7 +91,6 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
         inserted += _rewrite(graph, node, _without(updated[node], axes), val.numel())
     inserted += _pin_gradients(graph, updated)
     if inserted:
-        graph.eliminate_dead_code()
         graph.lint()
         gm.recompile()
     return inserted
@@ -134,6 +133,9 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
                 copy = graph.node_copy(view, lambda a, v=view, prev=value: prev if a is v.args[0] else a)
                 value = copy
         consumer.replace_input_with(operand, value)
+    for view in reversed(list(dict.fromkeys(v for _, _, chain in uses for v in chain))):
+        if not view.users:  # every use of it now reads its own copy
+            graph.erase_node(view)
     return len(gathered)
 
 
