@@ -13,12 +13,18 @@ are used, FSDP's way:
   time, as FSDP frees the weight after the forward and gathers it again for the backward);
 - a use by an elementwise op whose other operands have the parameter's shape (or are 0-d) —
   the optimizer update, weight decay, Adam's moments — keeps the shard: ZeRO's update runs on
-  the shard, and the gradient, a Partial sum over the gather axes, is reduce-scattered onto it.
+  the shard, and the gradient, a Partial sum over the gather axes, is pinned to the shard's
+  spec where the update first reads it: one reduce-scatter per gradient, issued as soon as the
+  backward has made it and bucketed only with gradients the same op makes (a norm's weight and
+  bias), so the whole gradient is freed during the backward. With parameters replicated and the
+  optimizer state split (ZeRO-1/2), nothing is gathered and the gradients are reduce-scattered
+  onto the state's shard the same way; the new parameters are gathered back by their out_specs.
 
 Which inputs are parameters is read off the graph, not names: every input whose layout splits
 it over a gather axis and that the program updates (an output computed from it elementwise, as
 an optimizer's update is; optimizer state too, whose uses all keep the shard). A batch of data
-split over the same axis is read, never updated: it is left to propagation. The pass rewrites
+split over the same axis is read, never updated: it is left to propagation (and so is a
+parameter of a step that does not update it: a forward-only program). The pass rewrites
 the captured global graph before propagation: each gathering use gets an `hpfun::constrain`
 node pinning the input's spec minus the gather axes, placed right before the use (views between
 the parameter and the use, `w.t()`, are cloned per use; dtype casts stay before the gather, as
