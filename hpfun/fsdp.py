@@ -18,7 +18,8 @@ are used, FSDP's way:
   backward has made it and bucketed only with gradients the same op makes (a norm's weight and
   bias), so the whole gradient is freed during the backward. With parameters replicated and the
   optimizer state split (ZeRO-1/2), nothing is gathered and the gradients are reduce-scattered
-  onto the state's shard the same way; the new parameters are gathered back by their out_specs.
+  onto the state's shard the same way, in buckets up to `bucket_bytes` (DeepSpeed's ZeRO-2
+  buckets); the new parameters are gathered back by their out_specs.
 
 Which inputs are parameters is read off the graph, not names: every input whose layout splits
 it over a gather axis and that the program updates (an output computed from it elementwise, as
@@ -95,7 +96,7 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
             continue
         updated[node] = P.from_layout(layout, val.ndim)
         inserted += _rewrite(graph, node, _without(updated[node], axes), val.numel())
-    inserted += _pin_gradients(graph, updated)
+    inserted += _pin_gradients(graph, updated, per_op=inserted > 0)
     if inserted:
         graph.lint()
         gm.recompile()
@@ -145,14 +146,19 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
     return len(gathered)
 
 
-def _pin_gradients(graph: torch.fx.Graph, updated: dict) -> int:
+def _pin_gradients(graph: torch.fx.Graph, updated: dict, per_op: bool) -> int:
     """Pin what the updates read from outside them (the gradient, made by the backward pass) to
     the updated input's spec: the Partial sum is reduce-scattered onto the shard, once per
     gradient. (Propagation alone resolves it to replicated, an all-reduce, and takes the rank's
     block after: a pointwise op offers the splits its inputs have, and a Partial input has none.)
     The update region is every value computed from an updated input by elementwise ops of its
     shape; a value entering it is traced back through elementwise ops of one operand
-    (`0.1 * g`, `g * g`) to the value they all come from, and that value is pinned."""
+    (`0.1 * g`, `g * g`) to the value they all come from, and that value is pinned.
+
+    With `per_op` (parameters are gathered: ZeRO-3) each pin is tagged with the op that made the
+    gradient, so its reduce-scatter buckets only with that op's other gradients and the whole
+    gradient is freed during the backward, as FSDP's per-unit reduce-scatter frees it; else
+    (ZeRO-1/2) the reduce-scatters bucket as any collective, up to `bucket_bytes`."""
     region: dict = {}  # node -> the spec of the input it updates
     frontier = list(updated.items())
     while frontier:
@@ -187,10 +193,9 @@ def _pin_gradients(graph: torch.fx.Graph, updated: dict) -> int:
         with graph.inserting_before(min(root.users, key=order.__getitem__)):
             pin = graph.create_node("call_function", _constrain, (root, _encode(spec)), name=f"scatter_{root.name}")
         pin.meta.update(val=root.meta["val"], stack_trace=root.meta.get("stack_trace"))
-        # bucketed only with the gradients the same op makes (a norm's weight and bias), issued
-        # as soon as it exists: the whole gradient is freed during the backward, as FSDP frees it
-        producer = root.args[0] if root.target is operator.getitem else root
-        pin.meta[META] = f"gradients of {producer.name}"
+        if per_op:  # bucketed only with the gradients the same op makes (a norm's weight and bias)
+            producer = root.args[0] if root.target is operator.getitem else root
+            pin.meta[META] = f"gradients of {producer.name}"
         root.replace_all_uses_with(pin, delete_user_cb=lambda user, pin=pin: user is not pin)
         count += 1
     return count

@@ -24,10 +24,10 @@ a parameter, gathering every layer up front and holding them all, and bucketing 
 layer's gather into one. They bucket only with the gathers of the same use (a linear layer's
 weight and bias), and each use's gathers are issued right before the previous use runs
 (prefetch depth one, FSDP's forward and backward prefetch): at most two gathered uses are alive
-at a time, the one computing and the one in flight. The reduce-scatters of the gradients the
-same pass pins carry the key too (the op that made the gradient): issued as soon as the
-gradient exists, as any collective, they bucket only with gradients of that op, so each whole
-gradient is freed during the backward instead of waiting for a bucket to fill.
+at a time, the one computing and the one in flight. Where parameters are gathered, the
+reduce-scatters of their gradients carry the key too (the op that made the gradient): issued
+as soon as the gradient exists, as any collective, they bucket only with gradients of that op,
+so each whole gradient is freed during the backward instead of waiting for a bucket to fill.
 
 Both passes only reorder and fuse: one program for every rank, the same collectives in the same
 order on all of them.

@@ -276,14 +276,16 @@ def _readers(node) -> list:
 
 def test_zero2_gpt_reduce_scatters_gradients_onto_the_split_state(gpt_ref):
     """ZeRO-2: parameters replicated, optimizer state split. With the policy there is nothing to
-    gather, each gradient is reduce-scattered onto its state's shard, the update runs on the
-    shard, and the new parameters are gathered back to replicated."""
+    gather, each gradient is reduce-scattered onto its state's shard (in buckets, as DeepSpeed's
+    ZeRO-2), the update runs on the shard, and the new parameters are gathered back."""
     got, low, new = _gpt(P(), P("dp"), gather_params="dp")
     _close(got, gpt_ref)
     kinds = _kinds(low)
     assert kinds["reduce_scatter"] == 28 and kinds["all_gather"] == 28 and kinds["all_to_all"] == 0
     assert all(c.reason.startswith("out_specs of outputs[0]") for c in low.program.collectives if c.kind == "all_gather")
     assert all(v.layout.placements_str() == "[R]" for v in new.values())
+    # nothing gathered: the reduce-scatters bucket as DDP's all-reduces do (one 25 MiB bucket here)
+    assert [len(b.members) for b in low.program.buckets if b.kind == "reduce_scatter"] == [28]
 
 
 def test_zero1_gpt_equals_the_unsharded_step(gpt_ref):
