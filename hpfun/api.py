@@ -11,10 +11,10 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun import fsdp, fuse, lift, log, verify, writeback
+from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
-from hpfun.errors import CaptureError, Problem, SpecError
+from hpfun.errors import CaptureError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
@@ -364,7 +364,7 @@ class ShardedFunction:
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
         return out
 
-    def _compile(self, call: _Call, leaves) -> "_Entry":
+    def _compile(self, call: _Call, leaves, budget: int | None = None) -> "_Entry":
         self.trace_count += 1
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
         traced = _Traced()
@@ -392,8 +392,9 @@ class ShardedFunction:
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         chosen = None
         if any(isinstance(l, Auto) for l in in_layouts + out_layouts) or AUTO in out_layouts:
+            budget = budget or self.options.memory_budget  # a retry plans with a tighter one
             in_layouts, out_layouts, writes, chosen = self._choose(call, traced, gm, in_layouts, out_layouts, in_names,
-                                                                   out_paths, writes)
+                                                                   out_paths, writes, budget)
         else:
             fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
@@ -408,17 +409,22 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
+        if chosen is not None and self.options.memory_budget is not None:  # the lowered program's estimate too
+            chosen, tighter = auto.check_budget(program, chosen, self.options.memory_budget, budget)
+            if tighter is not None:
+                try:
+                    return self._compile(call, leaves, tighter)
+                except ShardingError as err:
+                    raise auto.retry_failed(err, self.options.memory_budget, chosen.lowered_memory) from None
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen)
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
 
-    def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes):
-        """AUTO layouts chosen (`hpfun.auto`) and `gm` annotated: (input layouts, output layouts,
-        write-backs in their layouts, the AutoPlan)."""
-        from hpfun import auto
-
+    def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget):
+        """AUTO layouts chosen (`hpfun.auto`) under `budget` and `gm` annotated: (input layouts,
+        output layouts, write-backs in their layouts, the AutoPlan)."""
         if self.options.gather_params:
             raise SpecError("gather_params and AUTO specs cannot be combined yet: give the parameters explicit specs",
                             headline="bad option")
@@ -431,7 +437,7 @@ class ShardedFunction:
         o = self.options
         ins, outs, plan = auto.choose(gm, self.mesh, in_layouts, out_layouts, in_names, out_paths, registry=o.registry,
                                       fallback=o.fallback, reduce_dtype=o.reduce_dtype, cost_model=o.cost_model,
-                                      budget=o.memory_budget)
+                                      budget=budget)
         writes = [attrs.evolve(w, layout=layout) for w, layout in zip(writes, outs[n:], strict=True)]
         return ins, outs, writes, plan
 

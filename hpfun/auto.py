@@ -168,6 +168,7 @@ class AutoPlan:
     seconds: float
     stats: dict
     _runner_ups: object = attrs.field(default=None, repr=False)  # () -> list of dicts, computed once
+    lowered_memory: int | None = None  # hpfun.memory's estimate of the lowered program's peak (with a budget)
     _cache: dict = attrs.field(factory=dict, repr=False)
 
     def specs(self) -> dict:
@@ -185,7 +186,8 @@ class AutoPlan:
         return {"chosen": [{"group": g, "leaves": list(members), "shape": list(shape), "spec": spec, "layout": lay,
                             "same_as": tied} for g, members, shape, spec, lay, tied in self.chosen],
                 "price": self.price, "replicated_price": self.replicated_price, "memory": self.memory,
-                "budget": self.budget, "seconds": self.seconds, "stats": dict(self.stats)}
+                "budget": self.budget, "lowered_memory": self.lowered_memory, "seconds": self.seconds,
+                "stats": dict(self.stats)}
 
     def __str__(self) -> str:
         return auto_text(self.to_dict())
@@ -208,7 +210,9 @@ def auto_text(data: dict) -> str:
     budget = "no memory budget" if data["budget"] is None else f"memory_budget {data['budget']} B"
     lines = [f"auto: {len(data['chosen'])} AUTO layout{'s' * (len(data['chosen']) != 1)} chosen in "
              f"{data['seconds']:.2f} s; plan {data['price'] * 1e6:.1f} us (all AUTO replicated: "
-             f"{data['replicated_price'] * 1e6:.1f} us); peak about {data['memory']:.0f} B per rank ({budget})"]
+             f"{data['replicated_price'] * 1e6:.1f} us); peak about {data['memory']:.0f} B per rank"
+             + (f", {data['lowered_memory']} B lowered" if data.get("lowered_memory") is not None else "")
+             + f" ({budget})"]
     for c in data["chosen"]:
         first, *others = c["leaves"] or [c["group"]]
         notes = ([f"as {c['same_as']}"] if c["same_as"] else []) + ([f"also {', '.join(others)}"] if others else [])
@@ -243,10 +247,12 @@ class _Memory:
         self.n_points = len(graph_nodes)
         base: dict = {}
         spans: dict = {}  # value -> [first, last, shape, dtype]
+        self.shapes: dict = {}  # every value (views too) -> (shape, dtype)
         for node in graph_nodes:
             val = node.meta.get("val")
             if not isinstance(val, torch.Tensor) or node.op in ("output",):
                 continue
+            self.shapes[exact._value(node)] = (tuple(val.shape), val.dtype)
             if node.op == "call_function" and _is_view(node):
                 src = next((a for a in node.args if isinstance(a, torch.fx.Node) and a in base), None)
                 if src is not None:
@@ -266,6 +272,23 @@ class _Memory:
         self.spans = {v: s for v, s in spans.items() if v[0] in problem.candidates}
         self.weights = {v: tuple(_nbytes(c.outputs[v[1]], shape, dtype) for c in problem.candidates[v[0]])
                         for v, (_, _, shape, dtype) in self.spans.items()}
+        # the op run at each point reads its inputs there, moved copies too; outputs are delivered at the end
+        self.readers = [(n,) if n in problem.candidates and problem.inputs(n) else () for n in graph_nodes]
+        self.readers[-1] += tuple(n for n in problem.nodes if not isinstance(n, torch.fx.Node))
+        self._moved: dict = {}
+
+    def moved(self, value, layout: Layout) -> float:
+        """Bytes per rank of a copy of `value` moved to `layout`."""
+        key = (value, layout)
+        if key not in self._moved:
+            shape, dtype = self.shapes[value]
+            self._moved[key] = _nbytes(layout, shape, dtype)
+        return self._moved[key]
+
+    def posed(self, problem: milp.Problem, points: list, budget) -> milp.Problem:
+        """`problem` with the memory held at `points` bounded by `budget`."""
+        return attrs.evolve(problem, memory=tuple(self.at(t) for t in points),
+                            readers_at=tuple(self.readers[t] for t in points), moved=self.moved, budget=budget)
 
     def at(self, point: int) -> dict:
         """{node: bytes per candidate} of the values held at `point`."""
@@ -278,17 +301,57 @@ class _Memory:
         return out
 
     def profile(self, choice: dict) -> list[float]:
-        """Bytes held at every point under `choice`."""
+        """Bytes held at every point under `choice`: live values, and the moved copies of the
+        inputs of the op run there."""
         delta = [0.0] * (self.n_points + 1)
         for value, (first, last, _, _) in self.spans.items():
             b = self.weights[value][choice[value[0]]]
             delta[first] += b
             delta[last + 1] -= b
         out, total = [], 0.0
-        for d in delta[:-1]:
+        p = self.problem
+        for t, d in enumerate(delta[:-1]):
             total += d
-            out.append(total)
+            copies = 0.0
+            for reader in self.readers[t]:
+                for value, need in zip(p.inputs(reader), p.candidates[reader][choice[reader]].inputs, strict=True):
+                    producer, k = value
+                    if p.candidates[producer][choice[producer]].outputs[k] != need:
+                        copies += self.moved(value, need)
+            out.append(total + copies)
         return out
+
+
+def lowered_peak(program) -> int:
+    """`hpfun.memory`'s estimate of a lowered program's peak bytes per rank."""
+    from hpfun import memory
+
+    return memory.Memory.from_dict(memory.estimate(program)).peak
+
+
+def check_budget(program, plan: AutoPlan, budget: int, planned_with: int) -> tuple[AutoPlan, int | None]:
+    """The plan with the lowered program's peak recorded, and the budget to plan with again when
+    that peak is over `budget` (the planning budget lowered by the excess: collective buffers
+    and temporaries the planner's estimate does not see), or None when it fits."""
+    peak = lowered_peak(program)
+    plan = attrs.evolve(plan, lowered_memory=peak)
+    if peak <= budget:
+        return plan, None
+    tighter = planned_with - (peak - budget)
+    if tighter <= 0:
+        raise ShardingError(Problem("memory_budget", f"the plan found peaks at {peak} B per rank in the lowered program, "
+                                    f"over memory_budget={budget}", f"give memory_budget >= {peak}"),
+                            headline="no AUTO layout fits the memory budget")
+    return plan, tighter
+
+
+def retry_failed(err: ShardingError, budget: int, peak: int) -> ShardingError:
+    """The error when planning again under a tighter budget found nothing: the plan found first
+    fits `peak`."""
+    return ShardingError(Problem("memory_budget", f"the plan found for {budget} B per rank peaks at {peak} B in the "
+                                 "lowered program (collective buffers and temporaries beyond the planner's estimate), "
+                                 f"and planning again with that excess taken off found nothing ({err.problems[0].what})",
+                                 f"give memory_budget >= {peak}"), headline="no AUTO layout fits the memory budget")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +472,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
     solution, rounds = None, 0
     while True:
         rounds += 1
-        posed = attrs.evolve(problem, memory=tuple(memory.at(t) for t in points), budget=budget)
+        posed = memory.posed(problem, points, budget)
         try:
             solution = milp.solve(posed, start=start, time_limit=time_limit)
         except milp.InfeasibleError:
@@ -433,7 +496,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
     found["stats"] = {"nodes": len(nodes), "candidates": sum(len(c) for c in candidates.values()),
                       "tied_ops": sum(len(t) for t in layer_ties),
                       "rounds": rounds, "memory_points": len(points), "optimal": solution.optimal}
-    final = attrs.evolve(problem, memory=tuple(memory.at(t) for t in points), budget=budget)
+    final = memory.posed(problem, points, budget)
     found["runner_ups"] = lambda: _runner_ups(final, choice, solution.price, groups, classes, members, time_limit)
     plans = dict(best.plans)
     for node, index in choice.items():
@@ -485,7 +548,7 @@ def _over_budget(problem, memory: _Memory, points: list, budget, groups, members
     """The error for a budget no plan fits, naming the peak of the least-memory plan found."""
     points = list(points)
     for _ in range(MAX_ROUNDS):
-        choice, least = milp.least_memory(attrs.evolve(problem, memory=tuple(memory.at(t) for t in points)),
+        choice, least = milp.least_memory(memory.posed(problem, points, None),
                                           time_limit=time_limit)
         profile = memory.profile(choice)
         peak = max(range(len(profile)), key=profile.__getitem__)

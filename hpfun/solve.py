@@ -40,8 +40,10 @@ Side conditions (used by automatic sharding, `hpfun.auto`)
   argument's layout and the layout its update is returned in; the same weight of two identical
   layers): rows `x[a, c] = x[b, c]`.
 - `memory` and `budget`: per program *point*, the bytes per rank each node's candidates hold
-  there (a value live at that point, in the layout the candidate gives it); every point's sum
-  over the chosen candidates must be at most `budget`. `least_memory` finds the choice whose
+  there (a value live at that point, in the layout the candidate gives it), and for the nodes
+  `readers_at` that point, the copies of their inputs moved to the layouts they need
+  (`moved(value, layout)` bytes each, linear in the `mu` and `x` that say a move happens);
+  every point's sum must be at most `budget`. `least_memory` finds the choice whose
   largest point is smallest (what budget would fit).
 - `cuts`: partial choices (node -> candidate) no choice may take all at once: a runner-up is
   the cheapest choice with one more cut.
@@ -132,6 +134,8 @@ class Problem:
     sinks: Mapping[Value, frozenset] = attrs.field(factory=dict)
     ties: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(g) for g in t))
     memory: tuple = attrs.field(default=(), converter=tuple)  # per point: {node: bytes per candidate}
+    readers_at: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(r) for r in t))  # per point
+    moved: Callable[[Value, Hashable], float] | None = None  # bytes of a moved copy of a value in a layout
     budget: float | None = None
     cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
@@ -201,6 +205,9 @@ def _side_issues(p: Problem) -> list[Issue]:
                 issues.append(Issue(f"memory point {i} node {n!r}", "needs one weight per candidate of a node"))
             elif not all(w >= 0 for w in weights):
                 issues.append(Issue(f"memory point {i} node {n!r}", "has a negative or NaN weight"))
+    if p.readers_at and (len(p.readers_at) != len(p.memory) or p.moved is None
+                         or any(r not in p.candidates for rs in p.readers_at for r in rs)):
+        issues.append(Issue("readers_at", "needs one tuple of nodes per memory point, and `moved`"))
     if p.budget is not None and not p.budget >= 0:
         issues.append(Issue("budget", f"is {p.budget!r}", "give bytes >= 0, or None"))
     for cut in p.cuts:
@@ -220,8 +227,19 @@ def _tied(problem: Problem) -> dict:
 
 
 def memory_of(problem: Problem, choice: Choice) -> float:
-    """The largest sum over the `memory` points of the chosen candidates' bytes (0: none)."""
-    return max((math.fsum(w[choice[n]] for n, w in point.items()) for point in problem.memory), default=0.0)
+    """The largest sum over the `memory` points of the chosen candidates' bytes and the moved
+    copies of the inputs of the nodes `readers_at` them (0: no point)."""
+    return max((point_memory(problem, choice, i) for i in range(len(problem.memory))), default=0.0)
+
+
+def point_memory(problem: Problem, choice: Choice, i: int) -> float:
+    terms = [w[choice[n]] for n, w in problem.memory[i].items()]
+    for reader in problem.readers_at[i] if problem.readers_at else ():
+        needs = problem.candidates[reader][choice[reader]].inputs
+        for value, need in zip(problem.inputs(reader), needs, strict=True):
+            if _layout(problem, choice, value) != need:
+                terms.append(problem.moved(value, need))
+    return math.fsum(terms)
 
 
 def allowed(problem: Problem, choice: Choice) -> bool:
@@ -445,6 +463,7 @@ class _Model:
     costs: list = attrs.field(factory=list)
     integral: list = attrs.field(factory=list)
     entries: list = attrs.field(factory=list)  # (row, column, coefficient)
+    needs: dict = attrs.field(factory=dict)  # (reader, slot) -> (value, {(S, L): joint indicator})
     lower: list = attrs.field(factory=list)
     upper: list = attrs.field(factory=list)
     offset: list = attrs.field(factory=list)
@@ -512,10 +531,10 @@ def _build(problem: Problem, prices: _Prices, alive: dict) -> tuple[_Model, dict
     return model, x
 
 
-def _memory_rows(problem: Problem, alive: dict, x: dict) -> list[tuple[dict, float]]:
+def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[tuple[dict, float]]:
     """Per memory point: the terms over the `x` columns, and the bytes of the constant nodes."""
     rows = []
-    for point in problem.memory:
+    for i, point in enumerate(problem.memory):
         terms, constant = {}, []
         for n, weights in point.items():
             if len(alive[n]) == 1:
@@ -524,6 +543,15 @@ def _memory_rows(problem: Problem, alive: dict, x: dict) -> list[tuple[dict, flo
                 for c in alive[n]:
                     if weights[c]:  # tied nodes share a column: their weights add up
                         terms[x[n, c]] = terms.get(x[n, c], 0.0) + float(weights[c])
+        for reader in problem.readers_at[i] if problem.readers_at else ():
+            for slot in range(len(problem.inputs(reader))):
+                value, joints = model.needs[reader, slot]
+                for (S, L), joint in joints.items():
+                    if S != L:
+                        w = float(problem.moved(value, L))
+                        constant += [w] * joint.constant
+                        for col in joint.columns:
+                            terms[col] = terms.get(col, 0.0) + w
         rows.append((terms, math.fsum(constant)))
     return rows
 
@@ -538,7 +566,9 @@ def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, rea
     for reader, slot in readers:
         wants = _by_layout(alive[reader], lambda c, r=reader, s=slot: problem.candidates[r][c].inputs[s])
         needed = {L: _indicator(x, reader, group, len(wants) == 1) for L, group in wants.items()}
-        for (S, L), joint in _joint(prices, model, value, made, needed, joints).items():
+        pairs = _joint(prices, model, value, made, needed, joints)
+        model.needs[reader, slot] = (value, pairs)
+        for (S, L), joint in pairs.items():
             if S != L:
                 moves.setdefault((S, L), {})[joint] = None
     for (S, L), joints in moves.items():
@@ -633,7 +663,7 @@ def solve(problem: Problem, *, start: Choice | None = None, time_limit: float = 
     model, x = _build(problem, prices, alive)
     if problem.budget is not None:
         scale = max(problem.budget, 1.0)  # rows in units of the budget: coefficients near 1 for HiGHS
-        for terms, constant in _memory_rows(problem, alive, x):
+        for terms, constant in _memory_rows(problem, alive, x, model):
             if terms:
                 model.row({col: w / scale for col, w in terms.items()}, -math.inf, (problem.budget - constant) / scale)
             elif constant > problem.budget * (1 + 1e-9):
@@ -677,7 +707,7 @@ def least_memory(problem: Problem, *, time_limit: float = 10.0) -> tuple[dict, f
     model, x = _build(problem, prices, alive)
     model.costs = [0.0] * len(model.costs)
     model.offset = []
-    rows = _memory_rows(problem, alive, x)
+    rows = _memory_rows(problem, alive, x, model)
     scale = max([1.0] + [c + math.fsum(terms.values()) for terms, c in rows])  # no point exceeds it: top <= 1
     top = model.column(1.0, integral=False)
     for terms, constant in rows:
