@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from hpfun.checkpoint import rematerialize
+from hpfun.checkpoint import rematerialize, torch_checkpoints
 from hpfun.errors import CaptureError, Problem
 
 aten = torch.ops.aten
@@ -260,7 +260,7 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
-                _TensorScalars():
+                torch_checkpoints(), _TensorScalars():
             return traced(*fakes)
     except CaptureError:
         raise
@@ -572,5 +572,7 @@ def _describe(err: Exception) -> str:
         hint = (" — the function reads tensor values to decide Python control flow or a shape "
                 "(e.g. .item(), if x.sum() > 0, nonzero); hpfun traces once on shapes only, so "
                 "compute such values outside the sharded function or use torch.where")
+    if "saved tensor hooks" in str(err):  # torch.utils.checkpoint under torch.func.grad
+        hint = " — for activation checkpointing inside a sharded function use hpfun.checkpoint(block)(x)"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{kind}{where}: {first}{hint}"

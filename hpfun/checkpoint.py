@@ -51,6 +51,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -75,6 +76,9 @@ MATMULS = frozenset([
 REGION, SAVED = "hpfun_checkpoint", "hpfun_checkpoint_saved"
 # on a recomputed node: the name of the node it recomputes (lowering gives a random op its draw)
 RECOMPUTES = "hpfun_recomputes"
+# node.meta["custom"] keys pairing torch.utils.checkpoint's random ops: (call, k) on the forward's
+# k-th random op and on the k-th its recompute (in the backward) draws
+DRAW, REDRAW = "hpfun_draw", "hpfun_redraw"
 
 # The output marker: an identity recorded on each tensor a region returns, so the pass knows the
 # region's outputs (a traced graph has no notion of a function's return). A plain op whose
@@ -101,7 +105,7 @@ class _MarkOutput(torch.autograd.Function):
 
 
 _regions = itertools.count(1)
-_active = threading.local()  # .depth: checkpointed blocks being traced on this thread
+_active = threading.local()  # .inside: a checkpointed block is being traced on this thread
 
 
 _NO_FUNCTION = object()  # checkpoint(save=...) without a function: a decorator
@@ -133,19 +137,19 @@ def checkpoint(fn=_NO_FUNCTION, *, save=None):
                         "write hpfun.checkpoint(block)(x), not hpfun.checkpoint(block(x))",
                         headline="bad hpfun.checkpoint")
 
-    @functools.wraps(fn)
+    @functools.wraps(fn, updated=())  # not a module's __dict__: its parameters stay the module's
     def checkpointed(*args, **kwargs):
         mode = proxy_tensor.get_proxy_mode()
-        if mode is None or getattr(_active, "depth", 0):
+        if mode is None or getattr(_active, "inside", False):
             return fn(*args, **kwargs)  # eager, or inside another region (which it belongs to)
         graph = mode.tracer.graph
         before = next(iter(reversed(graph.nodes)), None)
-        _active.depth = 1
+        _active.inside = True
         try:
             out = fn(*args, **kwargs)
             out = pytree.tree_map(lambda x: _MarkOutput.apply(x) if isinstance(x, torch.Tensor) else x, out)
         finally:
-            _active.depth = 0
+            _active.inside = False
         _tag(graph, before, next(_regions), keeps)
         return out
 
@@ -229,6 +233,7 @@ def rematerialize(gm: torch.fx.GraphModule) -> int:
     first use after the region; returns how many nodes were cloned. A graph without regions is
     left as it is."""
     graph = gm.graph
+    _pair_torch_draws(graph)
     regions: dict[int, list[torch.fx.Node]] = {}
     outputs: dict[int, set] = {}
     for node in list(graph.nodes):
@@ -282,6 +287,23 @@ def rematerialize(gm: torch.fx.GraphModule) -> int:
     return cloned
 
 
+def _pair_torch_draws(graph: torch.fx.Graph) -> None:
+    """Each random op torch.utils.checkpoint recomputed is tagged with the name of the forward op
+    whose numbers it must draw again (`torch_checkpoints`); the pairing keys are dropped."""
+    draws, redraws_ = {}, []
+    for node in graph.nodes:
+        custom = node.meta.get("custom", {})
+        if DRAW in custom:
+            draws[custom.pop(DRAW)] = node.name
+        if REDRAW in custom:
+            redraws_.append((node, custom.pop(REDRAW)))
+        if "custom" in node.meta and not custom:
+            del node.meta["custom"]
+    for node, key in redraws_:
+        if key in draws:
+            node.meta[RECOMPUTES] = draws[key]
+
+
 def redraws(gm: torch.fx.GraphModule, rng: str = "philox") -> dict[str, str]:
     """For lowering a propagated graph: each recomputed node's name -> the name of the node it
     recomputes (a random op draws its original's numbers again). Under `rng="native"` a draw
@@ -308,6 +330,84 @@ def _layouts(node) -> str:
     layout = node.meta.get("hpfun_layout")
     layouts = layout if isinstance(layout, (tuple, list)) else [layout]
     return ", ".join(x.placements_str() if hasattr(x, "placements_str") else str(x) for x in layouts)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.utils.checkpoint, traced: its recompute draws the forward's random numbers again
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def torch_checkpoints():
+    """While hpfun traces a function: torch.utils.checkpoint (as the stock `.backward()` step
+    traces it: its recompute recorded in the backward) tags the random ops of each checkpointed
+    call's forward and of its recompute, in order, so that lowering gives the k-th random op of
+    the recompute the k-th of the forward's numbers, as torch's `preserve_rng_state` does for
+    torch's generator. Without this a recomputed dropout would draw a new mask."""
+    from torch.utils import checkpoint as tc
+
+    generator, function = tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction
+    calls = itertools.count(1)
+
+    def paired(fn, call: int, forward_too: bool):
+        seen = itertools.count()
+
+        def run(*args, **kwargs):
+            graph = _graph()
+            before = _last(graph)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _tag_draws(graph, before, call, DRAW if forward_too and next(seen) == 0 else REDRAW)
+
+        return run
+
+    def without_reentrant(fn, *rest, **kwargs):  # the forward runs fn itself, between the two yields
+        call = next(calls)
+        graph = _graph()
+        before = _last(graph)
+        inner = generator(paired(fn, call, False), *rest, **kwargs)
+        next(inner)
+        try:
+            yield
+        except BaseException as err:
+            inner.throw(err)
+            raise
+        _tag_draws(graph, before, call, DRAW)
+        next(inner, None)
+
+    class Reentrant:  # the autograd.Function calls fn in its forward, then again in its backward
+        @staticmethod
+        def apply(fn, *rest):
+            return function.apply(paired(fn, next(calls), True), *rest)
+
+    tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction = without_reentrant, Reentrant
+    try:
+        yield
+    finally:
+        tc._checkpoint_without_reentrant_generator, tc.CheckpointFunction = generator, function
+
+
+def _graph() -> torch.fx.Graph | None:
+    mode = proxy_tensor.get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
+
+
+def _last(graph):
+    return None if graph is None else next(iter(reversed(graph.nodes)), None)
+
+
+def _tag_draws(graph, before, call: int, key: str) -> None:
+    """Number the random ops recorded after `before`, in order, as (call, k) under `key`."""
+    if graph is None:
+        return
+    node = before.next if before is not None else next(iter(graph.nodes), None)
+    k = 0
+    while node is not None and node.op != "root":
+        if getattr(node.target, "_nondeterministic_seeded", False):
+            node.meta.setdefault("custom", {})[key] = (call, k)
+            k += 1
+        node = node.next
 
 
 checkpoint.MATMULS = MATMULS  # hpfun.checkpoint is the function: its policy's ops are read there

@@ -409,3 +409,47 @@ def test_modules_with_backward_and_optimizer():
         results[ck] = losses, [p.detach().clone() for p in blocks.parameters()], f.trace_count
     _assert_bitwise(results[True][:2], results[False][:2])
     assert results[True][2] == results[False][2] == 1
+
+
+def test_torch_checkpoint_under_grad_points_here():
+    """torch.utils.checkpoint cannot run under torch.func.grad (saved tensor hooks): the capture
+    error says what to use instead."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def loss(w, x):
+        return torch_checkpoint(torch.tanh, x @ w, use_reentrant=False).sum()
+
+    f = hpfun.shard(lambda w, x: torch.func.grad(loss)(w, x), mesh=MESH, in_specs=(P(), P("dp")), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"use hpfun\.checkpoint\(block\)\(x\)"):
+        f(torch.randn(4, 4), torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_in_the_stock_step_redraws_the_forward_numbers(reentrant):
+    """torch.utils.checkpoint in the stock training step (loss.backward()) traces its recompute
+    into the backward; its recomputed dropout draws the forward's numbers again (as torch's
+    preserve_rng_state does), so the gradients are bitwise those without checkpoints."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    x = torch.randn(8, 8)
+    results = {}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        first, blocks = torch.nn.Linear(8, 8), torch.nn.ModuleList([_Block() for _ in range(2)])
+
+        def step(x):
+            h = first(x)  # requires grad: the reentrant checkpoint needs an input that does
+            for block in blocks:
+                h = torch_checkpoint(block, h, use_reentrant=reentrant) if ck else block(h)  # noqa: B023
+            h.pow(2).mean().backward()
+            grads = [p.grad.clone() for p in blocks.parameters()]
+            blocks.zero_grad()
+            first.zero_grad()
+            return grads
+
+        f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P())
+        with hpfun.random_seed(1):
+            results[ck] = _full(f(x))
+        draws = [n.args[3] for n in f.lower(x).graph.nodes if n.target in (random._sample, random.sample)]
+        assert len(draws) == (4 if ck else 2) and len(set(draws)) == 2
+    _assert_bitwise(results[True], results[False])
