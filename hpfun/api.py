@@ -276,8 +276,7 @@ class ShardedFunction:
                           input_dtypes=[l.dtype for _, l in fed] + [c.dtype for c in entry.constants],
                           output_paths=entry.output_paths, cost_model=self.options.cost_model,
                           input_groups=[_group(p, call.state, self._signature_obj) for p, _ in fed]
-                          + ["constants"] * len(constants))
-        lowered.auto = entry.auto  # what AUTO chose (an hpfun.auto.AutoPlan), or None
+                          + ["constants"] * len(constants), auto=entry.auto)
         return lowered
 
     # -- one call's inputs ------------------------------------------------------------------------

@@ -42,6 +42,9 @@ names for the ops it came from):
         most the program allocates on top (transient_peak, at node peak_node, split there into
         what it holds); the most collective buffers hold at once; the new outputs' bytes; and
         the bytes the program holds at each node, in program order
+    auto: {chosen: [{group, leaves, shape, spec, layout, same_as}], price, replicated_price,
+           memory, budget, lowered_memory, seconds, stats}   only for a program with AUTO specs
+        (see `hpfun.auto.AutoPlan.to_dict`): each layout chosen, by the leaves taking it
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
 collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory; older versions
@@ -341,11 +344,14 @@ class Lowered:
     """
 
     def __init__(self, program: Program, *, input_paths=None, input_dtypes=None, output_paths=None,
-                 cost_model: CostModel | None = None, input_groups=None):
+                 cost_model: CostModel | None = None, input_groups=None, auto=None):
         self.program = program
+        self.auto = auto  # what AUTO specs chose: an hpfun.auto.AutoPlan (runner_ups(), explain()), or None
         # the memory estimate runs the program on fake tensors: made at its first use, not by lower()
         self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, with_memory=False)
         self._groups, self._memory_pending = input_groups, True
+        if auto is not None:
+            self._data["auto"] = auto.to_dict()
 
     @classmethod
     def from_dict(cls, data: dict) -> "Lowered":
@@ -353,7 +359,7 @@ class Lowered:
         _check_schema(data)
         lowered = cls.__new__(cls)
         lowered.program, lowered._data = None, json.loads(json.dumps(data))
-        lowered._memory_pending = False
+        lowered._memory_pending, lowered.auto = False, None
         return lowered
 
     @classmethod
@@ -480,6 +486,10 @@ def _render_text(data: dict, total: Cost) -> str:
     lines.append(str(total))
     if "memory" in data:
         lines.append(str(memory.Memory.from_dict(data["memory"])))
+    if "auto" in data:
+        from hpfun.auto import auto_text
+
+        lines.append(auto_text(data["auto"]))
     return "\n".join(lines)
 
 

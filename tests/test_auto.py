@@ -215,6 +215,11 @@ def test_runner_ups_and_the_report():
     text = plan.explain()
     assert "runner-ups" in text and "args[1] -> " in text
     assert plan.to_dict()["chosen"][0]["group"] == "args[1]"
+    lowered = f.lower(*args)
+    assert f"args[1] -> {plan.specs()['args[1]']}" in str(lowered)  # lower() lists the choices by name
+    again = hpfun.Lowered.from_json(lowered.to_json())
+    assert again == lowered and again.to_dict()["auto"]["chosen"][1]["group"] == "args[2]"
+    assert "auto: 2 AUTO layouts chosen" in str(again)
 
 
 @pytest.mark.parametrize("budget", [-1, 0, 1.5, "8G", True])
