@@ -175,12 +175,13 @@ class AutoPlan:
         """Leaf name -> the spec chosen (as text, e.g. "P(None, 'tp')"), for every AUTO leaf."""
         return {m: spec for _, members, _, spec, _, _ in self.chosen for m in members}
 
-    def runner_ups(self) -> list[dict]:
-        """Per group of tied choices: the cheapest plan that chooses another layout there (its
-        spec, price, and the price difference), solved on demand."""
-        if "runner_ups" not in self._cache:
-            self._cache["runner_ups"] = self._runner_ups() if self._runner_ups else []
-        return self._cache["runner_ups"]
+    def runner_ups(self, groups=None) -> list[dict]:
+        """Per group of tied choices (those named in `groups`, default all): the cheapest plan
+        that chooses another layout there (its spec and price), one MILP each, solved on demand."""
+        key = None if groups is None else tuple(groups)
+        if key not in self._cache:
+            self._cache[key] = self._runner_ups(key) if self._runner_ups else []
+        return self._cache[key]
 
     def to_dict(self) -> dict:
         return {"chosen": [{"group": g, "leaves": list(members), "shape": list(shape), "spec": spec, "layout": lay,
@@ -192,10 +193,11 @@ class AutoPlan:
     def __str__(self) -> str:
         return auto_text(self.to_dict())
 
-    def explain(self) -> str:
-        """The chosen specs, then per choice its runner-up and what it would cost more."""
+    def explain(self, groups=None) -> str:
+        """The chosen specs, then per choice (those in `groups`, default all) its runner-up and
+        what it would cost more."""
         lines = [str(self), "runner-ups (the cheapest plan choosing otherwise, per choice):"]
-        for r in self.runner_ups():
+        for r in self.runner_ups(groups):
             if r["spec"] is None:
                 lines.append(f"  {r['group']}: no other layout has a finite price{r['why']}")
             else:
@@ -497,7 +499,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
                       "tied_ops": sum(len(t) for t in layer_ties),
                       "rounds": rounds, "memory_points": len(points), "optimal": solution.optimal}
     final = memory.posed(problem, points, budget)
-    found["runner_ups"] = lambda: _runner_ups(final, choice, solution.price, groups, classes, members, time_limit)
+    found["runner_ups"] = lambda only: _runner_ups(final, choice, groups, classes, members, time_limit, only)
     plans = dict(best.plans)
     for node, index in choice.items():
         if node in options:
@@ -564,11 +566,11 @@ def _over_budget(problem, memory: _Memory, points: list, budget, groups, members
                          headline="no AUTO layout fits the memory budget")
 
 
-def _runner_ups(problem, choice: dict, price: float, groups, classes, members, time_limit) -> list[dict]:
+def _runner_ups(problem, choice: dict, groups, classes, members, time_limit, only=None) -> list[dict]:
     out = []
     for rep in dict.fromkeys(classes.values()):
         node = next((n for name in groups if classes[name] == rep for n in members[name]), None)
-        if node is None:
+        if node is None or only is not None and rep not in only:
             continue
         g = groups[rep]
         cut = attrs.evolve(problem, cuts=({node: choice[node]},))
