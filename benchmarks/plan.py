@@ -102,7 +102,8 @@ def plan(name: str, layout: dict, mesh_shape: tuple, layers: int) -> dict:
     try:
         lowered = train_step.lower(ids, ids)
     except hpfun.HpfunError as err:
-        return {"name": name, "error": str(err).splitlines()[0], "seconds": time.perf_counter() - start}
+        print(err, flush=True)
+        return {"name": name, "error": " ".join(str(err).split())[:300], "seconds": time.perf_counter() - start}
     planned = time.perf_counter() - start
     start = time.perf_counter()
     memory = lowered.memory()
