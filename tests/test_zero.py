@@ -24,12 +24,23 @@ from hpfun.testing import ranks
 from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_step, mlp_data, mlp_init, mlp_step
 
 MESH = hpfun.Mesh.simulated((4,), ("dp",))
+GPT = {"layers": 1}  # one block: quick to compile, every kind of weight
+N_GPT = len(gpt_init(**GPT))  # its parameters: 16
 MLP_Z3 = {"w1": P("dp", None), "b1": P("dp"), "w2": P("dp", None), "b2": P("dp")}
 
 
 def _close(got: dict, want: dict, tol: float = 1e-5):
     for k, v in want.items():
         assert torch.allclose(got[k], v, rtol=tol, atol=tol), (k, (got[k] - v).abs().max().item())
+
+
+def _close_adamw(got: dict, want: dict, tol: float = 1e-4):
+    """Per tensor, within `tol` of the reference's norm (as tests/test_overlap.py checks the DP
+    step): AdamW's first step divides each gradient element by its own magnitude, so where a
+    gradient is tiny, the rounding of a sum taken in another order shows (1.6e-5 of h0.w2's norm
+    under every plan, ZeRO-1's all-reduce too)."""
+    for k, v in want.items():
+        assert ((got[k] - v).norm() / v.norm()).item() <= tol, (k, (got[k] - v).abs().max().item())
 
 
 def _gathers(lowered) -> collections.Counter:
@@ -180,13 +191,13 @@ def test_mixed_precision_gathers_the_compute_dtype():
 
 
 def _gpt(param_spec, state_spec, **options):
-    params = gpt_init()
+    params = gpt_init(**GPT)
     specs = {k: param_spec for k in params}
     state = {k: state_spec for k in params}
     opt_specs = {"m": state, "v": state, "step": P()}
     f = hpfun.shard(gpt_step, mesh=MESH, in_specs=(specs, opt_specs, P("dp"), P("dp"), None),
                     out_specs=(specs, opt_specs, P()), **options)
-    args = (params, adamw_init(params), *gpt_data(4), None)
+    args = (params, adamw_init(params), *gpt_data(4, **GPT), None)
     new, opt, loss = f(*args)
     got = {k: v.full() for k, v in new.items()} | {f"m.{k}": v.full() for k, v in opt["m"].items()}
     return got | {"loss": loss.full()}, f.lower(*args), new
@@ -194,8 +205,8 @@ def _gpt(param_spec, state_spec, **options):
 
 @pytest.fixture(scope="module")
 def gpt_ref():
-    params = gpt_init()
-    new, opt, loss = gpt_step(params, adamw_init(params), *gpt_data(4))
+    params = gpt_init(**GPT)
+    new, opt, loss = gpt_step(params, adamw_init(params), *gpt_data(4, **GPT))
     return new | {f"m.{k}": v for k, v in opt["m"].items()} | {"loss": loss}
 
 
@@ -205,7 +216,7 @@ def zero3(gpt_ref):
 
 
 def test_zero3_gpt_equals_the_unsharded_step(zero3, gpt_ref):
-    _close(zero3[0], gpt_ref)
+    _close_adamw(zero3[0], gpt_ref)
     assert all(v.layout.placements_str() == "[S(0)]" for v in zero3[2].values())
 
 
@@ -213,11 +224,11 @@ def test_zero3_gpt_collectives_are_fsdp_schedule(zero3):
     """Every matmul weight gathered twice (its forward use, and its backward use for the input's
     gradient); the tied embedding three times (lookup, head forward, head backward); norm weights
     and biases twice (the norm and its backward); biases added once (their backward needs no
-    weight); one reduce-scatter per gradient (28, counting bucket members); the only all-reduces
+    weight); one reduce-scatter per gradient (counting bucket members); the only all-reduces
     are the loss's two scalars; nothing moves activations."""
     low = zero3[1]
     gathers = _gathers(low)
-    names = list(gpt_init())
+    names = list(gpt_init(**GPT))
     want = {}
     for k in names:
         if k == "wte":
@@ -229,10 +240,10 @@ def test_zero3_gpt_collectives_are_fsdp_schedule(zero3):
             want[k] = 1
     assert gathers == {f"args[0]['{k}']": n for k, n in want.items()}
     kinds = _kinds(low)
-    assert kinds["reduce_scatter"] == len(names) == 28 and kinds["all_to_all"] == 0
+    assert kinds["reduce_scatter"] == len(names) == N_GPT and kinds["all_to_all"] == 0
     assert kinds["all_reduce"] == 2 and all(c.bytes == 4 for c in low.program.collectives if c.kind == "all_reduce")
     buckets = low.to_dict()["buckets"]
-    assert sum(len(b["members"]) for b in buckets if b["kind"] == "reduce_scatter") == 28
+    assert sum(len(b["members"]) for b in buckets if b["kind"] == "reduce_scatter") == N_GPT
 
 
 def test_zero3_gathers_are_prefetched_one_use_ahead_and_bucketed_per_use(zero3):
@@ -244,7 +255,7 @@ def test_zero3_gathers_are_prefetched_one_use_ahead_and_bucketed_per_use(zero3):
     pos = {n: i for i, n in enumerate(nodes)}
     gathers = [n for n in nodes if n.op == "call_function" and "hpfun_fsdp" in n.meta
                and n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
-    assert len(gathers) > 20
+    assert len(gathers) > 10
     uses = {}  # the use each gather serves -> the position of the gathered copy's first reader
     for g in gathers:
         (wait,) = g.users
@@ -279,20 +290,20 @@ def test_zero2_gpt_reduce_scatters_gradients_onto_the_split_state(gpt_ref):
     gather, each gradient is reduce-scattered onto its state's shard (in buckets, as DeepSpeed's
     ZeRO-2), the update runs on the shard, and the new parameters are gathered back."""
     got, low, new = _gpt(P(), P("dp"), gather_params="dp")
-    _close(got, gpt_ref)
+    _close_adamw(got, gpt_ref)
     kinds = _kinds(low)
-    assert kinds["reduce_scatter"] == 28 and kinds["all_gather"] == 28 and kinds["all_to_all"] == 0
+    assert kinds["reduce_scatter"] == kinds["all_gather"] == N_GPT and kinds["all_to_all"] == 0
     assert all(c.reason.startswith("out_specs of outputs[0]") for c in low.program.collectives if c.kind == "all_gather")
     assert all(v.layout.placements_str() == "[R]" for v in new.values())
     # nothing gathered: the reduce-scatters bucket as DDP's all-reduces do (one 25 MiB bucket here)
-    assert [len(b.members) for b in low.program.buckets if b.kind == "reduce_scatter"] == [28]
+    assert [len(b.members) for b in low.program.buckets if b.kind == "reduce_scatter"] == [N_GPT]
 
 
 def test_zero1_gpt_equals_the_unsharded_step(gpt_ref):
     """ZeRO-1: optimizer state split only, hpfun's own plan (gradients all-reduced, the update on
     the state's shard, the parameters gathered back)."""
     got, low, _ = _gpt(P(), P("dp"))
-    _close(got, gpt_ref)
+    _close_adamw(got, gpt_ref)
     assert _kinds(low)["all_to_all"] == 0
 
 
@@ -338,6 +349,48 @@ def test_zero3_module_and_adamw_over_three_steps():
     assert _kinds(low)["reduce_scatter"] == 4 and _kinds(low)["all_to_all"] == 0
     fused = [b for b in low.program.buckets if b.kind == "all_gather"]
     assert sorted(len(b.members) for b in fused) == [2, 2]  # weight and bias of one Linear, never across layers
+
+
+def test_zero3_hugging_face_llama_is_fsdp_schedule():
+    """A Hugging Face Llama trained as written (loss.backward(), AdamW.step()), every weight split
+    over dp by one pattern: the step equals eager's, and the program is exactly FSDP's schedule:
+    every weight gathered for its forward use and again for its backward (the embedding, which
+    its backward does not read, once), one reduce-scatter per weight's gradient, and the loss's
+    two scalars the only all-reduces."""
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(config)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    llama, opt = make()
+    ref, ref_opt = make()
+
+    @hpfun.shard(mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={"*.weight": P("dp")},
+                 gather_params="dp")
+    def step(ids, labels):
+        loss = llama(ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    loss = step(ids, ids)
+    ref_loss = ref(ids, labels=ids).loss
+    ref_loss.backward()
+    ref_opt.step()
+    assert torch.allclose(loss.full(), ref_loss, atol=1e-6)
+    for p, q in zip(llama.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+    low = step.lower(ids, ids)
+    names = [f"llama.{k}" for k, _ in ref.named_parameters()]
+    assert _gathers(low) == {k: 1 if "embed_tokens" in k else 2 for k in names}
+    kinds = _kinds(low)
+    assert kinds["reduce_scatter"] == len(names) and kinds["all_reduce"] == 2 and kinds["all_to_all"] == 0
 
 
 # ---------------------------------------------------------------------------------------------
