@@ -16,17 +16,22 @@ recompute region:
   die inside the forward.
 
 The recompute is an ordinary part of the captured graph, before propagation: it is sharded and
-lowered like any other op, its collectives are listed by `lower()`, and no pass merges it back
-into the forward (hpfun runs no common-subexpression elimination). Random ops in a region
-(dropout) draw the same numbers when recomputed: the clone of a random op reuses its original's
-draw (its op number in the counter-based generator, `hpfun.rng`), so the checkpointed step
-computes what the step without checkpoints computes.
+lowered like any other op, and no pass merges it back into the forward (hpfun runs no
+common-subexpression elimination). So it also repeats the communication the region's forward
+needed (under tensor parallelism, the all-reduce of a row-parallel output that the rest of the
+block reads), listed by `lower()` as any other collective. Random ops in a region (dropout)
+draw the same numbers when recomputed: the clone of a random op reuses its original's draw (its
+op number in the counter-based generator, `hpfun.rng`), so the checkpointed step computes what
+the step without checkpoints computes; with `shard(rng="native")`, whose numbers depend on the
+layout, a recomputed random op that propagation lays out otherwise than its original is an
+error at lowering.
 
 Selective checkpointing (`save=`) keeps the outputs of the chosen ops instead of recomputing
 them; the recompute then starts from them. `save="matmuls"` keeps what the matmul-like ops in
 `MATMULS` produce (mm, bmm, addmm, baddbmm, convolution and the fused scaled-dot-product
-attention kernels) and recomputes everything else (norms, activations, dropout, softmax): the
-usual choice, trading little compute for most of the memory. `save` may also be an iterable of
+attention kernels) and recomputes only the cheap ops between them (norms, activations,
+dropout, softmax): less recompute than whole blocks, and less memory saved (matmul outputs are
+often values the backward would not have kept). `save` may also be an iterable of
 ops (`torch.ops.aten.mm`, `torch.ops.aten.mm.default`) or their names ("mm", "aten.mm",
 "aten.mm.default"), or a predicate called with each ATen op (`OpOverload`) the region records.
 The ops are those of the captured graph: core ATen after hpfun's decompositions (a `x @ w` on a
@@ -35,6 +40,12 @@ The ops are those of the captured graph: core ATen after hpfun's decompositions 
 Outside a sharded function (eager PyTorch) the wrapper just calls `fn`: the values are the
 same, and nothing is saved or recomputed. A checkpoint inside a checkpointed block belongs to
 the outer region (under the outer `save`).
+
+`torch.utils.checkpoint` cannot run under `torch.func.grad` (torch refuses its saved tensor
+hooks there; the capture error points here). In the stock step (`loss.backward()`), where it
+traces its recompute into the backward itself, hpfun pairs the random ops of each checkpointed
+call with those of its recompute, in order, so a recomputed dropout draws the forward's mask
+(`torch_checkpoints`), as torch's `preserve_rng_state` does for torch's generator.
 
 >>> import torch, hpfun
 >>> from hpfun import P

@@ -202,6 +202,7 @@ def test_native_rng_refuses_a_recompute_laid_out_otherwise():
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _captured_gpt(remat):
     args, _ = _gpt()
     leaves, tree = pytree.tree_flatten(args)
@@ -237,7 +238,9 @@ def kept_across(gm):
 
 def test_checkpoint_keeps_less_across_the_forward():
     """Whole-block checkpointing keeps only the blocks' inputs (the residual stream) and what
-    the loss head saves; 'matmuls' keeps the matmul outputs too; both less than no checkpoint."""
+    the loss head saves; 'matmuls' keeps the matmul outputs too; both less than no checkpoint.
+    Measured (global values): 39 buffers, 2.64 MB without; 23, 1.84 MB with 'matmuls'; 9,
+    0.40 MB with whole blocks."""
     plain, matmuls, full = (kept_across(_captured_gpt(r)) for r in (None, "matmuls", "all"))
     assert full[0] < matmuls[0] < plain[0]
     assert full[1] < matmuls[1] < plain[1]
@@ -246,7 +249,9 @@ def test_checkpoint_keeps_less_across_the_forward():
 def test_estimated_peak_memory_is_lower():
     """hpfun.memory's estimate of the per-rank peak (liveness of the lowered dp x tp program):
     whole-block checkpoints hold least, 'matmuls' between, no checkpoint most; the inputs
-    (parameters, optimizer state, batch) are the same. Figures in the module's report."""
+    (parameters, optimizer state, batch: 195 kB) are the same. Measured peaks per rank: 1.19 MB
+    without checkpoints, 0.92 MB with 'matmuls', 0.74 MB with whole blocks (0.62x); what the
+    program allocates on top of its inputs: 995, 723 and 546 kB."""
     memories = {remat: _gpt_results(remat)[1].memory() for remat in (None, "matmuls", "all")}
     assert memories["all"].held == memories["matmuls"].held == memories[None].held
     assert memories["all"].transient < memories["matmuls"].transient < memories[None].transient
