@@ -22,9 +22,12 @@ local work), subject to `memory_budget` bytes per rank:
 5. **Memory.** A rank holds its inputs' blocks for the whole step, and each value of the
    program from the op that makes it to its last use (views hold nothing of their own; outputs
    to the end): at any point of the program the bytes held are a sum over live values, each
-   linear in the choice of its producer's strategy. The budget is imposed at the points where
-   the plan found peaks: solve, find the chosen plan's peak, add that point, solve again, until
-   the plan fits everywhere (a few rounds). When nothing fits, the least-memory plan is found
+   linear in the choice of its producer's strategy; so are the copies an op's inputs are moved
+   to where it runs. The budget is imposed at the points where the plan found peaks: solve
+   without it, find the chosen plan's peak, add that point, solve again, until the plan fits
+   everywhere (a few rounds). The lowered program is then checked with `hpfun.memory`'s
+   estimate (which also sees the collectives' buffers and temporaries): over the budget, the
+   plan is made again with the excess taken off the planning budget. When nothing fits, the least-memory plan is found
    the same way and the error names its peak: the smallest budget that would fit.
 6. **Report.** `AutoPlan` lists every AUTO leaf's chosen spec, the plan's price and memory, and
    (`runner_ups()`, solved on demand) for each choice the cheapest plan choosing otherwise.
@@ -467,10 +470,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
     layer_ties = _layer_ties(graph, problem, tie_of)
     problem = attrs.evolve(problem, ties=ties + layer_ties)
     memory = _Memory(graph.nodes, problem)
-    points: list[int] = []
-    if budget is not None:
-        profile = memory.profile(start)
-        points.append(max(range(len(profile)), key=profile.__getitem__))
+    points: list[int] = []  # none at first: the fastest plan often fits, and rows of memory slow HiGHS down
     solution, rounds = None, 0
     while True:
         rounds += 1
