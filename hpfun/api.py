@@ -348,8 +348,10 @@ class ShardedFunction:
         """Lifted tensors' layouts: by state_specs name patterns; gradients and optimizer state
         follow their parameter; a block a distributed call left keeps its layout."""
         names = list(call.lifted)
-        specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh,
-                               may_miss=self._patterns_seen)
+        may_miss = set(self._patterns_seen)
+        if _optimizer_state_pending(call.state):  # its state's names appear at its first step: checked from then on
+            may_miss.update(self.state_specs or {})
+        specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss)
         self._patterns_seen.update(p for p in (self.state_specs or {}) if any(pattern_matches(p, n) for n in names))
         out = []
         for name, x in call.lifted.items():
@@ -589,6 +591,16 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+def _optimizer_state_pending(state: lift.State) -> bool:
+    """Whether an optimizer the function reaches has parameters without state yet (torch.optim
+    makes it at the first step): patterns for its state cannot match before then."""
+    for root in state.roots:
+        opt = root.value
+        if isinstance(opt, torch.optim.Optimizer) and any(p not in opt.state for g in opt.param_groups for p in g["params"]):
+            return True
+    return False
 
 
 def _group(path: str, state: lift.State, signature: inspect.Signature | None) -> str:

@@ -36,11 +36,13 @@ names for the ops it came from):
     cost_model: {alpha, beta, flops, per_axis: {axis name: [alpha, beta]}}   the model the plan
         was chosen by, and `cost()`'s default
     memory: {inputs: {group: bytes}, transient_peak, peak_node, at_peak: {activations,
-             collective buffers, outputs}, collective_peak, outputs, timeline: [bytes per node]}
+             collective buffers, outputs}, collective_peak, activation_peak, outputs,
+             timeline: [bytes per node]}
         bytes per rank (every rank alike; see `hpfun.memory`): what the inputs hold, by group
         (parameters, gradients, optimizer state, buffers, or an argument's parameter name); the
         most the program allocates on top (transient_peak, at node peak_node, split there into
-        what it holds); the most collective buffers hold at once; the new outputs' bytes; and
+        what it holds); the most collective buffers and activations hold at once; the new
+        outputs' bytes; and
         the bytes the program holds at each node, in program order
     auto: {chosen: [{group, leaves, shape, spec, layout, same_as}], price, replicated_price,
            memory, budget, lowered_memory, seconds, stats}   only for a program with AUTO specs

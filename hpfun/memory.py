@@ -164,8 +164,10 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
         if born[b] <= peak_at <= last[b]:
             at_peak[kind[b]] += n
     collective = _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items() if kind[b] == "collective buffers"))
+    activations = _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items() if kind[b] == "activations"))
     return {"transient_peak": timeline[peak_at] if nodes else 0, "peak_node": nodes[peak_at].name if nodes else None,
             "at_peak": at_peak, "collective_peak": max(collective, default=0),
+            "activation_peak": max(activations, default=0),
             "outputs": sum(n for b, n in size.items() if kind[b] == "outputs"), "timeline": timeline}
 
 
@@ -182,14 +184,23 @@ def _sweep(n: int, spans) -> list[int]:
     return out
 
 
+# ops the lowering and the scheduler put around a collective: flattening, concatenating a bucket,
+# casting to the reduce dtype (a computed value that only feeds a collective, a gradient, is not glue)
+_GLUE = {aten.cat.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+         aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.permute.default,
+         aten.flatten.using_ints,
+         aten.transpose.int, aten.t.default, aten.split_with_sizes.default, aten.split.Tensor}
+
+
 def _collective_buffers(nodes: list[torch.fx.Node]) -> set:
-    """The results of collectives, and the values that only feed collectives (a flat bucket
-    buffer, a cast to the reduce dtype), found in one walk from the end."""
+    """The results of collectives, and the glue values that only feed collectives (a flat
+    bucket buffer, a cast to the reduce dtype), found in one walk from the end."""
     found: set = set()
     for node in reversed(nodes):
         if node.op != "call_function":
             continue
-        if node.target in _COLLECTIVES or (node.users and all(u.target in _COLLECTIVES or u in found for u in node.users)):
+        if node.target in _COLLECTIVES or (node.target in _GLUE and node.users and
+                                           all(u.target in _COLLECTIVES or u in found for u in node.users)):
             found.add(node)
     return found
 
@@ -210,7 +221,9 @@ def _mb(n: int) -> str:
 class Memory:
     """Estimated bytes per rank of a lowered program (`Lowered.memory()`): `inputs` by group,
     the `transient` peak the program allocates on top (split at that point into `activations`,
-    `collective_buffers` and `outputs`), and the `peak` of the two together."""
+    `collective_buffers` and `new_outputs`), and the `peak` of the two together; the most
+    activations (`activation_peak`) and collective buffers (`collective_peak`) live at once,
+    wherever that is."""
 
     inputs: dict
     transient: int
@@ -220,12 +233,13 @@ class Memory:
     collective_peak: int
     peak_node: str | None
     timeline: tuple = attrs.field(converter=tuple, repr=False)
+    activation_peak: int = 0  # the most activations (not outputs, not collective buffers) live at once
 
     @classmethod
     def from_dict(cls, d: dict) -> "Memory":
         at = d["at_peak"]
         return cls(dict(d["inputs"]), d["transient_peak"], at["activations"], at["collective buffers"], at["outputs"],
-                   d["collective_peak"], d["peak_node"], d["timeline"])
+                   d["collective_peak"], d["peak_node"], d["timeline"], d["activation_peak"])
 
     @property
     def held(self) -> int:
@@ -240,7 +254,8 @@ class Memory:
         width = max([len(k) for k in self.inputs] + [18])
         lines = ["memory per rank (estimate, the same on every rank):"]
         lines += [f"  {name:<{width}}  {_mb(n):>11}  (input)" for name, n in self.inputs.items()]
-        lines.append(f"  {'activations':<{width}}  {_mb(self.activations):>11}  (at the peak)")
+        lines.append(f"  {'activations':<{width}}  {_mb(self.activations):>11}  (at the peak; "
+                     f"{_mb(self.activation_peak)} at most)")
         lines.append(f"  {'collective buffers':<{width}}  {_mb(self.collective_buffers):>11}  (at the peak; "
                      f"{_mb(self.collective_peak)} at most)")
         lines.append(f"  {'new outputs':<{width}}  {_mb(self.new_outputs):>11}  (at the peak)")

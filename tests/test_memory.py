@@ -114,3 +114,29 @@ def test_report_carries_memory_through_json_text_and_html():
     with pytest.raises(hpfun.HpfunError, match="lower the function again"):
         hpfun.Lowered.from_dict(old).memory()
     assert json.loads(lowered.to_json())["memory"]["transient_peak"] == lowered.memory().transient
+
+
+def test_zero1_patterns_for_optimizer_state_before_its_first_step():
+    """AdamW makes its state at the first step: a state_specs pattern for it matches nothing at
+    the first call, and is checked from the second on (a typo is still reported then)."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def make(specs):
+        @hpfun.shard(mesh=mesh, in_specs=(P("dp"),), out_specs=P(), state_specs=specs)
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    x = torch.randn(4, 8)
+    step = make({"*.exp_avg": P("dp"), "*.exp_avg_sq": P("dp")})
+    step(x)
+    lowered = step.lower(x)
+    assert lowered.memory().inputs["optimizer state"] < 2 * sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(hpfun.SpecError, match="matches no name"):
+        make({"*.exp_avg_typo": P("dp")})(x)  # the state exists now
