@@ -107,8 +107,10 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     limit) by its liveness estimate, or raises an error naming the budget that would fit. The
     gradient, optimizer state and update of an AUTO lifted tensor take its layout; an AUTO
     output that mirrors an AUTO argument (same structure, shapes and dtypes: `return
-    new_params, loss`) comes back in that argument's layout; leaves of repeated layers
-    (`layers.0.wq`, `layers.1.wq`) get the same layout. `lower().auto` lists what was chosen.
+    new_params, loss`) comes back in that argument's layout (with out_specs=None an output
+    comes back as the plan leaves it, and a next call given it plans again for that layout);
+    leaves of repeated layers (`layers.0.wq`, `layers.1.wq`) get the same layout. `lower()`
+    lists what was chosen; `lower().auto.explain()` adds each choice's runner-up.
 
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
