@@ -49,7 +49,7 @@ import torch
 from hpfun import exact, solve as milp
 from hpfun.annotation import Annotation, NodePlan, placed
 from hpfun.errors import Problem, ShardingError, SpecError
-from hpfun.layout import Layout, P
+from hpfun.layout import Layout, P, R, Shard
 from hpfun.mesh import Mesh
 from hpfun.specs import AUTO, Auto
 
@@ -282,12 +282,17 @@ class _Memory:
         self.readers[-1] += tuple(n for n in problem.nodes if not isinstance(n, torch.fx.Node))
         self._moved: dict = {}
 
-    def moved(self, value, layout: Layout) -> float:
-        """Bytes per rank of a copy of `value` moved to `layout`."""
-        key = (value, layout)
+    def moved(self, value, src: Layout, dst: Layout) -> float:
+        """Bytes per rank the move of `value` from `src` to `dst` holds while its reader runs: the
+        copy in `dst`, and unless the move only takes a block of a replicated value, a
+        contiguous copy of the source for the collective (the lowering permutes and clones
+        what it sends, `hpfun.memory` counts both)."""
+        key = (value, src, dst)
         if key not in self._moved:
             shape, dtype = self.shapes[value]
-            self._moved[key] = _nbytes(layout, shape, dtype)
+            split_only = all(a == b or isinstance(a, type(R)) and isinstance(b, Shard)
+                             for a, b in zip(src.placements, dst.placements, strict=True))
+            self._moved[key] = _nbytes(dst, shape, dtype) + (0.0 if split_only else _nbytes(src, shape, dtype))
         return self._moved[key]
 
     def posed(self, problem: milp.Problem, points: list, budget) -> milp.Problem:
@@ -321,8 +326,9 @@ class _Memory:
             for reader in self.readers[t]:
                 for value, need in zip(p.inputs(reader), p.candidates[reader][choice[reader]].inputs, strict=True):
                     producer, k = value
-                    if p.candidates[producer][choice[producer]].outputs[k] != need:
-                        copies += self.moved(value, need)
+                    have = p.candidates[producer][choice[producer]].outputs[k]
+                    if have != need:
+                        copies += self.moved(value, have, need)
             out.append(total + copies)
         return out
 

@@ -41,8 +41,8 @@ Side conditions (used by automatic sharding, `hpfun.auto`)
   layers): rows `x[a, c] = x[b, c]`.
 - `memory` and `budget`: per program *point*, the bytes per rank each node's candidates hold
   there (a value live at that point, in the layout the candidate gives it), and for the nodes
-  `readers_at` that point, the copies of their inputs moved to the layouts they need
-  (`moved(value, layout)` bytes each, linear in the `mu` and `x` that say a move happens);
+  `readers_at` that point, the buffers of moving their inputs to the layouts they need
+  (`moved(value, src, dst)` bytes each, linear in the `mu` and `x` that say a move happens);
   every point's sum must be at most `budget`. `least_memory` finds the choice whose
   largest point is smallest (what budget would fit).
 - `cuts`: partial choices (node -> candidate) no choice may take all at once: a runner-up is
@@ -135,7 +135,7 @@ class Problem:
     ties: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(g) for g in t))
     memory: tuple = attrs.field(default=(), converter=tuple)  # per point: {node: bytes per candidate}
     readers_at: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(r) for r in t))  # per point
-    moved: Callable[[Value, Hashable], float] | None = None  # bytes of a moved copy of a value in a layout
+    moved: Callable[[Value, Hashable, Hashable], float] | None = None  # bytes a move of a value needs
     budget: float | None = None
     cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
@@ -237,8 +237,9 @@ def point_memory(problem: Problem, choice: Choice, i: int) -> float:
     for reader in problem.readers_at[i] if problem.readers_at else ():
         needs = problem.candidates[reader][choice[reader]].inputs
         for value, need in zip(problem.inputs(reader), needs, strict=True):
-            if _layout(problem, choice, value) != need:
-                terms.append(problem.moved(value, need))
+            have = _layout(problem, choice, value)
+            if have != need:
+                terms.append(problem.moved(value, have, need))
     return math.fsum(terms)
 
 
@@ -548,7 +549,7 @@ def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[
                 value, joints = model.needs[reader, slot]
                 for (S, L), joint in joints.items():
                     if S != L:
-                        w = float(problem.moved(value, L))
+                        w = float(problem.moved(value, S, L))
                         constant += [w] * joint.constant
                         for col in joint.columns:
                             terms[col] = terms.get(col, 0.0) + w
