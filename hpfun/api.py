@@ -237,6 +237,7 @@ class ShardedFunction:
         self._cache: dict = {}
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
+        self._auto: list = []  # (key, entry) of each program with AUTO leaves
         self.trace_count = 0
         self._signature_obj = _signature(fn)
         self._arity = _plain_arity(self._signature_obj, len(in_specs) if isinstance(in_specs, tuple) else None)
@@ -312,11 +313,15 @@ class ShardedFunction:
     def _program(self, call: _Call):
         leaves, key = self._signature(call)
         entry = self._cache.get(key)
+        if entry is None:  # a call handing an AUTO program's results back, in the layouts it chose, runs it too
+            entry = next((e for k, e in self._auto if _chose(k, e, key)), None)
         if entry is None:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
             entry = self._compile(call, leaves)
             self._cache[key] = entry
+            if entry.auto is not None:
+                self._auto.append((key, entry))
         if call.key is not None and _hashable(call.key):
             self._fast[call.key] = entry
         return entry.program, entry
@@ -626,6 +631,16 @@ def _group(path: str, state: lift.State, signature: inspect.Signature | None) ->
         if var is not None:
             return f"{var.name}[{i - len(params)}]"
     return path.split("[", 1)[0] if path.startswith("args[") else path
+
+
+def _chose(auto_key: tuple, entry: "_Entry", key: tuple) -> bool:
+    """Whether a call keyed `key` is one the AUTO program `entry` (keyed `auto_key`) serves: the
+    same but for AUTO leaves given in the layouts the program chose for them."""
+    if auto_key[0] != key[0] or auto_key[2:] != key[2:] or len(auto_key[1]) != len(key[1]):
+        return False
+    chosen = {i: entry.program.input_layouts[j] for j, i in enumerate(entry.fed_flat)}
+    return all(a == b or isinstance(a.layout, Auto) and i in chosen and attrs.evolve(a, layout=chosen[i]) == b
+               for i, (a, b) in enumerate(zip(auto_key[1], key[1], strict=True)))
 
 
 def _same_shape(a, b) -> bool:

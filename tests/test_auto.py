@@ -140,6 +140,7 @@ def test_an_auto_step_equals_the_unsharded_step_and_feeds_the_next_call():
     for k in ref:
         torch.testing.assert_close(out[k].full(), ref[k])
     out2, loss2 = f(out, x, y)  # the Sharded update, in the layout its parameter was chosen
+    assert f.trace_count == 1  # the same program: the update came back as the AUTO plan laid it out
     ref2, ref_loss2 = dict_step(ref, x, y)
     torch.testing.assert_close(loss2.full(), ref_loss2)
     for k in ref:
