@@ -635,11 +635,13 @@ def _group(path: str, state: lift.State, signature: inspect.Signature | None) ->
 
 def _chose(auto_key: tuple, entry: "_Entry", key: tuple) -> bool:
     """Whether a call keyed `key` is one the AUTO program `entry` (keyed `auto_key`) serves: the
-    same but for AUTO leaves given in the layouts the program chose for them."""
+    same but for AUTO leaves given in the layouts the program chose for them (in any layout, for
+    those it does not read: a gradient zero_grad empties first)."""
     if auto_key[0] != key[0] or auto_key[2:] != key[2:] or len(auto_key[1]) != len(key[1]):
         return False
     chosen = {i: entry.program.input_layouts[j] for j, i in enumerate(entry.fed_flat)}
-    return all(a == b or isinstance(a.layout, Auto) and i in chosen and attrs.evolve(a, layout=chosen[i]) == b
+    return all(a == b or isinstance(a.layout, Auto) and b.kind == "tensor"
+               and attrs.evolve(a, layout=chosen.get(i, b.layout)) == b
                for i, (a, b) in enumerate(zip(auto_key[1], key[1], strict=True)))
 
 

@@ -271,3 +271,52 @@ def test_the_solver_side_conditions_match_brute_force():
         if found is not None:
             assert found.price == pytest.approx(expected, rel=1e-9)
             assert milp.allowed(problem, found.choice)
+
+
+_GLOO_SCRIPT = r'''
+import os, sys, torch, hpfun
+from hpfun import P, AUTO
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+ref.load_state_dict(model.state_dict())
+opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+mesh = hpfun.Mesh.distributed((2,), ("dp",))
+
+def train(x):
+    opt.zero_grad()
+    loss = (model(x) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+f = hpfun.shard(train, mesh=mesh, in_specs=(AUTO,), out_specs=P(), state_specs={"*": AUTO})
+x = torch.randn(64, 8)
+for _ in range(3):
+    loss = f(x)
+    ref_opt.zero_grad()
+    ref_loss = (ref(x) ** 2).mean()
+    ref_loss.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss.full(), ref_loss)
+print("specs", sorted(f.lower(x).auto.specs().items()), "traces", f.trace_count)
+full = hpfun.gather_state(model)
+for k, v in ref.state_dict().items():
+    torch.testing.assert_close(full[k], v)
+'''
+
+
+def test_auto_on_two_gloo_ranks_plans_alike_and_steps_like_eager(tmp_path):
+    """Each rank plans for itself: the same choice (they run one program), the module and the
+    optimizer state held in the chosen blocks between calls, and equal to the eager run."""
+    from hpfun.testing import ranks
+
+    script = tmp_path / "auto_job.py"
+    script.write_text(_GLOO_SCRIPT)
+    import sys
+
+    codes = ranks.launch([sys.executable, str(script)], 2, tmp_path, timeout=180)
+    assert codes == [0, 0], ranks.logs(tmp_path)
+    lines = [next(l for l in (tmp_path / f"log-rank{r}.txt").read_text().splitlines() if l.startswith("specs"))
+             for r in range(2)]
+    assert lines[0] == lines[1]
