@@ -30,7 +30,7 @@ import torch
 import hpfun
 import hpfun.api
 from hpfun import P
-from hpfun.testing.models import LLAMA_TP, adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step
+from hpfun.testing.models import LLAMA_TP, adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step, llama3_8b
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  (the transformer block of the overhead benchmark)
@@ -135,13 +135,7 @@ def _slope(xs, ys) -> float:
 
 def _llama_8b(spent, layers: int = 32) -> list[str]:
     """A Llama-3-8B-sized training step on meta tensors, planned on dp x tp = 8 x 8."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                      attn_implementation="sdpa", use_cache=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = llama3_8b(layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     mesh = hpfun.Mesh.simulated((8, 8), ("dp", "tp"))
 

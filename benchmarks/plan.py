@@ -33,19 +33,13 @@ import torch
 
 import hpfun
 from hpfun import P
-from hpfun.testing.models import LLAMA_TP
+from hpfun.testing.models import LLAMA_TP, llama3_8b
 
 GIB = 2**30
 
 
 def _model(layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                      attn_implementation="sdpa", use_cache=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = llama3_8b(layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     with torch.no_grad():  # AdamW's state exists from the first step on: plan the steady-state step
         for p in model.parameters():

@@ -249,3 +249,16 @@ GPT2_TP = {
     "h.*.mlp.c_fc.weight": P(None, "tp"), "h.*.mlp.c_fc.bias": P("tp"),
     "h.*.mlp.c_proj.weight": P("tp", None),
 }
+
+
+def llama3_8b(layers: int = 32):
+    """A Llama-3-8B-sized `LlamaForCausalLM` (d 4096, GQA 32/8 heads, MLP 14336, vocab 128256,
+    bfloat16) on the meta device, with `layers` layers: for planning at full scale, nothing
+    allocated. Needs `transformers`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                      attn_implementation="sdpa", use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
