@@ -42,14 +42,13 @@ names for the ops it came from):
         (parameters, gradients, optimizer state, buffers, or an argument's parameter name); the
         most the program allocates on top (transient_peak, at node peak_node, split there into
         what it holds); the most collective buffers and activations hold at once; the new
-        outputs' bytes; and
-        the bytes the program holds at each node, in program order
+        outputs' bytes; and the bytes the program holds at each node, in program order
     auto: {chosen: [{group, leaves, shape, spec, layout, same_as}], price, replicated_price,
            memory, budget, lowered_memory, seconds, stats}   only for a program with AUTO specs
         (see `hpfun.auto.AutoPlan.to_dict`): each layout chosen, by the leaves taking it
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
-collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory; older versions
+collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory and auto; older versions
 are read (version 2 with the default cost model; before version 4 every collective is issued
 alone, where it is waited; before version 5 `memory()` is not known).
 """
