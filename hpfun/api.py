@@ -433,9 +433,7 @@ class ShardedFunction:
     def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget):
         """AUTO layouts chosen (`hpfun.auto`) under `budget` and `gm` annotated: (input layouts,
         output layouts, write-backs in their layouts, the AutoPlan)."""
-        if self.options.gather_params:
-            raise SpecError("gather_params and AUTO specs cannot be combined yet: give the parameters explicit specs",
-                            headline="bad option")
+        auto.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)  # FSDP's pins, relative to AUTO
         n = len(out_layouts) - len(writes)
         flags = [l is AUTO for l in out_layouts[:n]]
         if any(flags):

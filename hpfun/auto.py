@@ -51,6 +51,7 @@ from hpfun.annotation import Annotation, NodePlan, placed
 from hpfun.errors import Problem, ShardingError, SpecError
 from hpfun.layout import Layout, P, R, Shard
 from hpfun.mesh import Mesh
+from hpfun.rules.base import OpCall, Rule, Strategy
 from hpfun.specs import AUTO, Auto
 
 TIME_LIMIT = 60.0  # seconds per MILP (wall clock: HiGHS proves the 4-layer GPT step on 2 x 2 optimal in about 20 s when alone)
@@ -242,6 +243,40 @@ def _nbytes(layout: Layout, shape: tuple, dtype: torch.dtype) -> float:
     return float(math.prod(layout.local_shape(shape)) * torch.empty((), dtype=dtype).element_size())
 
 
+_FSDP = "hpfun_fsdp"  # hpfun.fsdp.META: on a pin of FSDP's (a use's gather, a gradient's reduce-scatter)
+
+
+def memory_order(nodes: list) -> list:
+    """The global graph's nodes in the order the lowered program holds their memory in, which
+    `hpfun.schedule` changes for FSDP's pins: a gradient's pin ("gradients of ...") right after
+    the gradient is made (its reduce-scatter is issued then, and the whole gradient freed), and
+    each use's gathers right before the previous use (prefetch depth one; the first use's as
+    soon as its input exists). Other nodes keep their order."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_input = max((i for n, i in pos.items() if n.op == "placeholder"), default=-1)
+
+    def ready(node) -> float:
+        return max((pos[a] if a.op != "placeholder" else last_input for a in node.all_input_nodes), default=-1) + 0.5
+
+    at = {n: float(i) for n, i in pos.items()}
+    uses: dict = {}
+    for node in nodes:
+        key = node.meta.get(_FSDP)
+        if node.op != "call_function" or key is None:
+            continue
+        if str(key).startswith("gradients of "):
+            at[node] = ready(node)
+        elif node.users:
+            uses.setdefault(key, []).append(node)
+    first_reader = {key: min(pos[u] for n in pins for u in n.users) for key, pins in uses.items()}
+    previous = None
+    for key in sorted(uses, key=first_reader.__getitem__):
+        for node in uses[key]:
+            at[node] = max(ready(node), previous - 0.5) if previous is not None else ready(node)
+        previous = first_reader[key]
+    return sorted(nodes, key=lambda n: (at[n], pos[n]))
+
+
 class _Memory:
     """The values of the global program with the interval of points each is held, and their
     bytes per rank under each candidate of their producer."""
@@ -282,17 +317,21 @@ class _Memory:
         self.readers[-1] += tuple(n for n in problem.nodes if not isinstance(n, torch.fx.Node))
         self._moved: dict = {}
 
-    def moved(self, value, src: Layout, dst: Layout) -> float:
+    def moved(self, value, src: Layout, dst: Layout, reader=None) -> float:
         """Bytes per rank the move of `value` from `src` to `dst` holds while its reader runs: the
         copy in `dst`, and unless the move only takes a block of a replicated value, a
         contiguous copy of the source for the collective (the lowering permutes and clones
-        what it sends, `hpfun.memory` counts both)."""
-        key = (value, src, dst)
+        what it sends, `hpfun.memory` counts both). An FSDP pin's output is the moved copy
+        itself (lowering makes it an alias of the collective's result), so there only the
+        source's copy is extra."""
+        in_place = isinstance(reader, torch.fx.Node) and _FSDP in reader.meta
+        key = (value, src, dst, in_place)
         if key not in self._moved:
             shape, dtype = self.shapes[value]
             split_only = all(a == b or isinstance(a, type(R)) and isinstance(b, Shard)
                              for a, b in zip(src.placements, dst.placements, strict=True))
-            self._moved[key] = _nbytes(dst, shape, dtype) + (0.0 if split_only else _nbytes(src, shape, dtype))
+            self._moved[key] = ((0.0 if in_place else _nbytes(dst, shape, dtype))
+                                + (0.0 if split_only else _nbytes(src, shape, dtype)))
         return self._moved[key]
 
     def posed(self, problem: milp.Problem, points: list, budget) -> milp.Problem:
@@ -328,7 +367,7 @@ class _Memory:
                     producer, k = value
                     have = p.candidates[producer][choice[producer]].outputs[k]
                     if have != need:
-                        copies += self.moved(value, have, need)
+                        copies += self.moved(value, have, need, reader)
             out.append(total + copies)
         return out
 
@@ -363,6 +402,110 @@ def retry_failed(err: ShardingError, budget: int, peak: int) -> ShardingError:
                                  "lowered program (collective buffers and temporaries beyond the planner's estimate), "
                                  f"and planning again with that excess taken off found nothing ({err.problems[0].what})",
                                  f"give memory_budget >= {peak}"), headline="no AUTO layout fits the memory budget")
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_params with AUTO: FSDP's per-use gathers, relative to the layout chosen
+# ---------------------------------------------------------------------------------------------
+
+# `hpfun.fsdp` pins each gathering use of a parameter to its spec minus the gather axes, and its
+# gradient to its spec. An AUTO parameter has no spec yet, so its pins here are relative: the
+# rule of `gather_use(x, axes)` takes x in whatever layout L it has and demands L with `axes`
+# replicated (one strategy per candidate layout of the parameter, so the MILP prices a per-use
+# gather for each); `reduce_onto(grad, param)` demands the gradient in the parameter's layout
+# (a reduce-scatter onto the chosen shard, or an all-reduce when it is replicated). Both carry
+# `hpfun.fsdp.META`, so lowering gives each use its own gather, and `hpfun.schedule` prefetches
+# them one use ahead and buckets a gradient's reduce-scatter only with its op's.
+_LIB = torch.library.Library("hpfun", "FRAGMENT")
+_LIB.define("gather_use(Tensor x, str axes) -> Tensor")
+_LIB.define("reduce_onto(Tensor grad, Tensor param) -> Tensor")
+_LIB.impl("gather_use", lambda x, axes: x.clone(), "CompositeExplicitAutograd")
+_LIB.impl("reduce_onto", lambda grad, param: grad.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("hpfun::gather_use", lambda x, axes: torch.empty_like(x), lib=_LIB)
+torch.library.register_fake("hpfun::reduce_onto", lambda grad, param: torch.empty_like(grad), lib=_LIB)
+gather_use = torch.ops.hpfun.gather_use.default
+reduce_onto = torch.ops.hpfun.reduce_onto.default
+
+
+@attrs.frozen(kw_only=True)
+class GatherUse(Rule):
+    """`gather_use(x, axes)`: x in its layout with the mesh axes `axes` replicated."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        layout = call.tensors[0].layout
+        for name in call.args[1].split(","):
+            layout = layout.with_placement(call.mesh.axis_index(name), R)
+        return [Strategy((layout,), (layout,))]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        return ctx.call(torch.ops.aten.clone.default, (args[0],))  # lowering makes it an alias of the gathered copy
+
+
+@attrs.frozen(kw_only=True)
+class ReduceOnto(Rule):
+    """`reduce_onto(grad, param)`: the gradient in the parameter's layout."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        layout = exact._resolved(call.tensors[1].layout)
+        return [Strategy((layout, layout), (layout,))]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
+        return ctx.call(torch.ops.aten.clone.default, (args[0],))
+
+
+_RULES = {gather_use: GatherUse(), reduce_onto: ReduceOnto()}
+
+
+@attrs.frozen
+class _WithPins:
+    """A rule registry with the rules of the relative pins added (the user's own stays as it is)."""
+
+    registry: object
+
+    def lookup(self, op):
+        return _RULES.get(op) or self.registry.lookup(op)
+
+
+def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, axes: tuple[str, ...]) -> int:
+    """`hpfun.fsdp.gather_parameters` for a step with AUTO leaves: inputs of explicit layout as
+    it does them; each AUTO input the program updates (a parameter, its optimizer state) gets
+    the relative pins (`gather_use` at each gathering use, `reduce_onto` on its gradient), so
+    whatever layout the MILP gives it, it is gathered per use over `axes` and its gradient
+    reduced onto it, FSDP's way. Returns how many pins were inserted."""
+    from hpfun import fsdp
+    from hpfun.constrain import _constrain, _encode
+
+    if not axes:
+        return 0
+    count = fsdp.gather_parameters(gm, mesh, [None if isinstance(l, Auto) else l for l in in_layouts], axes)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    updated: dict = {}  # AUTO input -> a spec naming it (a token no mesh has), which fsdp's pins will carry
+    for i, (node, layout) in enumerate(zip(placeholders, in_layouts, strict=True)):
+        val = node.meta.get("val")
+        if isinstance(layout, Auto) and isinstance(val, torch.Tensor) and val.ndim and fsdp._updated(node, val.numel()):
+            updated[node] = P(f"@auto{i}", *[None] * (val.ndim - 1))
+    if not updated:
+        return count
+    tokens = {_encode(spec): node for node, spec in updated.items()}
+    before = set(graph.nodes)
+    for node, token in updated.items():  # fsdp's rewrite, with a token spec: its pins are made relative below
+        fsdp._rewrite(graph, node, token, node.meta["val"].numel())
+    gathers = [n for n in graph.nodes if n not in before and n.target is _constrain]
+    fsdp._pin_gradients(graph, updated, per_op=True)
+    joined = ",".join(axes)
+    for node in [n for n in graph.nodes if n not in before and n.target is _constrain]:
+        param = tokens.get(node.args[1])
+        if param is None:
+            continue
+        if node in gathers:
+            node.target, node.args = gather_use, (node.args[0], joined)
+        else:
+            node.target, node.args = reduce_onto, (node.args[0], param)
+        count += 1
+    graph.lint()
+    gm.recompile()
+    return count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +567,7 @@ def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: 
         found["replicated_price"] = best.price
         return _solve(graph, best, groups, budget, time_limit, found)
 
-    annotation = propagate(gm, mesh, start_in, registry=registry, fallback=fallback, reduce_dtype=reduce_dtype,
+    annotation = propagate(gm, mesh, start_in, registry=_WithPins(registry), fallback=fallback, reduce_dtype=reduce_dtype,
                            outputs=start_out, cost_model=cost_model, refine_with=refine_with)
     layout_of = found["layouts"]
     ins = [layout_of[l.group] if isinstance(l, Auto) else l for l in in_layouts]
@@ -475,7 +618,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
     tie_of = {node: classes[name] for name, g in groups.items() for node in g.inputs}
     layer_ties = _layer_ties(graph, problem, tie_of)
     problem = attrs.evolve(problem, ties=ties + layer_ties)
-    memory = _Memory(graph.nodes, problem)
+    memory = _Memory(memory_order(list(graph.nodes)), problem)
     points: list[int] = []  # none at first: the fastest plan often fits, and rows of memory slow HiGHS down
     solution, rounds = None, 0
     while True:

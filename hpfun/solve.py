@@ -42,7 +42,7 @@ Side conditions (used by automatic sharding, `hpfun.auto`)
 - `memory` and `budget`: per program *point*, the bytes per rank each node's candidates hold
   there (a value live at that point, in the layout the candidate gives it), and for the nodes
   `readers_at` that point, the buffers of moving their inputs to the layouts they need
-  (`moved(value, src, dst)` bytes each, linear in the `mu` and `x` that say a move happens);
+  (`moved(value, src, dst, reader)` bytes each, linear in the `mu` and `x` that say a move happens);
   every point's sum must be at most `budget`. `least_memory` finds the choice whose
   largest point is smallest (what budget would fit).
 - `cuts`: partial choices (node -> candidate) no choice may take all at once: a runner-up is
@@ -135,7 +135,7 @@ class Problem:
     ties: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(g) for g in t))
     memory: tuple = attrs.field(default=(), converter=tuple)  # per point: {node: bytes per candidate}
     readers_at: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(r) for r in t))  # per point
-    moved: Callable[[Value, Hashable, Hashable], float] | None = None  # bytes a move of a value needs
+    moved: Callable[[Value, Hashable, Hashable, Hashable], float] | None = None  # bytes a move of a value to a reader needs
     budget: float | None = None
     cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
@@ -239,7 +239,7 @@ def point_memory(problem: Problem, choice: Choice, i: int) -> float:
         for value, need in zip(problem.inputs(reader), needs, strict=True):
             have = _layout(problem, choice, value)
             if have != need:
-                terms.append(problem.moved(value, have, need))
+                terms.append(problem.moved(value, have, need, reader))
     return math.fsum(terms)
 
 
@@ -549,7 +549,7 @@ def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[
                 value, joints = model.needs[reader, slot]
                 for (S, L), joint in joints.items():
                     if S != L:
-                        w = float(problem.moved(value, S, L))
+                        w = float(problem.moved(value, S, L, reader))
                         constant += [w] * joint.constant
                         for col in joint.columns:
                             terms[col] = terms.get(col, 0.0) + w
