@@ -167,11 +167,16 @@ def _reach_order(dst: Layout) -> list[int]:
 
 
 def _can_reduce_scatter(cur: Layout, dst: Layout, axis: int, dim: int) -> bool:
-    """P -> S(dim) on `axis` in step 4 works if the axes before it on `dim` are already there
-    (and, as mesh-ordered plans always had it, no later axis of the mesh splits `dim` besides)."""
+    """P -> S(dim) on `axis` in step 4 works if the axes before it on `dim` are already there,
+    or are replicated or Partial now and so split `dim` earlier in step 4 (P, P -> S(0), S(0),
+    a parameter's gradient split over both axes of a mesh: a reduce-scatter over each, not an
+    all-reduce over the minor one); and, as mesh-ordered plans always had it, no later axis of the
+    mesh splits `dim` besides."""
     want = dst.shard_axes(dim)
     before = want[: want.index(axis)]
-    return _kept_prefix(cur, dst, dim) == before and all(a in before or a < axis for a in cur.shard_axes(dim))
+    kept = _kept_prefix(cur, dst, dim)
+    ready = before[: len(kept)] == kept and not any(isinstance(cur.placements[b], Shard) for b in before[len(kept):])
+    return ready and all(a in before or a < axis for a in cur.shard_axes(dim))
 
 
 def _undo_shards(cur: Layout, dst: Layout, ndim: int):
