@@ -160,16 +160,19 @@ def _pin_gradients(graph: torch.fx.Graph, updated: dict, per_op: bool) -> int:
     gradient is freed during the backward, as FSDP's per-unit reduce-scatter frees it; else
     (ZeRO-1/2) the reduce-scatters bucket as any collective, up to `bucket_bytes`."""
     region: dict = {}  # node -> the spec of the input it updates
-    frontier = list(updated.items())
+    dtypes: dict = {}  # node -> that input's dtype (None where inputs of two dtypes meet)
+    frontier = [(node, spec, node.meta["val"].dtype) for node, spec in updated.items()]
     while frontier:
-        node, spec = frontier.pop()
+        node, spec, dtype = frontier.pop()
         if node in region:
             if region[node] != spec:
                 region[node] = None  # two inputs of different specs meet: pin nothing here
+            if dtypes[node] != dtype:
+                dtypes[node] = None
             continue
-        region[node] = spec
+        region[node], dtypes[node] = spec, dtype
         numel = _numel(_shape(node))
-        frontier += [(u, spec) for u in node.users if u.op == "call_function" and
+        frontier += [(u, spec, dtype) for u in node.users if u.op == "call_function" and
                      (_keeps_shard(u, node, numel) or u.target in _CASTS and _shape(u) == _shape(node))]
     pins: dict = {}  # the value pinned -> spec
     memo: dict = {}
@@ -179,7 +182,7 @@ def _pin_gradients(graph: torch.fx.Graph, updated: dict, per_op: bool) -> int:
         for arg in node.all_input_nodes:
             if arg in region or _shape(arg) != _shape(node):
                 continue
-            root = _root(arg, region, memo)
+            root = _root(arg, region, memo, dtypes[node])
             if root.op != "call_function" or root in region:
                 continue
             pins[root] = spec if pins.get(root, spec) == spec else None
@@ -194,28 +197,64 @@ def _pin_gradients(graph: torch.fx.Graph, updated: dict, per_op: bool) -> int:
             pin = graph.create_node("call_function", _constrain, (root, _encode(spec)), name=f"scatter_{root.name}")
         pin.meta.update(val=root.meta["val"], stack_trace=root.meta.get("stack_trace"))
         if per_op:  # bucketed only with the gradients the same op makes (a norm's weight and bias)
-            producer = root.args[0] if root.target is operator.getitem else root
+            producer = root
+            while _passes(producer):  # the op under a view of its result
+                producer = producer.args[0]
+            producer = producer.args[0] if producer.target is operator.getitem else producer
             pin.meta[META] = f"gradients of {producer.name}"
         root.replace_all_uses_with(pin, delete_user_cb=lambda user, pin=pin: user is not pin)
         count += 1
     return count
 
 
-def _root(node: torch.fx.Node, region: dict, memo: dict) -> torch.fx.Node:
+def _root(node: torch.fx.Node, region: dict, memo: dict, dtype) -> torch.fx.Node:
     """The value `node` is computed from by elementwise ops of its shape whose operands all
-    come from that one value (`0.01 * g * g`: g), or `node` itself."""
-    if node in memo:
-        return memo[node]
-    memo[node] = node
+    come from that one value (`0.01 * g * g`: g), through casts and views that keep the shape
+    (`g.float()`, `g.view(g.shape)`, an alias), or `node` itself.
+
+    An optimizer reading a bfloat16 gradient through several float32 casts of it (torch's
+    foreach AdamW on bfloat16 parameters casts it once for `exp_avg`, twice for `exp_avg_sq`)
+    has one root, the bfloat16 gradient, reduce-scattered once. A cast down to the parameter's
+    dtype is passed too (an embedding's gradient summed in float32 and cast to bfloat16): a
+    Partial sum does not pass a narrowing cast, so the pin goes before it, and the shard is cast.
+    A cast widening into the parameter's `dtype` is not passed: float32 master weights computing
+    in bfloat16 get the float32 cast of the bfloat16 gradient (autograd's), reduced as it is."""
+    key = (node, dtype)
+    if key in memo:
+        return memo[key]
+    memo[key] = node
+    if node.op != "call_function" or node in region:
+        return node
     target = node.target
-    if (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-            and node not in region):
+    if _passes(node):
+        source = node.args[0]
+        val, before = node.meta["val"], source.meta["val"]
+        widens_into = val.dtype == dtype and before.dtype.itemsize < val.dtype.itemsize
+        if not widens_into:
+            memo[key] = _root(source, region, memo, dtype)
+    elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         operands = [a for a in node.all_input_nodes if _shape(a) != ()]
         if operands and all(_shape(a) == _shape(node) for a in operands):
-            roots = {_root(a, region, memo) for a in operands}
+            roots = {_root(a, region, memo, dtype) for a in operands}
             if len(roots) == 1:
-                memo[node] = roots.pop()
-    return memo[node]
+                memo[key] = roots.pop()
+    return memo[key]
+
+
+# views that, at the same shape, are the same values (a gradient's alias, `g.view(g.shape)`)
+_SAME = frozenset([aten.alias.default, aten.detach.default, aten.view.default, aten._unsafe_view.default,
+                   aten.reshape.default, aten.expand.default, aten.lift_fresh.default])
+
+
+def _passes(node: torch.fx.Node) -> bool:
+    """A copy (a cast) or a view of its first argument with the same shape and values: a
+    gradient's root is looked for through it."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target not in _CASTS and node.target not in _SAME:
+        return False
+    val, source = node.meta.get("val"), node.args[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and isinstance(source, torch.Tensor) and val.shape == source.shape
 
 
 def _updated(param: torch.fx.Node, numel: int) -> bool:
