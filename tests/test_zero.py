@@ -486,16 +486,17 @@ def bf16_llama():
 
 
 def test_zero3_bfloat16_llama_equals_the_unsharded_step(bf16_llama):
-    """Measured: the loss bitwise; each parameter within 1.3e-3 of the reference's norm (the
-    largest element error 6.1e-4, under half a bfloat16 step at the weights' scale): the
-    gradients' sums are taken in another order (each rank's bfloat16 partial, summed in
-    float32), and AdamW's first step divides each element by its own magnitude."""
+    """Measured: the loss bitwise; each parameter within 4.6e-4 of the reference's norm, no
+    element off by more than one bfloat16 step (6.1e-5 at the weights' scale, ~0.01), up to 8%
+    of a weight's elements off by that step: the gradients' sums are taken in another order
+    (each rank's bfloat16 partial, summed in float32 and rounded to bfloat16), and AdamW's first
+    step divides each element by its own magnitude. (Eager on one device is the reference.)"""
     _, (llama, loss), (ref, ref_loss), _ = bf16_llama
     assert torch.equal(loss, ref_loss)
     for (k, p), q in zip(llama.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
-        assert ((p.float() - q.float()).norm() / q.float().norm()).item() <= 4e-3, k
-        assert (p.float() - q.float()).abs().max().item() <= 2e-3, k
+        assert ((p.float() - q.float()).norm() / q.float().norm()).item() <= 1e-3, k
+        assert (p.float() - q.float()).abs().max().item() <= 1.25e-4, k  # two bfloat16 steps at 0.01
 
 
 def test_zero3_bfloat16_llama_reduce_scatters_each_gradient_once(bf16_llama):
@@ -519,7 +520,7 @@ def test_zero3_bfloat16_llama_reduce_scatters_each_gradient_once(bf16_llama):
 def test_zero3_bfloat16_llama_memory_is_below_the_all_reduced_gradients(bf16_llama, monkeypatch):
     """Per rank, the step's peak with each gradient reduce-scattered is below that of the plan
     the pins found before they looked through casts and views (each gradient all-reduced, a
-    full-size float32 copy of it on every rank): measured 90,029 B against 166,416 B."""
+    full-size float32 copy of it on every rank): measured 90,029 B against 166,416 B (0.54x)."""
     from hpfun import fsdp
 
     low, _, _, ids = bf16_llama
