@@ -372,7 +372,7 @@ class ShardedFunction:
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
         return out
 
-    def _compile(self, call: _Call, leaves, budget: int | None = None) -> "_Entry":
+    def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
         self.trace_count += 1
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
         traced = _Traced()
@@ -400,9 +400,19 @@ class ShardedFunction:
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         chosen = None
         if any(isinstance(l, Auto) for l in in_layouts + out_layouts) or AUTO in out_layouts:
-            budget = budget or self.options.memory_budget  # a retry plans with a tighter one
-            in_layouts, out_layouts, writes, chosen = self._choose(call, traced, gm, in_layouts, out_layouts, in_names,
-                                                                   out_paths, writes, budget)
+            if fitting is None and self.options.memory_budget is not None:
+                hint = "" if self.options.gather_params else (", or gather_params (FSDP's gathers per use of a split "
+                                                               "parameter, freed after it)")
+                fitting = auto.Fitting(self.options.memory_budget, hint)
+            try:
+                in_layouts, out_layouts, writes, chosen = self._choose(
+                    call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes,
+                    fitting.planning if fitting else None)
+            except ShardingError as err:
+                if fitting is None or getattr(err, "least", None) is None:
+                    raise
+                fitting.infeasible(err)  # planned again at the least memory a plan needs, or raised
+                return self._compile(call, leaves, fitting)
         else:
             fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
@@ -417,13 +427,10 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
-        if chosen is not None and self.options.memory_budget is not None:  # the lowered program's estimate too
-            chosen, tighter = auto.check_budget(program, chosen, self.options.memory_budget, budget)
-            if tighter is not None:
-                try:
-                    return self._compile(call, leaves, tighter)
-                except ShardingError as err:
-                    raise auto.retry_failed(err, self.options.memory_budget, chosen.lowered_memory) from None
+        if chosen is not None and fitting is not None:  # the lowered program's estimate too
+            chosen = fitting.check(program, chosen)
+            if chosen is None:  # over the budget: planned again with the excess taken off
+                return self._compile(call, leaves, fitting)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen)
         if level := log.level():  # HPFUN_DEBUG, read at each compile

@@ -379,29 +379,65 @@ def lowered_peak(program) -> int:
     return memory.Memory.from_dict(memory.estimate(program)).peak
 
 
-def check_budget(program, plan: AutoPlan, budget: int, planned_with: int) -> tuple[AutoPlan, int | None]:
-    """The plan with the lowered program's peak recorded, and the budget to plan with again when
-    that peak is over `budget` (the planning budget lowered by the excess: collective buffers
-    and temporaries the planner's estimate does not see), or None when it fits."""
-    peak = lowered_peak(program)
-    plan = attrs.evolve(plan, lowered_memory=peak)
-    if peak <= budget:
-        return plan, None
-    tighter = planned_with - (peak - budget)
-    if tighter <= 0:
-        raise ShardingError(Problem("memory_budget", f"the plan found peaks at {peak} B per rank in the lowered program, "
-                                    f"over memory_budget={budget}", f"give memory_budget >= {peak}"),
-                            headline="no AUTO layout fits the memory budget")
-    return plan, tighter
+MAX_PLANS = 4  # plans lowered per compile while looking for one whose lowered program fits the budget
 
 
-def retry_failed(err: ShardingError, budget: int, peak: int) -> ShardingError:
-    """The error when planning again under a tighter budget found nothing: the plan found first
-    fits `peak`."""
-    return ShardingError(Problem("memory_budget", f"the plan found for {budget} B per rank peaks at {peak} B in the "
-                                 "lowered program (collective buffers and temporaries beyond the planner's estimate), "
-                                 f"and planning again with that excess taken off found nothing ({err.problems[0].what})",
-                                 f"give memory_budget >= {peak}"), headline="no AUTO layout fits the memory budget")
+@attrs.define
+class Fitting:
+    """The search for a plan whose lowered program fits `budget` bytes per rank (one per compile).
+
+    The planner's estimate and `hpfun.memory`'s of the lowered program can differ (collective
+    buffers, temporaries, the schedule's order), so each plan is lowered and checked: over the
+    budget, the next is planned with the excess taken off the planning budget; where the MILP
+    finds nothing under a planning budget, the last is planned at the least memory any plan
+    needs (by the estimate), the cheapest such. After `MAX_PLANS` plans, or that last one, the
+    error names the least lowered peak seen: the budget to give."""
+
+    budget: int
+    hint: str = ""  # what else the error's fix may suggest
+    planning: int = attrs.field(default=None)
+    peaks: list = attrs.field(factory=list)  # the lowered peak of each plan made
+    least: float | None = None  # the least-memory plan's estimate, once the MILP has found it
+    last: bool = False  # the plan being made is the last
+
+    def __attrs_post_init__(self):
+        if self.planning is None:
+            self.planning = self.budget
+
+    def check(self, program, plan: AutoPlan) -> AutoPlan | None:
+        """The plan, with its lowered peak recorded, when that fits; else None, with `planning`
+        set for the next plan (or the error raised when there is none to make)."""
+        peak = lowered_peak(program)
+        self.peaks.append(peak)
+        if peak <= self.budget:
+            return attrs.evolve(plan, lowered_memory=peak)
+        tighter = self.planning - (peak - self.budget)
+        if self.last or len(self.peaks) >= MAX_PLANS or tighter <= 0 and self.least is None:
+            raise self.error()
+        if self.least is not None and tighter < self.least:
+            self.planning, self.last = math.ceil(self.least), True
+        else:
+            self.planning = tighter
+        return None
+
+    def infeasible(self, err: ShardingError) -> None:
+        """The MILP found no plan under the planning budget: the next plan is made at the least
+        memory any plan needs (`err.least`), or the error is raised."""
+        least = getattr(err, "least", None)
+        if least is None or self.last:
+            raise self.error(least) from None
+        self.least, self.planning, self.last = least, math.ceil(least), True
+
+    def error(self, least: float | None = None) -> ShardingError:
+        if self.peaks:
+            need = min(self.peaks)
+            what = (f"no plan fits {self.budget} B per rank: the least memory of the {len(self.peaks)} plan"
+                    f"{'s' * (len(self.peaks) != 1)} hpfun found and lowered is {need} B per rank")
+        else:
+            need = math.ceil(least if least is not None else self.least or 0)
+            what = f"no plan fits {self.budget} B per rank: the least memory a plan needs is about {need} B per rank"
+        return ShardingError(Problem("memory_budget", what, f"give memory_budget >= {need}{self.hint}"),
+                             headline="no AUTO layout fits the memory budget")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -709,10 +745,12 @@ def _over_budget(problem, memory: _Memory, points: list, budget, groups, members
     need = math.ceil(profile[peak])
     specs = ", ".join(f"{name} -> {spec_text(g.candidates[choice[members[name][0]]], len(g.shape))}"
                       for name, g in groups.items() if members[name])
-    return ShardingError(Problem("memory_budget", f"no plan fits {budget} B per rank: the plan of least memory found "
-                                 f"peaks at {need} B per rank ({specs})",
-                                 f"give memory_budget >= {need}, a bigger mesh, or a smaller step"),
-                         headline="no AUTO layout fits the memory budget")
+    err = ShardingError(Problem("memory_budget", f"no plan fits {budget} B per rank: the plan of least memory found "
+                                f"peaks at about {need} B per rank ({specs})",
+                                f"give memory_budget >= {need}, a bigger mesh, or a smaller step"),
+                        headline="no AUTO layout fits the memory budget")
+    err.least = need  # the least memory a plan needs, by the estimate (hpfun.auto.Fitting plans there)
+    return err
 
 
 def _runner_ups(problem, choice: dict, groups, classes, members, time_limit, only=None) -> list[dict]:
