@@ -104,7 +104,9 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     Any spec leaf (in `in_specs`, `state_specs` or `out_specs`) may be `hpfun.AUTO`: the planner
     then chooses that layout with every op's strategy, in one integer program (`hpfun.auto`),
     for the least step time, holding at most `memory_budget` bytes per rank (an int; None: no
-    limit) by its liveness estimate, or raises an error naming the budget that would fit. The
+    limit) in the lowered program, or raises an error naming the budget that would fit. With
+    `gather_params`, an AUTO parameter the step updates is gathered per use over those axes in
+    whatever layout is chosen for it (FSDP's schedule when it is split over them). The
     gradient, optimizer state and update of an AUTO lifted tensor take its layout; an AUTO
     output that mirrors an AUTO argument (same structure, shapes and dtypes: `return
     new_params, loss`) comes back in that argument's layout (with out_specs=None an output

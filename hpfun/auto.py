@@ -25,11 +25,21 @@ local work), subject to `memory_budget` bytes per rank:
    linear in the choice of its producer's strategy; so are the copies an op's inputs are moved
    to where it runs. The budget is imposed at the points where the plan found peaks: solve
    without it, find the chosen plan's peak, add that point, solve again, until the plan fits
-   everywhere (a few rounds). The lowered program is then checked with `hpfun.memory`'s
-   estimate (which also sees the collectives' buffers and temporaries): over the budget, the
-   plan is made again with the excess taken off the planning budget. When nothing fits, the least-memory plan is found
-   the same way and the error names its peak: the smallest budget that would fit.
-6. **Report.** `AutoPlan` lists every AUTO leaf's chosen spec, the plan's price and memory, and
+   everywhere (a few rounds). The points follow the order the lowered program holds memory in
+   (`memory_order`: FSDP's pins where `hpfun.schedule` issues their collectives). The lowered
+   program is then checked with `hpfun.memory`'s estimate (which also sees the collectives'
+   buffers and temporaries): over the budget, the plan is made again with the excess taken off
+   the planning budget, and where the MILP finds nothing, once more at the least memory any plan
+   needs (`Fitting`). When none of those fits, the error names the least lowered peak found:
+   the budget to give.
+6. **gather_params.** With `shard(..., gather_params=axes)`, each AUTO input the step updates
+   (a parameter, its optimizer state) gets FSDP's pins (`hpfun.fsdp`) relative to its layout:
+   each gathering use reads `gather_use(p, axes)`, whose rule takes p in any layout L and
+   demands L with `axes` replicated, and its gradient is pinned by `reduce_onto(g, p)` to p's
+   layout. So every candidate layout is priced with per-use gathers (forward and backward, freed
+   after each use) and a reduce-scatter per gradient as soon as it is made; a replicated choice
+   makes the pins no-ops.
+7. **Report.** `AutoPlan` lists every AUTO leaf's chosen spec, the plan's price and memory, and
    (`runner_ups()`, solved on demand) for each choice the cheapest plan choosing otherwise.
 
 Each compile with AUTO leaves runs the exact stage, whatever `solver=` says.
