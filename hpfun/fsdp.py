@@ -14,7 +14,9 @@ are used, FSDP's way:
 - a use by an elementwise op whose other operands have the parameter's shape (or are 0-d) —
   the optimizer update, weight decay, Adam's moments — keeps the shard: ZeRO's update runs on
   the shard, and the gradient, a Partial sum over the gather axes, is pinned to the shard's
-  spec where the update first reads it: one reduce-scatter per gradient, issued as soon as the
+  spec where the update first reads it (found through the casts and views between the backward
+  and the update: torch's foreach AdamW on bfloat16 parameters reads each gradient through three
+  float32 casts): one reduce-scatter per gradient, issued as soon as the
   backward has made it and bucketed only with gradients the same op makes (a norm's weight and
   bias), so the whole gradient is freed during the backward. With parameters replicated and the
   optimizer state split (ZeRO-1/2), nothing is gathered and the gradients are reduce-scattered
