@@ -326,6 +326,17 @@ class _Memory:
         self.readers = [(n,) if n in problem.candidates and problem.inputs(n) else () for n in graph_nodes]
         self.readers[-1] += tuple(n for n in problem.nodes if not isinstance(n, torch.fx.Node))
         self._moved: dict = {}
+        # per value, its reader slots and the points they read at: a copy a reader moves the value
+        # to is kept for a later reader needing the same layout (lowering reuses it), so it is held
+        # in between (FSDP's pins gather per use: theirs are not kept)
+        self.slots: dict = {}
+        for t, readers in enumerate(self.readers):
+            for reader in readers:
+                if isinstance(reader, torch.fx.Node) and _FSDP in reader.meta:
+                    continue
+                for k, value in enumerate(problem.inputs(reader)):
+                    self.slots.setdefault(value, []).append((t, (reader, k)))
+        self.slots = {v: s for v, s in self.slots.items() if len({t for t, _ in s}) > 1}
 
     def moved(self, value, src: Layout, dst: Layout, reader=None) -> float:
         """Bytes per rank the move of `value` from `src` to `dst` holds while its reader runs: the
@@ -347,7 +358,18 @@ class _Memory:
     def posed(self, problem: milp.Problem, points: list, budget) -> milp.Problem:
         """`problem` with the memory held at `points` bounded by `budget`."""
         return attrs.evolve(problem, memory=tuple(self.at(t) for t in points),
-                            readers_at=tuple(self.readers[t] for t in points), moved=self.moved, budget=budget)
+                            readers_at=tuple(self.readers[t] for t in points), moved=self.moved, budget=budget,
+                            kept_at=tuple(self.kept(t) for t in points))
+
+    def kept(self, point: int) -> tuple:
+        """(value, slots read before `point`, after it, at it) of the values read on both sides."""
+        out = []
+        for value, slots in self.slots.items():
+            before = tuple(s for t, s in slots if t < point)
+            after = tuple(s for t, s in slots if t > point)
+            if before and after:
+                out.append((value, before, after, tuple(s for t, s in slots if t == point)))
+        return tuple(out)
 
     def at(self, point: int) -> dict:
         """{node: bytes per candidate} of the values held at `point`."""
@@ -379,6 +401,19 @@ class _Memory:
                     if have != need:
                         copies += self.moved(value, have, need, reader)
             out.append(total + copies)
+        for value, slots in self.slots.items():  # copies kept from one reader to a later one
+            producer, k = value
+            have = p.candidates[producer][choice[producer]].outputs[k]
+            points: dict = {}
+            for t, (reader, slot) in slots:
+                need = p.candidates[reader][choice[reader]].inputs[slot]
+                if need != have:
+                    points.setdefault(need, set()).add(t)
+            for need, ts in points.items():
+                b = self.moved(value, have, need)
+                for t in range(min(ts) + 1, max(ts)):
+                    if t not in ts:
+                        out[t] += b
         return out
 
 
@@ -398,7 +433,8 @@ class Fitting:
 
     The planner's estimate and `hpfun.memory`'s of the lowered program can differ (collective
     buffers, temporaries, the schedule's order), so each plan is lowered and checked: over the
-    budget, the next is planned with the excess taken off the planning budget; where the MILP
+    budget, the next is planned leaving room for what that plan's lowered program held beyond
+    its estimate (and below the last planning budget by the excess at least); where the MILP
     finds nothing under a planning budget, the last is planned at the least memory any plan
     needs (by the estimate), the cheapest such. After `MAX_PLANS` plans, or that last one, the
     error names the least lowered peak seen: the budget to give."""
@@ -421,7 +457,9 @@ class Fitting:
         self.peaks.append(peak)
         if peak <= self.budget:
             return attrs.evolve(plan, lowered_memory=peak)
-        tighter = self.planning - (peak - self.budget)
+        # the lowered program holds `peak - plan.memory` more than the plan's estimate: plan the
+        # next to leave that much room (and at least below this one's planning budget)
+        tighter = math.floor(min(self.planning - (peak - self.budget), self.budget - (peak - plan.memory)))
         if self.last or len(self.peaks) >= MAX_PLANS or tighter <= 0 and self.least is None:
             raise self.error()
         if self.least is not None and tighter < self.least:

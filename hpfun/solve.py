@@ -136,6 +136,9 @@ class Problem:
     memory: tuple = attrs.field(default=(), converter=tuple)  # per point: {node: bytes per candidate}
     readers_at: tuple = attrs.field(default=(), converter=lambda t: tuple(tuple(r) for r in t))  # per point
     moved: Callable[[Value, Hashable, Hashable, Hashable], float] | None = None  # bytes a move of a value to a reader needs
+    # per memory point: (value, slots read before it, slots read after it, slots read there), each
+    # slot a (reader, input index): a moved copy one reader made and a later one reads is kept between
+    kept_at: tuple = ()
     budget: float | None = None
     cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
@@ -240,6 +243,13 @@ def point_memory(problem: Problem, choice: Choice, i: int) -> float:
             have = _layout(problem, choice, value)
             if have != need:
                 terms.append(problem.moved(value, have, need, reader))
+    for value, before, after, here in problem.kept_at[i] if problem.kept_at else ():
+        have = _layout(problem, choice, value)
+
+        def need(slots):
+            return {problem.candidates[r][choice[r]].inputs[k] for r, k in slots}
+
+        terms += [problem.moved(value, have, L, None) for L in (need(before) & need(after)) - need(here) - {have}]
     return math.fsum(terms)
 
 
@@ -553,6 +563,32 @@ def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[
                         constant += [w] * joint.constant
                         for col in joint.columns:
                             terms[col] = terms.get(col, 0.0) + w
+        for value, before, after, here in problem.kept_at[i] if problem.kept_at else ():
+            joints = {slot: model.needs[slot][1] for slot in (*before, *after, *here) if slot in model.needs}
+            for S, L in {pair for slot in (*before, *after) if slot in joints for pair in joints[slot]}:
+                if S == L:
+                    continue
+                z = None  # 1 when a reader before and one after need the copy, and none here made it
+                for b in before:
+                    for a in after:
+                        jb, ja = joints.get(b, {}).get((S, L)), joints.get(a, {}).get((S, L))
+                        if jb is None or ja is None:
+                            continue
+                        if z is None:
+                            z = model.column(0.0, integral=False)
+                        row = {z: 1.0}
+                        for col in (*jb.columns, *ja.columns):
+                            row[col] = row.get(col, 0.0) - 1.0
+                        low = jb.constant + ja.constant - 1.0
+                        for h in here:
+                            jh = joints.get(h, {}).get((S, L))
+                            if jh is not None:
+                                for col in jh.columns:
+                                    row[col] = row.get(col, 0.0) + 1.0
+                                low -= jh.constant
+                        model.row(row, low, math.inf)
+                if z is not None:
+                    terms[z] = terms.get(z, 0.0) + float(problem.moved(value, S, L, None))
         rows.append((terms, math.fsum(constant)))
     return rows
 
