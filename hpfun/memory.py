@@ -29,8 +29,11 @@ ops that allocate what they return), after a warm-up run, under `torch.profiler`
 
 from __future__ import annotations
 
+import contextlib
 import html
 import operator
+import os
+import sys
 
 import attrs
 import torch
@@ -373,14 +376,33 @@ def measure(f, *args, rank: int = 0, **kwargs) -> Measured:
         return Measured(held, _cpu_peak(lambda: module(*blocks, coord_t, seed)))
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _cpu_peak(fn) -> int:
     """The CPU allocator's peak above its level when `fn` starts, while `fn` runs (its result
     is kept until the end, as a caller keeps a program's outputs)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's backend logs its start and stop on fd 2
+        prof.start()
+    try:
         result = fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     del result
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
