@@ -17,7 +17,8 @@ Layouts:
   over tp (sequence parallelism; propagation places the rest), the optimizer state further split
   over dp;
 - AUTO: every weight's spec `hpfun.AUTO` under `memory_budget` (optimizer state follows), the
-  batch over dp.
+  batch over dp; and the same with `gather_params` over both axes, so that FSDP's per-use
+  gathers are among the plans priced.
 
     python benchmarks/plan.py [--layers 32] [--meshes 2x4 8x8] [--budget-gb 80] [--out benchmarks/RESULTS.md]
 """
@@ -73,6 +74,8 @@ def layouts(budget: int) -> dict:
         "Megatron TP + SP + ZeRO-1": dict(batch=P("dp"), state_specs={**LLAMA_TP, **_zero1(LLAMA_TP)}, options={},
                                           sequence_parallel=True),
         "AUTO": dict(batch=P("dp"), state_specs={"*.weight": hpfun.AUTO}, options={"memory_budget": budget}),
+        "AUTO + gather_params": dict(batch=P("dp"), state_specs={"*.weight": hpfun.AUTO},
+                                     options={"memory_budget": budget, "gather_params": every}),
     }
 
 
