@@ -184,18 +184,22 @@ def test_zero3_over_both_axes_of_a_2x2_mesh_reduce_scatters_over_each():
     assert [(s.kind, s.axes) for s in plan] == [("reduce_scatter", (0,)), ("reduce_scatter", (1,))]
 
 
+def _mixed_precision_loss(p, x, y):
+    """The MLP's loss with float32 parameters cast to bfloat16 where used."""
+    h = torch.relu(x.bfloat16() @ p["w1"].bfloat16() + p["b1"].bfloat16())
+    return F.cross_entropy((h @ p["w2"].bfloat16() + p["b2"].bfloat16()).float(), y)
+
+
+def _mixed_precision_step(p, x, y):
+    g, loss = torch.func.grad_and_value(_mixed_precision_loss)(p, x, y)
+    return {k: p[k] - 0.1 * g[k] for k in p}, loss
+
+
 def test_mixed_precision_gathers_the_compute_dtype():
     """Parameters kept in float32 and cast to bfloat16 where used (FSDP's param_dtype): the cast
     runs on the shard and the gather moves bfloat16, half the bytes; gradients are reduced in
     float32 (reduce_dtype)."""
-    def loss_fn(p, x, y):
-        h = torch.relu(x.bfloat16() @ p["w1"].bfloat16() + p["b1"].bfloat16())
-        return F.cross_entropy((h @ p["w2"].bfloat16() + p["b2"].bfloat16()).float(), y)
-
-    def step(p, x, y):
-        g, loss = torch.func.grad_and_value(loss_fn)(p, x, y)
-        return {k: p[k] - 0.1 * g[k] for k in p}, loss
-
+    step = _mixed_precision_step
     params, (x, y) = mlp_init(), mlp_data(64)
     f = hpfun.shard(step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), out_specs=(MLP_Z3, P()), gather_params="dp")
     new, loss = f(params, x, y)
@@ -215,14 +219,7 @@ def test_mixed_precision_reduces_the_float32_gradient_autograd_makes():
     autograd's float32 cast of the bfloat16 one: that is what is reduce-scattered, even where
     partial sums of bfloat16 are reduced in bfloat16 (reduce_dtype='compute'). (The pin is looked
     for through casts, but not through one widening into the parameter's dtype.)"""
-    def loss_fn(p, x, y):
-        h = torch.relu(x.bfloat16() @ p["w1"].bfloat16() + p["b1"].bfloat16())
-        return F.cross_entropy((h @ p["w2"].bfloat16() + p["b2"].bfloat16()).float(), y)
-
-    def step(p, x, y):
-        g, loss = torch.func.grad_and_value(loss_fn)(p, x, y)
-        return {k: p[k] - 0.1 * g[k] for k in p}, loss
-
+    step = _mixed_precision_step
     params, (x, y) = mlp_init(), mlp_data(64)
     f = hpfun.shard(step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), out_specs=(MLP_Z3, P()), gather_params="dp",
                     reduce_dtype="compute")
