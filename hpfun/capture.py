@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun.checkpoint import rematerialize, torch_checkpoints
 from hpfun.errors import CaptureError, Problem
+from hpfun.functionalize import functionalize
 
 aten = torch.ops.aten
 
@@ -234,14 +235,17 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
     The first trace runs the function as written (torch.func transforms, autograd's
     `.backward()`, optimizers and autograd.Functions such as `hpfun.constrain` compose there),
     with `torch.compiler.is_compiling()` true, as torch.export does: libraries then take their
-    traceable paths (an optimizer keeps its step count a tensor, not a Python number). Only if it
-    recorded in-place ops is the graph traced again through functionalization, keeping each
-    node's source line; what it wrote into inputs becomes extra outputs (`Captured.mutated`).
-    """
+    traceable paths (an optimizer keeps its step count a tensor, not a Python number). In-place
+    ops it recorded are rewritten out of place on the graph (`hpfun.functionalize`); only where a
+    write could be seen through a view is the graph traced again through torch's
+    functionalization, keeping each node's source line. What the function wrote into its inputs
+    becomes extra outputs (`Captured.mutated`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
     gm = _trace(flat_fn, fakes)
     mutated: list[int] = []
-    if _mutates(gm):
+    if _mutates(gm) and (written := functionalize(gm)) is not None:
+        mutated = written  # rewritten out of place where it is: no write is seen through a view
+    elif _mutates(gm):
         _, plain = fake_inputs(metas, device)
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
