@@ -16,6 +16,7 @@ import operator
 
 import attrs
 import torch
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch.utils import _pytree as pytree
 
 from hpfun.checkpoint import redraws
@@ -358,7 +359,7 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
         layouts.append(dst)
     ctx.graph.output(outs)
     buckets = schedule(ctx.graph, bucket_bytes, overlap)
-    module = torch.fx.GraphModule(gm, ctx.graph)
+    module = _make_graph_module(gm, ctx.graph)  # lazy under hpfun's compile: its code is written at first run
     vals = [p.meta["val"] for p in node.args[0]]
     return Program(
         mesh=ctx.mesh,
