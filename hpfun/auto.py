@@ -652,7 +652,7 @@ def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: 
 
     def refine_with(graph, best):
         found["replicated_price"] = best.price
-        return _solve(graph, best, groups, budget, time_limit, found)
+        return _solve(graph, best, groups, budget, time_limit, found, dict(zip(placeholders, in_names, strict=True)))
 
     annotation = propagate(gm, mesh, start_in, registry=_WithPins(registry), fallback=fallback, reduce_dtype=reduce_dtype,
                            outputs=start_out, cost_model=cost_model, refine_with=refine_with)
@@ -671,7 +671,7 @@ def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: 
     return ins, outs, plan
 
 
-def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) -> Annotation:
+def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, names: dict) -> Annotation:
     open_inputs = {node: g.candidates for g in groups.values() for node in g.inputs}
     tied = {k for g in groups.values() for k in g.sinks}
     built = exact._problem(graph, best, open_inputs, skip_sinks=tied)
@@ -701,8 +701,11 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict) ->
         if len(tied_nodes) > 1:
             ties.append(tuple(tied_nodes))
     problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=base.move, sinks=base.sinks,
-                           ties=ties)
-    tie_of = {node: classes[name] for name, g in groups.items() for node in g.inputs}
+                           ties=ties, kind=base.kind)
+    # an input is known by its repeated name (a layer's optimizer step count, a buffer: the same in
+    # every layer), and an AUTO one by its tie class
+    tie_of = {node: ("fixed", repeated_name(name)) for node, name in names.items()}
+    tie_of.update({node: classes[name] for name, g in groups.items() for node in g.inputs})
     layer_ties = _layer_ties(graph, problem, tie_of)
     problem = attrs.evolve(problem, ties=ties + layer_ties)
     memory = _Memory(memory_order(list(graph.nodes)), problem)
@@ -762,9 +765,11 @@ def _layer_ties(graph, problem: milp.Problem, tie_of: dict, rounds: int = LAYER_
         if not isinstance(n, torch.fx.Node):
             label[n] = hash(("sink",))
         elif n.op == "placeholder":
-            label[n] = hash(("input", tie_of.get(n, n.name)))
+            label[n] = hash(("input", tie_of.get(n, n.name), problem.candidates[n]))
         elif n.op == "get_attr":
             label[n] = hash(("constant", n.name))
+        elif _picks_a_scalar(n):  # the i-th parameter's step size in a foreach optimizer: alike whatever i
+            label[n] = hash(("scalar of", tuple(n.args[0].meta["val"].shape), n.meta["val"].dtype))
         else:
             label[n] = hash(graph.sites[n].key)
     producers = {n: [p for p, _ in problem.inputs(n)] for n in problem.nodes}
@@ -780,6 +785,13 @@ def _layer_ties(graph, problem: milp.Problem, tie_of: dict, rounds: int = LAYER_
         if n.op == "call_function" and len(problem.candidates[n]) > 1:
             alike.setdefault((label[n], problem.candidates[n]), []).append(n)
     return [tuple(group) for group in alike.values() if len(group) > 1]
+
+
+def _picks_a_scalar(node: torch.fx.Node) -> bool:
+    """`select` of one element of a vector: foreach optimizers stack one scalar per parameter
+    (step sizes, bias corrections) and pick each parameter's by its index."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.select.int
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].ndim == 1)
 
 
 def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:

@@ -119,7 +119,8 @@ def _problem(graph, best, open_inputs=None, skip_sinks=()):
                 priced[key] = math.inf
         return priced[key]
 
-    problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=move, sinks=sinks)
+    problem = milp.Problem(nodes=nodes, candidates=candidates, edges=edges, move=move, sinks=sinks,
+                           kind=shapes.__getitem__)
     return problem, start, options
 
 

@@ -140,6 +140,8 @@ class Problem:
     # slot a (reader, input index): a moved copy one reader made and a later one reads is kept between
     kept_at: tuple = ()
     budget: float | None = None
+    # values of one kind (e.g. of one shape and dtype) move alike: `move` is asked once per kind
+    kind: Callable[[Value], Hashable] | None = None
     cuts: tuple = attrs.field(default=(), converter=lambda t: tuple(dict(c) for c in t))
 
     def __attrs_post_init__(self):
@@ -162,7 +164,8 @@ def _node_issues(p: Problem) -> list[Issue]:
             issues.append(Issue(f"node {n!r}", "has no candidate", "give every node at least one"))
         elif len({len(c.outputs) for c in cands}) > 1 or len({len(c.inputs) for c in cands}) > 1:
             issues.append(Issue(f"node {n!r}", "has candidates with different numbers of inputs or outputs"))
-    issues += [Issue(f"node {n!r}", "has candidates but is not in nodes") for n in p.candidates if n not in p.nodes]
+    listed = set(p.nodes)
+    issues += [Issue(f"node {n!r}", "has candidates but is not in nodes") for n in p.candidates if n not in listed]
     return issues
 
 
@@ -360,9 +363,16 @@ class _Prices:
     def __init__(self, problem: Problem):
         self.problem = problem
         self._moves: dict = {}
+        self._kinds: dict = {}
+
+    def kind(self, value: Value) -> Hashable:
+        """What a value's move prices depend on: its kind, or the value itself."""
+        if value not in self._kinds:
+            self._kinds[value] = ("kind", self.problem.kind(value)) if self.problem.kind else value
+        return self._kinds[value]
 
     def move(self, value: Value, src: Hashable, dst: Hashable) -> float:
-        key = (value, src, dst)
+        key = (self.kind(value), src, dst)
         if key not in self._moves:
             price = self._moves[key] = _moved(self.problem, value, src, dst)
             if not price >= 0:
@@ -475,6 +485,7 @@ class _Model:
     integral: list = attrs.field(factory=list)
     entries: list = attrs.field(factory=list)  # (row, column, coefficient)
     needs: dict = attrs.field(factory=dict)  # (reader, slot) -> (value, {(S, L): joint indicator})
+    paid: dict = attrs.field(factory=dict)  # the joints a `w` column is at least -> that column
     lower: list = attrs.field(factory=list)
     upper: list = attrs.field(factory=list)
     offset: list = attrs.field(factory=list)
@@ -595,21 +606,37 @@ def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[
 
 def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, readers, joints: dict) -> None:
     """The columns and rows that deliver `value` to the layouts its readers need, each distinct
-    move paid once."""
+    move paid once. A value like one already added (of the same kind, made and needed by the same
+    indicators: a repeated layer's, its nodes tied) shares its columns: only its prices are added."""
     producer, index = value
     gives = _by_layout(alive[producer], lambda c: problem.candidates[producer][c].outputs[index])
     made = {S: _indicator(x, producer, group, len(gives) == 1) for S, group in gives.items()}
-    moves: dict[tuple, dict[_Sum, None]] = {}
+    wanted = []
     for reader, slot in readers:
         wants = _by_layout(alive[reader], lambda c, r=reader, s=slot: problem.candidates[r][c].inputs[s])
-        needed = {L: _indicator(x, reader, group, len(wants) == 1) for L, group in wants.items()}
-        pairs = _joint(prices, model, value, made, needed, joints)
+        wanted.append({L: _indicator(x, reader, group, len(wants) == 1) for L, group in wants.items()})
+    key = ("value", prices.kind(value), tuple(made.items()), tuple(tuple(needed.items()) for needed in wanted))
+    if key in joints:
+        charges, all_pairs = joints[key]
+    else:
+        moves: dict[tuple, dict[_Sum, None]] = {}
+        all_pairs = []
+        for needed in wanted:
+            pairs = _joint(prices, model, value, made, needed, joints)
+            all_pairs.append(pairs)
+            for (S, L), joint in pairs.items():
+                if S != L:
+                    moves.setdefault((S, L), {})[joint] = None
+        charges = [_pay(model, prices.move(value, S, L), list(js)) for (S, L), js in moves.items()]
+        joints[key] = charges, all_pairs
+    for (reader, slot), pairs in zip(readers, all_pairs, strict=True):
         model.needs[reader, slot] = (value, pairs)
-        for (S, L), joint in pairs.items():
-            if S != L:
-                moves.setdefault((S, L), {})[joint] = None
-    for (S, L), joints in moves.items():
-        _pay(model, prices.move(value, S, L), list(joints))
+    for columns, price in charges:
+        if columns is None:
+            model.offset.append(price)
+        else:
+            for col in columns:
+                model.costs[col] += price
 
 
 def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dict, joints: dict) -> dict[tuple, _Sum]:
@@ -621,11 +648,15 @@ def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dic
     if len(made) == 1 or len(needed) == 1:
         return {(S, L): need if produced.constant else produced
                 for S, produced in made.items() for L, need in needed.items()}
-    pairs = tuple((S, L) for S in made for L in needed if prices.move(value, S, L) < math.inf)
-    key = (tuple(made.items()), tuple(needed.items()), pairs)
+    key = (tuple(made.items()), tuple(needed.items()), prices.kind(value))  # the pairs follow from it
     if key in joints:
         return joints[key]
-    mu = joints[key] = {pair: _Sum((model.column(0.0, integral=False),), 0) for pair in pairs}
+    pairs = tuple((S, L) for S in made for L in needed if prices.move(value, S, L) < math.inf)
+    same = (key[0], key[1], pairs)  # values of other kinds with the same indicators and finite moves
+    if same in joints:
+        joints[key] = joints[same]
+        return joints[key]
+    mu = joints[key] = joints[same] = {pair: _Sum((model.column(0.0, integral=False),), 0) for pair in pairs}
     rows: tuple[dict, dict] = ({}, {})  # per side, per layout: the mu columns with it (one pass: layouts compare slowly)
     for pair, joint in mu.items():
         for side in (0, 1):
@@ -635,21 +666,23 @@ def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dic
     return mu
 
 
-def _pay(model: _Model, price: float, joints: list[_Sum]) -> None:
-    """Pay `price` once when any of `joints` is 1: on that joint when it is the only one, else on
-    a column `w` at least each of them."""
+def _pay(model: _Model, price: float, joints: list[_Sum]) -> tuple[tuple | None, float]:
+    """Where `price` is paid once when any of `joints` is 1: (None, price) when one is always 1
+    (a constant), (the joint's columns, price) when it is the only one, else (a column `w` at
+    least each of them, price); the caller adds the price there."""
     assert price < math.inf, "shrinking left a candidate that needs an impossible move"
     if price == 0:
-        return
+        return (), 0.0
     if any(joint.constant for joint in joints):
-        model.offset.append(price)
-    elif len(joints) == 1:
-        for col in joints[0].columns:
-            model.costs[col] += price
-    else:
-        w = model.column(price, integral=False)
+        return None, price
+    if len(joints) == 1:
+        return joints[0].columns, price
+    key = tuple(joints)
+    if key not in model.paid:  # the same move of a tied value (a repeated layer's) shares it
+        w = model.paid[key] = model.column(0.0, integral=False)
         for joint in joints:
             model.row({w: -1.0, **{col: 1.0 for col in joint.columns}}, -math.inf, 0.0)
+    return (model.paid[key],), price
 
 
 def _run(model: _Model, time_limit: float):
