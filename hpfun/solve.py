@@ -229,7 +229,9 @@ def _tied(problem: Problem) -> dict:
         merged = set(group).union(*(group_of.get(n, ()) for n in group))
         for n in merged:
             group_of[n] = merged
-    return {n: tuple(m for m in problem.nodes if m in g) for n, g in group_of.items()}
+    order = {n: i for i, n in enumerate(problem.nodes)}
+    ordered = {id(g): tuple(sorted(g, key=order.__getitem__)) for g in group_of.values()}
+    return {n: ordered[id(g)] for n, g in group_of.items()}
 
 
 def memory_of(problem: Problem, choice: Choice) -> float:
