@@ -128,7 +128,11 @@ def _normal_order(mesh: Mesh, placements: tuple, order: tuple) -> tuple:
     return tuple(sorted(groups))
 
 
-@attrs.frozen(cache_hash=True)
+def _placement_key(p) -> tuple:
+    return ("S", p.dim) if isinstance(p, Shard) else ("P", p.reduce) if isinstance(p, Partial) else ("R",)
+
+
+@attrs.frozen(eq=False)
 class Layout:
     """How one tensor is laid out on a mesh: one placement per mesh axis, and for a dim split
     over several axes, which of them is major.
@@ -151,8 +155,11 @@ class Layout:
     mesh: Mesh
     placements: tuple = attrs.field(converter=_to_placements)
     order: tuple = attrs.field(default=(), converter=_to_order)
-    # derived once (planning asks for it millions of times), not part of equality
-    _partial: tuple = attrs.field(init=False, eq=False, repr=False)
+    # derived once (planning asks for them millions of times): the Partial axes, and what equality
+    # and hashing compare, in plain tuples
+    _partial: tuple = attrs.field(init=False, repr=False)
+    _key: tuple = attrs.field(init=False, repr=False)
+    _hash: int = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self):
         object.__setattr__(self, "_partial", tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial)))
@@ -165,6 +172,24 @@ class Layout:
             raise LayoutError(f"placements must be Shard, Replicate or Partial, got {bad!r}")
         if self.order:  # frozen: the normal form is set once, here
             object.__setattr__(self, "order", _normal_order(self.mesh, self.placements, self.order))
+        mesh = self.mesh
+        key = ((mesh.shape, mesh.axis_names, mesh.runtime), tuple(map(_placement_key, self.placements)), self.order)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not Layout:
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key
+
+    def __ne__(self, other) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def replicated(cls, mesh: Mesh) -> "Layout":
