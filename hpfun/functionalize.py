@@ -57,6 +57,8 @@ def functionalize(gm: torch.fx.GraphModule) -> list[int] | None:
     could be seen through a view (the caller then functionalizes by re-tracing)."""
     graph = gm.graph
     nodes = list(graph.nodes)
+    if not isinstance(nodes[-1].args[0], (list, tuple)):
+        return None  # capture's graphs return a list, which the written inputs join
     root: dict[torch.fx.Node, torch.fx.Node] = {}  # a node -> the tensor whose memory it is
     is_view: set[torch.fx.Node] = set()  # nodes that are views (of their root), not the root itself
     version: dict[torch.fx.Node, int] = {}  # root -> writes so far

@@ -1,0 +1,126 @@
+"""In-place ops rewritten out of place on the captured graph (`hpfun.functionalize`), and the
+re-trace through torch's functionalization wherever a write could be seen through a view.
+
+Every result is compared with the same function run eagerly on copies of its arguments."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hpfun
+import hpfun.capture
+from hpfun import P
+from hpfun.functionalize import functionalize
+
+DP = hpfun.Mesh.simulated((2,), ("dp",))
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times each compile traced the function (1: rewritten in place; 2: re-traced)."""
+    calls = []
+    original = hpfun.capture._trace
+    monkeypatch.setattr(hpfun.capture, "_trace", lambda fn, fakes: (calls.append(1), original(fn, fakes))[1])
+    return calls
+
+
+def _check(fn, *args, specs=None):
+    """`fn` sharded and eager on copies: the same results, and bitwise the same writes into the
+    arguments (elementwise: no reduction order to differ)."""
+    specs = specs or tuple(P("dp") if a.ndim else P() for a in args)
+    mine, theirs = [a.clone() for a in args], [a.clone() for a in args]
+    out = hpfun.shard(fn, mesh=DP, in_specs=specs, out_specs=P())(*mine)
+    want = fn(*theirs)
+    got = out.full() if isinstance(out, hpfun.Sharded) else out
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # a sum over shards: another order
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def momentum_step(p, g, buf):
+    """SGD with momentum as torch.optim writes it: every write in place, into the arguments."""
+    buf.mul_(0.9).add_(g)
+    p.add_(buf, alpha=-0.1)
+    return (p * p).sum()
+
+
+def traced(fn, *args):
+    """`fn`'s graph as capture records it: a list of outputs."""
+    return make_fx(lambda *a: [fn(*a)], tracing_mode="fake")(*args)
+
+
+def test_writes_into_arguments_are_rewritten_without_a_second_trace(traces):
+    p, g, buf = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    _check(momentum_step, p, g, buf)
+    assert len(traces) == 1
+
+
+def test_an_in_place_op_keeps_its_targets_dtype(traces):
+    """`a.add_(b)` with a bfloat16 `a` and a float32 `b` stays bfloat16, as eager's does."""
+
+    def f(a, b):
+        a.add_(b)
+        return a.float().sum()
+
+    _check(f, torch.randn(8, 4).bfloat16(), torch.randn(8, 4))
+    assert len(traces) == 1
+
+
+def test_a_view_read_after_its_base_is_written_sees_the_write(traces):
+    """A view made before the write and read after it: torch's functionalization handles it."""
+
+    def f(x):
+        flat = x.view(-1)
+        x.mul_(2)
+        return flat.sum()
+
+    _check(f, torch.randn(8, 4, dtype=torch.float64))
+    assert len(traces) == 2
+
+
+def test_a_write_into_a_view_reaches_its_base(traces):
+    def f(x):
+        x[:, 0].mul_(3)
+        return x.sum()
+
+    _check(f, torch.randn(8, 4, dtype=torch.float64))
+    assert len(traces) == 2
+
+
+def test_a_view_made_after_the_write_reads_the_new_value(traces):
+    def f(x, y):
+        x.add_(y)
+        return x.view(-1).sum() + x.t().sum()
+
+    _check(f, torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64))
+    assert len(traces) == 1
+
+
+def test_the_graph_has_no_in_place_op_left_and_names_what_was_written():
+    gm = traced(momentum_step, *(torch.randn(8, 4) for _ in range(3)))
+    assert any(n.op == "call_function" and n.target._schema.is_mutable for n in gm.graph.nodes)
+    written = functionalize(gm)
+    assert written == [0, 2]  # p and buf; g is only read
+    mutable = [n for n in gm.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
+    assert not mutable
+    gm.recompile()
+    args = [torch.randn(8, 4) for _ in range(3)]
+    copies = [a.clone() for a in args]
+    originals = [a.clone() for a in args]
+    loss, new_p, new_buf = gm(*args)
+    want = momentum_step(*copies)
+    assert torch.equal(loss, want) and torch.equal(new_p, copies[0]) and torch.equal(new_buf, copies[2])
+    assert all(torch.equal(a, b) for a, b in zip(args, originals, strict=True))  # the program writes nothing
+
+
+def test_declines_and_leaves_the_graph_alone_when_a_write_is_seen_through_a_view():
+    def f(x):
+        v = x.view(-1)
+        x.add_(1)
+        return v * 2
+
+    gm = traced(f, torch.randn(4, 2))
+    before = [(n.op, n.target, n.args) for n in gm.graph.nodes]
+    assert functionalize(gm) is None
+    assert [(n.op, n.target, n.args) for n in gm.graph.nodes] == before
