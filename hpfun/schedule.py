@@ -118,11 +118,7 @@ def _grown(seed: torch.fx.Node, onward, back) -> list[torch.fx.Node]:
         if node not in group and _glue(node) and all(x in group for x in back(node)):
             group.add(node)
             frontier += onward(node)
-    return _in_order(seed.graph, group)
-
-
-def _in_order(graph: torch.fx.Graph, nodes: set) -> list[torch.fx.Node]:
-    return sorted(nodes, key=_LIVE.__getitem__)
+    return sorted(group, key=_LIVE.__getitem__)  # in program order
 
 
 class _LiveOrder:
