@@ -140,3 +140,46 @@ def test_zero1_patterns_for_optimizer_state_before_its_first_step():
     assert lowered.memory().inputs["optimizer state"] < 2 * sum(p.numel() * 4 for p in model.parameters())
     with pytest.raises(hpfun.SpecError, match="matches no name"):
         make({"*.exp_avg_typo": P("dp")})(x)  # the state exists now
+
+
+
+def _gpt_program(specs, **options):
+    params, (idx, tgt) = m.gpt_init(), m.gpt_data()
+    opt_specs = {"m": specs, "v": specs, "step": P()}
+    f = hpfun.shard(m.gpt_step, mesh=MESH_2x2, in_specs=(specs, opt_specs, P("dp"), P("dp")),
+                    out_specs=(specs, opt_specs, P()), **options)
+    return f.lower(params, m.adamw_init(params), idx, tgt).program
+
+
+def _dropout_program():
+    f = hpfun.shard(lambda x, w: torch.nn.functional.dropout(x @ w, 0.1).sum(), mesh=MESH_2x2,
+                    in_specs=(P("dp"), P(None, "tp")), out_specs=P())
+    return f.lower(torch.randn(8, 16), torch.randn(16, 8)).program
+
+
+@pytest.mark.parametrize("case", ["gpt tp", "gpt zero-3 gathered", "dropout"])
+def test_the_meta_run_gives_the_fake_runs_estimate(case, monkeypatch):
+    """The estimate runs the program on meta tensors (`verify.meta_run`), falling back to fake
+    tensors (`verify.fake_run`): both give every node a value, and the same figures."""
+    from hpfun import verify
+
+    params = m.gpt_init()
+    program = {
+        "gpt tp": lambda: _gpt_program(m.gpt_specs(params, tp="tp")),
+        "gpt zero-3 gathered": lambda: _gpt_program({k: P("dp") if v.shape[0] % 2 == 0 else P()
+                                                     for k, v in params.items()}, gather_params="dp"),
+        "dropout": _dropout_program,
+    }[case]()
+    nodes = list(program.module.graph.nodes)
+
+    def estimate_by(run):
+        for node in nodes:
+            node.meta.pop("val", None)
+        monkeypatch.setattr(verify, "fake_run", run)  # what memory.estimate falls back to
+        monkeypatch.setattr(verify, "meta_run", run)  # and what it tries first
+        out = memory.estimate(program)
+        assert all(n.meta.get("val") is not None for n in nodes if n.op == "call_function"), run.__name__
+        return out
+
+    meta_run, fake_run = verify.meta_run, verify.fake_run
+    assert estimate_by(meta_run) == estimate_by(fake_run)
