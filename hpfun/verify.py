@@ -272,9 +272,16 @@ def meta_run(program) -> None:
 
 
 def _shape_problems(program) -> list[Problem]:
-    """Run the program on fake tensors of the inputs' local shapes; every value with a layout
-    and a global shape must come out its layout's block."""
+    """Run the program on meta tensors of the inputs' local shapes (on fake tensors where it
+    cannot run on meta ones); every value with a layout and a global shape must come out its
+    layout's block."""
     module = program.module
+    try:
+        meta_run(program)
+    except Exception:  # a value read, an op without a meta kernel: fake tensors decide
+        pass
+    else:
+        return _block_problems(module)
     try:
         fake_run(program)
     except torch._subclasses.fake_tensor.DataDependentOutputException:
@@ -282,6 +289,11 @@ def _shape_problems(program) -> list[Problem]:
     except Exception as err:  # a shape the program cannot even run with
         return [Problem("the per-shard program", f"does not run on its inputs' local shapes: "
                                                  f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")]
+    return _block_problems(module)
+
+
+def _block_problems(module) -> list[Problem]:
+    """Values whose local shape (left by a run in `node.meta["val"]`) is not their layout's block."""
     problems = []
     for node in module.graph.nodes:
         layout, meta = node.meta.get("hpfun_layout"), node.meta.get("hpfun_global")
