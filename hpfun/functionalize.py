@@ -43,12 +43,9 @@ def _out_of_place(target):
     return getattr(packet, overload, None) if packet is not None and overload in packet.overloads() else None
 
 
-def _vals(x):
-    if isinstance(x, torch.fx.Node):
-        return x.meta["val"]
-    if isinstance(x, (list, tuple)):
-        return type(x)(_vals(a) for a in x)
-    return x
+def _vals(args):
+    """`args` with each node replaced by its traced value."""
+    return torch.fx.node.map_arg(args, lambda node: node.meta["val"])
 
 
 def functionalize(gm: torch.fx.GraphModule) -> list[int] | None:

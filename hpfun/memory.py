@@ -57,13 +57,13 @@ def estimate(program, groups: list[str] | None = None) -> dict:
     """The memory section of a lowered report (see `hpfun.explain`): bytes per rank held by
     the inputs by group (`groups[i]` names input i's group; default: its input name), and the
     transient peak from the program's liveness."""
-    from hpfun.verify import fake_run, meta_run  # they fill node.meta["val"] with local values
+    from hpfun.verify import local_run  # it fills node.meta["val"] with local values
 
     module = program.module
     nodes = list(module.graph.nodes)
     if any(n.op == "call_function" and "val" not in n.meta for n in nodes):
         try:
-            _first_that_runs(program, meta_run, fake_run)
+            local_run(program)
         except Exception:  # a shape read from a value (a native generator's seed): sizes from the layouts only
             for node in nodes:
                 if "val" not in node.meta and isinstance(node.meta.get("hpfun_layout"), Layout) and \
@@ -86,21 +86,6 @@ def estimate(program, groups: list[str] | None = None) -> dict:
                 inputs["constants"] = inputs.get("constants", 0) + value.numel() * value.element_size()
     live = _liveness(nodes)
     return {"inputs": inputs, **live}
-
-
-def _first_that_runs(program, *runs) -> None:
-    """The first of `runs` that runs the program through; the last one's error if none does."""
-    nodes = list(program.module.graph.nodes)
-    saved = {n: n.meta["val"] for n in nodes if "val" in n.meta}
-    for run in runs[:-1]:
-        try:
-            return run(program)
-        except Exception:  # an op without a meta kernel, a value read: the next way may run it
-            for n in nodes:  # as the run found them
-                n.meta.pop("val", None)
-                if n in saved:
-                    n.meta["val"] = saved[n]
-    return runs[-1](program)
 
 
 def _nbytes(shape, dtype) -> int:

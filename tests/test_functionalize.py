@@ -13,7 +13,6 @@ from hpfun import P
 from hpfun.functionalize import functionalize
 
 DP = hpfun.Mesh.simulated((2,), ("dp",))
-aten = torch.ops.aten
 
 
 @pytest.fixture

@@ -175,7 +175,7 @@ def test_the_meta_run_gives_the_fake_runs_estimate(case, monkeypatch):
     def estimate_by(run):
         for node in nodes:
             node.meta.pop("val", None)
-        monkeypatch.setattr(verify, "fake_run", run)  # what memory.estimate falls back to
+        monkeypatch.setattr(verify, "fake_run", run)  # what verify.local_run falls back to
         monkeypatch.setattr(verify, "meta_run", run)  # and what it tries first
         out = memory.estimate(program)
         assert all(n.meta.get("val") is not None for n in nodes if n.op == "call_function"), run.__name__
