@@ -274,7 +274,12 @@ class Layout:
         return out
 
     def fits(self, global_shape) -> bool:
-        return not self.problems(global_shape)
+        """Whether `problems` finds none (without writing them: rules ask this per strategy)."""
+        ndim = len(global_shape)
+        for p in self.placements:
+            if isinstance(p, Shard) and not 0 <= p.dim < ndim:
+                return False
+        return all(global_shape[d] % self.shard_factor(d) == 0 for d in self.sharded_dims())
 
     def local_shape(self, global_shape) -> tuple[int, ...]:
         """Shape of every rank's shard (all shards have the same shape)."""

@@ -17,7 +17,7 @@ import operator
 import attrs
 import torch
 from torch.fx._lazy_graph_module import _make_graph_module
-from torch.utils import _pytree as pytree
+from torch.fx.node import map_arg
 
 from hpfun.checkpoint import redraws
 from hpfun.collectives import COMMUNICATING, ReduceScatter
@@ -298,12 +298,18 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     ctx.consumer = (node.name, str(node.target), "")
     required = iter(strategy.inputs)
     widen = _keeps_wide(ctx, node)
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     ctx.gather_for = node.meta.get("hpfun_fsdp")
-    leaves = [_in_dtype(ctx, x, local(x, next(required), f"{node.target}"), widen) if _is_tensor_node(x) else x
-              for x in leaves]
-    taken = tuple(new for old, new in zip(pytree.tree_leaves((node.args, node.kwargs)), leaves) if _is_tensor_node(old))
-    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    taken: list = []
+    reason = f"{node.target}"
+
+    def take(x):  # fx's walk (C++) visits arguments in `strategy.inputs`' order
+        if not _is_tensor_node(x):
+            return x
+        taken.append(_in_dtype(ctx, x, local(x, next(required), reason), widen))
+        return taken[-1]
+
+    args, kwargs = map_arg((node.args, node.kwargs), take)
+    taken = tuple(taken)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed

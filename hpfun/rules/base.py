@@ -94,10 +94,10 @@ AxisOption = tuple[tuple, tuple]  # (placement per tensor input, placement per o
 def combine_axes(call: OpCall, per_axis: list[list[AxisOption]]) -> list[Strategy]:
     """Strategies from per-mesh-axis options (cartesian product), keeping those whose shapes divide."""
     tensors, outputs = call.tensors, call.outputs
-    seen, out = set(), []
+    seen, out, mesh = set(), [], call.mesh
     for combo in itertools.product(*(_dedupe(opts) for opts in per_axis)):
-        ins = tuple(Layout(call.mesh, tuple(c[0][i] for c in combo)) for i in range(len(tensors)))
-        outs = tuple(Layout(call.mesh, tuple(c[1][o] for c in combo)) for o in range(len(outputs)))
+        ins = tuple(_layout(mesh, tuple(c[0][i] for c in combo)) for i in range(len(tensors)))
+        outs = tuple(_layout(mesh, tuple(c[1][o] for c in combo)) for o in range(len(outputs)))
         key = (ins, outs)
         if key in seen:
             continue
@@ -107,6 +107,13 @@ def combine_axes(call: OpCall, per_axis: list[list[AxisOption]]) -> list[Strateg
         ):
             out.append(Strategy(ins, outs))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(mesh, placements: tuple) -> Layout:
+    """One Layout per (mesh, placements): layouts are immutable, and rules build the same few
+    thousands of times per program."""
+    return Layout(mesh, placements)
 
 
 def _dedupe(options):
