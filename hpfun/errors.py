@@ -40,8 +40,17 @@ class HpfunError(Exception):
                 f"\n  fix: {self.problems[0].fix}" if self.problems[0].fix else ""
             )
         lines = [f"{self.headline} ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):"]
-        lines += [f"  - {p}" for p in self.problems]
+        counts: dict = {}
+        for p in self.problems:  # a problem repeated in every layer of a model is listed once
+            counts[p] = counts.get(p, 0) + 1
+        for p, n in list(counts.items())[:MAX_LISTED]:
+            lines.append(f"  - {attrs.evolve(p, what=f'{p.what} ({n} times)') if n > 1 else p}")
+        if len(counts) > MAX_LISTED:
+            lines.append(f"  ... and {len(counts) - MAX_LISTED} more (all of them in the error's .problems)")
         return "\n".join(lines)
+
+
+MAX_LISTED = 40  # distinct problems an error's message lists
 
 
 class LayoutError(HpfunError, ValueError):

@@ -71,6 +71,25 @@ def test_all_missing_rules_in_one_report_with_source_lines():
     assert "test_errors.py" in text and "a = torch.special.bessel_j0(x)" in text
 
 
+def test_a_problem_repeated_in_every_layer_is_listed_once_with_its_count():
+    """A loop over layers hitting one missing rule reads as one entry, not one per layer; every
+    problem stays in `.problems`, and a long list of distinct ones is cut short in the message."""
+
+    def layers(x):
+        for _ in range(5):
+            x = torch.special.bessel_j0(x)
+        return x
+
+    f = hpfun.shard(layers, mesh=MESH, in_specs=P("dp"))
+    err, text = _raise(f, torch.randn(8, 4), error=hpfun.MissingRuleError)
+    assert len(err.problems) == 5
+    # the first takes the split input; the others, after it, a replicated one
+    assert text.count("aten.special_bessel_j0.default") == 2 and "inputs [R, R]), from" in text
+    assert "(4 times)" in text
+    many = hpfun.MissingRuleError([hpfun.errors.Problem(f"op{i}", "no rule") for i in range(50)])
+    assert "op39: no rule" in str(many) and "op40:" not in str(many) and "and 10 more" in str(many)
+
+
 def test_data_dependent_control_flow_is_a_capture_error():
     """Reading tensor values in Python control flow names the user's line and the fix."""
 
