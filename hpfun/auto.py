@@ -69,7 +69,6 @@ from hpfun.specs import AUTO, Auto
 # found no choice at all within 60 s (benchmarks/plan.py)
 TIME_LIMIT = 300.0
 MAX_ROUNDS = 12  # memory points added before giving up on fitting the budget
-LAYER_HOPS = 4  # how far two ops' neighbourhoods must look alike for them to be tied as repeated layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,7 +705,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
     # every layer), and an AUTO one by its tie class
     tie_of = {node: ("fixed", repeated_name(name)) for node, name in names.items()}
     tie_of.update({node: classes[name] for name, g in groups.items() for node in g.inputs})
-    layer_ties = _layer_ties(graph, problem, tie_of)
+    layer_ties = exact.layer_ties(graph, problem, tie_of)
     problem = attrs.evolve(problem, ties=ties + layer_ties)
     memory = _Memory(memory_order(list(graph.nodes)), problem)
     points: list[int] = []  # none at first: the fastest plan often fits, and rows of memory slow HiGHS down
@@ -751,47 +750,6 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
         if node.op == "call_function" and node.target is operator.getitem:
             plans[node] = NodePlan(plans[node.args[0]].layout[node.args[1]])
     return Annotation(plans, solution.price)
-
-
-def _layer_ties(graph, problem: milp.Problem, tie_of: dict, rounds: int = LAYER_HOPS) -> list[tuple]:
-    """Ops of repeated layers, tied to choose alike: ops with the same candidates whose
-    neighbourhoods `rounds` edges deep look the same (the same ops on the same shapes, the AUTO
-    inputs of one tie class), so the MILP solves the layers once (HiGHS's presolve merges tied
-    columns). Ops near what differs (the first layer's input, the last one's output) see it
-    and stay apart."""
-    fx_nodes = [n for n in problem.nodes if isinstance(n, torch.fx.Node)]
-    label: dict = {}
-    for n in problem.nodes:
-        if not isinstance(n, torch.fx.Node):
-            label[n] = hash(("sink",))
-        elif n.op == "placeholder":
-            label[n] = hash(("input", tie_of.get(n, n.name), problem.candidates[n]))
-        elif n.op == "get_attr":
-            label[n] = hash(("constant", n.name))
-        elif _picks_a_scalar(n):  # the i-th parameter's step size in a foreach optimizer: alike whatever i
-            label[n] = hash(("scalar of", tuple(n.args[0].meta["val"].shape), n.meta["val"].dtype))
-        else:
-            label[n] = hash(graph.sites[n].key)
-    producers = {n: [p for p, _ in problem.inputs(n)] for n in problem.nodes}
-    consumers: dict = {n: [] for n in problem.nodes}
-    for n, ps in producers.items():
-        for p in ps:
-            consumers[p].append(n)
-    for _ in range(rounds):
-        label = {n: hash((label[n], tuple(label[p] for p in producers[n]), tuple(sorted(label[c] for c in consumers[n]))))
-                 for n in problem.nodes}
-    alike: dict = {}
-    for n in fx_nodes:
-        if n.op == "call_function" and len(problem.candidates[n]) > 1:
-            alike.setdefault((label[n], problem.candidates[n]), []).append(n)
-    return [tuple(group) for group in alike.values() if len(group) > 1]
-
-
-def _picks_a_scalar(node: torch.fx.Node) -> bool:
-    """`select` of one element of a vector: foreach optimizers stack one scalar per parameter
-    (step sizes, bias corrections) and pick each parameter's by its index."""
-    return (node.op == "call_function" and node.target is torch.ops.aten.select.int
-            and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].ndim == 1)
 
 
 def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -24,6 +25,8 @@ from hpfun.errors import ShardingError
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.plan import redistribute_seconds
 from hpfun import solve as milp
+
+LAYER_HOPS = 4  # how far two ops' neighbourhoods must look alike for them to be tied as repeated layers
 
 
 def refine(graph, best, time_limit: float = 10.0):
@@ -34,7 +37,13 @@ def refine(graph, best, time_limit: float = 10.0):
         return None
     problem, start, options = built
     start_price = milp.total_price(problem, start)
-    solution = milp.solve(problem, start=start, time_limit=time_limit)
+    # repeated layers choose alike: the program is as large at 32 layers as at 4 (the greedy
+    # start need not keep the ties; the solution is kept only where cheaper than it)
+    tied = attrs.evolve(problem, ties=layer_ties(graph, problem))
+    try:
+        solution = milp.solve(tied, start=start, time_limit=time_limit)
+    except milp.InfeasibleError:  # nothing finite keeps the ties: the greedy plan stands
+        return None
     if solution.price >= start_price * (1 - 1e-9) - 1e-9:
         return None
     plans = dict(best.plans)
@@ -177,3 +186,48 @@ def _try(layout: Layout, axis: int, placement):
         return layout.with_placement(axis, placement)
     except Exception:  # a placement the layout cannot take on that axis (an order it cannot keep)
         return None
+
+
+def layer_ties(graph, problem: milp.Problem, tie_of: dict | None = None, rounds: int = LAYER_HOPS) -> list[tuple]:
+    """Ops of repeated layers, tied to choose alike: ops with the same candidates whose
+    neighbourhoods `rounds` edges deep look the same (the same ops on the same shapes, the AUTO
+    inputs of one tie class), so the MILP solves the layers once (HiGHS's presolve merges tied
+    columns). Ops near what differs (the first layer's input, the last one's output) see it
+    and stay apart. `tie_of`: input placeholder -> the name of its tie class (AUTO's specs)."""
+    tie_of = tie_of or {}
+    fx_nodes = [n for n in problem.nodes if isinstance(n, torch.fx.Node)]
+    label: dict = {}
+    for n in problem.nodes:
+        if not isinstance(n, torch.fx.Node):
+            label[n] = hash(("sink",))
+        elif n.op == "placeholder" and n not in tie_of and len(problem.candidates[n]) == 1:
+            val = n.meta["val"]  # an input of a given layout: any of its shape and dtype looks alike
+            label[n] = hash(("fixed input", problem.candidates[n], tuple(val.shape), val.dtype))
+        elif n.op == "placeholder":
+            label[n] = hash(("input", tie_of.get(n, n.name), problem.candidates[n]))
+        elif n.op == "get_attr":
+            label[n] = hash(("constant", n.name))
+        elif _picks_a_scalar(n):  # the i-th parameter's step size in a foreach optimizer: alike whatever i
+            label[n] = hash(("scalar of", tuple(n.args[0].meta["val"].shape), n.meta["val"].dtype))
+        else:
+            label[n] = hash(graph.sites[n].key)
+    producers = {n: [p for p, _ in problem.inputs(n)] for n in problem.nodes}
+    consumers: dict = {n: [] for n in problem.nodes}
+    for n, ps in producers.items():
+        for p in ps:
+            consumers[p].append(n)
+    for _ in range(rounds):
+        label = {n: hash((label[n], tuple(label[p] for p in producers[n]), tuple(sorted(label[c] for c in consumers[n]))))
+                 for n in problem.nodes}
+    alike: dict = {}
+    for n in fx_nodes:
+        if n.op == "call_function" and len(problem.candidates[n]) > 1:
+            alike.setdefault((label[n], problem.candidates[n]), []).append(n)
+    return [tuple(group) for group in alike.values() if len(group) > 1]
+
+
+def _picks_a_scalar(node: torch.fx.Node) -> bool:
+    """`select` of one element of a vector: foreach optimizers stack one scalar per parameter
+    (step sizes, bias corrections) and pick each parameter's by its index."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.select.int
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].meta["val"].ndim == 1)
