@@ -118,6 +118,34 @@ def test_attention_program_holds_no_scores_matrix(split):
         torch.testing.assert_close(g.full(), expected[name], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["causal", "grouped_query"])
+def test_causal_attention_split_along_the_sequence_keeps_the_queries_local(name):
+    """Causal attention with its inputs split along the sequence (context parallelism): each
+    rank attends its own query rows to the gathered keys and values under the causal mask of
+    its rows, written out; the queries and the output stay split, the keys' and values'
+    gradients are summed. Results equal the unsharded ones, and no rank holds a T x T tensor."""
+    kwargs, kv_heads, _ = ATTENTION[name]
+    T = 24
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, T, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    seq = P(None, None, "sp")
+    mesh = hpfun.Mesh.simulated((4,), ("sp",))
+    f = hpfun.shard(_attention_grads(**kwargs), mesh=mesh, in_specs=(seq, seq, seq), out_specs=(seq, seq, seq))
+    f(q, k, v)  # compiled outside the recording
+    with _Shapes() as seen:
+        got = f(q, k, v)
+    for g_, e in zip(got, _attention_grads(**kwargs)(q, k, v), strict=True):
+        torch.testing.assert_close(g_.full(), e, rtol=1e-10, atol=1e-10)
+    assert not [s for s in seen.shapes if s[-2:] == (T, T)]
+    lowered = f.lower(q, k, v)
+    kinds = collections.Counter(c.kind for c in lowered.collectives)
+    assert kinds == {"all_gather": 2, "reduce_scatter": 2}, kinds  # k and v gathered; their gradients scattered
+    attention = [n for n in lowered.program.module.graph.nodes
+                 if n.target is aten._scaled_dot_product_flash_attention_for_cpu.default]
+    assert attention and all(n.args[4] is False and "attn_mask" in n.kwargs for n in attention)
+
+
 def _cuda_attention_grads(kernel):
     """Gradients through one of CUDA's fused attention kernels, called as torch's SDPA would."""
     def loss(q, k, v):

@@ -8,10 +8,12 @@ scores. Which splits keep that local, per mesh axis:
   split serves whole groups because shards are even: query heads [i H/n, (i+1) H/n) read key
   heads [i Hkv/n, (i+1) Hkv/n).
 - query rows (dim 2 of the query, the output, its gradient and the logsumexp), keys and
-  values whole: each row is its own softmax. Not when causal (the kernel's causal mask counts
-  rows from 0, a shard's rows start later) and only for the CPU op (CUDA's logsumexp may be
-  padded along the rows). The keys' and values' gradients are then sums over the rows:
-  `Partial(sum)`.
+  values whole: each row is its own softmax. Only for the CPU op (CUDA's logsumexp may be
+  padded along the rows, and its flash kernel takes no mask). The keys' and values' gradients
+  are then sums over the rows: `Partial(sum)`. Causal attention split so (context
+  parallelism with the keys gathered) runs with the causal mask written out for the rank's
+  rows: the kernel's own counts rows from 0, and a shard's rows start later, at the offset its
+  mesh coordinates give (a T/n x S mask per rank, in the query's dtype, 0 or -inf).
 - a mask or bias follows the dim of (B, H, T, S) it has at full size, and is whole where it
   broadcasts.
 - the backward is linear in the output's gradient: a `Partial(sum)` gradient (the rest
@@ -29,9 +31,12 @@ from __future__ import annotations
 import math
 
 import attrs
+import torch
 
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, TensorArg, combine_axes, replicated_option
+
+aten = torch.ops.aten
 
 # What each argument or output name of the fused ops holds, as dims of (B, H, T, S)
 _Q = ("query", "grad_out", "grad_out_", "out", "output", "grad_query")  # (B, Hq, T, E)
@@ -65,8 +70,8 @@ class Attention(Rule):
             r = Layout.replicated(call.mesh)
             return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
         splits = [self._split(call, ins, outs, 0), self._split(call, ins, outs, 1)]
-        if self.rows and not call.arg(self.causal_arg, default=False):
-            splits.append(self._rows(call, ins, outs))
+        if self.rows and not (call.arg(self.causal_arg, default=False) and "mask" in ins):
+            splits.append(self._rows(call, ins, outs))  # causal: `emit` writes the rank's mask
         per_axis = []
         for a in range(call.mesh.ndim):
             # a split some input already has on this axis (from replicated inputs, any split
@@ -126,6 +131,29 @@ class Attention(Rule):
             return None
         return (tuple(g if i == grads[0] else R for i in range(len(call.tensors))),
                 tuple(g if r in ("q", "kv", "mask") else R for r in outs))
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        """The op on the local blocks; causal with the query rows split, with the causal mask of
+        the rank's rows in place of `is_causal` (row i of the block at global offset o sees the
+        keys j <= o + i, as the whole op's row o + i does)."""
+        ins, _ = self._roles(call)
+        q = call.tensors[ins.index("q")]
+        layout = strategy.inputs[ins.index("q")]
+        if not (call.arg(self.causal_arg, default=False) and layout.shard_axes(2)):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        rows, keys = layout.local_shape(q.shape)[2], call.tensors[ins.index("kv")].shape[2]
+        first = ctx.shard_offset(layout, q.shape, 2)
+        index = ctx.call(aten.add.Tensor, (ctx.call(aten.arange.default, (rows,), {"dtype": torch.int64}), first))
+        seen = ctx.call(aten.ge.Tensor, (ctx.call(aten.view.default, (index, [rows, 1])),
+                                         ctx.call(aten.arange.default, (keys,), {"dtype": torch.int64})))
+        zeros = ctx.call(aten.zeros.default, ([rows, keys],), {"dtype": q.dtype})
+        mask = ctx.call(aten.masked_fill.Scalar, (zeros, ctx.call(aten.logical_not.default, (seen,)), -math.inf))
+        args, kwargs = list(args), {**kwargs, "attn_mask": mask}
+        if self.causal_arg < len(args):
+            args[self.causal_arg] = False
+        else:
+            kwargs["is_causal"] = False
+        return ctx.call(call.op, tuple(args), kwargs)
 
     def work(self, call: OpCall, strategy: Strategy) -> float:
         """Multiply-adds per rank: q k^T and p v forward; the backward recomputes q k^T and
