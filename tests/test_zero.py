@@ -467,10 +467,9 @@ def _bf16_step(llama, opt):
 @pytest.fixture(scope="module")
 def bf16_llama():
     """A bfloat16 Hugging Face Llama and torch's foreach AdamW, one step under ZeRO-3 with
-    gather_params and one eager. AdamW on bfloat16 parameters reads each gradient through three
-    float32 casts (one for exp_avg's lerp, two for exp_avg_sq's product) and the embedding's
-    gradient is summed in float32 and cast to bfloat16: the pin of each gradient is found through
-    those casts and views, where a Partial sum is one value."""
+    gather_params and one eager. AdamW on bfloat16 parameters reads gradients through float32
+    casts, and the embedding's gradient is summed in float32 and cast to bfloat16: the pin of
+    each gradient is found through those casts and views, where a Partial sum is one value."""
     llama, opt = _bf16_llama()
     ref, ref_opt = _bf16_llama()
     step = _bf16_step(llama, opt)
@@ -516,15 +515,18 @@ def test_zero3_bfloat16_llama_reduce_scatters_each_gradient_once(bf16_llama):
 
 def test_zero3_bfloat16_llama_memory_is_below_the_all_reduced_gradients(bf16_llama, monkeypatch):
     """Per rank, the step's peak with each gradient reduce-scattered is below that of the plan
-    the pins found before they looked through casts and views (each gradient all-reduced, a
-    full-size float32 copy of it on every rank): measured 90,029 B against 166,416 B (0.54x)."""
+    the pins found before they looked through casts and views: there the embedding's gradient,
+    summed in float32 and cast to bfloat16, is all-reduced, a full-size copy on every rank.
+    Measured 90,029 B against 98,860 B (0.91x). (While capture decomposed AdamW's lerp, its
+    float32 casts hid every gradient from those pins: 166,416 B, 0.54x.)"""
     from hpfun import fsdp
 
     low, _, _, ids = bf16_llama
     monkeypatch.setattr(fsdp, "_passes", lambda node: False)  # the pins as they were found before
     before = _bf16_step(*_bf16_llama()).lower(ids)
-    assert _kinds(before)["all_reduce"] > 2 and _kinds(before)["reduce_scatter"] == 0
-    assert low.memory().peak < 0.7 * before.memory().peak
+    reduced = [c.node for c in before.program.collectives if c.kind == "all_reduce" and c.bytes > 4]
+    assert reduced == ["embedding_dense_backward"]
+    assert low.memory().peak < 0.95 * before.memory().peak
 
 
 # ---------------------------------------------------------------------------------------------
