@@ -66,9 +66,10 @@ KEPT_WHOLE = frozenset([
     aten.hardsigmoid_backward.default,
     # layer norm's backward (rule in rules/norm.yaml)
     aten.native_layer_norm_backward.default,
-    # lerp (Adam's moment update): torch's decomposition is ten ops, and tracing it cost a
-    # third of capturing an HF Llama step with AdamW
+    # lerp and addcmul (Adam's moment updates): torch's decompositions are ten and five ops, and
+    # tracing them cost a third of capturing an HF Llama step with AdamW
     aten.lerp.Scalar, aten.lerp.Tensor, aten.lerp_.Scalar, aten.lerp_.Tensor,
+    aten.addcmul.default, aten.addcmul_.default, aten.addcdiv.default, aten.addcdiv_.default,
 ])
 
 _DECOMPOSE_TOO = [

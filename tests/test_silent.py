@@ -182,6 +182,9 @@ LINEAR = {  # ops a Partial(sum) value may pass through (or that must resolve it
     "masked -inf": lambda x: x.masked_fill(_MASK, float("-inf")),
     "cumsum": lambda x: torch.cumsum(x, 0),
     "times replicated": lambda x: x * _W.sum(1, keepdim=True).T.repeat(4, 1),
+    "lerp with itself": lambda x: torch.lerp(x, x * 2, 0.3),
+    "addcmul": lambda x: torch.addcmul(x, x, _W.sum(1, keepdim=True).T.repeat(4, 1), value=0.5),
+    "addcmul by inf": lambda x: torch.addcmul(x, x, _W.sum(1, keepdim=True).T.repeat(4, 1), value=float("inf")),
 }
 _SPECIAL = [0.0, 1.0, -2.5, 1e300, -1e300, float("inf"), float("-inf"), float("nan")]
 

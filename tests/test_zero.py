@@ -513,12 +513,13 @@ def test_zero3_bfloat16_llama_reduce_scatters_each_gradient_once(bf16_llama):
     assert sorted(c.bytes for c in scatters) == sorted(p.numel() * 4 for p in names.values())
 
 
-def test_zero3_bfloat16_llama_memory_is_below_the_all_reduced_gradients(bf16_llama, monkeypatch):
-    """Per rank, the step's peak with each gradient reduce-scattered is below that of the plan
-    the pins found before they looked through casts and views: there the embedding's gradient,
-    summed in float32 and cast to bfloat16, is all-reduced, a full-size copy on every rank.
-    Measured 90,029 B against 98,860 B (0.91x). (While capture decomposed AdamW's lerp, its
-    float32 casts hid every gradient from those pins: 166,416 B, 0.54x.)"""
+def test_zero3_bfloat16_llama_scatters_the_gradient_the_old_pins_all_reduced(bf16_llama, monkeypatch):
+    """The pin of each gradient is found through casts and views. Without that (the pins as
+    they were found before), the embedding's gradient, summed in float32 and cast to bfloat16,
+    is all-reduced: a full-size copy on every rank, the largest collective buffer (29,796 B
+    against 17,504 B with it reduce-scattered). While capture decomposed AdamW's lerp and
+    addcmul, their float32 casts hid every gradient from the old pins, and the step's whole
+    peak was 1.8x higher; with both kept whole the peak is the same either way."""
     from hpfun import fsdp
 
     low, _, _, ids = bf16_llama
@@ -526,7 +527,8 @@ def test_zero3_bfloat16_llama_memory_is_below_the_all_reduced_gradients(bf16_lla
     before = _bf16_step(*_bf16_llama()).lower(ids)
     reduced = [c.node for c in before.program.collectives if c.kind == "all_reduce" and c.bytes > 4]
     assert reduced == ["embedding_dense_backward"]
-    assert low.memory().peak < 0.95 * before.memory().peak
+    assert not [c for c in low.program.collectives if c.kind == "all_reduce" and c.bytes > 4]
+    assert low.memory().collective_peak < 0.7 * before.memory().collective_peak
 
 
 # ---------------------------------------------------------------------------------------------

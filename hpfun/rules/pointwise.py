@@ -69,10 +69,10 @@ def _finite_scalars(call: OpCall) -> bool:
     inf - inf = nan where the whole value was one infinity, or 0 * inf = nan on a rank whose
     term is 0. A Python number among the arguments must be finite (and not a divisor of 0)."""
     dividing = "div" in str(call.op)
-    for i, a in enumerate(call.args):
+    for i, a in [*enumerate(call.args), *((None, v) for v in call.kwargs.values())]:  # addcmul's value=
         if isinstance(a, bool) or not isinstance(a, (int, float, complex)):
             continue
-        if not torch.isfinite(torch.tensor(a)).item() or (dividing and i > 0 and a == 0):
+        if not torch.isfinite(torch.tensor(a)).item() or (dividing and i is not None and i > 0 and a == 0):
             return False
     return True
 
