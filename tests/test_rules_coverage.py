@@ -743,8 +743,8 @@ ATTENTION = {  # name: (op, fn, input shapes, partial positions); q (B, H, T, E)
 @settings(max_examples=EXAMPLES)
 @given(data=st.data())
 def test_fused_attention(data, name):
-    """The fused attention kernel split on batch, heads or (not causal) query rows, and its
-    backward from a Partial gradient, equal the kernel on whole tensors."""
+    """The fused attention kernel split on batch, heads or query rows (causal: under the rows'
+    own mask), and its backward from a Partial gradient, equal the kernel on whole tensors."""
     op, fn, shapes, partial = ATTENTION[name]
     check_op(data.draw, op, fn, tuple(_rand(*s) for s in shapes), partial=partial, tol=1e-8)
 
