@@ -20,9 +20,12 @@ from __future__ import annotations
 import collections
 import dis
 import functools
+import itertools
+import operator
 import os
 import sys
 import types
+import weakref
 
 import attrs
 import torch
@@ -161,13 +164,14 @@ _MISSING = object()  # an empty closure cell, a global not (or no longer) define
 class RootCache:
     """`find_roots` of one function, walked again only when a closure cell, global or code object
     the last walk read holds another object, or when that walk went into containers or objects
-    whose contents can change in place. Modules' and optimizers' contents are not part of this:
-    `collect` reads them at every call."""
+    whose contents can change in place; and `collect` of those roots, done again only when a
+    container it read (a module's parameters, buffers, submodules or attributes; an optimizer's
+    groups and state) holds other objects, or a parameter's `requires_grad` changed (`Snapshot`)."""
 
     def __init__(self, fn):
         self.fn = fn
         self._last = None  # (roots, opaque, guard) of a reusable walk
-        self._state = None  # (roots, State) when those roots are Python values only
+        self._state = None  # (roots, State, Snapshot) of the last collect
 
     def __call__(self) -> tuple[list[Root], list[tuple[str, object]]]:
         if self._last is not None and _holds(self._last[2]):
@@ -178,14 +182,87 @@ class RootCache:
         return roots, opaque
 
     def state(self) -> State:
-        """`collect` of the roots; where they are Python values only (no module, optimizer or
-        tensor: no slots), the last State again while those values are the same."""
+        """`collect` of the roots; the last State again while nothing it read has changed, with
+        the statics (learning rates, scalars) read anew."""
         roots, opaque = self()
-        if self._state is not None and self._state[0] is roots and statics(roots) == self._state[1].statics:
-            return self._state[1]
-        state = collect(roots, opaque)
-        self._state = (roots, state) if all(root.value is _SCALAR for root in roots) else None
+        if self._state is not None and self._state[0] is roots and self._state[2].holds():
+            state = self._state[1]
+            now = statics(roots, state.statics)
+            if now != state.statics:
+                state = attrs.evolve(state, statics=now)
+                self._state = (roots, state, self._state[2])
+            return state
+        snapshot = Snapshot()
+        state = collect(roots, opaque, snapshot)
+        self._state = (roots, state, snapshot)
         return state
+
+
+class Snapshot:
+    """What a `collect` read, by identity: every dict and list it walked with the keys and
+    objects they held, and each tensor's `requires_grad`. While all of them are unchanged, a
+    new walk would find the same slots (which read their tensors anew at every call). A
+    container replaced, an entry added, removed or reassigned, a module's `training` flag
+    flipped (a module's attributes are among the dicts) all make `holds()` false; so does a
+    value replaced by an equal one, which costs only a new walk.
+
+    Contents are compared by `id`. A tensor is held weakly (the snapshot does not keep a
+    tensor the user replaced alive), and a tensor freed makes `holds()` false, so its id cannot
+    have passed to another object; every other value is held, so its id is its own."""
+
+    def __init__(self):
+        self.dicts: list = []  # (dict, keys, ids of its values)
+        self.lists: list = []  # (list, ids of its items)
+        self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
+        self.kept: list = []  # the values that are not tensors, kept alive
+        self.tensors: dict = {}  # id -> a weak reference to each tensor seen
+        self.refs: tuple = ()
+        self.flags: tuple = ()
+
+    def _seen(self, values) -> None:
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                self.tensors.setdefault(id(v), (weakref.ref(v), v.requires_grad))
+            else:
+                self.kept.append(v)
+
+    def dict(self, d: dict) -> None:
+        self.dicts.append((d, tuple(d), tuple(map(id, d.values()))))
+        self._seen(d.values())
+
+    def list(self, seq: list) -> None:
+        self.lists.append((seq, tuple(map(id, seq))))
+        self._seen(seq)
+
+    def group(self, group: dict) -> None:
+        """Its parameter list and tensors by identity; its numbers are statics, read anew."""
+        held = {k: v for k, v in group.items() if isinstance(v, (torch.Tensor, list))}
+        self.groups.append((group, tuple(group), {k: id(v) for k, v in held.items()}))
+        self._seen(held.values())
+
+    def seal(self) -> None:
+        self.refs = tuple(ref for ref, _ in self.tensors.values())
+        self.flags = tuple(flag for _, flag in self.tensors.values())
+
+    def holds(self) -> bool:
+        is_ = operator.is_
+        tensors = tuple(map(operator.call, self.refs))  # (`None in tensors` would compare tensors with ==)
+        if not all(map(operator.is_not, tensors, itertools.repeat(None))) or \
+                tuple(map(_REQUIRES_GRAD, tensors)) != self.flags:
+            return False
+        for d, keys, ids in self.dicts:
+            if len(d) != len(keys) or not all(map(is_, d, keys)) or tuple(map(id, d.values())) != ids:
+                return False
+        for seq, ids in self.lists:
+            if tuple(map(id, seq)) != ids:
+                return False
+        for group, keys, held in self.groups:
+            if tuple(group) != keys or any(id(group[k]) != i for k, i in held.items()):
+                return False
+        return True
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _holds(guard: list) -> bool:
@@ -271,7 +348,7 @@ class State:
     statics: dict  # name -> hashable Python value deciding the trace (training flags, learning rates)
     roots: tuple
     opaque: tuple
-    param_names: dict  # id(parameter) -> its name: optimizer state is named after its parameter
+    param_names: dict  # id(tensor) -> its name: optimizer state is named after its parameter
 
     def root(self, name: str):
         return next(r.value for r in self.roots if r.name == name)
@@ -286,8 +363,10 @@ class State:
         return out
 
 
-def collect(roots: list[Root], opaque=()) -> State:
-    """Every slot the roots hold now, named; problems (state hpfun cannot lift) raise together."""
+def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> State:
+    """Every slot the roots hold now, named; problems (state hpfun cannot lift) raise together.
+    `snapshot` records what the walk read (see `Snapshot`)."""
+    snapshot = snapshot or Snapshot()
     slots: dict[str, Slot] = {}
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
     problems: list[Problem] = []
@@ -303,28 +382,33 @@ def collect(roots: list[Root], opaque=()) -> State:
 
     for root in roots:
         if isinstance(root.value, torch.nn.Module):
-            _module_slots(root.name, root.value, add)
+            _module_slots(root.name, root.value, add, snapshot)
     for root in roots:
         if isinstance(root.value, torch.optim.Optimizer):
-            _optimizer_slots(root.name, root.value, add, names, problems)
+            _optimizer_slots(root.name, root.value, add, names, problems, snapshot)
         elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
             add(root.name, root.read, root.write or _cannot_write(root.name))
     if problems:
         raise CaptureError(problems, headline="cannot lift the state the function reads")
-    params = {id(slot.read()): name for name, slot in slots.items() if slot.requires_grad}
+    snapshot.seal()
+    # every tensor's name by id, frozen parameters' too: an optimizer's state of a parameter
+    # that gets no gradient this step is still its own, and stays
+    params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None}
     return State(slots, statics(roots), tuple(roots), tuple(opaque), params)
 
 
-def statics(roots) -> dict:
+def statics(roots, known: dict | None = None) -> dict:
     """The Python values that decide what a trace records: the scalars the function reads from
     closures and globals (a learning rate `lr`), each module tree's training flags, each
-    optimizer's hyperparameters (its learning rate, betas...)."""
+    optimizer's hyperparameters (its learning rate, betas...). `known`: the statics of an
+    earlier call whose module trees (and so their training flags) are unchanged."""
     out: dict[str, object] = {}
     for root in roots:
         if root.value is _SCALAR:
             out[root.name] = root.read()
         elif isinstance(root.value, torch.nn.Module):
-            out[_join(root.name, "training")] = tuple(m.training for m in root.value.modules())
+            name = _join(root.name, "training")
+            out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):
                 for key, v in group.items():
@@ -344,10 +428,12 @@ def _cannot_write(name: str):
     return write
 
 
-def _module_slots(prefix: str, module: torch.nn.Module, add) -> None:
+def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot) -> None:
     params = []
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
+        for store in (vars(mod), mod._parameters, mod._buffers, mod._modules):
+            snapshot.dict(store)
         for attr, p in list(mod._parameters.items()):
             if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
                                      functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):
@@ -380,8 +466,14 @@ def _set_grad(mod, attr, value):
     mod._parameters[attr].grad = value
 
 
-def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list) -> None:
+def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list,
+                     snapshot: Snapshot) -> None:
+    snapshot.dict(vars(opt))
+    snapshot.list(opt.param_groups)
+    snapshot.dict(opt.state)
     for g, group in enumerate(opt.param_groups):
+        snapshot.group(group)
+        snapshot.list(group["params"])
         for i, p in enumerate(group["params"]):
             if id(p) not in names:  # a parameter of no module the function reaches
                 name = _join(prefix, f"params.{g}.{i}")
@@ -397,6 +489,7 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
                     functools.partial(group.__setitem__, key))
     for p, entries in opt.state.items():
+        snapshot.dict(entries)
         owner = names.get(id(p))
         if owner is None:
             problems.append(Problem(f"{prefix}.state", f"holds state for a tensor of shape {tuple(p.shape)} that is "

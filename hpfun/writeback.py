@@ -14,16 +14,54 @@ values back.
 
 from __future__ import annotations
 
+import weakref
+
 import attrs
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block, unchecked
 
-# tensor -> (layout, global shape, data pointer): lifted state a distributed call left sharded
-_LOCAL = WeakIdKeyDictionary()
+class _Blocks:
+    """tensor -> (layout, global shape, data pointer): lifted state a distributed call left
+    sharded. Keyed by id with a weak reference to the tensor (read at every call for every
+    lifted tensor, so a plain dict lookup; torch's WeakIdKeyDictionary builds a key object
+    per lookup); an entry goes when its tensor is freed."""
+
+    def __init__(self):
+        self._entries: dict = {}  # id -> (weak reference, entry)
+
+    def get(self, x):
+        found = self._entries.get(id(x))
+        return found[1] if found is not None and found[0]() is x else None
+
+    def __setitem__(self, x, entry) -> None:
+        key = id(x)
+        entries = self._entries
+        found = entries.get(key)
+        if found is not None and found[0]() is x:  # a block written back into the same tensor again
+            entries[key] = (found[0], entry)
+            return
+
+        def gone(ref):  # only this tensor's entry: its id may be another's by now
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(x, gone), entry)
+
+    def pop(self, x, default=None):
+        found = self._entries.get(id(x))
+        if found is None or found[0]() is not x:
+            return default
+        del self._entries[id(x)]
+        return found[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_LOCAL = _Blocks()
 
 
 def held_block(x: torch.Tensor) -> Sharded | None:
@@ -33,8 +71,8 @@ def held_block(x: torch.Tensor) -> Sharded | None:
     if entry is None:
         return None
     layout, shape, ptr = entry
-    if x.data_ptr() != ptr or tuple(x.shape) != layout.local_shape(shape):
-        del _LOCAL[x]
+    if x.data_ptr() != ptr or x.shape != layout.local_shape(shape):
+        _LOCAL.pop(x)
         return None
     return unchecked(layout, shape, (x,))  # its local shape checked just above
 

@@ -155,6 +155,83 @@ def test_changed_parameter_is_seen_by_the_next_call():
     assert f.trace_count == 1
 
 
+class Gated(torch.nn.Module):
+    """A linear layer scaled by a tensor attribute that may come to exist after the first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4).double()
+        self.gate = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if self.gate is None else y * self.gate
+
+
+def test_the_state_walk_is_reused_until_the_module_or_optimizer_changes(monkeypatch):
+    """Calls after the first reuse the last walk of the modules and the optimizer (it costs
+    about a millisecond for a small HF model), and walk again when anything it read changed:
+    a tensor attribute that appears, a submodule replaced, a parameter frozen, a parameter
+    group added. Every call equals eager, and a frozen parameter keeps its optimizer state."""
+    from hpfun import lift
+
+    walks = []
+    collect = lift.collect
+    monkeypatch.setattr(lift, "collect", lambda *a, **k: walks.append(1) or collect(*a, **k))
+    torch.manual_seed(0)
+    model, head = Gated(), torch.nn.Linear(4, 4).double()
+    ref, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def eager(x):
+        loss = ref(x).square().mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return loss
+
+    def check(i):
+        x, _ = batch(i)
+        assert abs(step(x).full().item() - eager(x).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+
+    for i in range(4):  # the first step creates momentum buffers: one more walk, then none
+        check(i)
+    assert len(walks) == 2
+    for m in (model, ref):
+        m.gate = torch.full((4,), 0.5, dtype=torch.float64)
+    check(4)
+    assert len(walks) == 3 and model.gate.abs().sum().item() == 2.0
+    model.lin, ref.lin = torch.nn.Linear(8, 4).double(), torch.nn.Linear(8, 4).double()
+    ref.lin.load_state_dict(model.lin.state_dict())
+    for o, m in ((opt, model), (ref_opt, ref)):
+        o.add_param_group({"params": list(m.lin.parameters())})
+    check(5)
+    check(6)
+    model.lin.bias.requires_grad_(False)
+    ref.lin.bias.requires_grad_(False)
+    bias = model.lin.bias.detach().clone()
+    check(7)
+    assert torch.equal(model.lin.bias, bias)  # frozen: not updated, and its momentum kept (it was dropped)
+    assert torch.allclose(opt.state[model.lin.bias]["momentum_buffer"], ref_opt.state[ref.lin.bias]["momentum_buffer"],
+                          rtol=0, atol=1e-12)
+    walks.clear()
+    check(8)
+    assert walks == []
+    model.lin.bias.requires_grad_(True)
+    ref.lin.bias.requires_grad_(True)
+    check(9)  # the kept momentum carries on, as eager's does
+
+
 SCALE = torch.tensor([2.0, 3.0])
 
 
