@@ -7,7 +7,9 @@ import functools
 import gc
 import inspect
 import operator
+import re
 import sys
+import warnings
 
 import attrs
 import torch
@@ -243,6 +245,7 @@ class ShardedFunction:
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
         self._auto: list = []  # (key, entry) of each program with AUTO leaves
+        self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
         self.trace_count = 0
         self._signature_obj = _signature(fn)
         self._arity = _plain_arity(self._signature_obj, len(in_specs) if isinstance(in_specs, tuple) else None)
@@ -323,6 +326,7 @@ class ShardedFunction:
         if entry is None:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+            self._note_changed_statics(key)
             entry = self._compile(call, leaves)
             self._cache[key] = entry
             if entry.auto is not None:
@@ -330,6 +334,22 @@ class ShardedFunction:
         if call.key is not None and _hashable(call.key):
             self._fast[call.key] = entry
         return entry.program, entry
+
+    def _note_changed_statics(self, key) -> None:
+        """A compile whose signature differs from the last one of the same arguments only in
+        Python values the trace reads: count it per value, and warn once per value that keeps
+        changing (an LR scheduler stepping a float learning rate compiles a program per step)."""
+        tree, leaves, statics, *rest = key
+        last = next((k for k in reversed(self._cache) if k[0] == tree and k[1] == leaves and list(k[3:]) == rest), None)
+        if last is None:
+            return
+        before = dict(last[2])
+        for name, value in statics:
+            if name not in before or before[name] == value:
+                continue
+            self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
+            if seen == RETRACE_WARNING_AFTER:
+                warnings.warn(_retrace_message(self, name, before[name], value, seen), RetraceWarning, stacklevel=4)
 
     def _signature(self, call: _Call):
         problems: list[Problem] = []
@@ -513,6 +533,24 @@ class ShardedFunction:
                 layout = Layout.replicated(self.mesh)  # every rank's own global tensor gets the full value
             writes.append(WriteBack(layout, leaves[tensor_pos[j]].shape, names[j], input=j))
         return writes
+
+
+RETRACE_WARNING_AFTER = 3  # compiles caused by changes of one Python value before RetraceWarning
+
+
+class RetraceWarning(UserWarning):
+    """A sharded function keeps compiling because a Python value its trace reads keeps changing."""
+
+
+def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:
+    fn = getattr(f.fn, "__qualname__", type(f.fn).__name__)
+    head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
+            f"(last {before!r} -> {now!r}): a Python number the trace reads is baked into the program, and "
+            "every new value compiles again (seconds each, and every program stays cached).")
+    if re.search(r"param_groups\.\d+\.lr$", name):
+        return head + (" A learning rate a scheduler changes every step belongs in a tensor, which hpfun reads at "
+                       "every call: torch.optim.AdamW(params, lr=torch.tensor(1e-3)) (schedulers update it in place).")
+    return head + " If it changes every call, pass it as a tensor argument or keep it in a tensor."
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 Every result is compared with the same code run eagerly, unsharded, on an identical copy."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -376,6 +377,34 @@ def test_learning_rate_changed_outside_retraces_inside_is_an_error():
     with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.lr: changed from 0.01 to 0.005"):
         decaying(x, y)
     opt.param_groups[0]["lr"] = 0.01
+
+
+def test_a_scheduled_float_learning_rate_warns_and_a_tensor_one_compiles_once():
+    """A scheduler stepping a float learning rate compiles a program per step: the third such
+    compile warns, once, naming the value and the fix. With the learning rate in a tensor
+    (stepped in place by the same scheduler) the step compiles once more for the optimizer's
+    first state, then never; both equal eager."""
+    for lr in (0.1, torch.tensor(0.1, dtype=torch.float64)):
+        model, ref = mlp(), mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=lr.clone() if isinstance(lr, torch.Tensor) else lr, momentum=0.9)
+        schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8) for o in (opt, ref_opt)]
+        step = stock_step(model, opt, DP)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(6):
+                x, y = batch(i)
+                assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+                for s in schedules:
+                    s.step()
+        assert max_diff(model, ref) < 1e-12
+        retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+        if isinstance(lr, torch.Tensor):
+            assert step.trace_count == 2 and retraces == []
+        else:
+            assert step.trace_count == 6 and len(retraces) == 1
+            assert "opt.param_groups.0.lr changed" in retraces[0] and "lr=torch.tensor(" in retraces[0]
+            assert caught[[issubclass(w.category, hpfun.RetraceWarning) for w in caught].index(True)].filename == __file__
 
 
 # ---------------------------------------------------------------------------------------------
