@@ -499,14 +499,15 @@ class ShardedFunction:
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
                  if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
-        substitution = lift.Substitution(call.state, swap, grads)
+        scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
+        substitution = lift.Substitution(call.state, swap, grads, scalars)
         try:
             out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
             statics_after = lift.statics(call.state.roots)
         finally:
             substitution.restore()
-        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v]
+        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v and k not in substitution.set_aside]
         if changed:
             raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
                                         "function was traced", "a traced program cannot repeat Python side effects: "

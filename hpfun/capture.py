@@ -146,6 +146,9 @@ def _foreach_loop(name: str, *args, **kwargs):
             out = aten.add.Tensor(a[0], aten.mul.Tensor(term, scale))
             results.append(aten.copy_.default(a[0], out) if inplace else out)
             continue
+        if inplace and not hasattr(aten, base + "_"):  # no in-place form (maximum, minimum): out of place, copied in
+            results.append(aten.copy_.default(a[0], getattr(aten, base)(*a, **kw)))
+            continue
         op = getattr(aten, base + "_" if inplace else base)
         results.append(op(*a, **kw))
     return None if inplace else results

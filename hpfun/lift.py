@@ -11,8 +11,10 @@ lifted tensor holds its fake stand-in instead; what the function assigns there (
 an optimizer's first state, a reassigned attribute) is recorded and written back after each
 call, as eager PyTorch would have left it.
 
-Python values that decide the trace (a module's `training` flag, an optimizer's learning rate)
-are read too: they join the cache key, so a change retraces instead of running a stale program.
+Python values that decide the trace (a module's `training` flag, an optimizer's momentum) are
+read too: they join the cache key, so a change retraces instead of running a stale program. A
+float learning rate of the optimizers in `TENSOR_LR` is an input instead (a 0-d float64 tensor
+while traced), so a scheduler stepping it does not retrace.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Slot:
     write: object  # (value) -> None: make that place hold `value`
     follows: str | None = None  # a parameter's name: a gradient or optimizer state takes its spec
     requires_grad: bool = False  # a parameter autograd fills the `.grad` of
+    scalar: bool = False  # a Python number read as a 0-d float64 tensor (a float learning rate)
 
 
 @attrs.frozen(eq=False)
@@ -411,8 +414,9 @@ def statics(roots, known: dict | None = None) -> dict:
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):
+                lifted = lifts_lr(root.value, group)  # an input, read at every call (TENSOR_LR)
                 for key, v in group.items():
-                    if key != "params" and not isinstance(v, torch.Tensor):
+                    if key != "params" and not isinstance(v, torch.Tensor) and not (lifted and key == "lr"):
                         out[_join(root.name, f"param_groups.{g}.{key}")] = _hashable(v)
     return out
 
@@ -488,6 +492,9 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
             if isinstance(v, torch.Tensor):  # a learning rate kept in a tensor: an input like any state
                 add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
                     functools.partial(group.__setitem__, key))
+            elif key == "lr" and lifts_lr(opt, group):
+                add(_join(prefix, f"param_groups.{g}.lr"), functools.partial(_scalar_of, group, "lr"),
+                    functools.partial(_set_scalar, group, "lr"), scalar=True)
     for p, entries in opt.state.items():
         snapshot.dict(entries)
         owner = names.get(id(p))
@@ -502,6 +509,28 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                     follows=owner)
             elif v is not None:
                 problems.append(_untraceable_state(name, v))
+
+
+# Optimizers whose step hpfun traces with a float learning rate standing in as a 0-d float64
+# tensor: the rate is then an input read at every call, and a scheduler stepping it between
+# calls changes an input, not the program. Their steps do arithmetic on the rate only (the same
+# double-precision arithmetic eager does on the float); another optimizer's float rate, which
+# its code may compare or convert, keys the cache as a static value.
+TENSOR_LR = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def lifts_lr(opt, group: dict) -> bool:
+    """Whether `group`'s learning rate is lifted as an input (a scalar slot), not a static."""
+    return type(opt) in TENSOR_LR and type(group.get("lr")) in (float, int)
+
+
+def _scalar_of(group: dict, key: str):
+    v = group[key]
+    return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+
+
+def _set_scalar(group: dict, key: str, value) -> None:
+    group[key] = value.item() if isinstance(value, torch.Tensor) and not isinstance(group[key], torch.Tensor) else value
 
 
 def _untraceable_state(name: str, v) -> Problem:
@@ -547,8 +576,10 @@ class Substitution:
     held in several places (tied weights, an optimizer's parameter) is one stand-in everywhere.
     """
 
-    def __init__(self, state: State, swap: dict, grads: dict):
+    def __init__(self, state: State, swap: dict, grads: dict, scalars: dict | None = None):
         self.state, self.swap, self._undo = state, swap, []
+        self.scalars = scalars or {}  # a scalar slot's name -> its stand-in (a float learning rate's)
+        self.set_aside: set = set()  # the statics this substitution itself changes (a group's foreach flag)
         self._optimizers: list = []
         for root in state.roots:
             if isinstance(root.value, torch.nn.Module):
@@ -577,7 +608,15 @@ class Substitution:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
 
     def _optimizer(self, opt):
-        for group in opt.param_groups:
+        prefix = next(r.name for r in self.state.roots if r.value is opt)
+        for g, group in enumerate(opt.param_groups):
+            stand_in = self.scalars.get(_join(prefix, f"param_groups.{g}.lr"))
+            if stand_in is not None:
+                self._set(functools.partial(group.__setitem__, "lr"), group["lr"], stand_in)
+                if group.get("foreach"):  # Adam's foreach path refuses a tensor rate unless capturable; the
+                    # for-loop path does what the foreach one does (capture splits foreach ops per tensor)
+                    self._set(functools.partial(group.__setitem__, "foreach"), group["foreach"], False)
+                    self.set_aside.add(_join(prefix, f"param_groups.{g}.foreach"))
             for key, v in list(group.items()):
                 if isinstance(v, torch.Tensor) and id(v) in self.swap:
                     self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)])

@@ -355,56 +355,97 @@ def test_tied_weights_are_one_input():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_learning_rate_changed_outside_retraces_inside_is_an_error():
-    """An optimizer's hyperparameters are part of the cache key: a scheduler stepping outside
-    retraces; changing them inside the traced function is an error, not a stale program."""
+def test_learning_rate_is_an_input_other_hyperparameters_key_the_cache():
+    """SGD's, Adam's and AdamW's float learning rate is an input, read at every call: changed
+    outside, the next call uses it without compiling again; changed inside, the change is traced
+    and written back, as eager would leave it. Their other hyperparameters (and any
+    hyperparameter of another optimizer) key the cache: changed outside, the step compiles
+    again (`explain_cache_miss` names the value); changed inside, it is an error, not a stale
+    program."""
     model, ref = mlp(), mlp()
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     step = stock_step(model, opt, DP)
     x, y = batch(0)
-    step(x, y), eager_step(ref, ref_opt, x, y)
+    for lr in (0.1, 0.01, 0.01):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = lr
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert step.trace_count == 2  # the momentum buffers' first step, then one program for every rate
+    assert max_diff(model, ref) < 1e-12 and "opt.param_groups.0.lr" in [i["path"] for i in step.lower(x, y).inputs]
     for o in (opt, ref_opt):
-        o.param_groups[0]["lr"] = 0.01
-    assert "opt.param_groups.0.lr: value 0.01, cached 0.1" in str(hpfun.explain_cache_miss(step, x, y))
+        o.param_groups[0]["momentum"] = 0.5
+    assert "opt.param_groups.0.momentum: value 0.5, cached 0.9" in str(hpfun.explain_cache_miss(step, x, y))
     step(x, y), eager_step(ref, ref_opt, x, y)
-    assert max_diff(model, ref) < 1e-12
+    assert step.trace_count == 3 and max_diff(model, ref) < 1e-12
 
     @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     def decaying(x, y):
         opt.param_groups[0]["lr"] *= 0.5
         return F.cross_entropy(model(x), y)
 
-    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.lr: changed from 0.01 to 0.005"):
-        decaying(x, y)
-    opt.param_groups[0]["lr"] = 0.01
+    decaying(x, y), decaying(x, y)
+    assert opt.param_groups[0]["lr"] == 0.01 * 0.5 * 0.5 and type(opt.param_groups[0]["lr"]) is float
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def damping(x, y):
+        opt.param_groups[0]["momentum"] *= 0.5
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.momentum: changed from 0.5 to 0.25"):
+        damping(x, y)
+    opt.param_groups[0]["momentum"] = 0.5
 
 
-def test_a_scheduled_float_learning_rate_warns_and_a_tensor_one_compiles_once():
-    """A scheduler stepping a float learning rate compiles a program per step: the third such
-    compile warns, once, naming the value and the fix. With the learning rate in a tensor
-    (stepped in place by the same scheduler) the step compiles once more for the optimizer's
-    first state, then never; both equal eager."""
+class OwnAdamW(torch.optim.AdamW):
+    """A subclass: hpfun keys the cache on its float learning rate (it may read it otherwise)."""
+
+
+def test_an_optimizer_subclass_with_amsgrads_foreach_maximum_equals_eager():
+    """AMSGrad's foreach path takes `_foreach_maximum_`, whose per-tensor op has no in-place
+    form (capture failed on it); a subclass of AdamW keeps its float learning rate a static."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = (OwnAdamW(m.parameters(), lr=1e-2, amsgrad=True, foreach=True) for m in (model, ref))
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12 and step.trace_count == 2
+    assert "opt.param_groups.0.lr" not in [i["path"] for i in step.lower(x, y).inputs]
+
+
+def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
+    """A scheduler stepping the learning rate (a float, or a tensor it steps in place) changes
+    an input: the step compiles once more for the optimizer's first state, then never, and
+    equals eager. A Python value that keys the cache and changes at every call (here a
+    closed-over scale) compiles a program per call: the third such compile warns, once, naming
+    the value and the fix."""
     for lr in (0.1, torch.tensor(0.1, dtype=torch.float64)):
         model, ref = mlp(), mlp()
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=lr.clone() if isinstance(lr, torch.Tensor) else lr, momentum=0.9)
         schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8) for o in (opt, ref_opt)]
         step = stock_step(model, opt, DP)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hpfun.RetraceWarning)
             for i in range(6):
                 x, y = batch(i)
                 assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
                 for s in schedules:
                     s.step()
-        assert max_diff(model, ref) < 1e-12
-        retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
-        if isinstance(lr, torch.Tensor):
-            assert step.trace_count == 2 and retraces == []
-        else:
-            assert step.trace_count == 6 and len(retraces) == 1
-            assert "opt.param_groups.0.lr changed" in retraces[0] and "lr=torch.tensor(" in retraces[0]
-            assert caught[[issubclass(w.category, hpfun.RetraceWarning) for w in caught].index(True)].filename == __file__
+        assert max_diff(model, ref) < 1e-12 and step.trace_count == 2
+        assert type(opt.param_groups[0]["lr"]) is type(lr)
+
+    scale = 1.0
+    f = hpfun.shard(lambda x: x * scale, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            scale = 1.0 + i
+            assert torch.equal(f(torch.ones(4)).full(), torch.full((4,), scale))
+    retraces = [w for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+    assert f.trace_count == 5 and len(retraces) == 1 and retraces[0].filename == __file__
+    assert "because scale changed (last 3.0 -> 4.0)" in str(retraces[0].message)
+    assert "pass it as a tensor argument" in str(retraces[0].message)
 
 
 # ---------------------------------------------------------------------------------------------
