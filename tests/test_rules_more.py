@@ -402,3 +402,17 @@ def test_one_hot_without_num_classes_is_a_clear_error():
     f = hpfun.shard(lambda y: F.one_hot(y), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))
     with pytest.raises(hpfun.CaptureError, match=r"F.one_hot without num_classes at .*test_rules_more.py:\d+.*pass num_classes="):
         f(torch.tensor([0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_histc_over_a_fixed_range_adds_blocks_over_the_datas_range_gathers(mesh_shape):
+    """histc (a mixture of experts' tokens per expert) over a fixed range: each block's
+    histogram, summed (one all-reduce). Over the data's own range (min == max) a block's
+    range would be its own: the input is gathered first. Both equal the unsharded histogram."""
+    mesh = hpfun.Mesh.simulated(mesh_shape, ("a", "b")[:len(mesh_shape)])
+    x = _rand(8, 6)
+    spec = P(*mesh.axis_names)
+    for kwargs, kind in (({"bins": 7, "min": -2, "max": 2}, "all_reduce"), ({"bins": 7}, "all_gather")):
+        f = hpfun.shard(lambda x: torch.histc(x, **kwargs), mesh=mesh, in_specs=spec, out_specs=P())
+        assert torch.equal(f(x).full(), torch.histc(x, **kwargs))
+        assert {c.kind for c in f.lower(x).collectives} == {kind}

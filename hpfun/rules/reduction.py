@@ -65,6 +65,23 @@ class Reduction(Rule):
 
 
 @attrs.frozen(kw_only=True)
+class Histogram(Reduction):
+    """`histc(x, bins, min, max)`: the histogram of every element. Over a fixed range the
+    histogram of a split input is the sum of its blocks' histograms (Partial(sum)); with
+    min == max the range is the data's own, which each block would take differently, so the
+    input must be whole."""
+
+    reduce: str | None = "sum"
+    dim_arg: int | None = None
+    keepdim_arg: int | None = None
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        if call.arg(2, "min", 0) == call.arg(3, "max", 0):
+            return combine_axes(call, [[replicated_option(call)] for _ in call.tensors[0].layout.placements])
+        return super().strategies(call)
+
+
+@attrs.frozen(kw_only=True)
 class Normalize(Rule):
     """Op along some dims whose other dims pass through with their index (softmax and its
     backward, cumsum, sort, topk, flip, fft): the dims it works along must be whole on every
