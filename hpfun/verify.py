@@ -297,6 +297,17 @@ def _shape_problems(program) -> list[Problem]:
     except Exception as err:  # a shape the program cannot even run with
         return [Problem("the per-shard program", f"does not run on its inputs' local shapes: "
                                                  f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")]
+    problems = _mismatched_shapes(module)
+    if problems:  # a meta kernel may shape an output unlike the kernel the trace ran (embedding_bag's
+        try:      # max_indices outside max mode): fake tensors, as in the trace, decide
+            fake_run(program)
+        except torch._subclasses.fake_tensor.DataDependentOutputException:
+            return []
+        problems = _mismatched_shapes(module)
+    return problems
+
+
+def _mismatched_shapes(module) -> list[Problem]:
     problems = []
     for node in module.graph.nodes:
         layout, meta = node.meta.get("hpfun_layout"), node.meta.get("hpfun_global")

@@ -98,3 +98,32 @@ def test_gradient_is_computed_vocab_split():
     """The embedding's gradient is accumulated only for the rank's vocab block."""
     lowered = _sharded_step((2,), "vocab").lower(*_data())
     assert _layouts(lowered)["embedding_dense_backward"].placements[0] == hpfun.Shard(0)
+
+
+@pytest.mark.parametrize("mode, weighted", [("mean", False), ("sum", True), ("max", False)])
+def test_embedding_bag_trains_data_parallel(mode, weighted):
+    """nn.EmbeddingBag (and its backward) runs whole on every rank: bags are given by offsets,
+    which are data. A data-parallel AdamW step equals eager's, per_sample_weights included."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"bag": torch.nn.EmbeddingBag(V, D, mode=mode), "head": torch.nn.Linear(D, C)}).double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, ids, w, y):
+        loss = F.cross_entropy(m["head"](m["bag"](ids, per_sample_weights=w if weighted else None)), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    f = hpfun.shard(lambda ids, w, y: train(model, opt, ids, w, y), mesh=mesh, in_specs=(P("dp"), P("dp"), P("dp")),
+                    out_specs=P())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids, y = torch.randint(0, V, (B, S), generator=g), torch.randint(0, C, (B,), generator=g)
+        w = torch.rand(B, S, generator=g, dtype=torch.float64)
+        assert abs(f(ids, w, y).full().item() - train(ref, ref_opt, ids, w, y).item()) < 1e-12
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-12
