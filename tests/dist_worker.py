@@ -111,8 +111,14 @@ OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
     "sgd_foreach": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
     "sgd_loop": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False),
+    "adamw_cosine": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),  # stepped by a scheduler
 }
 STEPS = 3
+
+
+def schedule(name: str, opt):
+    """The learning-rate scheduler a run of OPTIMIZERS[name] steps after each of its STEPS, or None."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4) if name.endswith("_cosine") else None
 
 
 def lifted_model(batchnorm: bool = False) -> torch.nn.Module:
@@ -168,10 +174,13 @@ def lifted(out: Path):
         model = lifted_model()
         opt = make(model.parameters())
         step = sharded_step(mesh, model, opt, (P("dp"), P("dp")), MEGATRON)
+        scheduler = schedule(name, opt)
         losses, held = [], []
         for _ in range(STEPS):
             losses.append(step(x, y).full())
             held.append(_held_shapes(model, opt))
+            if scheduler is not None:
+                scheduler.step()
         got = {"losses": losses, "held": held, "traces": step.trace_count,
                "model": _snapshot(hpfun.gather_state(model)), "opt": _snapshot(hpfun.gather_state(opt)["state"])}
         hpfun.gather_state(model, inplace=True)

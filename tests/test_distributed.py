@@ -142,16 +142,22 @@ def _close(got, expected, what):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd_foreach", "sgd_loop"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_foreach", "sgd_loop", "adamw_cosine"])
 def test_lifted_module_and_optimizer_on_dp_x_tp(lifted_job, optimizer):
     """The stock step (backward, opt.step, zero_grad on a closed-over module and optimizer),
     Megatron-split on (2, 2): each rank holds its blocks between calls, gathered state equals
-    the eager run's, and gathered in place the module and optimizer run eagerly, then sharded, again."""
+    the eager run's, and gathered in place the module and optimizer run eagerly, then sharded, again.
+    With a cosine schedule stepping the learning rate between calls, no call traces again."""
     w = _worker()
     x, y = w.lifted_data()
     model = w.lifted_model()
     opt = w.OPTIMIZERS[optimizer](model.parameters())
-    losses = [w.eager_step(model, opt, x, y) for _ in range(w.STEPS)]
+    scheduler = w.schedule(optimizer, opt)
+    losses = []
+    for _ in range(w.STEPS):
+        losses.append(w.eager_step(model, opt, x, y))
+        if scheduler is not None:
+            scheduler.step()
     names = {id(p): k for k, p in model.named_parameters()}
     blocks = dict(w.BLOCK_SHAPES) | {f"{names[id(p)]}.{key}": w.BLOCK_SHAPES[names[id(p)]]
                                      for p, entries in opt.state.items() for key, v in entries.items() if v.ndim}
