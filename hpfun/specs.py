@@ -6,7 +6,10 @@ and `state_specs`, are read as *name patterns* instead: each key is a glob patte
 (`fnmatch`: `*` matches any text, dots included) over the dotted names of the leaves
 (`layers.0.self_attn.q_proj.weight`), matching a whole name or a tail of it after a dot, so
 `"layers.*.q_proj.weight"` matches `model.model.layers.3.q_proj.weight`. Unmatched leaves are
-replicated; a pattern that matches nothing and a name matched by two patterns are errors.
+replicated. A name several patterns match takes the most specific one's spec (the one with the
+most characters that are not wildcards: `attention.output.dense.weight` over `output.dense.weight`
+in a BERT layer); two as specific as each other with different specs, and a pattern that
+matches nothing, are errors.
 Every problem is collected, then raised together with its path and fix.
 
 `AUTO` may stand wherever a `P` may (in_specs, state_specs, out_specs): the leaf's layout is
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 
 import attrs
 import torch
@@ -300,11 +304,22 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
                                     "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}")))
         for n in hits:
             if n in matched_by:
-                problems.append(Problem(where, f"{n!r} is matched by two patterns, {matched_by[n]!r} and {pattern!r}",
-                                        "make the patterns disjoint: each name may match one pattern"))
+                before, now = _specificity(matched_by[n]), _specificity(pattern)
+                if before > now or before == now and out[n] == spec:
+                    continue  # the more specific pattern decides (or both say the same)
+                if before == now:
+                    problems.append(Problem(where, f"{n!r} is matched by two patterns as specific as each other, "
+                                                   f"{matched_by[n]!r} and {pattern!r}, with different specs",
+                                            "make one more specific (the pattern with more characters that are not "
+                                            "wildcards decides) or make them disjoint"))
             matched_by[n] = pattern
             out[n] = spec
     return out
+
+
+def _specificity(pattern: str) -> int:
+    """How specific a glob pattern is: its characters that are not wildcards (a `[...]` set counts one)."""
+    return len(re.sub(r"\[[^\]]*\]", "x", pattern).replace("*", "").replace("?", ""))
 
 
 def _close_tails(pattern: str, names: list[str]) -> list[str]:

@@ -201,14 +201,18 @@ def test_all_problems_of_one_call_are_reported_together():
 
 
 def test_name_patterns_that_miss_or_overlap():
-    """A pattern matching nothing names itself and the closest names; a name matched twice is an error."""
+    """A pattern matching nothing names itself and the closest names; a name two patterns match
+    takes the more specific one's spec, and two as specific as each other that differ are an error."""
     params = {"layers": [{"q_proj": torch.randn(4, 4), "k_proj": torch.randn(4, 4)}]}
     f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"layers.*.q_prj": P("tp")},))
     _, text = _error(f, params, error=hpfun.SpecError)
     assert "args[0]['layers.*.q_prj']: matches no name; closest: layers.0.q_proj" in text
-    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"*_proj": P("tp"), "q_proj": P()},))
+    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"q_*": P("tp"), "*oj": P()},))
     _, text = _error(f, params, error=hpfun.SpecError)
-    assert "'layers.0.q_proj' is matched by two patterns, '*_proj' and 'q_proj'" in text
+    assert "'layers.0.q_proj' is matched by two patterns as specific as each other, 'q_*' and '*oj'" in text
+    f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"*_proj": P("tp"), "q_proj": P()},))  # the more specific decides
+    out = f(params)["layers"][0]
+    assert out["q_proj"].layout == P().to_layout(MESH, 2) and out["k_proj"].layout == P("tp").to_layout(MESH, 2)
     f = hpfun.shard(lambda p: p, mesh=MESH, in_specs=({"q_proj": P("tp")},))
     assert f(params)["layers"][0]["q_proj"].layout == P("tp").to_layout(MESH, 2)
 

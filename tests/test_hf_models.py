@@ -150,3 +150,45 @@ def test_gpt2_fused_qkv_is_gathered():
     assert len(forward) == 2 and len(backward) == 6 and len(collectives) == 2 + 6 + 8
     assert [c.kind for c in collectives].count("all_reduce") == 8
     assert sum(c.bytes for c in backward) == sum(c.bytes for c in forward) == 2 * BATCH * SEQ * 96 * 8 // 2
+
+
+BERT_TP = {  # BERT's names overlap: the more specific pattern decides (attention.output.dense over output.dense)
+    "layer.*.attention.self.*.weight": P("tp", None), "layer.*.attention.self.*.bias": P("tp"),
+    "layer.*.attention.output.dense.weight": P(None, "tp"),
+    "layer.*.intermediate.dense.weight": P("tp", None), "layer.*.intermediate.dense.bias": P("tp"),
+    "layer.*.output.dense.weight": P(None, "tp"),
+}
+
+
+def test_bert_megatron_plan_written_with_overlapping_names():
+    """BertForSequenceClassification, Megatron-split by a plan whose `output.dense` pattern also
+    matches `attention.output.dense` (the more specific pattern decides): two steps equal eager,
+    with Megatron's four all-reduces per layer over tp."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).double().eval()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+
+    def train(m, o, ids, labels):
+        loss = m(input_ids=ids, labels=labels).loss
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    step = hpfun.shard(lambda ids, labels: train(model, opt, ids, labels), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       out_specs=P(), state_specs=BERT_TP)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids, labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+        assert abs(step(ids, labels).full().item() - train(ref, ref_opt, ids, labels).item()) < 1e-12
+    assert worst(model, ref) < 1e-10
+    lowered = step.lower(ids, labels)
+    layouts = {i["path"]: i["layout"] for i in lowered.inputs}
+    for name in ("attention.output.dense.weight", "output.dense.weight", "intermediate.dense.weight"):
+        want = "[R, S(0)]" if name.startswith("intermediate") else "[R, S(1)]"
+        assert layouts[f"model.bert.encoder.layer.0.{name}"] == want, name
+    assert sum(c.kind == "all_reduce" and c.axes == ("tp",) for c in lowered.collectives) == 8
