@@ -116,9 +116,9 @@ def _foreach_decompositions() -> dict:
     """Every `_foreach_*` overload (an optimizer's foreach implementation) as a loop of the
     per-tensor op: each element then gets its own layout, as its parameter has."""
     table = {}
-    for name in dir(aten):
-        if not name.startswith("_foreach_"):
-            continue
+    # every registered schema: dir(aten) lists only the ops some code has already looked up
+    names = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")}
+    for name in sorted(names):
         packet = getattr(aten, name)
         for overload in packet.overloads():
             table[getattr(packet, overload)] = functools.partial(_foreach_loop, name[len("_foreach_"):])

@@ -62,6 +62,9 @@ def eager_step(model, opt, x, y):
 OPTIMIZERS = {
     "sgd-momentum": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
     "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=foreach),
+    # foreach, its step copies with _foreach_copy_, which capture split per tensor only once
+    # every foreach op was enumerated (dir(torch.ops.aten) lists only ops looked up before)
+    "rprop": lambda ps, foreach: torch.optim.Rprop(ps, lr=1e-2, foreach=foreach),
 }
 
 
