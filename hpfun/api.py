@@ -327,6 +327,7 @@ class ShardedFunction:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
             self._note_changed_statics(key)
+            self._note_new_shapes(call, key)
             entry = self._compile(call, leaves)
             self._cache[key] = entry
             if entry.auto is not None:
@@ -350,6 +351,23 @@ class ShardedFunction:
             self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
                 warnings.warn(_retrace_message(self, name, before[name], value, seen), RetraceWarning, stacklevel=4)
+
+    def _note_new_shapes(self, call: _Call, key) -> None:
+        """A compile for new shapes of the same arguments (each batch padded to its own length):
+        warn once when the function has compiled RETRACE_SHAPES_WARNING_AFTER of them."""
+        tree, leaves, *rest = key
+        same = [k for k in self._cache if k[0] == tree and k[2:] == tuple(rest)
+                and all(a.kind == b.kind and a.dtype == b.dtype and a.layout == b.layout for a, b in zip(k[1], leaves))]
+        if len(same) + 1 != RETRACE_SHAPES_WARNING_AFTER or not same:
+            return
+        last = same[-1][1]
+        changed = [f"{path} {list(now.shape)} (was {list(was.shape)})" for path, was, now in
+                   zip(call.paths(), last, leaves, strict=True) if now.kind == "tensor" and was.shape != now.shape]
+        fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        warnings.warn(f"hpfun.shard({fn}) compiled {len(same) + 1} programs for the same arguments in new shapes "
+                      f"(last: {', '.join(changed[:3])}): each shape is a program, traced and compiled once (seconds "
+                      "each) and kept. Pad inputs to a few fixed shapes (batches bucketed by length).",
+                      RetraceWarning, stacklevel=4)
 
     def _signature(self, call: _Call):
         problems: list[Problem] = []
@@ -537,10 +555,12 @@ class ShardedFunction:
 
 
 RETRACE_WARNING_AFTER = 3  # compiles caused by changes of one Python value before RetraceWarning
+RETRACE_SHAPES_WARNING_AFTER = 8  # programs for new shapes of the same arguments before RetraceWarning
 
 
 class RetraceWarning(UserWarning):
-    """A sharded function keeps compiling because a Python value its trace reads keeps changing."""
+    """A sharded function keeps compiling: a Python value its trace reads keeps changing, or its
+    arguments keep coming in new shapes."""
 
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:

@@ -421,7 +421,7 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     an input: the step compiles once more for the optimizer's first state, then never, and
     equals eager. A Python value that keys the cache and changes at every call (here a
     closed-over scale) compiles a program per call: the third such compile warns, once, naming
-    the value and the fix."""
+    the value and the fix; so does the eighth program for arguments in new shapes."""
     for lr in (0.1, torch.tensor(0.1, dtype=torch.float64)):
         model, ref = mlp(), mlp()
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -449,6 +449,15 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert f.trace_count == 5 and len(retraces) == 1 and retraces[0].filename == __file__
     assert "because scale changed (last 3.0 -> 4.0)" in str(retraces[0].message)
     assert "pass it as a tensor argument" in str(retraces[0].message)
+
+    g = hpfun.shard(lambda x: x.sum(), mesh=DP, in_specs=P("dp"), out_specs=P())  # a batch padded to its own length
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in range(1, 11):
+            assert g(torch.ones(4, length)).full().item() == 4 * length
+    retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+    assert g.trace_count == 10 and len(retraces) == 1
+    assert "compiled 8 programs for the same arguments in new shapes (last: args[0] [4, 8] (was [4, 7]))" in retraces[0]
 
 
 # ---------------------------------------------------------------------------------------------
