@@ -214,7 +214,7 @@ class Snapshot:
     have passed to another object; every other value is held, so its id is its own."""
 
     def __init__(self):
-        self.dicts: list = []  # (dict, keys, ids of its values)
+        self.dicts: list = []  # (dict, ids of its keys, ids of its values)
         self.lists: list = []  # (list, ids of its items)
         self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
         self.kept: list = []  # the values that are not tensors, kept alive
@@ -229,8 +229,9 @@ class Snapshot:
             else:
                 self.kept.append(v)
 
-    def dict(self, d: dict) -> None:
-        self.dicts.append((d, tuple(d), tuple(map(id, d.values()))))
+    def dict(self, d: dict) -> None:  # (an optimizer's state is keyed by its parameters)
+        self.dicts.append((d, tuple(map(id, d)), tuple(map(id, d.values()))))
+        self._seen(d)
         self._seen(d.values())
 
     def list(self, seq: list) -> None:
@@ -248,13 +249,12 @@ class Snapshot:
         self.flags = tuple(flag for _, flag in self.tensors.values())
 
     def holds(self) -> bool:
-        is_ = operator.is_
         tensors = tuple(map(operator.call, self.refs))  # (`None in tensors` would compare tensors with ==)
         if not all(map(operator.is_not, tensors, itertools.repeat(None))) or \
                 tuple(map(_REQUIRES_GRAD, tensors)) != self.flags:
             return False
         for d, keys, ids in self.dicts:
-            if len(d) != len(keys) or not all(map(is_, d, keys)) or tuple(map(id, d.values())) != ids:
+            if len(d) != len(keys) or tuple(map(id, d)) != keys or tuple(map(id, d.values())) != ids:
                 return False
         for seq, ids in self.lists:
             if tuple(map(id, seq)) != ids:

@@ -23,6 +23,7 @@ from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block, unchecked
 
+
 class _Blocks:
     """tensor -> (layout, global shape, data pointer): lifted state a distributed call left
     sharded. Keyed by id with a weak reference to the tensor (read at every call for every
