@@ -610,6 +610,10 @@ class Substitution:
     def _optimizer(self, opt):
         prefix = next(r.name for r in self.state.roots if r.value is opt)
         for g, group in enumerate(opt.param_groups):
+            if group.get("fused"):  # one kernel per step with no fake tensor kernel: traced as the for-loop
+                # path, the same arithmetic per tensor (as foreach, capture splits it per tensor)
+                self._set(functools.partial(group.__setitem__, "fused"), group["fused"], False)
+                self.set_aside.add(_join(prefix, f"param_groups.{g}.fused"))
             stand_in = self.scalars.get(_join(prefix, f"param_groups.{g}.lr"))
             if stand_in is not None:
                 self._set(functools.partial(group.__setitem__, "lr"), group["lr"], stand_in)
