@@ -647,10 +647,10 @@ def report(rows: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace this benchmark's section of a markdown file (or add it after the title)."""
+def write_section(path: str, text: str, section: str = SECTION) -> None:
+    """Replace a benchmark's section of a markdown file (or add it after the title)."""
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(section)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(old):
         new = pattern.sub(lambda _: text + "\n", old, count=1)
     else:
