@@ -61,8 +61,9 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     says otherwise; gradients and optimizer state follow their parameter. In-place updates
     (`p.add_`, `loss.backward()`, `opt.step()`, BatchNorm's running statistics) are written back
     when the call returns. Python values that decide the trace (a module's training flag, an
-    optimizer's learning rate) are part of the cache key; other Python scalars among the
-    arguments are baked into the program.
+    optimizer's momentum) are part of the cache key, SGD's, Adam's and AdamW's learning rate is
+    an input read at every call; other Python scalars among the arguments are baked into the
+    program.
 
     `compile=True` hands the per-shard program to `torch.compile` (inductor). Random ops draw
     from a counter-based generator whose values do not depend on the mesh or layouts

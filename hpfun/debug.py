@@ -47,7 +47,7 @@ def explain_cache_miss(f, *args, **kwargs) -> CacheMiss:
     """Why calling the sharded function `f` with `args` would compile again: which argument's
     or lifted tensor's shape, dtype or layout (by its path or name) differs from the closest
     cached signature, or which Python value deciding the trace changed (a module's training
-    flag, a learning rate), or that nothing was cached yet. Nothing is compiled or run.
+    flag, an optimizer's momentum), or that nothing was cached yet. Nothing is compiled or run.
 
     >>> import torch, hpfun
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
