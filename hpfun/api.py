@@ -521,7 +521,8 @@ class ShardedFunction:
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
         substitution = lift.Substitution(call.state, swap, grads, scalars)
         try:
-            out = self.fn(*args, **kwonly)
+            with lift.ScalarSigns(substitution.signs, substitution.floats):
+                out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
             statics_after = lift.statics(call.state.roots)
         finally:

@@ -141,10 +141,9 @@ def _foreach_loop(name: str, *args, **kwargs):
             kw["value"] = a.pop(3)  # positional in the foreach schema, keyword-only per tensor
         if base in ("addcmul", "addcdiv") and len(a) > 3:
             # the .Tensor overload: one scale per element, given as a 1-D tensor of them
-            scale = a.pop(3)[i]
-            term = aten.mul.Tensor(a[1], a[2]) if base == "addcmul" else aten.div.Tensor(a[1], a[2])
-            out = aten.add.Tensor(a[0], aten.mul.Tensor(term, scale))
-            results.append(aten.copy_.default(a[0], out) if inplace else out)
+            scale = a.pop(3)[i]  # x + (scale * t1) {*,/} t2, the order of torch's kernels
+            op = getattr(aten, base + "_" if inplace else base).default
+            results.append(op(a[0], aten.mul.Tensor(a[1], scale), a[2]))
             continue
         if inplace and not hasattr(aten, base + "_"):  # no in-place form (maximum, minimum): out of place, copied in
             results.append(aten.copy_.default(a[0], getattr(aten, base)(*a, **kw)))
@@ -416,8 +415,9 @@ def _exact_optimizer_scalars():
 
 
 _ALPHA = {torch.add, torch.sub, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_}
-_VALUE = {torch.addcdiv: torch.div, torch.addcmul: torch.mul, torch.Tensor.addcdiv: torch.div,
-          torch.Tensor.addcmul: torch.mul, torch.Tensor.addcdiv_: torch.div, torch.Tensor.addcmul_: torch.mul}
+_LERP = {torch.lerp, torch.Tensor.lerp, torch.Tensor.lerp_}
+_VALUE = {torch.addcdiv: torch.addcdiv, torch.addcmul: torch.addcmul, torch.Tensor.addcdiv: torch.addcdiv,
+          torch.Tensor.addcmul: torch.addcmul, torch.Tensor.addcdiv_: torch.addcdiv, torch.Tensor.addcmul_: torch.addcmul}
 
 
 def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
@@ -472,12 +472,25 @@ class _TensorScalars(TorchFunctionMode):
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
             alpha = kwargs.pop("alpha")
             x, y, *rest = args
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point() \
+                    and y.dtype == x.dtype and not rest and not kwargs:
+                # torch's kernel computes x + alpha * y in one fused multiply-add, as addcmul does
+                alpha = alpha if func.__name__ in ("add", "add_") else torch.neg(alpha)
+                return x.addcmul_(y, alpha) if func.__name__.endswith("_") else torch.addcmul(x, y, alpha)
             return func(x, torch.mul(y, alpha), *rest, **kwargs)
+        if func in _LERP and len(args) == 3 and isinstance(args[2], torch.Tensor) and args[2].dim() == 0 \
+                and isinstance(args[0], torch.Tensor) and args[2].dtype != args[0].dtype:
+            # a traced float weight (1 - beta1), where eager's float weight is taken in the input's
+            # precision (for the 16-bit types, float: this rounds the weight once more)
+            return func(args[0], args[1], args[2].to(args[0].dtype), **kwargs)
         if func in _VALUE and isinstance(kwargs.get("value"), torch.Tensor):
             value = kwargs.pop("value")
             x, t1, t2 = args
-            term = torch.mul(_VALUE[func](t1, t2), value)
-            return x.add_(term) if func.__name__.endswith("_") else torch.add(x, term)
+            # torch's kernels compute x + (value * t1) {*,/} t2 with value in the input's precision:
+            # the same steps give the same bits as eager's float value (for the 16-bit types,
+            # computed in float, value * t1 is rounded once more; float copies would cost memory)
+            out = _VALUE[func](x, torch.mul(t1, value), t2)
+            return x.copy_(out) if func.__name__.endswith("_") else out
         return func(*args, **kwargs)
 
 

@@ -12,9 +12,9 @@ an optimizer's first state, a reassigned attribute) is recorded and written back
 call, as eager PyTorch would have left it.
 
 Python values that decide the trace (a module's `training` flag, an optimizer's momentum) are
-read too: they join the cache key, so a change retraces instead of running a stale program. A
-float learning rate of the optimizers in `TENSOR_LR` is an input instead (a 0-d float64 tensor
-while traced), so a scheduler stepping it does not retrace.
+read too: they join the cache key, so a change retraces instead of running a stale program. The
+hyperparameters a scheduler changes (a float learning rate, Adam's betas; `LIFTED_SCALARS`) are
+inputs instead (0-d float64 tensors while traced), so a scheduler stepping them does not retrace.
 """
 
 from __future__ import annotations
@@ -414,10 +414,15 @@ def statics(roots, known: dict | None = None) -> dict:
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):
-                lifted = lifts_lr(root.value, group)  # an input, read at every call (TENSOR_LR)
+                lifted = lifted_scalars(root.value, group)  # inputs, read at every call: their signs key the cache
                 for key, v in group.items():
-                    if key != "params" and not isinstance(v, torch.Tensor) and not (lifted and key == "lr"):
+                    if key != "params" and not isinstance(v, torch.Tensor) and key not in {k for k, _ in lifted.values()}:
                         out[_join(root.name, f"param_groups.{g}.{key}")] = _hashable(v)
+                for name, (key, index) in lifted.items():
+                    out[_join(root.name, f"param_groups.{g}.{name}.sign")] = _sign(group[key] if index is None else group[key][index])
+                for key, v in group.items():  # a hyperparameter kept in a tensor: an input, its sign keys the cache
+                    if isinstance(v, torch.Tensor) and (sign := _tensor_sign(v)) is not None:
+                        out[_join(root.name, f"param_groups.{g}.{key}.sign")] = sign
     return out
 
 
@@ -492,9 +497,9 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
             if isinstance(v, torch.Tensor):  # a learning rate kept in a tensor: an input like any state
                 add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
                     functools.partial(group.__setitem__, key))
-            elif key == "lr" and lifts_lr(opt, group):
-                add(_join(prefix, f"param_groups.{g}.lr"), functools.partial(_scalar_of, group, "lr"),
-                    functools.partial(_set_scalar, group, "lr"), scalar=True)
+        for name, (key, index) in lifted_scalars(opt, group).items():
+            add(_join(prefix, f"param_groups.{g}.{name}"), functools.partial(_scalar_of, group, key, index),
+                functools.partial(_set_scalar, group, key, index), scalar=True)
     for p, entries in opt.state.items():
         snapshot.dict(entries)
         owner = names.get(id(p))
@@ -511,26 +516,132 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 problems.append(_untraceable_state(name, v))
 
 
-# Optimizers whose step hpfun traces with a float learning rate standing in as a 0-d float64
-# tensor: the rate is then an input read at every call, and a scheduler stepping it between
-# calls changes an input, not the program. Their steps do arithmetic on the rate only (the same
-# double-precision arithmetic eager does on the float); another optimizer's float rate, which
-# its code may compare or convert, keys the cache as a static value.
-TENSOR_LR = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# The hyperparameters hpfun traces as 0-d float64 tensors standing in for their floats, per
+# optimizer: each is then an input read at every call, and a scheduler stepping it between calls
+# (a learning rate schedule, OneCycleLR's cycled betas) changes an input, not the program. These
+# steps only do arithmetic on them (the same double-precision arithmetic eager does on the
+# floats). Their code may compare one with zero (SGD's `if momentum != 0`): the comparison is
+# answered from the value's sign, which keys the cache (`ScalarSigns`). A tuple's floats
+# (`betas`) are lifted one by one; every other hyperparameter keys the cache as a static value.
+_LR, _LR_BETAS, _LR_MOMENTUM = ("lr",), ("lr", "betas"), ("lr", "momentum")
+LIFTED_SCALARS = {torch.optim.SGD: _LR_MOMENTUM, torch.optim.Adam: _LR_BETAS, torch.optim.AdamW: _LR_BETAS,
+                  torch.optim.Adamax: _LR_BETAS, torch.optim.NAdam: _LR_BETAS, torch.optim.RAdam: _LR_BETAS,
+                  torch.optim.Adagrad: _LR, torch.optim.Adadelta: _LR, torch.optim.RMSprop: _LR_MOMENTUM,
+                  torch.optim.ASGD: _LR}
 
 
-def lifts_lr(opt, group: dict) -> bool:
-    """Whether `group`'s learning rate is lifted as an input (a scalar slot), not a static."""
-    return type(opt) in TENSOR_LR and type(group.get("lr")) in (float, int)
+def lifted_scalars(opt, group: dict) -> dict[str, tuple]:
+    """The hyperparameters of `group` lifted as inputs (scalar slots), not statics: the key's
+    name (`lr`, `betas.0`) -> (key, index in its tuple or None)."""
+    out = {}
+    for key in LIFTED_SCALARS.get(type(opt), ()):
+        v = group.get(key)
+        if type(v) in (float, int):
+            out[key] = (key, None)
+        elif type(v) is tuple and v and all(type(x) in (float, int) for x in v) and not _half(group):
+            out.update({f"{key}.{i}": (key, i) for i in range(len(v))})
+    return out
 
 
-def _scalar_of(group: dict, key: str):
-    v = group[key]
+# Optimizers whose default step branches in Python on its step count (RAdam's rectification
+# test, ASGD's start of averaging), read with `.item()`, which a trace cannot do: they are traced
+# through their `capturable` path, torch's branch-free form of the same update made for graph
+# capture. Their 0-d state (the step count, ASGD's eta and mu) is traced in float64, as eager
+# reads it with `.item()` into a Python float, and stored back in its own dtype.
+TRACED_CAPTURABLE = (torch.optim.RAdam, torch.optim.ASGD)
+# Optimizers traced through their for-loop path (capture splits a foreach path into per-tensor
+# ops anyway): Adamax's foreach path passes a list of step sizes where torch takes numbers
+# (traced, they are tensors), and the for-loop capturable paths are the closer to eager's.
+TRACED_FOR_LOOP = (torch.optim.Adamax, *TRACED_CAPTURABLE)
+
+
+class _Float64Scalars(dict):
+    """An optimizer's per-parameter state while its step is traced: a 0-d floating tensor put in
+    it reads as a float64 copy, and `stored()` gives each back in the dtype it was put in with."""
+
+    def __init__(self, entries=()):
+        super().__init__()
+        self.dtypes: dict = {}
+        for k, v in dict(entries).items():
+            self[k] = v
+
+    def __setitem__(self, key, value):
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            self.dtypes[key] = value.dtype
+            value = value.to(torch.float64)
+        else:
+            self.dtypes.pop(key, None)
+        super().__setitem__(key, value)
+
+    def stored(self) -> dict:
+        return {k: v.to(self.dtypes[k]) if k in self.dtypes and isinstance(v, torch.Tensor) else v
+                for k, v in self.items()}
+
+
+def _half(group: dict) -> bool:
+    """Whether the group's parameters are 16-bit floats: Adam would convert a tensor beta to
+    their precision (0.9 -> 0.8984375 in bfloat16), where eager keeps the float's, so their
+    betas stay statics."""
+    params = group["params"]
+    return bool(params) and params[0].dtype in (torch.bfloat16, torch.float16)
+
+
+def _sign(v) -> int:
+    return (v > 0) - (v < 0)
+
+
+def _tensor_sign(v: torch.Tensor) -> int | None:
+    """The sign of a 0-d tensor's value; None where it has none to read (a meta tensor)."""
+    if v.dim() != 0 or v.is_meta or isinstance(v, torch._subclasses.FakeTensor) or isinstance(v, Sharded):
+        return None
+    return _sign(v.item())
+
+
+class ScalarSigns(torch.overrides.TorchFunctionMode):
+    """While a step is traced, a lifted hyperparameter's stand-in (of a float, or of a 0-d
+    tensor the group holds) behaves as the Python float where a tensor would not:
+    - compared with zero (SGD's `if momentum != 0`, RMSprop's `if momentum > 0`), it gives the
+      Python answer: its sign is part of the cache key, so the program is right for every value
+      of that sign (compared with anything else, it stays a traced tensor);
+    - a float's stand-in converted to a parameter's lower precision (Adam turns a tensor beta1
+      into a float32 one) stays float64, as the float would in eager's arithmetic."""
+
+    _COMPARE = {f: compare for name, compare in (("eq", operator.eq), ("ne", operator.ne), ("gt", operator.gt),
+                                                 ("ge", operator.ge), ("lt", operator.lt), ("le", operator.le))
+                for f in (getattr(torch.Tensor, name), getattr(torch.Tensor, f"__{name}__"))}
+
+    def __init__(self, signs: dict, floats: set):
+        super().__init__()
+        self.signs = signs  # id(stand-in) -> the sign of the value it stands in for
+        self.floats = floats  # ids of the stand-ins of Python floats
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not args or id(args[0]) not in self.signs:
+            return func(*args, **kwargs)
+        compare = self._COMPARE.get(func)
+        if compare is not None and len(args) == 2 and type(args[1]) in (int, float) and args[1] == 0:
+            return compare(self.signs[id(args[0])], 0)
+        if func is torch.Tensor.to and id(args[0]) in self.floats:
+            dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+            if dtype is not None and dtype.is_floating_point:
+                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+                args = tuple(a for a in args if not isinstance(a, torch.dtype))
+        return func(*args, **kwargs)
+
+
+def _scalar_of(group: dict, key: str, index: int | None):
+    v = group[key] if index is None else group[key][index]
     return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
 
 
-def _set_scalar(group: dict, key: str, value) -> None:
-    group[key] = value.item() if isinstance(value, torch.Tensor) and not isinstance(group[key], torch.Tensor) else value
+def _set_scalar(group: dict, key: str, index: int | None, value) -> None:
+    old = group[key] if index is None else group[key][index]
+    value = value.item() if isinstance(value, torch.Tensor) and not isinstance(old, torch.Tensor) else value
+    if index is None:
+        group[key] = value
+    else:
+        group[key] = (*group[key][:index], value, *group[key][index + 1:])
 
 
 def _untraceable_state(name: str, v) -> Problem:
@@ -580,6 +691,8 @@ class Substitution:
         self.state, self.swap, self._undo = state, swap, []
         self.scalars = scalars or {}  # a scalar slot's name -> its stand-in (a float learning rate's)
         self.set_aside: set = set()  # the statics this substitution itself changes (a group's foreach flag)
+        self.signs: dict = {}  # id(a lifted hyperparameter's stand-in) -> its value's sign (`ScalarSigns`)
+        self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)
         self._optimizers: list = []
         for root in state.roots:
             if isinstance(root.value, torch.nn.Module):
@@ -614,24 +727,42 @@ class Substitution:
                 # path, the same arithmetic per tensor (as foreach, capture splits it per tensor)
                 self._set(functools.partial(group.__setitem__, "fused"), group["fused"], False)
                 self.set_aside.add(_join(prefix, f"param_groups.{g}.fused"))
-            stand_in = self.scalars.get(_join(prefix, f"param_groups.{g}.lr"))
-            if stand_in is not None:
-                self._set(functools.partial(group.__setitem__, "lr"), group["lr"], stand_in)
-                if group.get("foreach"):  # Adam's foreach path refuses a tensor rate unless capturable; the
-                    # for-loop path does what the foreach one does (capture splits foreach ops per tensor)
-                    self._set(functools.partial(group.__setitem__, "foreach"), group["foreach"], False)
-                    self.set_aside.add(_join(prefix, f"param_groups.{g}.foreach"))
+            for kind, key, value in ((TRACED_CAPTURABLE, "capturable", True), (TRACED_FOR_LOOP, "foreach", False)):
+                if type(opt) in kind and group.get(key, value) != value:
+                    self._set(functools.partial(group.__setitem__, key), group[key], value)
+                    self.set_aside.add(_join(prefix, f"param_groups.{g}.{key}"))
+            stand_ins = {}
+            for name, (key, index) in lifted_scalars(opt, group).items():
+                stand_in = self.scalars.get(_join(prefix, f"param_groups.{g}.{name}"))
+                if stand_in is not None:
+                    self.signs[id(stand_in)] = _sign(group[key] if index is None else group[key][index])
+                    self.floats.add(id(stand_in))
+                    stand_ins.setdefault(key, list(group[key]) if index is not None else None)
+                    if index is None:
+                        stand_ins[key] = stand_in
+                    else:
+                        stand_ins[key][index] = stand_in
+            for key, stand_in in stand_ins.items():
+                self._set(functools.partial(group.__setitem__, key), group[key],
+                          tuple(stand_in) if isinstance(stand_in, list) else stand_in)
+            if stand_ins and group.get("foreach"):  # foreach paths refuse tensor rates unless capturable;
+                # the for-loop path does what the foreach one does (capture splits foreach ops per tensor)
+                self._set(functools.partial(group.__setitem__, "foreach"), group["foreach"], False)
+                self.set_aside.add(_join(prefix, f"param_groups.{g}.foreach"))
             for key, v in list(group.items()):
                 if isinstance(v, torch.Tensor) and id(v) in self.swap:
+                    if (sign := _tensor_sign(v)) is not None:
+                        self.signs[id(self.swap[id(v)])] = sign
                     self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)])
             params = group["params"]
             for i, p in enumerate(params):
                 if id(p) in self.swap:
                     self._set(functools.partial(params.__setitem__, i), p, self.swap[id(p)])
-        stand_in_state = collections.defaultdict(dict)
+        entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
+        stand_in_state = collections.defaultdict(entry_type)
         for p, entries in opt.state.items():
-            stand_in_state[self.swap.get(id(p), p)] = {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v
-                                                      for k, v in entries.items()}
+            stand_in_state[self.swap.get(id(p), p)] = entry_type(
+                {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()})
         real_state = opt.state
         opt.state = stand_in_state
         self._undo.append(functools.partial(setattr, opt, "state", real_state))
@@ -650,6 +781,7 @@ class Substitution:
             prefix = next(r.name for r in self.state.roots if r.value is opt)
             seen = set()
             for p, entries in stand_in_state.items():
+                entries = entries.stored() if isinstance(entries, _Float64Scalars) else entries
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
                 for key, v in entries.items():
                     if owner is not None and v is not None and not isinstance(v, torch.Tensor):

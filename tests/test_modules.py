@@ -89,6 +89,65 @@ def test_stock_step_equals_eager(name, foreach, mesh, plan):
     assert step.trace_count == 2
 
 
+SCHEDULED = {
+    # RAdam and ASGD branch on their step count in Python: traced through their capturable
+    # path, with the count in float64 as eager's .item() reads it
+    "radam": (lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), 1e-12),
+    "asgd": (lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=2, weight_decay=0.01, foreach=False), 1e-12),
+    # foreach, Adamax passes its per-tensor step sizes as a list of numbers: traced as the for-loop
+    "adamax": (lambda ps: torch.optim.Adamax(ps, lr=1e-2, foreach=True), 1e-12),
+    # NAdam multiplies its float32 0-d mu_product by mu in float32; traced, mu is a float64 tensor
+    # and the product is taken in float64 before it is stored (7e-11 after 7 steps)
+    "nadam": (lambda ps: torch.optim.NAdam(ps, lr=1e-2), 1e-9),
+    "rmsprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True), 1e-12),
+    "sgd-nesterov": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 1e-12),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_scheduled_optimizers_equal_eager_with_one_program(name):
+    """OneCycleLR (its defaults: the learning rate and the momentum or beta1 cycled every step)
+    over torch.optim's other optimizers: one program after the first step, equal to eager, and
+    every hyperparameter left as eager leaves it. Seven steps take RAdam through both of its
+    branches (rectified from the sixth) and ASGD's averaging past t0."""
+    make, tolerance = SCHEDULED[name]
+    model, ref = mlp(), mlp()
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    cycle = "momentum" in opt.defaults or "betas" in opt.defaults
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20, cycle_momentum=cycle)
+                  for o in (opt, ref_opt)]
+    step = stock_step(model, opt, DP)
+    for i in range(7):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < tolerance
+        for s in schedulers:
+            s.step()
+    assert step.trace_count == 2 and max_diff(model, ref) < tolerance
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        for key, value in ref_opt.state[q].items():
+            assert opt.state[p][key].dtype == value.dtype, key
+            assert torch.allclose(opt.state[p][key].double(), value.double(), rtol=0, atol=tolerance), key
+    assert opt.param_groups[0] == {**ref_opt.param_groups[0], "params": opt.param_groups[0]["params"]}
+
+
+def test_a_hyperparameter_kept_in_a_tensor_is_an_input():
+    """Weight decay in a tensor, decayed in place between calls: AdamW's `if weight_decay != 0`
+    is answered from its sign (which keys the cache), its value read at every call."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=torch.tensor(0.1, dtype=torch.float64))
+                    for m in (model, ref))
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        for o in (opt, ref_opt):
+            o.param_groups[0]["weight_decay"].mul_(0.5)
+    assert step.trace_count == 2 and max_diff(model, ref) < 1e-12
+    for o in (opt, ref_opt):
+        o.param_groups[0]["weight_decay"].zero_()
+    assert "opt.param_groups.0.weight_decay.sign: value 0, cached 1" in str(hpfun.explain_cache_miss(step, *batch(3)))
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
@@ -372,27 +431,33 @@ def test_tied_weights_are_one_input():
 
 
 def test_learning_rate_is_an_input_other_hyperparameters_key_the_cache():
-    """SGD's, Adam's and AdamW's float learning rate is an input, read at every call: changed
-    outside, the next call uses it without compiling again; changed inside, the change is traced
-    and written back, as eager would leave it. Their other hyperparameters (and any
-    hyperparameter of another optimizer) key the cache: changed outside, the step compiles
-    again (`explain_cache_miss` names the value); changed inside, it is an error, not a stale
-    program."""
+    """An optimizer's float learning rate (and SGD's momentum, Adam's betas: what schedulers
+    change) is an input, read at every call: changed outside, the next call uses it without
+    compiling again; changed inside, the change is traced and written back, as eager would
+    leave it. Its sign keys the cache (SGD branches on `momentum != 0`). Other hyperparameters
+    key the cache: changed outside, the step compiles again (`explain_cache_miss` names the
+    value); changed inside, it is an error, not a stale program."""
     model, ref = mlp(), mlp()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     step = stock_step(model, opt, DP)
     x, y = batch(0)
-    for lr in (0.1, 0.01, 0.01):
+    for lr, momentum in ((0.1, 0.9), (0.01, 0.8), (0.01, 0.7)):
         for o in (opt, ref_opt):
-            o.param_groups[0]["lr"] = lr
+            o.param_groups[0].update(lr=lr, momentum=momentum)
         assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
     assert step.trace_count == 2  # the momentum buffers' first step, then one program for every rate
-    assert max_diff(model, ref) < 1e-12 and "opt.param_groups.0.lr" in [i["path"] for i in step.lower(x, y).inputs]
+    paths = [i["path"] for i in step.lower(x, y).inputs]
+    assert max_diff(model, ref) < 1e-12 and {"opt.param_groups.0.lr", "opt.param_groups.0.momentum"} <= set(paths)
     for o in (opt, ref_opt):
-        o.param_groups[0]["momentum"] = 0.5
-    assert "opt.param_groups.0.momentum: value 0.5, cached 0.9" in str(hpfun.explain_cache_miss(step, x, y))
+        o.param_groups[0]["dampening"] = 0.5
+    assert "opt.param_groups.0.dampening: value 0.5, cached 0" in str(hpfun.explain_cache_miss(step, x, y))
     step(x, y), eager_step(ref, ref_opt, x, y)
     assert step.trace_count == 3 and max_diff(model, ref) < 1e-12
+    for o in (opt, ref_opt):  # no momentum: SGD takes another branch, so another program
+        o.param_groups[0]["momentum"] = 0.0
+    assert "opt.param_groups.0.momentum.sign: value 0, cached 1" in str(hpfun.explain_cache_miss(step, x, y))
+    step(x, y), eager_step(ref, ref_opt, x, y)
+    assert step.trace_count == 4 and max_diff(model, ref) < 1e-12
 
     @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     def decaying(x, y):
@@ -404,12 +469,12 @@ def test_learning_rate_is_an_input_other_hyperparameters_key_the_cache():
 
     @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     def damping(x, y):
-        opt.param_groups[0]["momentum"] *= 0.5
+        opt.param_groups[0]["dampening"] *= 0.5
         return F.cross_entropy(model(x), y)
 
-    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.momentum: changed from 0.5 to 0.25"):
+    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.dampening: changed from 0.5 to 0.25"):
         damping(x, y)
-    opt.param_groups[0]["momentum"] = 0.5
+    opt.param_groups[0]["dampening"] = 0.5
 
 
 class OwnAdamW(torch.optim.AdamW):
