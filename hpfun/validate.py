@@ -181,7 +181,28 @@ def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
         for info in opinfo_db():
             for case in _opinfo_calls(info, samples):
                 index.add(case, cases_per_op)
+        for case in library_calls():
+            index.add(case, cases_per_op)
     return index
+
+
+def library_calls() -> list[OpCase]:
+    """Cases for the ops of other libraries that have rules and no OpInfo, where the library is
+    installed: transformers' grouped matmuls (rows sorted by expert; an expert with no rows too)."""
+    try:
+        import transformers.integrations.moe  # noqa: F401 - defines torch.ops.transformers' grouped matmuls
+        ops = torch.ops.transformers
+        forward, backward = ops.grouped_mm_fallback.default, ops.grouped_mm_fallback_backward.default
+    except Exception:  # noqa: BLE001 - not installed, or a version without them: no cases
+        return []
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for counts in ([2, 2, 2, 2], [0, 3, 5, 0]):
+        x, w, grad = (torch.randn(*shape, dtype=torch.float64, generator=g) for shape in ((8, 8), (4, 8, 8), (8, 8)))
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        calls += _try_trace(forward, [x, w, offs], "transformers.grouped_mm_fallback")
+        calls += _try_trace(backward, [x, w, offs, grad], "transformers.grouped_mm_fallback")
+    return calls
 
 
 def _opinfo_calls(info, samples: int) -> list[OpCase]:

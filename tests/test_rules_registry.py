@@ -136,3 +136,31 @@ def test_register_rejects_non_rules():
         hpfun.rules.register("aten.nope.default", Pointwise())
     with pytest.raises(hpfun.RuleFileError):
         hpfun.rules.register(aten.special_airy_ai.default, lambda call: [])
+
+
+def test_an_op_of_another_library_is_found_once_it_is_defined(tmp_path):
+    """A table may name an op a library defines only when imported (transformers' grouped
+    matmuls): it loads before the op exists, and the op's rule is found once the op is, in a
+    lookup and among `ops()`; a second entry for it is still a duplicate. An unknown ATen op is
+    still an error."""
+    path = _write(tmp_path, "lib.yaml", "hpfun_test_lib.scale.default: {family: pointwise, linear_each: [0]}\n")
+    registry = Registry()
+    registry.load(path)
+    assert not hasattr(torch.ops.hpfun_test_lib, "scale")
+
+    @torch.library.custom_op("hpfun_test_lib::scale", mutates_args=())
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    scale.register_fake(lambda x: torch.empty_like(x))
+    op = torch.ops.hpfun_test_lib.scale.default
+    assert registry.lookup(op) == Pointwise(linear_each=(0,)) and registry.source(op) == f"{path}:1"
+    assert op in registry.ops()
+    mesh = hpfun.Mesh.simulated((2,), ("x",))
+    x = torch.randn(4, 3)
+    f = hpfun.shard(lambda x: torch.ops.hpfun_test_lib.scale(x), mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+                    registry=registry)
+    assert torch.equal(f(x).full(), x * 2) and not f.lower(x).collectives
+    _write(tmp_path, "again.yaml", "hpfun_test_lib.scale.default: {family: pointwise}\n")
+    with pytest.raises(hpfun.RuleFileError, match="already has a rule"):
+        registry.load(tmp_path / "again.yaml")

@@ -2,7 +2,9 @@
 
 A table maps op overloads (`aten.mm.default`) to a rule family and its parameters. The special
 entry `__default__` is merged under every entry of its file. Keys are strict; an op named in two
-places, an unknown family or class, or an unknown op is an error naming `file:line`. Built-in
+places, an unknown family or class, or an unknown op is an error naming `file:line`. An op of
+another library (`transformers.grouped_mm_fallback.default`), which exists only once that
+library is imported, is kept by name and looked up by name when a graph holds it. Built-in
 tables come first; folders in `HPFUN_RULES_PATH` (colon-separated) and `load(path)` add to
 them, never replace them.
 """
@@ -23,6 +25,7 @@ from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
 from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
+from hpfun.rules.grouped import GroupedMm, GroupedMmBackward
 from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
@@ -63,6 +66,8 @@ FAMILIES: dict[str, type[Rule]] = {
     "batch_norm": BatchNorm,
     "attention": Attention,
     "nll_loss_backward": NllLossBackward,
+    "grouped_mm": GroupedMm,
+    "grouped_mm_backward": GroupedMmBackward,
     "replicated": Replicated,
     "data_dependent": DataDependent,
 }
@@ -95,6 +100,7 @@ class Registry:
         self._entries: dict[object, Entry] = {}
         self._pending: list[Path] | None = None  # tables not loaded yet; None: built-ins not queued yet
         self._loaded: set[Path] = set()  # files, resolved: a table named twice loads once
+        self._by_name: dict[str, Entry] = {}  # other libraries' ops not defined yet, by name
 
     def _ensure_builtins(self):
         if self._pending is None:
@@ -105,17 +111,28 @@ class Registry:
             self._pending.pop(0)
 
     def lookup(self, op) -> Rule | None:
-        self._ensure_builtins()
-        entry = self._entries.get(op)
+        entry = self._entry(op)
         return entry.rule if entry else None
 
     def source(self, op) -> str | None:
-        self._ensure_builtins()
-        entry = self._entries.get(op)
+        entry = self._entry(op)
         return entry.source if entry else None
 
-    def ops(self) -> list:
+    def _entry(self, op) -> Entry | None:
         self._ensure_builtins()
+        entry = self._entries.get(op)
+        if entry is None and self._by_name and isinstance(op, torch._ops.OpOverload):
+            entry = self._by_name.pop(str(op), None)  # another library's op, defined since its table loaded
+            if entry is not None:
+                self._entries[op] = entry
+        return entry
+
+    def ops(self) -> list:
+        """The ops with a rule (another library's only once it is imported)."""
+        self._ensure_builtins()
+        for name in list(self._by_name):
+            if (op := resolve_op(name)) is not None:
+                self._entry(op)
         return list(self._entries)
 
     def register(self, op, rule: Rule, *, replace: bool = False, source: str = "register()"):
@@ -153,16 +170,21 @@ class Registry:
             parsed += _parse_file(file, problems)
         seen: dict[object, str] = {}
         for op, rule, where in parsed:
-            previous = self._entries[op].source if op in self._entries else seen.get(op)
+            known = self._by_name if isinstance(op, str) else self._entries
+            previous = known[op].source if op in known else seen.get(op)
             if previous:
                 problems.append(Problem(where, f"{op} already has a rule at {previous}", "keep one entry per op"))
             seen[op] = where
         if problems:
             raise RuleFileError(problems)
         for op, rule, where in parsed:
-            self._entries[op] = Entry(rule, where)
+            (self._by_name if isinstance(op, str) else self._entries)[op] = Entry(rule, where)
         self._loaded.update(f.resolve() for f in files)
         return len(parsed)
+
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized", "_c10d_functional", "c10d_functional", "c10d",
+                               "profiler", "higher_order", "inductor", "rngprims", "mkldnn", "_quantized"})
 
 
 def resolve_op(name: str):
@@ -208,6 +230,8 @@ def _parse_file(file: Path, problems: list) -> list:
             continue
         seen[key] = line
         op = resolve_op(key)
+        if op is None and len(key.split(".")) == 3 and key.split(".")[0] not in _TORCH_NAMESPACES:
+            op = key  # another library's op: defined when that library is imported, looked up by name
         if op is None:
             problems.append(Problem(where, f"unknown op {key!r}", "write an op overload such as aten.mm.default"))
             continue
