@@ -112,6 +112,17 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
     return out if out is NotImplemented else out[0]
 
 
+def _weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """weight_norm's backward (torch has no decomposition for it): w = g * v / |v|, the norm
+    taken over every dim but `dim` (0 or the last), as torch's own formula writes it."""
+    dims = [d for d in range(saved_v.ndim) if d != dim % saved_v.ndim]
+    norms = aten._to_copy.default(saved_norms, dtype=saved_g.dtype)
+    sums = aten.sum.dim_IntList(aten.mul.Tensor(grad_w, saved_v), dims, True)
+    grad_v = aten.mul.Tensor(aten.div.Tensor(saved_g, norms), aten.sub.Tensor(
+        grad_w, aten.mul.Tensor(saved_v, aten.div.Tensor(sums, aten.mul.Tensor(norms, norms)))))
+    return grad_v, aten.div.Tensor(sums, norms)
+
+
 def _foreach_decompositions() -> dict:
     """Every `_foreach_*` overload (an optimizer's foreach implementation) as a loop of the
     per-tensor op: each element then gets its own layout, as its parameter has."""
@@ -156,6 +167,7 @@ def _foreach_loop(name: str, *args, **kwargs):
 _OWN = {
     aten.var_mean.correction: _var_mean,
     aten.var.correction: _var,
+    aten._weight_norm_interface_backward.default: _weight_norm_backward,
 }
 
 

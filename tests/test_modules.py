@@ -148,6 +148,30 @@ def test_a_hyperparameter_kept_in_a_tensor_is_an_input():
     assert "opt.param_groups.0.weight_decay.sign: value 0, cached 1" in str(hpfun.explain_cache_miss(step, *batch(3)))
 
 
+def _parametrized(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
+    getattr(torch.nn.utils.parametrizations, kind)(model[0])
+    return model
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal", "spectral_norm"])
+def test_parametrized_modules_equal_eager(kind):
+    """torch.nn.utils.parametrizations on a Linear, trained data parallel with SGD: weight_norm's
+    fused backward (which torch does not decompose) and orthogonal's matrix exponential (its
+    own rule: each matrix whole) are traced and sharded; spectral_norm's power iteration buffers
+    are written back."""
+    model, ref = _parametrized(kind), _parametrized(kind)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max(
+        (a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True)
+    ) < 1e-12
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
