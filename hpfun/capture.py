@@ -608,6 +608,11 @@ def _describe(err: Exception) -> str:
         hint = (" — the function reads tensor values to decide Python control flow or a shape "
                 "(e.g. .item(), if x.sum() > 0, nonzero); hpfun traces once on shapes only, so "
                 "compute such values outside the sharded function or use torch.where")
+        frames = {os.path.basename(f.filename) for f in traceback.extract_tb(err.__traceback__)}
+        if "grad_scaler.py" in frames:
+            hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
+                    "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "
+                    "dtype=torch.bfloat16) needs no scaler), or scale the loss by a constant instead")
     if "saved tensor hooks" in str(err):  # torch.utils.checkpoint under torch.func.grad
         hint = " — for activation checkpointing inside a sharded function use hpfun.checkpoint(block)(x)"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""

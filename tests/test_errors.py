@@ -109,6 +109,25 @@ def test_data_dependent_shape_is_a_capture_error():
     assert "nonzero" in text
 
 
+def test_grad_scaler_is_named_with_the_fix():
+    """torch.amp.GradScaler's step branches on whether a gradient overflowed: the error says so
+    and what to do instead."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x):
+        loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                     error=hpfun.CaptureError)
+    assert "scaler.step(opt)" in text and "GradScaler skips the optimizer's step" in text and "bfloat16" in text
+
+
 def test_sharded_input_on_another_mesh():
     """A Sharded argument must live on the function's mesh."""
     other = hpfun.Mesh.simulated((2,), ("dp",))
