@@ -26,6 +26,7 @@ from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
 from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
 from hpfun.rules.grouped import GroupedMm, GroupedMmBackward
+from hpfun.rules.linalg import Batched
 from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
@@ -66,6 +67,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "batch_norm": BatchNorm,
     "attention": Attention,
     "nll_loss_backward": NllLossBackward,
+    "batched": Batched,
     "grouped_mm": GroupedMm,
     "grouped_mm_backward": GroupedMmBackward,
     "replicated": Replicated,
