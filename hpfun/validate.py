@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import traceback
+import unittest.mock
 import warnings
 
 import attrs
@@ -174,8 +175,13 @@ def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
     cases per op, and as many complex ones."""
     index = Index()
     # one seed for the whole pass (samples are drawn in a fixed order, so the index is the same
-    # each run): OpInfo reseeds before every sample by default, at about 1 ms a time
-    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+    # each run): OpInfo reseeds before every sample by default, at about 1 ms a time. OpInfo's
+    # sample iterators look for the unittest method calling them with inspect.stack(), which
+    # reads the source of every frame: half of the pass's time, a third more under pytest.
+    from torch.testing._internal import common_utils
+
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), \
+            unittest.mock.patch.object(common_utils, "extract_test_fn", lambda: None):
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         for info in opinfo_db():
