@@ -182,8 +182,19 @@ def _is_user_frame(filename: str) -> bool:
 
 
 def _innermost_user_frame(_tracer, summary: traceback.StackSummary) -> traceback.StackSummary:
+    if isinstance(summary, _OneFrame):  # `_UserFrame.summary`'s: already that frame alone
+        return summary
     frames = [f for f in summary if _is_user_frame(f.filename)]
     return traceback.StackSummary.from_list(frames[-1:])
+
+
+class _OneFrame(traceback.StackSummary):
+    """The user's frame of a node, formatted as a traceback's two lines ('File "f", line n, in
+    fn' and the code): Python's own formatting also parses the line to place carets under
+    the expression, about a seventh of capturing a GPT step."""
+
+    def format(self) -> list[str]:
+        return [f'  File "{f.filename}", line {f.lineno}, in {f.name}\n    {(f.line or "").strip()}\n' for f in self]
 
 
 class _UserFrame:
@@ -201,7 +212,10 @@ class _UserFrame:
         frame = sys._getframe(1)
         while frame is not None and not _is_user_frame(frame.f_code.co_filename):
             frame = frame.f_back
-        return traceback.StackSummary.extract([] if frame is None else [(frame, frame.f_lineno)])
+        if frame is None:
+            return _OneFrame()
+        code = frame.f_code
+        return _OneFrame([traceback.FrameSummary(code.co_filename, frame.f_lineno, code.co_name)])
 
 
 def user_line(stack_trace: str | None) -> str:
