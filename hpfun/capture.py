@@ -190,8 +190,9 @@ def _innermost_user_frame(_tracer, summary: traceback.StackSummary) -> traceback
 
 class _OneFrame(traceback.StackSummary):
     """The user's frame of a node, formatted as a traceback's two lines ('File "f", line n, in
-    fn' and the code): Python's own formatting also parses the line to place carets under
-    the expression, about a seventh of capturing a GPT step."""
+    fn' and the code). Python's own formatting also parses the line to place carets under the
+    expression: 15.5 us a node against 3.8 (measured 40 frames deep), 0.2 s of a 32-layer GPT
+    step's capture."""
 
     def format(self) -> list[str]:
         return [f'  File "{f.filename}", line {f.lineno}, in {f.name}\n    {(f.line or "").strip()}\n' for f in self]
@@ -484,6 +485,15 @@ def _refuse_overlapping_write(func, args) -> None:
                     "clone() it first (x = x.clone()), as torch's own deprecation warning asks"))
 
 
+def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:
+    """`out` in the dtype eager gives when the traced scalar is a Python number: a float64 0-d
+    scalar promotes 0-d operands (a scalar parameter), a Python float does not."""
+    want = torch.result_type(tensors[0], tensors[1])
+    for t in tensors[2:]:
+        want = torch.promote_types(want, t.dtype)
+    return out if out.dtype == want else out.to(want)
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -502,7 +512,9 @@ class _TensorScalars(TorchFunctionMode):
                     and y.dtype == x.dtype and not rest and not kwargs:
                 # torch's kernel computes x + alpha * y in one fused multiply-add, as addcmul does
                 alpha = alpha if func.__name__ in ("add", "add_") else torch.neg(alpha)
-                return x.addcmul_(y, alpha) if func.__name__.endswith("_") else torch.addcmul(x, y, alpha)
+                if func.__name__.endswith("_"):
+                    return x.addcmul_(y, alpha)
+                return _as_eager(torch.addcmul(x, y, alpha), x, y)
             return func(x, torch.mul(y, alpha), *rest, **kwargs)
         if func in _LERP and len(args) == 3 and isinstance(args[2], torch.Tensor) and args[2].dim() == 0 \
                 and isinstance(args[0], torch.Tensor) and args[2].dtype != args[0].dtype:
@@ -516,7 +528,7 @@ class _TensorScalars(TorchFunctionMode):
             # the same steps give the same bits as eager's float value (for the 16-bit types,
             # computed in float, value * t1 is rounded once more; float copies would cost memory)
             out = _VALUE[func](x, torch.mul(t1, value), t2)
-            return x.copy_(out) if func.__name__.endswith("_") else out
+            return x.copy_(out) if func.__name__.endswith("_") else _as_eager(out, x, t1, t2)
         return func(*args, **kwargs)
 
 

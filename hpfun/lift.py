@@ -591,8 +591,9 @@ def _sign(v) -> int:
 
 
 def _tensor_sign(v: torch.Tensor) -> int | None:
-    """The sign of a 0-d tensor's value; None where it has none to read (a meta tensor)."""
-    if v.dim() != 0 or v.is_meta or isinstance(v, torch._subclasses.FakeTensor) or isinstance(v, Sharded):
+    """The sign of a 0-d tensor's value; None where it has none to read (a meta tensor) or
+    reading it would wait for the device (a CUDA tensor: it is read at every call)."""
+    if v.dim() != 0 or v.device.type != "cpu" or isinstance(v, torch._subclasses.FakeTensor) or isinstance(v, Sharded):
         return None
     return _sign(v.item())
 
