@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,12 +111,7 @@ def main():
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--out", default=None, help="write the table into this markdown file (its section only)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(2, port, args, queue), nprocs=2)
-    text = report(queue.get(), command="python " + " ".join(sys.argv))
+    text = report(overhead.on_two_ranks(worker, args), command="python " + " ".join(sys.argv))
     print(text)
     if args.out:
         overhead.write_section(args.out, text, SECTION)

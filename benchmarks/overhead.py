@@ -660,6 +660,17 @@ def write_section(path: str, text: str, section: str = SECTION) -> None:
         f.write(new)
 
 
+def on_two_ranks(worker, args):
+    """`worker(rank, world, port, args, queue)` on two gloo ranks (a free local port); what
+    rank 0 puts in the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(2, port, args, queue), nprocs=2)
+    return queue.get()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
@@ -670,12 +681,7 @@ def main():
                         help="leave out the HF Llama step's compile=True version (inductor takes 1-2 minutes on it)")
     parser.add_argument("--out", default=None, help="write the table into this markdown file (its section only)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(2, port, args, queue), nprocs=2)
-    text = report(queue.get(), command="python " + " ".join(sys.argv))
+    text = report(on_two_ranks(worker, args), command="python " + " ".join(sys.argv))
     print(text)
     if args.out:
         write_section(args.out, text)
