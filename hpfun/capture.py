@@ -291,13 +291,22 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
     return Captured(gm, tuple(constants), tuple(mutated))
 
 
+def _compiled_code_runs_as_written():
+    """A `torch.compile`d module or function inside the sharded function is traced as the code
+    it compiles (hpfun compiles the per-shard program itself, `compile=True`): Dynamo would
+    otherwise run its compiled kernels on the stand-ins, reading the real parameters."""
+    import torch._dynamo
+
+    return mock.patch.object(torch._dynamo.config, "disable", True)
+
+
 def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
-                torch_checkpoints(), _TensorScalars():
+                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars():
             return traced(*fakes)
     except CaptureError:
         raise

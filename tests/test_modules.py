@@ -148,6 +148,19 @@ def test_a_hyperparameter_kept_in_a_tensor_is_an_input():
     assert "opt.param_groups.0.weight_decay.sign: value 0, cached 1" in str(hpfun.explain_cache_miss(step, *batch(3)))
 
 
+def test_a_compiled_module_is_traced_as_its_code():
+    """torch.compile(model) inside the step: traced as the module's own code (Dynamo off while
+    hpfun traces; hpfun's compile=True compiles the per-shard program), equal to eager; before,
+    Dynamo compiled it on the stand-ins and its kernels read the real parameters."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = stock_step(torch.compile(model), opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12 and step.trace_count == 2
+
+
 def _parametrized(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
