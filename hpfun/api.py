@@ -597,6 +597,7 @@ class _Traced:
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
+        out, flat = _without_caches(out, flat, self.out_tree)
         self.out_example = out
         self.out_statics = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
         self.out_tensors = [v for v in flat if isinstance(v, torch.Tensor)]
@@ -611,6 +612,26 @@ class _Traced:
             elif value is None and before is not None:
                 self.cleared.append(name)
         return self.out_tensors + [v for _, v in self.assigned]
+
+
+def _without_caches(out, flat: list, tree):
+    """`out` with a transformers model's cache (past_key_values, made unasked by default) as
+    None, and a warning naming it: it holds the trace's stand-ins, and it is a by-product the
+    caller rarely wants back. Other objects holding tensors are an error (`_output_layouts`)."""
+    dropped = []
+    for i, (path, leaf) in enumerate(pytree.tree_flatten_with_path(out)[0]):
+        if type(leaf).__module__.startswith("transformers.") and type(leaf).__name__.endswith("Cache") \
+                and _tensors_inside(leaf):
+            dropped.append(i)
+            warnings.warn(f"outputs{pytree.keystr(path)} is a {type(leaf).__name__} (a model's past_key_values): "
+                          "hpfun returns tensors only inside tuples, lists, dicts and classes registered with "
+                          "torch.utils._pytree, so it comes back as None. Call the model with use_cache=False (it "
+                          "then makes none), or return what you need of its output (out.loss, out.logits).",
+                          UserWarning, stacklevel=2)
+    if not dropped:
+        return out, flat
+    flat = [None if i in dropped else v for i, v in enumerate(flat)]
+    return pytree.tree_unflatten(flat, tree), flat
 
 
 @attrs.frozen(eq=False)
@@ -762,7 +783,7 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     root = "outputs[0]" if bare else "outputs"
     paths = leaf_paths(out_example, root)
     tensor_paths = [p for p, v in zip(paths, flat, strict=True) if isinstance(v, torch.Tensor)]
-    hidden = [Problem(p, f"is a value of type {type(v).__name__} holding tensors ({', '.join(inside)}), which hpfun cannot see: they "
+    hidden = [Problem(p, f"is a value of type {type(v).__name__} holding tensors ({', '.join(i.lstrip('.') for i in inside[:4])}), which hpfun cannot see: they "
                       "would come back as the trace's stand-ins", f"return tensors in tuples, lists and dicts, or "
                       f"register {type(v).__name__} as a pytree node (torch.utils._pytree.register_dataclass)")
               for p, v in zip(paths, flat, strict=True) if (inside := _tensors_inside(v))]
@@ -790,14 +811,25 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     return layouts, tensor_paths
 
 
-def _tensors_inside(x) -> list[str]:
-    """Where a non-tensor output holds tensors: its attributes' names, or "elements" of a set
-    (looked at one level deep)."""
+def _tensors_inside(x, depth: int = 4) -> list[str]:
+    """Where a non-tensor output holds tensors: the paths to them through its attributes, and
+    the lists, tuples and dicts they hold ("layers[0].keys"), or "elements" of a set."""
     if isinstance(x, (set, frozenset)):
         return ["elements"] if any(isinstance(v, torch.Tensor) for v in x) else []
-    if isinstance(x, torch.Tensor) or not isinstance(getattr(x, "__dict__", None), dict):
+    if isinstance(x, torch.Tensor) or depth == 0:
         return []
-    return [k for k, v in vars(x).items() if isinstance(v, torch.Tensor)]
+    if isinstance(x, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(x)]
+    elif isinstance(x, dict):
+        items = [(f"[{k!r}]", v) for k, v in x.items()]
+    elif isinstance(getattr(x, "__dict__", None), dict) and not isinstance(x, (type, torch.nn.Module)):
+        items = [(f".{k}", v) for k, v in vars(x).items()]
+    else:
+        return []
+    found = []
+    for name, v in items:
+        found += [name] if isinstance(v, torch.Tensor) else [name + sub for sub in _tensors_inside(v, depth - 1)]
+    return found
 
 
 def _signature(fn) -> inspect.Signature | None:

@@ -119,6 +119,14 @@ def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
     assert "outputs[1]: is a value of type Out holding tensors (y)" in text and "register_dataclass" in text
     assert "FakeTensor" not in text
 
+    class Layers:  # tensors a few levels down, as a transformers cache holds them
+        def __init__(self, x):
+            self.layers = [{"keys": x}]
+
+    g = hpfun.shard(lambda x: (x, Layers(x)), mesh=MESH, in_specs=P("dp"))
+    _, text = _error(g, torch.randn(8), error=hpfun.CaptureError)
+    assert "outputs[1]: is a value of type Layers holding tensors (layers[0]['keys'])" in text
+
 
 def test_numpy_arguments_are_tensors():
     """A NumPy array is read as a tensor (the fast cache keys it like one); one torch cannot hold is named."""

@@ -230,3 +230,17 @@ def test_mixtral_experts_split_over_tp_equal_eager():
     assert len(grouped) == 4  # gate_up and down, forward and backward
     gathered = [str(c) for c in program.collectives if c.op.startswith("transformers.") and "tp" in c.axes]
     assert not gathered, gathered  # replicate-only, the expert weights would be gathered over tp for them
+
+
+def test_a_returned_model_output_keeps_its_tensors_and_drops_its_cache():
+    """`return model(ids, labels=ids)`: the loss and logits come back sharded, equal to eager;
+    the DynamicCache in it holds the trace's stand-ins, so it comes back as None with a warning
+    that names it and says use_cache=False (before, it came back holding fake tensors)."""
+    model = build("llama", "sdpa")
+    ids = tokens(0)
+    step = hpfun.shard(lambda ids: model(ids, labels=ids), mesh=LAYOUTS["dp"][0], in_specs=(P("dp"),), out_specs=None)
+    with pytest.warns(UserWarning, match=r"outputs\['cache'\] is a DynamicCache \(a model's past_key_values\).*use_cache=False"):
+        out = step(ids)
+    ref = model(ids, labels=ids)
+    assert torch.equal(out.logits.full(), ref.logits) and abs(out.loss.full().item() - ref.loss.item()) < 1e-6
+    assert out.get("cache") is None and out.get("past_key_values") is None
