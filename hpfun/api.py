@@ -61,8 +61,9 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     says otherwise; gradients and optimizer state follow their parameter. In-place updates
     (`p.add_`, `loss.backward()`, `opt.step()`, BatchNorm's running statistics) are written back
     when the call returns. Python values that decide the trace (a module's training flag, an
-    optimizer's momentum) are part of the cache key, SGD's, Adam's and AdamW's learning rate is
-    an input read at every call; other Python scalars among the arguments are baked into the
+    optimizer's weight decay) are part of the cache key; what LR schedulers change (a
+    torch.optim optimizer's learning rate, SGD's momentum, Adam's betas: `lift.LIFTED_SCALARS`)
+    is an input read at every call; other Python scalars among the arguments are baked into the
     program.
 
     `compile=True` hands the per-shard program to `torch.compile` (inductor). Random ops draw
@@ -340,7 +341,7 @@ class ShardedFunction:
     def _note_changed_statics(self, key) -> None:
         """A compile whose signature differs from the last one of the same arguments only in
         Python values the trace reads: count it per value, and warn once per value that keeps
-        changing (an LR scheduler stepping a float learning rate compiles a program per step)."""
+        changing (a scheduler stepping a hyperparameter hpfun does not lift compiles a program per step)."""
         tree, leaves, statics, *rest = key
         last = next((k for k in reversed(self._cache) if k[0] == tree and k[1] == leaves and list(k[3:]) == rest), None)
         if last is None:

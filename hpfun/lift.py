@@ -49,7 +49,7 @@ class Slot:
     write: object  # (value) -> None: make that place hold `value`
     follows: str | None = None  # a parameter's name: a gradient or optimizer state takes its spec
     requires_grad: bool = False  # a parameter autograd fills the `.grad` of
-    scalar: bool = False  # a Python number read as a 0-d float64 tensor (a float learning rate)
+    scalar: bool = False  # a Python number read as a 0-d float64 tensor (a float learning rate, a beta)
 
 
 @attrs.frozen(eq=False)
@@ -690,7 +690,7 @@ class Substitution:
 
     def __init__(self, state: State, swap: dict, grads: dict, scalars: dict | None = None):
         self.state, self.swap, self._undo = state, swap, []
-        self.scalars = scalars or {}  # a scalar slot's name -> its stand-in (a float learning rate's)
+        self.scalars = scalars or {}  # a scalar slot's name -> its stand-in (`LIFTED_SCALARS`)
         self.set_aside: set = set()  # the statics this substitution itself changes (a group's foreach flag)
         self.signs: dict = {}  # id(a lifted hyperparameter's stand-in) -> its value's sign (`ScalarSigns`)
         self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)

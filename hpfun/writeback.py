@@ -112,7 +112,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
             if wb.input is not None:
                 _update(inputs[wb.input], value)
                 slot = state.slots.get(wb.name) if state is not None else None
-                if slot is not None and slot.scalar:  # a float learning rate read as a tensor, updated in place
+                if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
