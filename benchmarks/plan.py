@@ -20,7 +20,7 @@ Layouts:
   batch over dp; and the same with `gather_params` over both axes, so that FSDP's per-use
   gathers are among the plans priced.
 
-    python benchmarks/plan.py [--layers 32] [--meshes 2x4 8x8] [--budget-gb 80] [--out benchmarks/RESULTS.md]
+    python benchmarks/plan.py [--layers 32] [--meshes 2x4 8x8] [--budget-gb 80] [--donate-state] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def layouts(budget: int) -> dict:
     }
 
 
-def plan(name: str, layout: dict, mesh_shape: tuple, layers: int) -> dict:
+def plan(name: str, layout: dict, mesh_shape: tuple, layers: int, donate: bool = False) -> dict:
     mesh = hpfun.Mesh.simulated(mesh_shape, ("dp", "tp"))
     model, opt = _model(layers)
     if layout.get("sequence_parallel"):
         model.model.embed_tokens.register_forward_hook(lambda m, i, out: hpfun.constrain(out, P("dp", "tp", None)))
 
     @hpfun.shard(mesh=mesh, in_specs=(layout["batch"], layout["batch"]), out_specs=P(),
-                 state_specs=layout["state_specs"], **layout["options"])
+                 state_specs=layout["state_specs"], donate_state=donate, **layout["options"])
     def train_step(ids, labels):
         loss = model(ids, labels=labels).loss
         loss.backward()
@@ -140,19 +140,22 @@ def main():
     parser.add_argument("--meshes", nargs="+", default=["2x4", "8x8"])
     parser.add_argument("--budget-gb", type=float, default=80.0)
     parser.add_argument("--only", nargs="+", default=None, help="layouts to plan (default: all)")
+    parser.add_argument("--donate-state", action="store_true",
+                        help="plan with donate_state=True: the updated state is freed at its last use")
     parser.add_argument("--out", default=None, help="append the tables to this markdown file")
     args = parser.parse_args()
     budget = int(args.budget_gb * 1e9)
+    donating = " --donate-state" if args.donate_state else ""
     out = [f"## Planning a Llama-3-8B-sized step at full scale ({args.layers} layers, meta tensors)", "",
            f"`python benchmarks/plan.py --layers {args.layers} --meshes {' '.join(args.meshes)} "
-           f"--budget-gb {args.budget_gb:g}`", ""]
+           f"--budget-gb {args.budget_gb:g}{donating}`", ""]
     for text in args.meshes:
         shape = tuple(int(n) for n in text.split("x"))
         rows = []
         for name, layout in layouts(budget).items():
             if args.only and name not in args.only:
                 continue
-            row = plan(name, layout, shape, args.layers)
+            row = plan(name, layout, shape, args.layers, donate=args.donate_state)
             print({k: v for k, v in row.items() if k != "auto"}, flush=True)
             rows.append(row)
         out += [f"### dp x tp = {shape[0]} x {shape[1]} ({shape[0] * shape[1]} ranks)", "", *table(rows, budget), ""]

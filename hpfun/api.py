@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
-from hpfun.errors import CaptureError, Problem, ShardingError, SpecError
+from hpfun.errors import CaptureError, ExecutionError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
@@ -42,7 +42,7 @@ from hpfun.writeback import WriteBack
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
           cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          overlap: bool = True, gather_params=None, memory_budget: int | None = None):
+          overlap: bool = True, gather_params=None, memory_budget: int | None = None, donate_state: bool = False):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -121,6 +121,15 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     leaves of repeated layers (`layers.0.wq`, `layers.1.wq`) get the same layout. `lower()`
     lists what was chosen; `lower().auto.explain()` adds each choice's runner-up.
 
+    `donate_state=True` hands the lifted state a call updates (parameters, gradients, optimizer
+    state: what eager would change in place) over to the program on a distributed mesh: each
+    block is released when its last use has run, instead of living beside its new value until
+    the call returns, as an in-place optimizer step frees it. The memory estimate counts it so.
+    Lifted state only is donated (an argument's tensor belongs to the caller), and nothing is
+    freed on a simulated mesh (state is written back whole) or with `compile=True`. If the
+    call fails after starting, the donated state is lost: each tensor keeps its shape, its
+    values are undefined, and the next call says so until new values are loaded into it.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -131,7 +140,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, state_specs=state_specs,
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
                                  registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
-                                 overlap=overlap, gather_params=gather_params, memory_budget=memory_budget)
+                                 overlap=overlap, gather_params=gather_params, memory_budget=memory_budget,
+                                 donate_state=donate_state)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -156,6 +166,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"bucket_bytes must be an int >= 0 (0: no bucketing), got {bucket_bytes!r}", headline="bad option")
     if not isinstance(overlap, bool):  # overlap="no" would read as True
         raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
+    if not isinstance(donate_state, bool):
+        raise SpecError(f"donate_state must be True or False, got {donate_state!r}", headline="bad option")
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
                                       or memory_budget <= 0):
         raise SpecError(f"memory_budget must be None or an int > 0 (bytes per rank, e.g. 8 << 30), got "
@@ -163,7 +175,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
                       overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params),
-                      memory_budget=memory_budget)
+                      memory_budget=memory_budget, donate_state=donate_state)
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -184,6 +196,7 @@ class Options:
     overlap: bool = True  # issue collectives once their input exists, wait at first use
     gather_params: tuple = ()  # mesh axes parameters are gathered over at each use (FSDP); () none
     memory_budget: int | None = None  # bytes per rank the AUTO layouts must fit in (hpfun.auto)
+    donate_state: bool = False  # lifted state the call updates is released to the program (freed at its last use)
 
 
 @attrs.frozen
@@ -266,7 +279,17 @@ class ShardedFunction:
         if entry is None:
             entry = self._program(call)[1]
         flat = call.flat
-        shards = execute(entry.program, [flat[i] for i in entry.fed_flat] + entry.constants_list, self.options.compile)
+        tensors = [flat[i] for i in entry.fed_flat] + entry.constants_list
+        if not entry.program.donated:
+            shards = execute(entry.program, tensors, self.options.compile)
+        else:
+            released = []
+            try:
+                shards = execute(entry.program, tensors, self.options.compile, released)
+            except BaseException as err:
+                writeback.lose(released, err)
+                raise
+            del released
         n = entry.n_outputs
         if entry.writes:
             tensors = [flat[i] for i in entry.tensor_pos]
@@ -310,6 +333,11 @@ class ShardedFunction:
             lifted = state.values(skip_ids={id(x) for x in flat if isinstance(x, torch.Tensor)})
             if self.mesh.runtime == "distributed":
                 lifted = {k: writeback.held_block(v) or v if isinstance(v, torch.Tensor) else v for k, v in lifted.items()}
+                if writeback._LOST and (names := writeback.lost(lifted)):
+                    raise ExecutionError(Problem(
+                        ", ".join(names), "lost: a call that was handed this state (donate_state=True) failed",
+                        "load the values again (model.load_state_dict, optimizer.load_state_dict, or a "
+                        "checkpoint), then call again"), headline="donated state lost")
             if key is not None:
                 _flatten(lifted, flat, key)
             else:
@@ -478,6 +506,9 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
+        if self.options.donate_state:
+            updated = {w.input for w in writes if w.input is not None and names[w.input] in call.lifted}
+            program = attrs.evolve(program, donated=tuple(i for i, j in enumerate(fed) if j in updated))
         if chosen is not None and fitting is not None:  # the lowered program's estimate too
             chosen = fitting.check(program, chosen)
             if chosen is None:  # over the budget: planned again with the excess taken off
@@ -902,14 +933,44 @@ def _describe(call: _Call, leaves) -> list[str]:
     return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items()]
 
 
-def execute(program: Program, tensors: list, compile: bool = False) -> list[tuple]:
+def execute(program: Program, tensors: list, compile: bool = False, released: list | None = None) -> list[tuple]:
     """Run a program on its mesh's runtime with global tensors or `Sharded` values as inputs;
-    per output, the shards this process holds."""
+    per output, the shards this process holds. With `released` (a list, filled here), the
+    program's donated inputs are handed over on a distributed mesh: each tensor holding one
+    gives up its storage before the program runs, which then frees it after its last use."""
 
     def blocks(coords, device):
-        return [rank_block(x, lay, coords, device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+        out = [rank_block(x, lay, coords, device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+        if released is not None:
+            _donate(program, tensors, out, released)
+        return out
 
-    return run(program, blocks, compile)
+    boxed = released is not None and bool(program.donated) and program.mesh.runtime == "distributed" and not compile
+    return run(program, blocks, compile, boxed=boxed)
+
+
+def _donate(program: Program, tensors: list, blocks: list, released: list) -> None:
+    """Hand the donated inputs' storage over to `blocks` (the only references left to it):
+    each holding tensor keeps its identity, empty until its new value is written back. A tensor
+    that shares its storage (a view, a block of a flat buffer) or is also fed undonated keeps it."""
+    if program.mesh.runtime != "distributed":
+        return
+    donated = set(program.donated)
+    kept = {id(_owner(x)) for i, x in enumerate(tensors) if i not in donated}
+    for i in program.donated:
+        owner = _owner(tensors[i])
+        if (not isinstance(owner, torch.Tensor) or id(owner) in kept or owner._base is not None
+                or owner.untyped_storage().nbytes() != owner.numel() * owner.element_size()):
+            continue
+        blocks[i] = blocks[i].detach()
+        released.append((owner, tuple(owner.shape)))
+        kept.add(id(owner))  # the same tensor fed twice is released once
+        with torch.no_grad():
+            owner.data = torch.empty(0, dtype=owner.dtype, device=owner.device)
+
+
+def _owner(x):
+    return x.shards[0] if isinstance(x, Sharded) else x
 
 
 def _flatten(tree, flat: list, key: list) -> bool:

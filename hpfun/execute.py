@@ -19,10 +19,12 @@ from hpfun.runtime.distributed import runtime_for
 NO_SEED = torch.zeros(1, dtype=torch.int64)  # the seed input of a program that draws no random numbers
 
 
-def run(program: Program, blocks: Callable[[tuple, torch.device | None], list], compile: bool = False) -> list[tuple]:
+def run(program: Program, blocks: Callable[[tuple, torch.device | None], list], compile: bool = False,
+        boxed: bool = False) -> list[tuple]:
     """Run `program`; `blocks(coords, device)` gives the inputs of the rank at mesh `coords`
     (on `device`, None: where they are). Per output, the shards this process holds: one per
-    rank of a simulated mesh, this rank's of a distributed one."""
+    rank of a simulated mesh, this rank's of a distributed one. `boxed` (distributed): the
+    program empties the list of inputs it is given, and frees each after its last use."""
     mesh = program.mesh
     seed = draw_seed() if program.uses_seed else NO_SEED
     if mesh.runtime == "simulated":
@@ -31,4 +33,4 @@ def run(program: Program, blocks: Callable[[tuple, torch.device | None], list], 
         return [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
     runtime = runtime_for(mesh)
     local = blocks(runtime.coords, runtime.device)
-    return [(out,) for out in runtime.run(program.module, local, seed, program.uses_seed, compile=compile)]
+    return [(out,) for out in runtime.run(program.module, local, seed, program.uses_seed, compile=compile, boxed=boxed)]

@@ -5,7 +5,7 @@ view (`str`, `_repr_html_`, `cost()`, `.collectives`) is computed from it, so a 
 with `Lowered.from_json` shows exactly what the original showed. Two versions of a program can
 be compared by diffing their `to_json()`.
 
-Schema "hpfun.lowered", version 5 (layouts in the compact notation, on the report's mesh;
+Schema "hpfun.lowered", version 6 (layouts in the compact notation, on the report's mesh;
 shapes are lists of ints; node names are the per-shard graph's, which reuse the global graph's
 names for the ops it came from):
 
@@ -35,20 +35,23 @@ names for the ops it came from):
         ("output": at the end); overlapped: ops of the global graph that run in between
     cost_model: {alpha, beta, flops, per_axis: {axis name: [alpha, beta]}}   the model the plan
         was chosen by, and `cost()`'s default
-    memory: {inputs: {group: bytes}, transient_peak, peak_node, at_peak: {activations,
-             collective buffers, outputs}, collective_peak, activation_peak, outputs,
+    memory: {inputs: {group: bytes}, donated, transient_peak, peak_node, at_peak: {activations,
+             collective buffers, outputs, donated}, collective_peak, activation_peak, outputs,
              timeline: [bytes per node]}
         bytes per rank (every rank alike; see `hpfun.memory`): what the inputs hold, by group
-        (parameters, gradients, optimizer state, buffers, or an argument's parameter name); the
-        most the program allocates on top (transient_peak, at node peak_node, split there into
-        what it holds); the most collective buffers and activations hold at once; the new
-        outputs' bytes; and the bytes the program holds at each node, in program order
+        (parameters, gradients, optimizer state, buffers, or an argument's parameter name), and
+        how much of it is donated (`donate_state`: freed at its last use); the most the program
+        allocates on top (transient_peak, net of donated inputs already freed, at node
+        peak_node, split there into what it holds, donated inputs still live included); the
+        most collective buffers and activations hold at once; the new outputs' bytes; and the
+        bytes the program holds at each node, in program order (net likewise)
     auto: {chosen: [{group, leaves, shape, spec, layout, same_as}], price, replicated_price,
            memory, budget, lowered_memory, seconds, stats}   only for a program with AUTO specs
         (see `hpfun.auto.AutoPlan.to_dict`): each layout chosen, by the leaves taking it
 
 Versions only grow fields; a field's meaning never changes within a version. Version 2 added
-collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory and auto; older versions
+collectives[].dtype, version 3 cost_model, version 4 buckets, version 5 memory and auto, version 6
+memory.donated (the transient figures net of donated inputs freed); older versions
 are read (version 2 with the default cost model; before version 4 every collective is issued
 alone, where it is waited; before version 5 `memory()` is not known).
 """
@@ -73,8 +76,8 @@ from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
 from hpfun.schedule import points
 
-SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 5
-_READS = (2, 3, 4, 5)
+SCHEMA, SCHEMA_VERSION = "hpfun.lowered", 6
+_READS = (2, 3, 4, 5, 6)
 
 
 # ---------------------------------------------------------------------------------------------

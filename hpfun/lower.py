@@ -68,6 +68,7 @@ class Program:
     collectives: tuple[Collective, ...]
     uses_seed: bool = False  # the program draws random numbers: each call needs a seed
     buckets: tuple = ()  # the hpfun.schedule.Bucket of each fused collective, in program order
+    donated: tuple = ()  # inputs whose buffers a call hands over, freed after their last use (donate_state)
 
 
 class LowerContext:

@@ -17,6 +17,12 @@ for every rank. It has two parts:
   (results of collectives, and the flat buffers and casts that only feed one) and outputs
   (the new parameters and state the program returns, already made).
 
+- **donated** (`shard(..., donate_state=True)`): lifted state the call updates is handed over
+  to the program, which frees each block after its last use (the optimizer update that reads
+  it), as an in-place step does. Those inputs still count in `inputs`; the transient figures
+  are net of what has been freed by then, so the peak no longer holds the old and the new state
+  side by side.
+
 The peak per rank is inputs + transient peak. It counts what the program's values hold, not
 what kernels allocate inside themselves (a matmul's packing buffers, a collective's staging
 copies in the backend), nor the allocator's rounding.
@@ -84,8 +90,13 @@ def estimate(program, groups: list[str] | None = None) -> dict:
             value = getattr(module, node.target, None)
             if isinstance(value, torch.Tensor):
                 inputs["constants"] = inputs.get("constants", 0) + value.numel() * value.element_size()
-    live = _liveness(nodes)
-    return {"inputs": inputs, **live}
+    donated = {}  # placeholder -> bytes: inputs the call hands over, freed after their last use
+    for i in getattr(program, "donated", ()):
+        node = placeholders[i]
+        donated[node] = _nbytes(program.input_layouts[i].local_shape(program.input_shapes[i]),
+                                node.meta.get("hpfun_global", (None, torch.float32))[1])
+    live = _liveness(nodes, donated)
+    return {"inputs": inputs, "donated": sum(donated.values()), **live}
 
 
 def _nbytes(shape, dtype) -> int:
@@ -115,8 +126,11 @@ def _aliased_arg(node: torch.fx.Node):
     return next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
 
 
-def _liveness(nodes: list[torch.fx.Node]) -> dict:
-    """Transient buffers live at each node of the program, and what the peak holds."""
+def _liveness(nodes: list[torch.fx.Node], donated: dict | None = None) -> dict:
+    """Transient buffers live at each node of the program, and what the peak holds. `donated`
+    (placeholder -> bytes): inputs freed after their last use, counted as negative transient
+    bytes from then on (the inputs' total stays what the call is handed)."""
+    donated = donated or {}
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     buffer: dict = {}  # node -> the node that allocated its buffer (itself, or a view's base)
@@ -126,6 +140,9 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
             buffer[node] = node
+            if node in donated:
+                size[node] = donated[node]
+                kind[node] = "donated"
             continue
         if node.op != "call_function":
             continue
@@ -148,7 +165,7 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
         elif tensors:
             size[node] = sum(t.numel() * t.element_size() for t in tensors)
             kind[node] = "collective buffers" if node in feeds else "activations"
-    born = {b: index[b if isinstance(b, torch.fx.Node) else b[0]] for b in size}
+    born = {b: 0 if b in donated else index[b if isinstance(b, torch.fx.Node) else b[0]] for b in size}
     last = dict(born)
     for node in nodes:
         b = buffer.get(node)
@@ -160,9 +177,10 @@ def _liveness(nodes: list[torch.fx.Node]) -> dict:
                 kind[b] = "outputs"
             else:
                 last[b] = max(last[b], index[user])
-    timeline = _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items()))
+    handed = sum(donated.values())  # live from the start: the inputs' total already counts them
+    timeline = [n - handed for n in _sweep(len(nodes), ((born[b], last[b], n) for b, n in size.items()))]
     peak_at = max(range(len(nodes)), key=timeline.__getitem__) if nodes else 0
-    at_peak = {k: 0 for k in ("activations", "collective buffers", "outputs")}
+    at_peak = {k: 0 for k in ("activations", "collective buffers", "outputs", "donated")}
     for b, n in size.items():
         if born[b] <= peak_at <= last[b]:
             at_peak[kind[b]] += n
@@ -237,12 +255,13 @@ class Memory:
     peak_node: str | None
     timeline: tuple = attrs.field(converter=tuple, repr=False)
     activation_peak: int = 0  # the most activations (not outputs, not collective buffers) live at once
+    donated: int = 0  # bytes of the inputs handed over to the program (donate_state), freed at their last use
 
     @classmethod
     def from_dict(cls, d: dict) -> "Memory":
         at = d["at_peak"]
         return cls(dict(d["inputs"]), d["transient_peak"], at["activations"], at["collective buffers"], at["outputs"],
-                   d["collective_peak"], d["peak_node"], d["timeline"], d["activation_peak"])
+                   d["collective_peak"], d["peak_node"], d["timeline"], d["activation_peak"], d.get("donated", 0))
 
     @property
     def held(self) -> int:
@@ -262,6 +281,9 @@ class Memory:
         lines.append(f"  {'collective buffers':<{width}}  {_mb(self.collective_buffers):>11}  (at the peak; "
                      f"{_mb(self.collective_peak)} at most)")
         lines.append(f"  {'new outputs':<{width}}  {_mb(self.new_outputs):>11}  (at the peak)")
+        if self.donated:
+            lines.append(f"  {'donated inputs':<{width}}  {_mb(self.donated):>11}  (of the inputs, each freed after its "
+                         "last use: the program's figure is net of them)")
         where = f" at %{self.peak_node}" if self.peak_node else ""
         lines.append(f"  peak {_mb(self.peak)}{where}: {_mb(self.held)} held + {_mb(self.transient)} allocated by the program")
         lines.append(f"  live bytes over the program: {_sparkline(self.timeline)}")
@@ -281,9 +303,9 @@ class Memory:
 def _sparkline(timeline, width: int = 60) -> str:
     if not timeline:
         return ""
-    bars, top, n = " ▁▂▃▄▅▆▇█", max(timeline) or 1, len(timeline)
+    bars, top, n = " ▁▂▃▄▅▆▇█", max(max(timeline), 1), len(timeline)
     cells = [max(timeline[i * n // width: max(i * n // width + 1, (i + 1) * n // width)]) for i in range(min(width, n))]
-    return "".join(bars[round(c / top * 8)] for c in cells)
+    return "".join(bars[max(round(c / top * 8), 0)] for c in cells)
 
 
 def _svg(timeline, held: int, w: int = 480, h: int = 120) -> str:
@@ -331,15 +353,20 @@ def _local_collective(target):
     return None
 
 
-def local_module(program) -> torch.fx.GraphModule:
+def local_module(program, boxed: bool = False) -> torch.fx.GraphModule:
     """One rank's program with every collective replaced by a local op allocating what the
-    collective returns (values are not the collective's: for measuring memory only)."""
+    collective returns (values are not the collective's: for measuring memory only). `boxed`:
+    called with one list of inputs, which it empties (as a call donating state runs it)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(program.module.graph, {})
     graph.output(out)
     for node in graph.nodes:
         if node.op == "call_function" and (stand_in := _local_collective(node.target)) is not None:
             node.target = stand_in
+    if boxed:
+        from torch.fx.graph import _BoxedCodeGen
+
+        graph.set_codegen(_BoxedCodeGen())
     return torch.fx.GraphModule(program.module, graph)
 
 
@@ -358,22 +385,32 @@ def measure(f, *args, rank: int = 0, **kwargs) -> Measured:
     for value, layout in zip(values, program.input_layouts, strict=True):
         blocks.append(rank_block(value, layout, coords).clone())
     device = blocks[0].device if blocks else torch.device("cpu")
-    module = local_module(program)
+    donated = set(program.donated)
+    module = local_module(program, boxed=bool(donated))
     coord_t = torch.tensor(coords, dtype=torch.int64, device=device)
     seed = torch.zeros(1, dtype=torch.int64, device=device)
     held = sum(b.untyped_storage().nbytes() for b in {b.untyped_storage().data_ptr(): b for b in blocks}.values())
+
+    def handed():  # the inputs as a call hands them over: donated blocks as copies only the program holds
+        return [b.clone() if i in donated else b for i, b in enumerate(blocks)] + [coord_t, seed]
+
+    # donated blocks are copied as the measured run starts, so the allocator sees them made and
+    # freed: what it counts above its starting level, less the copies, is what the program adds
+    copies = sum(blocks[i].untyped_storage().nbytes() for i in donated)
     with torch.no_grad():
-        module(*blocks, coord_t, seed)  # warm-up: compiled random-number kernels, lazy inits
+        # warm-up: compiled random-number kernels, lazy inits
+        module(handed()) if donated else module(*blocks, coord_t, seed)
+        run = (lambda: module(handed())) if donated else (lambda: module(*blocks, coord_t, seed))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            result = module(*blocks, coord_t, seed)
+            result = run()
             torch.cuda.synchronize(device)
-            transient = torch.cuda.max_memory_allocated(device) - base
+            transient = torch.cuda.max_memory_allocated(device) - base - copies
             del result
             return Measured(held, transient)
-        return Measured(held, _cpu_peak(lambda: module(*blocks, coord_t, seed)))
+        return Measured(held, _cpu_peak(run) - copies)
 
 
 @contextlib.contextmanager

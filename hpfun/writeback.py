@@ -78,6 +78,50 @@ def held_block(x: torch.Tensor) -> Sharded | None:
     return unchecked(layout, shape, (x,))  # its local shape checked just above
 
 
+# tensor id -> (weak reference, version, data pointer): donated state a failed call lost
+_LOST: dict = {}
+
+
+def lose(released: list, err: BaseException) -> None:
+    """A call that was handed state (`donate_state=True`) failed before writing new values
+    back: each tensor gets storage of its shape again, with undefined values, and is recorded
+    as lost until something is written into it; `err` says so."""
+    if not released:
+        return
+    for owner, shape in released:
+        entry = _LOCAL.get(owner)
+        with torch.no_grad():
+            owner.data = torch.empty(shape, dtype=owner.dtype, device=owner.device)
+        if entry is not None:  # still the block it was: its layout stays known
+            _LOCAL[owner] = (entry[0], entry[1], owner.data_ptr())
+        key = id(owner)
+
+        def gone(ref, key=key):
+            if _LOST.get(key, (None,))[0] is ref:
+                del _LOST[key]
+
+        _LOST[key] = (weakref.ref(owner, gone), owner._version, owner.data_ptr())
+    err.add_note(f"hpfun: this call was handed {len(released)} tensors of lifted state (donate_state=True) and "
+                 "failed before writing their new values back: their values are lost. Load them again (e.g. "
+                 "model.load_state_dict, or a checkpoint) before the next call.")
+
+
+def lost(values) -> list[str]:
+    """Names among `values` (name -> lifted value) of donated state a failed call lost, and
+    nothing has been written into since."""
+    names = []
+    for name, x in values.items():
+        x = x.shards[0] if isinstance(x, Sharded) else x
+        found = _LOST.get(id(x)) if isinstance(x, torch.Tensor) else None
+        if found is None or found[0]() is not x:
+            continue
+        if x._version != found[1] or x.data_ptr() != found[2]:  # new values loaded since
+            del _LOST[id(x)]
+            continue
+        names.append(name)
+    return names
+
+
 def _hold(x: torch.Tensor, layout: Layout, shape: tuple) -> None:
     if layout.is_replicated:
         _LOCAL.pop(x, None)
@@ -136,7 +180,11 @@ def _update(target, value: Sharded) -> None:
     """An input modified in place: a Sharded argument gets its new shards, a tensor its value."""
     if isinstance(target, Sharded):
         for old, new in zip(target.shards, value.shards, strict=True):
-            old.copy_(new)
+            if tuple(old.shape) == tuple(new.shape):
+                old.copy_(new)
+            else:  # a held block the call was handed (donate_state): it takes the new block
+                old.data = new
+                _hold(old, value.layout, value.global_shape)
         return
     if value.layout.mesh.runtime == "simulated":
         target.copy_(value.full())

@@ -3,6 +3,7 @@
     python tests/dist_worker.py SCENARIO OUT_DIR      # with RANK, WORLD_SIZE, MASTER_* set
 """
 
+import copy
 import os
 import sys
 import time
@@ -212,7 +213,53 @@ def lifted_dp(out: Path):
     picker = hpfun.shard(pick_columns, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
+    got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def donated_state(tp_mesh, dp_mesh, x, y) -> dict:
+    """donate_state=True: STEPS AdamW steps on a Megatron split (blocks held between calls) and
+    on data parallel (replicated state), each against the same steps without donation; then a
+    call that fails once started, the next call, and a call after the state is loaded again."""
+    from hpfun.runtime.distributed import DistributedRuntime
+
+    got = {}
+    for name, mesh, in_specs, specs in (("tp", tp_mesh, (P(), P()), MEGATRON), ("dp", dp_mesh, (P("dp"), P("dp")), None)):
+        for donate in (False, True):
+            model = lifted_model()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            step = hpfun.shard(lambda x, y: eager_step(model, opt, x, y), mesh=mesh, in_specs=in_specs, out_specs=P(),
+                               state_specs=specs, donate_state=donate)
+            storages = []
+            losses = []
+            for _ in range(STEPS):
+                losses.append(step(x, y).full())
+                storages.append(model[0].weight.data_ptr())
+            got[name, donate] = {"losses": losses, "model": _snapshot(hpfun.gather_state(model)),
+                                 "opt": _snapshot(hpfun.gather_state(opt)["state"]),
+                                 "new storage each call": len(set(storages)) == STEPS,
+                                 "donated": step.lower(x, y).memory().donated}
+    # dp, donating: a call that fails once the program has its inputs loses the state it was handed
+    saved_model, saved_opt = _snapshot(model.state_dict()), copy.deepcopy(opt.state_dict())
+    run = DistributedRuntime.run
+
+    def failing(self, module, local_inputs, *args, **kwargs):
+        local_inputs.clear()  # as the program does when it starts
+        raise RuntimeError("injected failure")
+
+    DistributedRuntime.run = failing
+    try:
+        try:
+            step(x, y)
+        except RuntimeError as err:
+            got["failed notes"] = list(getattr(err, "__notes__", []))
+    finally:
+        DistributedRuntime.run = run
+    got["next call"] = _error(lambda: step(x, y))
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    got["after loading"] = step(x, y).full()
+    return got
 
 
 def pick_columns(x, i):

@@ -210,6 +210,36 @@ def test_gradients_accumulated_without_a_step_then_a_step(lifted_dp_job):
         _close(got["model"], model.state_dict(), f"rank {rank}")
 
 
+def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
+    """donate_state=True hands parameters and AdamW's state over to the program (each rank's
+    tensors take new storage at every call): results bitwise equal to the same steps without
+    it, on a Megatron split and on data parallel, and equal to eager. A call failing once
+    started says the state is lost; the next call refuses to run on it, and runs again once
+    the state is loaded."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = torch.stack([w.eager_step(model, opt, x, y) for _ in range(w.STEPS)])
+    state = w._snapshot(model.state_dict())
+    next_loss = w.eager_step(model, opt, x, y)
+    for rank, results in enumerate(lifted_dp_job):
+        got = results["donated"]
+        for name in ("tp", "dp"):
+            kept, donated = got[name, False], got[name, True]
+            for key in ("losses", "model", "opt"):
+                torch.testing.assert_close(donated[key], kept[key], rtol=0, atol=0, msg=lambda m: f"{name} {key}: {m}")
+            _close(torch.stack(donated["losses"]), losses, f"rank {rank} {name}: losses")
+            _close(donated["model"], state, f"rank {rank} {name}: model")
+            assert donated["new storage each call"] and not kept["new storage each call"], (rank, name)
+            assert donated["donated"] > 0 and kept["donated"] == 0, (rank, name)
+        assert len(got["failed notes"]) == 1 and "their values are lost" in got["failed notes"][0], got["failed notes"]
+        text = got["next call"]
+        assert text.startswith("ExecutionError: donated state lost"), text
+        assert "0.weight" in text and "exp_avg" in text and "load the values again" in text, text
+        _close(got["after loading"], next_loss, f"rank {rank}: the call after loading the state again")
+
+
 def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
     """Rank 1 passes a smaller batch and closes over a narrower module: every rank fails, with
     one line per differing input naming its path and each rank's value."""

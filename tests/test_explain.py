@@ -144,7 +144,7 @@ def test_json_round_trip(dp_tp):
 def test_json_schema_is_versioned_and_diffable(dp_tp):
     """The export names its schema and version; one line per input, output, node and collective."""
     data = dp_tp.to_dict()
-    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 5)
+    assert (data["schema"], data["version"]) == ("hpfun.lowered", explain.SCHEMA_VERSION) == ("hpfun.lowered", 6)
     assert list(data) == ["schema", "version", "mesh", "inputs", "outputs", "nodes", "collectives", "buckets",
                           "cost_model", "memory"]
     assert data["cost_model"] == {"alpha": 0.0, "beta": 1e10, "flops": 1e10, "per_axis": {}}  # the plan's

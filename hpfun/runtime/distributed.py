@@ -14,6 +14,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx.graph import _BoxedCodeGen
 
 from hpfun.errors import Problem, ShardingError
 from hpfun.mesh import Mesh
@@ -76,22 +77,30 @@ class DistributedRuntime:
 
     # -- programs ---------------------------------------------------------------------------------
 
-    def bind(self, module: torch.fx.GraphModule, compile: bool = False):
-        """A copy of the program with axis tags replaced by real group names (cached)."""
+    def bind(self, module: torch.fx.GraphModule, compile: bool = False, boxed: bool = False):
+        """A copy of the program with axis tags replaced by real group names (cached). `boxed`:
+        its code takes one list of inputs and empties it, so that each input is freed after its
+        last use (fx's boxed calling convention; not with `compile`)."""
         bound_here = module.__dict__.setdefault("_hpfun_bound", {})
-        key = (self, compile)
+        key = (self, compile, boxed)
         if key not in bound_here:
             graph = torch.fx.Graph()
             graph.output(graph.graph_copy(module.graph, {}))
             for node in graph.nodes:
                 if node.op == "call_function" and node.target in _COLLECTIVES:
                     node.args = (*node.args[:-1], self.group_name(node.args[-1]))
+            if boxed:
+                graph.set_codegen(_BoxedCodeGen())
             bound = torch.fx.GraphModule(module, graph)
             bound_here[key] = torch.compile(bound, backend="inductor", dynamic=False) if compile else bound
         return bound_here[key]
 
-    def run(self, module, local_inputs, seed: torch.Tensor, uses_seed: bool, compile: bool = False) -> list[torch.Tensor]:
-        bound = self.bind(module, compile)
+    def run(self, module, local_inputs, seed: torch.Tensor, uses_seed: bool, compile: bool = False,
+            boxed: bool = False) -> list[torch.Tensor]:
+        """Run this rank's part of `module`. `boxed`: `local_inputs` is emptied as the program
+        starts, which then holds the only references to them (donated state)."""
+        boxed = boxed and not compile
+        bound = self.bind(module, compile, boxed)
         try:
             if uses_seed:  # every rank draws with rank 0's seed, whatever its own generator says
                 seed = seed.to(self.device)
@@ -101,6 +110,10 @@ class DistributedRuntime:
             with torch.no_grad():
                 # forward, not __call__: fx's wrapper would drop the traceback that locates the op
                 call = bound.forward if isinstance(bound, torch.fx.GraphModule) else bound
+                if boxed:
+                    args = [*local_inputs, self.coords_tensor, seed]
+                    local_inputs.clear()
+                    return list(call(args))
                 return list(call(*local_inputs, self.coords_tensor, seed))
         except Exception as err:
             node = failure.from_traceback(bound, err) if isinstance(bound, torch.fx.GraphModule) else None
