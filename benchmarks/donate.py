@@ -1,7 +1,9 @@
-"""What `donate_state=True` saves, measured in a real two-process gloo job on this machine.
+"""What donation saves, measured in a real two-process gloo job on this machine.
 
 Each rank runs a stock training step (`loss.backward()`, `torch.optim.AdamW.step()`,
-`zero_grad()`) on a module hpfun lifts, data parallel over 2 ranks, and samples its own resident
+`zero_grad()`) on a module hpfun lifts, with and without `donate_state=True`, and a functional
+AdamW step (parameters and state in, new ones out, handed back at the next call), with and
+without `donate_argnums=(0, 1)`, data parallel over 2 ranks, and samples its own resident
 memory (`/proc/self/statm`) every 0.5 ms during the third call: the rise over the level before
 the call is what the call added. It prints that beside hpfun's estimate of what the program
 allocates on top of its inputs (`lower().memory().transient`), with and without donation,
@@ -29,7 +31,26 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue) -> None:
+def _functional(mesh, model, donate: bool):
+    """The functional step: parameters and AdamW's state in, new ones out (hpfun's reference
+    AdamW written in torch ops), the caller handing them back."""
+    import hpfun
+    from hpfun import P
+    from hpfun.testing.models import adamw
+
+    def loss_fn(params, x, y):
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    @hpfun.shard(mesh=mesh, in_specs=(None, None, P("dp"), P("dp")), out_specs=(None, None, P()),
+                 donate_argnums=(0, 1) if donate else ())
+    def step(params, state, x, y):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+        return *adamw(params, grads, state), loss
+
+    return step
+
+
+def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue, kind: str = "module") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -50,9 +71,22 @@ def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue) ->
         return loss
 
     x, y = torch.randn(16, width), torch.randn(16, width)
-    step(x, y)
-    step(x, y)  # AdamW's state exists from the first call, the second reads it like every later one
-    estimate = step.lower(x, y).memory()
+    if kind == "functional":
+        from hpfun.testing.models import adamw_init
+
+        fstep = _functional(mesh, model, donate)
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        carry = list(fstep(params, adamw_init(params), x, y)[:2])
+        carry[:] = fstep(*carry, x, y)[:2]
+        del params, opt
+        estimate = fstep.lower(*carry, x, y).memory()
+
+        def step(x, y):
+            carry[:] = fstep(*carry, x, y)[:2]  # the call's results replace what it consumed
+    else:
+        step(x, y)
+        step(x, y)  # AdamW's state exists from the first call, the second reads it like every later one
+        estimate = step.lower(x, y).memory()
     before = _rss()
     peak, done = [before], threading.Event()
 
@@ -70,13 +104,13 @@ def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue) ->
     torch.distributed.destroy_process_group()
 
 
-def run(donate: bool, width: int, layers: int) -> list[tuple]:
+def run(donate: bool, width: int, layers: int, kind: str = "module") -> list[tuple]:
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, donate, width, layers, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, donate, width, layers, queue, kind)) for r in range(2)]
     for p in procs:
         p.start()
     out = sorted(queue.get(timeout=600) for _ in procs)
@@ -95,14 +129,15 @@ def main():
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
     print(f"`python benchmarks/donate.py --width {args.width} --layers {args.layers} --repeats {args.repeats}`\n")
-    print("| run | donate_state | rank | held by the inputs (MB, estimate) | resident memory added by the call "
+    print("| run | step | donated | rank | held by the inputs (MB, estimate) | resident memory added by the call "
           "(MB, measured) | allocated by the program (MB, estimate) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for i in range(args.repeats):
-        for donate in (False, True):
-            for rank, rise, transient, held, _ in run(donate, args.width, args.layers):
-                print(f"| {i + 1} | {donate} | {rank} | {held / 1e6:.0f} | {rise / 1e6:.0f} | {transient / 1e6:.0f} |",
-                      flush=True)
+        for kind, option in (("module + AdamW", "donate_state"), ("functional AdamW", "donate_argnums")):
+            for donate in (False, True):
+                for rank, rise, transient, held, _ in run(donate, args.width, args.layers, kind.split()[0]):
+                    print(f"| {i + 1} | {kind} | {option + '=' + ('yes' if donate else 'no')} | {rank} | "
+                          f"{held / 1e6:.0f} | {rise / 1e6:.0f} | {transient / 1e6:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from hpfun.writeback import WriteBack
 def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, compile: bool = False,
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
           cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          overlap: bool = True, gather_params=None, memory_budget: int | None = None, donate_state: bool = False):
+          overlap: bool = True, gather_params=None, memory_budget: int | None = None, donate_state: bool = False,
+          donate_argnums=()):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -130,6 +131,13 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     call fails after starting, the donated state is lost: each tensor keeps its shape, its
     values are undefined, and the next call says so until new values are loaded into it.
 
+    `donate_argnums` (an int or a tuple of them) does the same for positional arguments, as
+    `jax.jit`'s does: a `Sharded` value passed there (the previous step's new parameters and
+    optimizer state, handed back) is consumed by the call. Its shards are released to the
+    program, which frees each after its last use on a distributed mesh, and the value itself
+    is spent: reading it again (`.full()`, another call) is an error. A global tensor there is
+    the caller's and is left alone. The memory estimate counts those inputs as freed.
+
     >>> import hpfun, torch
     >>> mesh = hpfun.Mesh.simulated((2,), ("dp",))
     >>> f = hpfun.shard(lambda x: (x * 2).sum(0), mesh=mesh, in_specs=(hpfun.P("dp"),), out_specs=hpfun.P())
@@ -141,7 +149,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
                                  registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
                                  overlap=overlap, gather_params=gather_params, memory_budget=memory_budget,
-                                 donate_state=donate_state)
+                                 donate_state=donate_state, donate_argnums=donate_argnums)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -168,6 +176,11 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
     if not isinstance(donate_state, bool):
         raise SpecError(f"donate_state must be True or False, got {donate_state!r}", headline="bad option")
+    argnums = (donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums
+    if not isinstance(argnums, (tuple, list)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                    for i in argnums):
+        raise SpecError(f"donate_argnums must be an int >= 0 or a tuple of them (positions of the arguments the "
+                        f"call consumes), got {donate_argnums!r}", headline="bad option")
     if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
                                       or memory_budget <= 0):
         raise SpecError(f"memory_budget must be None or an int > 0 (bytes per rank, e.g. 8 << 30), got "
@@ -175,7 +188,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
                       overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params),
-                      memory_budget=memory_budget, donate_state=donate_state)
+                      memory_budget=memory_budget, donate_state=donate_state,
+                      donate_argnums=tuple(sorted(set(argnums))))
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -197,6 +211,7 @@ class Options:
     gather_params: tuple = ()  # mesh axes parameters are gathered over at each use (FSDP); () none
     memory_budget: int | None = None  # bytes per rank the AUTO layouts must fit in (hpfun.auto)
     donate_state: bool = False  # lifted state the call updates is released to the program (freed at its last use)
+    donate_argnums: tuple = ()  # positional arguments the call consumes: their Sharded values' shards are released
 
 
 @attrs.frozen
@@ -285,10 +300,12 @@ class ShardedFunction:
         else:
             released = []
             try:
-                shards = execute(entry.program, tensors, self.options.compile, released)
+                shards = execute(entry.program, tensors, self.options.compile, released, entry.spent)
             except BaseException as err:
                 writeback.lose(released, err)
+                _spend(tensors, entry.spent, err)
                 raise
+            _spend(tensors, entry.spent)
             del released
         n = entry.n_outputs
         if entry.writes:
@@ -506,15 +523,18 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
-        if self.options.donate_state:
+        donated_args = _donated_arguments(self.options.donate_argnums, call, names, writes)
+        if self.options.donate_state or donated_args:
             updated = {w.input for w in writes if w.input is not None and names[w.input] in call.lifted}
-            program = attrs.evolve(program, donated=tuple(i for i, j in enumerate(fed) if j in updated))
+            donated = updated if self.options.donate_state else set()
+            program = attrs.evolve(program, donated=tuple(i for i, j in enumerate(fed) if j in donated | donated_args))
         if chosen is not None and fitting is not None:  # the lowered program's estimate too
             chosen = fitting.check(program, chosen)
             if chosen is None:  # over the budget: planned again with the excess taken off
                 return self._compile_graph(call, leaves, fitting)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
-                       len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen)
+                       len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen,
+                       tuple((i, names[j]) for i, j in enumerate(fed) if j in donated_args))
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
@@ -681,6 +701,7 @@ class _Entry:
     cleared: tuple  # slots the function emptied (zero_grad)
     output_paths: tuple
     auto: object = None  # the hpfun.auto.AutoPlan of a program with AUTO leaves
+    spent: tuple = ()  # (program input, path) of each donated argument leaf (donate_argnums)
 
     # derived once, for cache-hit calls
     tensor_pos: tuple = attrs.field(init=False)  # flat input positions of the tensor leaves
@@ -734,6 +755,21 @@ def _builder(spec):
 
     body = expression(spec)
     return None if body is None else eval(f"lambda r, k=k: {body}", {"k": tuple(keys)})
+
+
+def _donated_arguments(argnums: tuple, call: _Call, names: list[str], writes) -> set[int]:
+    """The tensor inputs (positions in `names`) of the positional arguments `argnums` names."""
+    if not argnums:
+        return set()
+    problems = [Problem(f"donate_argnums={i}", f"the call has {len(call.args)} positional arguments",
+                        "name the position of an argument the function is given")
+                for i in argnums if i >= len(call.args)]
+    found = {j for j, name in enumerate(names) if name.startswith("args[") and int(name[5:name.index("]")]) in argnums}
+    problems += [Problem(names[w.input], "is donated and modified in place",
+                         "donate an argument or update it in place, not both") for w in writes if w.input in found]
+    if problems:
+        raise SpecError(problems, headline="bad donate_argnums")
+    return found
 
 
 def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, name: str, follows, call) -> Layout:
@@ -933,31 +969,38 @@ def _describe(call: _Call, leaves) -> list[str]:
     return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items()]
 
 
-def execute(program: Program, tensors: list, compile: bool = False, released: list | None = None) -> list[tuple]:
+def execute(program: Program, tensors: list, compile: bool = False, released: list | None = None,
+            spent: tuple = ()) -> list[tuple]:
     """Run a program on its mesh's runtime with global tensors or `Sharded` values as inputs;
     per output, the shards this process holds. With `released` (a list, filled here), the
     program's donated inputs are handed over on a distributed mesh: each tensor holding one
-    gives up its storage before the program runs, which then frees it after its last use."""
+    gives up its storage before the program runs, which then frees it after its last use; a
+    donated argument's `Sharded` value (`spent`: (input, path) pairs) gives up its shards."""
 
     def blocks(coords, device):
         out = [rank_block(x, lay, coords, device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
         if released is not None:
-            _donate(program, tensors, out, released)
+            _donate(program, tensors, out, released, spent)
         return out
 
     boxed = released is not None and bool(program.donated) and program.mesh.runtime == "distributed" and not compile
     return run(program, blocks, compile, boxed=boxed)
 
 
-def _donate(program: Program, tensors: list, blocks: list, released: list) -> None:
+def _donate(program: Program, tensors: list, blocks: list, released: list, spent: tuple = ()) -> None:
     """Hand the donated inputs' storage over to `blocks` (the only references left to it):
-    each holding tensor keeps its identity, empty until its new value is written back. A tensor
-    that shares its storage (a view, a block of a flat buffer) or is also fed undonated keeps it."""
+    each holding tensor of lifted state keeps its identity, empty until its new value is
+    written back; a donated argument's `Sharded` value is spent. A tensor that shares its
+    storage (a view, a block of a flat buffer) or is also fed undonated keeps it."""
     if program.mesh.runtime != "distributed":
         return
+    _spend(tensors, spent)
     donated = set(program.donated)
+    arguments = {i for i, _ in spent}
     kept = {id(_owner(x)) for i, x in enumerate(tensors) if i not in donated}
     for i in program.donated:
+        if i in arguments:
+            continue
         owner = _owner(tensors[i])
         if (not isinstance(owner, torch.Tensor) or id(owner) in kept or owner._base is not None
                 or owner.untyped_storage().nbytes() != owner.numel() * owner.element_size()):
@@ -971,6 +1014,19 @@ def _donate(program: Program, tensors: list, blocks: list, released: list) -> No
 
 def _owner(x):
     return x.shards[0] if isinstance(x, Sharded) else x
+
+
+def _spend(tensors: list, spent: tuple, err: BaseException | None = None) -> None:
+    """Mark the donated arguments' `Sharded` values spent (a global tensor is the caller's)."""
+    names = []
+    for i, path in spent:
+        x = tensors[i]
+        if isinstance(x, Sharded):
+            x._spend(path)
+            names.append(path)
+    if err is not None and names:
+        err.add_note(f"hpfun: the call failed after consuming its donated arguments (donate_argnums): "
+                     f"{', '.join(names)}; their values are lost.")
 
 
 def _flatten(tree, flat: list, key: list) -> bool:

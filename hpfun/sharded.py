@@ -13,11 +13,27 @@ import attrs
 import torch
 
 from hpfun.drawing import Visualization
-from hpfun.errors import LayoutError, SpecError
+from hpfun.errors import LayoutError, Problem, SpecError
 from hpfun.execute import run
 from hpfun.layout import Layout, Partial
 from hpfun.lower import LowerContext, Program
 from hpfun.runtime.distributed import runtime_for
+
+
+class _Spent(tuple):
+    """The shards of a value a call consumed (`donate_argnums`): any read raises."""
+
+    def __new__(cls, path: str):
+        out = super().__new__(cls)
+        out.path = path
+        return out
+
+    def _fail(self, *args):
+        raise SpecError(Problem(self.path, "was donated to a call (donate_argnums), which consumed its shards",
+                                "use the value that call returned, or leave this argument out of donate_argnums"),
+                        headline="a donated value read again")
+
+    __getitem__ = __iter__ = __len__ = _fail
 
 
 @attrs.frozen(eq=False)
@@ -70,6 +86,17 @@ class Sharded:
             raise LayoutError("from_local is for distributed meshes; in a simulation give all shards: "
                               "Sharded(layout, global_shape, shards) or Sharded.from_global")
         return cls(layout.normalized(len(global_shape)), tuple(global_shape), (tensor,))
+
+    def _spend(self, path: str) -> None:
+        """This value was consumed by a call that donated it (`donate_argnums`): its shards go
+        with it, and reading them again is an error naming the argument."""
+        if not isinstance(self.shards, _Spent):
+            object.__setattr__(self, "shards", _Spent(path))
+
+    @property
+    def spent(self) -> bool:
+        """Whether a call consumed this value (`hpfun.shard(..., donate_argnums=...)`)."""
+        return isinstance(self.shards, _Spent)
 
     def signature(self) -> int:
         """(layout, global shape, dtype) as a small interned token: compared and hashed at C speed

@@ -259,6 +259,19 @@ def donated_state(tp_mesh, dp_mesh, x, y) -> dict:
     model.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
     got["after loading"] = step(x, y).full()
+    # donate_argnums: the functional MLP step on the Megatron split, its new parameters handed back
+    pspec, xspec, yspec = MLP_LAYOUTS["tp"]
+    params, (mx, my) = mlp_init(), mlp_data()
+    for donate in ((), (0,)):
+        step = hpfun.shard(mlp_step, mesh=tp_mesh, in_specs=(pspec, xspec, yspec), out_specs=(pspec, P()),
+                           donate_argnums=donate)
+        new, loss = step(params, mx, my)  # global tensors: the caller's, left alone
+        old = new
+        for _ in range(2):
+            new, loss = step(new, mx, my)
+        got["argnums", donate] = {"params": {k: v.full() for k, v in new.items()}, "loss": loss.full(),
+                                  "old read": _error(lambda: old["w1"].full()), "spent": old["w1"].spent,
+                                  "global kept": all(torch.equal(v, mlp_init()[k]) for k, v in params.items())}
     return got
 
 

@@ -238,6 +238,13 @@ def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_jo
         assert text.startswith("ExecutionError: donated state lost"), text
         assert "0.weight" in text and "exp_avg" in text and "load the values again" in text, text
         _close(got["after loading"], next_loss, f"rank {rank}: the call after loading the state again")
+        # donate_argnums: the same results; the value handed in is spent, a global tensor left alone
+        kept, donated = got["argnums", ()], got["argnums", (0,)]
+        torch.testing.assert_close(donated["params"], kept["params"], rtol=0, atol=0)
+        torch.testing.assert_close(donated["loss"], kept["loss"], rtol=0, atol=0)
+        assert donated["spent"] and not kept["spent"], rank
+        assert "was donated to a call (donate_argnums)" in donated["old read"] and kept["old read"] == "NO ERROR"
+        assert donated["global kept"] and kept["global kept"], rank
 
 
 def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):

@@ -114,6 +114,43 @@ def test_donated_state_is_freed_at_its_last_use_in_the_estimate_and_the_allocato
         hpfun.shard(lambda x: x, mesh=MESH_2x2, in_specs=(P(),), donate_state="yes")
 
 
+def test_donated_arguments_are_spent_and_counted_as_freed():
+    """donate_argnums: a Sharded argument is consumed by the call (reading it again names it),
+    a global tensor is the caller's and stays as it was; the estimate frees the donated blocks
+    at their last use, and bad positions or an argument both donated and updated in place are
+    errors naming them."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    params, (x, y) = m.mlp_init(), m.mlp_data()
+    before = {k: v.clone() for k, v in params.items()}
+    step = hpfun.shard(m.mlp_step, mesh=mesh, in_specs=(None, P("dp"), P("dp")), out_specs=(None, P()),
+                       donate_argnums=0)
+    new, _ = step(params, x, y)
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    newer, loss = step(new, x, y)
+    ref, ref_loss = m.mlp_step(m.mlp_step(before, x, y)[0], x, y)
+    torch.testing.assert_close(loss.full(), ref_loss)
+    assert new["w1"].spent and not newer["w1"].spent
+    with pytest.raises(hpfun.SpecError, match=r"args\[0\]\['w1'\]: was donated to a call"):
+        new["w1"].full()
+    with pytest.raises(hpfun.SpecError, match="was donated to a call"):
+        step(new, x, y)
+    kept = hpfun.shard(m.mlp_step, mesh=mesh, in_specs=(None, P("dp"), P("dp")), out_specs=(None, P()))
+    est, plain = step.lower(newer, x, y).memory(), kept.lower(newer, x, y).memory()
+    assert est.donated == est.inputs["params"] and plain.donated == 0 and est.peak <= plain.peak
+    assert est.timeline[-1] == plain.timeline[-1] - est.donated  # at the end: the old parameters are gone
+    with pytest.raises(hpfun.SpecError, match="donate_argnums=3: the call has 3 positional arguments"):
+        hpfun.shard(m.mlp_step, mesh=mesh, in_specs=(None, P("dp"), P("dp")), donate_argnums=(0, 3))(params, x, y)
+
+    def bump(p, x):
+        x.add_(1)
+        return p * x
+
+    with pytest.raises(hpfun.SpecError, match=r"args\[1\]: is donated and modified in place"):
+        hpfun.shard(bump, mesh=mesh, in_specs=(P(), P()), donate_argnums=1)(torch.ones(2), torch.ones(2))
+    with pytest.raises(hpfun.SpecError, match="donate_argnums must be an int"):
+        hpfun.shard(bump, mesh=mesh, in_specs=(P(), P()), donate_argnums="x")
+
+
 def test_a_view_keeps_its_buffer_alive():
     """A value read only through a view (a bucket's gradient, a transposed matrix) holds its
     whole buffer until the view's last use."""
