@@ -39,7 +39,7 @@ from unittest import mock
 import attrs
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
@@ -123,6 +123,95 @@ def _weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     return grad_v, aten.div.Tensor(sums, norms)
 
 
+def _loss_scale(grad_output, per_sample_shape, reduction: int, n: int):
+    """The incoming gradient of a loss, per sample: `none` gives one per sample, `sum` one for
+    all, `mean` one for all over the batch size."""
+    if reduction == 0:
+        return grad_output.reshape(per_sample_shape)
+    return aten.div.Scalar(grad_output, n) if reduction == 1 else grad_output
+
+
+def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, reduction=1):
+    """multi_margin_loss's backward (torch has no decomposition for it): each class j != y with
+    z = margin - x[y] + x[j] > 0 gets z's term's derivative (1, or 2z for p = 2), scaled by the
+    target's weight over the class count, and the target class minus their sum."""
+    x2 = x if x.ndim == 2 else x.unsqueeze(0)
+    t = (target if target.ndim == 1 else target.reshape(1)).unsqueeze(1)
+    n, c = x2.shape
+    z = aten.add.Tensor(aten.sub.Tensor(x2, aten.gather.default(x2, 1, t)), margin)
+    other = aten.ne.Tensor(aten.arange.default(c, device=x.device).unsqueeze(0), t)
+    g = aten._to_copy.default(aten.logical_and.default(aten.gt.Scalar(z, 0), other), dtype=x.dtype)
+    if p == 2:
+        g = aten.mul.Tensor(aten.mul.Scalar(z, 2), g)
+    if weight is not None:
+        g = aten.mul.Tensor(g, aten.index.Tensor(weight, [t.squeeze(1)]).unsqueeze(1))
+    g = aten.div.Scalar(g, c)
+    g = aten.scatter_add.default(g, 1, t, aten.neg.default(aten.sum.dim_IntList(g, [1], True)))
+    scale = _loss_scale(grad_output, (n, 1), reduction, n)
+    return aten.mul.Tensor(g, scale).reshape(x.shape)
+
+
+def _multilabel_slots(x2, t2):
+    """Per sample, which target slots count (those before the first -1), the input's value at
+    each slot's class, and which classes are targets."""
+    c = x2.shape[1]
+    idx = aten.arange.default(c, device=x2.device)
+    end = aten.amin.default(aten.where.self(aten.eq.Scalar(t2, -1), idx, aten.scalar_tensor.default(
+        c, dtype=idx.dtype, device=idx.device)), [-1], True)
+    valid = aten.lt.Tensor(idx, end)  # [n, k]
+    classes = aten.where.self(valid, t2, aten.zeros_like.default(t2))
+    at = aten.gather.default(x2, 1, classes)  # [n, k]
+    hit = aten.eq.Tensor(aten.where.self(valid, t2, aten.full_like.default(t2, -1)).unsqueeze(-1), idx)  # [n, k, j]
+    return valid, classes, at, aten.any.dim(hit, 1)
+
+
+def _multilabel_terms(x2, t2):
+    """The hinge terms of multilabel_margin_loss, [n, k, j]: slot k's class against non-target
+    class j, and the mask of those that count."""
+    valid, classes, at, is_target = _multilabel_slots(x2, t2)
+    z = aten.add.Tensor(aten.sub.Tensor(x2.unsqueeze(1), at.unsqueeze(2)), 1.0)  # 1 - x[t_k] + x[j]
+    counts = aten.logical_and.default(valid.unsqueeze(2), aten.logical_not.default(is_target).unsqueeze(1))
+    return z, counts, classes, is_target
+
+
+def _multilabel_margin_loss_forward(x, target, reduction):
+    """multilabel_margin_loss as torch's kernel computes it: per sample, the sum over target
+    slots k (up to the first -1) and non-target classes j of max(0, 1 - x[t_k] + x[j]), over
+    the class count. (torch's own decomposition also counts the slots after the first -1.)"""
+    x2, t2 = (x, target) if x.ndim == 2 else (x.unsqueeze(0), target.unsqueeze(0))
+    c = x2.shape[1]
+    z, counts, _, is_target = _multilabel_terms(x2, t2)
+    terms = aten.where.self(counts, aten.clamp_min.default(z, 0), aten.zeros_like.default(z))
+    per = aten.div.Scalar(aten.sum.dim_IntList(terms, [1, 2]), c)
+    loss = aten.mean.default(per) if reduction == 1 else aten.sum.default(per) if reduction == 2 else \
+        per.reshape(x.shape[:-1])
+    return loss, aten._to_copy.default(is_target, dtype=x.dtype).reshape(target.shape)
+
+
+def _multilabel_margin_loss_backward(grad_output, x, target, reduction, is_target):
+    """Its backward (torch has none): each counted term with z > 0 adds 1/C to class j and
+    takes 1/C from slot k's class."""
+    x2, t2 = (x, target) if x.ndim == 2 else (x.unsqueeze(0), target.unsqueeze(0))
+    n, c = x2.shape
+    z, counts, classes, _ = _multilabel_terms(x2, t2)
+    g = aten.div.Scalar(aten._to_copy.default(aten.logical_and.default(counts, aten.gt.Scalar(z, 0)),
+                                              dtype=x.dtype), c)
+    grad = aten.scatter_add.default(aten.sum.dim_IntList(g, [1]), 1, classes,
+                                    aten.neg.default(aten.sum.dim_IntList(g, [2])))
+    scale = _loss_scale(grad_output, (n, 1), reduction, n)
+    return aten.mul.Tensor(grad, scale).reshape(x.shape)
+
+
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """torch's `_trilinear` (nn.Bilinear) as the einsum it computes: each input lacks the dims
+    its `expand` list names, the product is summed over `sumdim`, which leave the result."""
+    ndim = i1.ndim + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    terms = ["".join(letters[d] for d in range(ndim) if d not in expand) for expand in (expand1, expand2, expand3)]
+    out = "".join(letters[d] for d in range(ndim) if d not in sumdim)
+    return torch.einsum(f"{','.join(terms)}->{out}", i1, i2, i3)
+
+
 def _foreach_decompositions() -> dict:
     """Every `_foreach_*` overload (an optimizer's foreach implementation) as a loop of the
     per-tensor op: each element then gets its own layout, as its parameter has."""
@@ -168,6 +257,10 @@ _OWN = {
     aten.var_mean.correction: _var_mean,
     aten.var.correction: _var,
     aten._weight_norm_interface_backward.default: _weight_norm_backward,
+    aten.multi_margin_loss_backward.default: _multi_margin_loss_backward,
+    aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+    aten.multilabel_margin_loss_backward.default: _multilabel_margin_loss_backward,
+    aten._trilinear.default: _trilinear,
 }
 
 
@@ -503,6 +596,80 @@ def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:
     return out if out.dtype == want else out.to(want)
 
 
+# reads of a tensor's values into Python: a trace on fake tensors cannot make them, unless the
+# value is a constant (`_constant_value`)
+_READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
+                    torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
+
+
+def _constant_value(t):
+    """The real value of a traced tensor computed from constants only (no input, no random op:
+    `nn.Transformer.generate_square_subsequent_mask(n)`, which torch's transformer layers compare
+    with a causal mask), by running the ops that made it; None for any other tensor."""
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor) or t._version:  # written in place since made
+        return None
+    slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
+    if slot is None:
+        return None
+    made, stack, seen = [], [slot.proxy.node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "get_attr":
+            made.append(node)
+            continue
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+            return None  # an input, a random draw, a write: not a constant
+        if _written_later(node):  # GradScaler's found_inf: made by torch.full, then set by a kernel
+            return None
+        made.append(node)
+        stack += node.all_input_nodes
+        if len(seen) > 256:  # constants are small graphs; a long walk is a value made from the inputs
+            return None
+    order = {n: i for i, n in enumerate(mode.tracer.graph.nodes)}
+    real: dict = {}
+    cpu = torch.device("cpu")
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return real[a]
+        return cpu if isinstance(a, torch.device) else a
+
+    with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
+        for node in sorted(made, key=order.__getitem__):
+            if node.op == "get_attr":
+                real[node] = getattr(mode.tracer.root, node.target).to(cpu)
+                continue
+            args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
+            real[node] = node.target(*args, **kwargs)
+    return real[slot.proxy.node]
+
+
+def _written_later(node: torch.fx.Node) -> bool:
+    """Whether an op the trace recorded writes into `node`'s value, or into a view of it."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            target = user.target
+            if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+                return True  # not an ATen op: what it does to its arguments is unknown
+            schema = target._schema
+            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+                return True
+            if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are ours
+                stack.append(user)
+    return False
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -512,6 +679,10 @@ class _TensorScalars(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         _refuse_overlapping_write(func, args)
+        if func in _READS and isinstance(args[0], FakeTensor):
+            value = _constant_value(args[0])
+            if value is not None:
+                return func(value, *args[1:], **kwargs)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
@@ -643,7 +814,17 @@ def _describe(err: Exception) -> str:
         hint = (" — the function reads tensor values to decide Python control flow or a shape "
                 "(e.g. .item(), if x.sum() > 0, nonzero); hpfun traces once on shapes only, so "
                 "compute such values outside the sharded function or use torch.where")
-        frames = {os.path.basename(f.filename) for f in traceback.extract_tb(err.__traceback__)}
+        stack = traceback.extract_tb(err.__traceback__)
+        frames = {os.path.basename(f.filename) for f in stack}
+        reader = next((f for f in reversed(stack) if f.filename.startswith(TORCH_DIR) and "/_" not in
+                       f.filename[len(TORCH_DIR):] and "/fx/" not in f.filename and "/utils/" not in f.filename), None)
+        if any(f.name == "_detect_is_causal_mask" for f in stack):
+            hint = (" — torch's transformer layers compare the attention mask with a causal mask to decide "
+                    "is_causal (a read of its values): pass is_causal=True with a causal mask (tgt_is_causal=True "
+                    "for nn.Transformer's decoder), or make the mask inside the function "
+                    "(nn.Transformer.generate_square_subsequent_mask), whose constant values hpfun reads")
+        elif reader is not None:
+            hint += f" (the read is in {os.path.relpath(reader.filename, TORCH_DIR)}:{reader.lineno}, {reader.name})"
         if "grad_scaler.py" in frames:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "

@@ -258,3 +258,54 @@ def test_embedding_and_its_backward_are_kept_whole():
         lowered = f.lower(ids, w)
         ops = collections.Counter(n.target for n in lowered.program.module.graph.nodes if n.op == "call_function")
         assert ops[aten.embedding_dense_backward.default] == 1 and aten.index_put.default not in ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses and layers whose backward torch does not decompose: hpfun's own decompositions
+# ---------------------------------------------------------------------------------------------
+
+_N, _C = 4, 6
+_X = torch.randn(_N, _C, dtype=torch.float64, generator=_GEN)
+_Y = torch.randint(0, _C, (_N,), generator=_GEN)
+# class lists up to the first -1, one with a class listed twice (torch's kernel counts it twice)
+_LABELS = torch.tensor([[2, 3, -1, 0, 0, 0], [5, 5, 0, -1, -1, -1], [1, -1, 2, 2, 2, 2], [0, 1, 2, 3, 4, 5]])
+_SIGNS = torch.randint(0, 2, (_N, _C), generator=_GEN).double() * 2 - 1
+_LOSSES = {
+    "multi_margin": lambda o: F.multi_margin_loss(o, _Y),
+    "multi_margin_p2_weighted_sum": lambda o: F.multi_margin_loss(
+        o, _Y, p=2, margin=0.7, weight=torch.linspace(0.5, 1.5, _C, dtype=o.dtype), reduction="sum"),
+    "multilabel_margin": lambda o: F.multilabel_margin_loss(o, _LABELS),
+    "multilabel_margin_none": lambda o: F.multilabel_margin_loss(o, _LABELS, reduction="none").sum(),
+    "hinge_embedding": lambda o: F.hinge_embedding_loss(o, _SIGNS),  # clamp_min
+    "bilinear": lambda o: F.bilinear(o[:, :3], o[:, 3:], torch.ones(2, 3, 3, dtype=o.dtype)).square().mean(),
+}
+
+
+@pytest.mark.parametrize("name", list(_LOSSES))
+def test_losses_without_torch_backward_decompositions_equal_eager_on_a_split_batch(name):
+    """multi_margin_loss and multilabel_margin_loss backwards, nn.Bilinear's _trilinear (no
+    decomposition in torch) and clamp_min, on a batch split over dp: loss and gradient equal
+    eager. multilabel_margin_loss's forward is hpfun's too: torch's decomposition counts the
+    class slots after the first -1 (4.5 instead of 1.8 on these labels, with the whole batch)."""
+    w = torch.randn(_C, _C, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    loss = _LOSSES[name]  # closed over: hpfun lifts the targets it reads
+
+    def step(x, w):
+        return torch.func.grad_and_value(lambda w: loss(x @ w))(w)
+
+    _check(step, (_X, w), (P("dp"), P()), (2,), ("dp",), tol=1e-12)
+
+
+def test_grid_sample_backward_splits_the_batch():
+    """F.grid_sample's backward (no decomposition) runs per image on a split batch, its
+    gradients for the input and the grid equal eager."""
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64, generator=_GEN)
+    grid = torch.rand(4, 3, 3, 2, dtype=torch.float64, generator=_GEN) * 2 - 1
+
+    def grads(x, grid):
+        return torch.func.grad(lambda x, grid: F.grid_sample(x, grid, align_corners=False).square().sum(),
+                               argnums=(0, 1))(x, grid)
+
+    _check(grads, (x, grid), (P("dp"), P("dp")), (2,), ("dp",), tol=1e-12)
+    split = hpfun.shard(grads, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    assert not split.lower(x, grid).collectives  # each rank its images, nothing moved

@@ -679,3 +679,54 @@ def test_cat_onto_a_legacy_empty_tensor_keeps_the_split():
     f = hpfun.shard(append, mesh=DP, in_specs=P(None, "dp"), out_specs=P(None, "dp"))
     k = torch.randn(2, 4, 3, 5)
     assert torch.equal(f(k).full(), append(k)) and not f.lower(k).collectives
+
+
+class _CausalEncoder(torch.nn.Module):
+    """nn.TransformerEncoder with a causal mask: made in forward, or held as a buffer."""
+
+    def __init__(self, buffer: bool = False, is_causal=None):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc, self.fc, self.is_causal = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), \
+            torch.nn.Linear(8, 4), is_causal
+        if buffer:
+            self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(2))
+
+    def forward(self, x):
+        h = x.reshape(x.shape[0], 2, 4).repeat(1, 1, 2)
+        mask = self.mask if hasattr(self, "mask") else torch.nn.Transformer.generate_square_subsequent_mask(2)
+        return self.fc(self.enc(h, mask=mask, is_causal=self.is_causal)[:, -1])
+
+
+def test_a_constant_mask_torch_reads_is_read_while_tracing():
+    """torch's transformer layers compare the mask with a causal one (`bool((mask == causal).all())`,
+    a read of values). A mask made inside the function from constants is evaluated while
+    tracing, so the stock step trains equal to eager; one held in a buffer (an input) cannot
+    be, and the error says to pass is_causal=True, with which it trains too. Values made from
+    inputs or random draws, or constants written from them in place, are still refused."""
+    for kwargs in ({}, {"buffer": True, "is_causal": True}):
+        model = _CausalEncoder(**kwargs).double()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+        step = stock_step(model, opt, DP)
+        for i in range(2):
+            x, y = batch(i)
+            torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
+        assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-10
+    model = _CausalEncoder(buffer=True).double()
+    with pytest.raises(hpfun.CaptureError, match="pass is_causal=True"):
+        stock_step(model, torch.optim.SGD(model.parameters(), lr=0.1), DP)(*batch(0))
+    def written(x):  # made from constants, then written from the input (GradScaler's found_inf)
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_([x], found, torch.ones(()))
+        return x * float(found)
+
+    def assigned(x):
+        m = torch.zeros(2)
+        m[0] = x[0]
+        return x * float(m.sum())
+
+    for read in (lambda x: x * float((x > 0).sum()), lambda x: x * float(torch.rand(3).sum()), written, assigned):
+        with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
+            hpfun.shard(read, mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))(torch.ones(4))
