@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo demo-module test validate-nightly fuzz-nightly docs clean
+.PHONY: setup demo demo-module test validate-nightly decompositions-nightly fuzz-nightly docs clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)
 # every rule against unsharded ground truth, with many more examples than the suite draws
 validate-nightly: $(STAMP)
 	$(PY) -m hpfun.validate --max-examples 200
+
+# capture's decompositions against torch's kernels on every OpInfo (forward and vjp, float64, ~1 min)
+decompositions-nightly: $(STAMP)
+	$(PY) -m hpfun.testing.decompositions
 
 # whole random programs against the unsharded run: thousands with a fresh seed (the suite runs a
 # fixed 120), with the verifier on; FUZZ_EXAMPLES and FUZZ_SEED override; report in build/fuzz-nightly.txt

@@ -135,8 +135,8 @@ def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, 
     """multi_margin_loss's backward (torch has no decomposition for it): each class j != y with
     z = margin - x[y] + x[j] > 0 gets z's term's derivative (1, or 2z for p = 2), scaled by the
     target's weight over the class count, and the target class minus their sum."""
-    x2 = x if x.ndim == 2 else x.unsqueeze(0)
-    t = (target if target.ndim == 1 else target.reshape(1)).unsqueeze(1)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    t = target.reshape(-1, 1)
     n, c = x2.shape
     z = aten.add.Tensor(aten.sub.Tensor(x2, aten.gather.default(x2, 1, t)), margin)
     other = aten.ne.Tensor(aten.arange.default(c, device=x.device).unsqueeze(0), t)
@@ -149,6 +149,11 @@ def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, 
     g = aten.scatter_add.default(g, 1, t, aten.neg.default(aten.sum.dim_IntList(g, [1], True)))
     scale = _loss_scale(grad_output, (n, 1), reduction, n)
     return aten.mul.Tensor(g, scale).reshape(x.shape)
+
+
+def _as_rows(x):
+    """A loss's input as [samples, classes]: one sample of one class for a 0-d one."""
+    return x if x.ndim == 2 else x.reshape(1, -1) if x.ndim == 1 else x.reshape(1, 1)
 
 
 def _multilabel_slots(x2, t2):
@@ -178,7 +183,7 @@ def _multilabel_margin_loss_forward(x, target, reduction):
     """multilabel_margin_loss as torch's kernel computes it: per sample, the sum over target
     slots k (up to the first -1) and non-target classes j of max(0, 1 - x[t_k] + x[j]), over
     the class count. (torch's own decomposition also counts the slots after the first -1.)"""
-    x2, t2 = (x, target) if x.ndim == 2 else (x.unsqueeze(0), target.unsqueeze(0))
+    x2, t2 = _as_rows(x), _as_rows(target)
     c = x2.shape[1]
     z, counts, _, is_target = _multilabel_terms(x2, t2)
     terms = aten.where.self(counts, aten.clamp_min.default(z, 0), aten.zeros_like.default(z))
@@ -191,7 +196,7 @@ def _multilabel_margin_loss_forward(x, target, reduction):
 def _multilabel_margin_loss_backward(grad_output, x, target, reduction, is_target):
     """Its backward (torch has none): each counted term with z > 0 adds 1/C to class j and
     takes 1/C from slot k's class."""
-    x2, t2 = (x, target) if x.ndim == 2 else (x.unsqueeze(0), target.unsqueeze(0))
+    x2, t2 = _as_rows(x), _as_rows(target)
     n, c = x2.shape
     z, counts, classes, _ = _multilabel_terms(x2, t2)
     g = aten.div.Scalar(aten._to_copy.default(aten.logical_and.default(counts, aten.gt.Scalar(z, 0)),
@@ -805,6 +810,15 @@ def _user_where(err: Exception) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
 
 
+def _public_torch_file(filename: str) -> bool:
+    """A file of torch's public modules (torch/nn/..., torch/optim/...), not its machinery
+    (dispatch, fake tensors, fx, utils)."""
+    if not filename.startswith(TORCH_DIR):
+        return False
+    rel = filename[len(TORCH_DIR):]
+    return not rel.startswith(("_", "fx/", "utils/", "overrides", "autograd/")) and "/_" not in rel
+
+
 def _describe(err: Exception) -> str:
     where = _user_where(err)
     where = f" at {where}" if where else ""
@@ -816,8 +830,7 @@ def _describe(err: Exception) -> str:
                 "compute such values outside the sharded function or use torch.where")
         stack = traceback.extract_tb(err.__traceback__)
         frames = {os.path.basename(f.filename) for f in stack}
-        reader = next((f for f in reversed(stack) if f.filename.startswith(TORCH_DIR) and "/_" not in
-                       f.filename[len(TORCH_DIR):] and "/fx/" not in f.filename and "/utils/" not in f.filename), None)
+        reader = next((f for f in reversed(stack) if _public_torch_file(f.filename)), None)
         if any(f.name == "_detect_is_causal_mask" for f in stack):
             hint = (" — torch's transformer layers compare the attention mask with a causal mask to decide "
                     "is_causal (a read of its values): pass is_causal=True with a causal mask (tgt_is_causal=True "
