@@ -55,4 +55,12 @@ def placed(node: torch.fx.Node, layouts: tuple):
     if isinstance(val, torch.Tensor):
         return layouts[0]
     tensors = iter(layouts)
-    return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
+
+    def element(v):  # a list of tensors inside the tuple (_amp_foreach_non_finite_check's) nests
+        if isinstance(v, (list, tuple)):
+            return tuple(element(u) for u in v)
+        return next(tensors) if isinstance(v, torch.Tensor) else None
+
+    if not isinstance(val, (list, tuple)):
+        return tuple(next(tensors) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(val))
+    return tuple(element(v) for v in val)

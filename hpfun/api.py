@@ -488,6 +488,7 @@ class ShardedFunction:
         lifted_index = {name: j for j, name in enumerate(names) if name in call.lifted}
         input_layouts_ = [leaves[i].layout for i in tensor_pos]
         writes = self._write_targets(call, traced, captured, names, lifted_index, input_layouts_, tensor_pos, leaves)
+        donated_args = _donated_arguments(self.options.donate_argnums, call, names, writes)  # checked before planning
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
@@ -523,7 +524,6 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
-        donated_args = _donated_arguments(self.options.donate_argnums, call, names, writes)
         if self.options.donate_state or donated_args:
             updated = {w.input for w in writes if w.input is not None and names[w.input] in call.lifted}
             donated = updated if self.options.donate_state else set()

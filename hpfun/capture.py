@@ -131,12 +131,16 @@ def _loss_scale(grad_output, per_sample_shape, reduction: int, n: int):
     return aten.div.Scalar(grad_output, n) if reduction == 1 else grad_output
 
 
+def _as_rows(x):
+    """A loss's input as [samples, classes]: one sample of one class for a 0-d one."""
+    return x if x.ndim == 2 else x.reshape(1, -1) if x.ndim == 1 else x.reshape(1, 1)
+
+
 def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, reduction=1):
     """multi_margin_loss's backward (torch has no decomposition for it): each class j != y with
     z = margin - x[y] + x[j] > 0 gets z's term's derivative (1, or 2z for p = 2), scaled by the
     target's weight over the class count, and the target class minus their sum."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-    t = target.reshape(-1, 1)
+    x2, t = _as_rows(x), target.reshape(-1, 1)
     n, c = x2.shape
     z = aten.add.Tensor(aten.sub.Tensor(x2, aten.gather.default(x2, 1, t)), margin)
     other = aten.ne.Tensor(aten.arange.default(c, device=x.device).unsqueeze(0), t)
@@ -149,11 +153,6 @@ def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, 
     g = aten.scatter_add.default(g, 1, t, aten.neg.default(aten.sum.dim_IntList(g, [1], True)))
     scale = _loss_scale(grad_output, (n, 1), reduction, n)
     return aten.mul.Tensor(g, scale).reshape(x.shape)
-
-
-def _as_rows(x):
-    """A loss's input as [samples, classes]: one sample of one class for a 0-d one."""
-    return x if x.ndim == 2 else x.reshape(1, -1) if x.ndim == 1 else x.reshape(1, 1)
 
 
 def _multilabel_slots(x2, t2):
@@ -623,6 +622,8 @@ def _constant_value(t):
         if node in seen:
             continue
         seen.add(node)
+        if _written_later(node):  # GradScaler's found_inf: made by torch.full, then set by a kernel
+            return None
         if node.op == "get_attr":
             made.append(node)
             continue
@@ -630,8 +631,6 @@ def _constant_value(t):
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
             return None  # an input, a random draw, a write: not a constant
-        if _written_later(node):  # GradScaler's found_inf: made by torch.full, then set by a kernel
-            return None
         made.append(node)
         stack += node.all_input_nodes
         if len(seen) > 256:  # constants are small graphs; a long walk is a value made from the inputs

@@ -82,6 +82,8 @@ def _values(node: torch.fx.Node) -> list:
     leaves = pytree.tree_leaves(val)
     if not any(_tensor(v) for v in leaves):
         return []
+    if isinstance(layout, tuple):  # nested like the value (a list of tensors inside the tuple)
+        layout = tuple(pytree.tree_leaves(layout, is_leaf=lambda x: x is None or isinstance(x, Layout)))
     layouts = layout if isinstance(layout, tuple) and len(layout) == len(leaves) else [layout] * len(leaves)
     return [(v, l) for v, l in zip(leaves, layouts) if _tensor(v)]
 

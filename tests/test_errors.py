@@ -162,3 +162,24 @@ def test_capture_records_the_run_device_in_created_tensors():
         gm = capture(f, [((4, 3), torch.float32)], torch.device(device))
         devices = {n.kwargs["device"].type for n in gm.graph.nodes if "device" in n.kwargs}
         assert devices == {device}
+
+
+def test_an_op_returning_a_list_inside_a_tuple_without_a_rule_is_named():
+    """torch._amp_foreach_non_finite_check_and_unscale_ returns (list of tensors, tensor): with
+    no rule it is named in the missing-rules report (it crashed propagation with a TypeError),
+    and fallback="replicate" runs it, equal to eager."""
+    def check(x):
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_([x], found, torch.ones(()))
+        return x * 2, found
+
+    x = torch.randn(4, 4)
+    x[0, 0] = float("inf")
+    _, text = _raise(hpfun.shard(check, mesh=MESH, in_specs=(P("dp"),), out_specs=(P("dp"), P())), x,
+                     error=hpfun.MissingRuleError)
+    assert "aten._amp_foreach_non_finite_check_and_unscale.default: no sharding rule" in text, text
+    with pytest.warns(UserWarning):
+        got = hpfun.shard(check, mesh=MESH, in_specs=(P("dp"),), out_specs=(P("dp"), P()), fallback="replicate")(x)
+    want = check(x.clone())
+    torch.testing.assert_close(got[0].full(), want[0])
+    assert got[1].full().item() == want[1].item() == 1.0
