@@ -23,6 +23,7 @@ from hpfun.errors import (
     CaptureError, ExecutionError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
 )
 from hpfun.explain import Lowered
+from hpfun.hf import tp_plan
 from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
 from hpfun.lower import Collective
 from hpfun.mesh import Mesh
@@ -37,5 +38,5 @@ __all__ = [
     "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
-    "redistribute", "rules", "shard", "visualize",
+    "redistribute", "rules", "shard", "tp_plan", "visualize",
 ]

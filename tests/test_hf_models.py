@@ -244,3 +244,44 @@ def test_a_returned_model_output_keeps_its_tensors_and_drops_its_cache():
     ref = model(ids, labels=ids)
     assert torch.equal(out.logits.full(), ref.logits) and abs(out.loss.full().item() - ref.loss.item()) < 1e-6
     assert out.get("cache") is None and out.get("past_key_values") is None
+
+
+def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
+    """`hpfun.tp_plan(model)` reads transformers' plan (model.tp_plan): Llama's is Megatron's
+    seven splits plus the vocabulary of the embedding and the head; two AdamW steps on dp x tp
+    with it equal eager (a tied head is the embedding's tensor: specified once). Qwen3-MoE's expert weights (3-D, gate and up packed) split their
+    features per expert, and the norms its plan all-reduces add no layout. A model without a
+    plan is an error saying to write state_specs."""
+    plan = hpfun.tp_plan(build("llama", "sdpa"))
+    assert {k.removeprefix("model."): v for k, v in plan.items() if ".layers." in k} == LLAMA_TP
+    assert plan["model.embed_tokens.weight"] == plan["lm_head.weight"] == P("tp", None)
+    model, ref = build("llama", "sdpa"), build("llama", "sdpa")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, ids):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    step = hpfun.shard(lambda ids: train(model, opt, ids), mesh=LAYOUTS["dp-x-tp"][0], in_specs=(P("dp"),),
+                       out_specs=P(), state_specs=hpfun.tp_plan(model))
+    for i in range(2):
+        ids = tokens(i)
+        assert abs(step(ids).full().item() - train(ref, ref_opt, ids).item()) < 1e-6
+    # HF takes the loss in float32: over a split vocabulary its sums run in another order (6e-8 measured)
+    assert worst(model, ref) < 1e-6
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32)
+    moe = hpfun.tp_plan(transformers.Qwen3MoeForCausalLM(config))
+    assert moe["model.layers.*.mlp.experts.gate_up_proj"] == P(None, "tp", None)
+    assert moe["model.layers.*.mlp.experts.down_proj"] == P(None, None, "tp")
+    assert not any("norm" in k for k in moe)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        tie_word_embeddings=True))
+    assert "lm_head.weight" not in hpfun.tp_plan(tied)  # one tensor, named as torch lists it first
+    with pytest.raises(hpfun.SpecError, match="has no tensor-parallel plan"):
+        hpfun.tp_plan(torch.nn.Linear(2, 2))
