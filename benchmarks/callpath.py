@@ -38,9 +38,9 @@ def _stubbed(runtime):
     """The runtime's `run`, answering each program with the outputs of its first run."""
     real, kept = runtime.run, {}
 
-    def run(module, local_inputs, seed, uses_seed, compile=False):
+    def run(module, local_inputs, seed, uses_seed, compile=False, boxed=False):
         if id(module) not in kept:
-            kept[id(module)] = real(module, local_inputs, seed, uses_seed, compile)
+            kept[id(module)] = real(module, local_inputs, seed, uses_seed, compile, boxed)
         return kept[id(module)]
 
     return real, run
