@@ -50,6 +50,15 @@ def worst(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
+def _train(m, o, ids):
+    """The stock causal-LM step, labels the inputs."""
+    loss = m(ids, labels=ids).loss
+    loss.backward()
+    o.step()
+    o.zero_grad()
+    return loss.detach()
+
+
 def stock(kind, attn, layout):
     """The step as PyTorch users write it; hpfun decorates it once."""
     mesh, batch_spec, planned = LAYOUTS[layout]
@@ -211,19 +220,12 @@ def test_mixtral_experts_split_over_tp_equal_eager():
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
 
-    def train(m, o, ids):
-        loss = m(ids, labels=ids).loss
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss.detach()
-
     mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
-    step = hpfun.shard(lambda ids: train(model, opt, ids), mesh=mesh, in_specs=(P("dp"),), out_specs=P(),
+    step = hpfun.shard(lambda ids: _train(model, opt, ids), mesh=mesh, in_specs=(P("dp"),), out_specs=P(),
                        state_specs=MIXTRAL_TP)
     for i in range(2):
         ids = tokens(i)
-        assert abs(step(ids).full().item() - train(ref, ref_opt, ids).item()) < 1e-5
+        assert abs(step(ids).full().item() - _train(ref, ref_opt, ids).item()) < 1e-5
     assert worst(model, ref) < 1e-4
     program = step.lower(ids).program
     grouped = [n for n in program.module.graph.nodes if "grouped_mm" in str(n.target)]
@@ -258,18 +260,11 @@ def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
     model, ref = build("llama", "sdpa"), build("llama", "sdpa")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
 
-    def train(m, o, ids):
-        loss = m(ids, labels=ids).loss
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss.detach()
-
-    step = hpfun.shard(lambda ids: train(model, opt, ids), mesh=LAYOUTS["dp-x-tp"][0], in_specs=(P("dp"),),
+    step = hpfun.shard(lambda ids: _train(model, opt, ids), mesh=LAYOUTS["dp-x-tp"][0], in_specs=(P("dp"),),
                        out_specs=P(), state_specs=hpfun.tp_plan(model))
     for i in range(2):
         ids = tokens(i)
-        assert abs(step(ids).full().item() - train(ref, ref_opt, ids).item()) < 1e-6
+        assert abs(step(ids).full().item() - _train(ref, ref_opt, ids).item()) < 1e-6
     # HF takes the loss in float32: over a split vocabulary its sums run in another order (6e-8 measured)
     assert worst(model, ref) < 1e-6
     config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
