@@ -59,17 +59,7 @@ def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue, ki
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=120)
-
-    @hpfun.shard(mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), donate_state=donate)
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     x, y = torch.randn(16, width), torch.randn(16, width)
     if kind == "functional":
         from hpfun.testing.models import adamw_init
@@ -78,12 +68,22 @@ def _rank(rank: int, port: int, donate: bool, width: int, layers: int, queue, ki
         params = {k: p.detach() for k, p in model.named_parameters()}
         carry = list(fstep(params, adamw_init(params), x, y)[:2])
         carry[:] = fstep(*carry, x, y)[:2]
-        del params, opt
+        del params
         estimate = fstep.lower(*carry, x, y).memory()
 
         def step(x, y):
             carry[:] = fstep(*carry, x, y)[:2]  # the call's results replace what it consumed
     else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+        @hpfun.shard(mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), donate_state=donate)
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
         step(x, y)
         step(x, y)  # AdamW's state exists from the first call, the second reads it like every later one
         estimate = step.lower(x, y).memory()

@@ -397,10 +397,9 @@ def measure(f, *args, rank: int = 0, **kwargs) -> Measured:
     # donated blocks are copied as the measured run starts, so the allocator sees them made and
     # freed: what it counts above its starting level, less the copies, is what the program adds
     copies = sum(blocks[i].untyped_storage().nbytes() for i in donated)
+    run = (lambda: module(handed())) if donated else (lambda: module(*blocks, coord_t, seed))
     with torch.no_grad():
-        # warm-up: compiled random-number kernels, lazy inits
-        module(handed()) if donated else module(*blocks, coord_t, seed)
-        run = (lambda: module(handed())) if donated else (lambda: module(*blocks, coord_t, seed))
+        run()  # warm-up: compiled random-number kernels, lazy inits
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)

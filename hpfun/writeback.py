@@ -25,8 +25,8 @@ from hpfun.sharded import Sharded, local_block, unchecked
 
 
 class _Blocks:
-    """tensor -> (layout, global shape, data pointer): lifted state a distributed call left
-    sharded. Keyed by id with a weak reference to the tensor (read at every call for every
+    """tensor -> entry: lifted state a distributed call left sharded (layout, global shape,
+    data pointer), or donated state a failed call lost (version, data pointer). Keyed by id with a weak reference to the tensor (read at every call for every
     lifted tensor, so a plain dict lookup; torch's WeakIdKeyDictionary builds a key object
     per lookup); an entry goes when its tensor is freed."""
 
@@ -78,8 +78,8 @@ def held_block(x: torch.Tensor) -> Sharded | None:
     return unchecked(layout, shape, (x,))  # its local shape checked just above
 
 
-# tensor id -> (weak reference, version, data pointer): donated state a failed call lost
-_LOST: dict = {}
+# tensor -> (version, data pointer): donated state a failed call lost
+_LOST = _Blocks()
 
 
 def lose(released: list, err: BaseException) -> None:
@@ -94,13 +94,7 @@ def lose(released: list, err: BaseException) -> None:
             owner.data = torch.empty(shape, dtype=owner.dtype, device=owner.device)
         if entry is not None:  # still the block it was: its layout stays known
             _LOCAL[owner] = (entry[0], entry[1], owner.data_ptr())
-        key = id(owner)
-
-        def gone(ref, key=key):
-            if _LOST.get(key, (None,))[0] is ref:
-                del _LOST[key]
-
-        _LOST[key] = (weakref.ref(owner, gone), owner._version, owner.data_ptr())
+        _LOST[owner] = (owner._version, owner.data_ptr())
     err.add_note(f"hpfun: this call was handed {len(released)} tensors of lifted state (donate_state=True) and "
                  "failed before writing their new values back: their values are lost. Load them again (e.g. "
                  "model.load_state_dict, or a checkpoint) before the next call.")
@@ -112,11 +106,11 @@ def lost(values) -> list[str]:
     names = []
     for name, x in values.items():
         x = x.shards[0] if isinstance(x, Sharded) else x
-        found = _LOST.get(id(x)) if isinstance(x, torch.Tensor) else None
-        if found is None or found[0]() is not x:
+        found = _LOST.get(x) if isinstance(x, torch.Tensor) else None
+        if found is None:
             continue
-        if x._version != found[1] or x.data_ptr() != found[2]:  # new values loaded since
-            del _LOST[id(x)]
+        if (x._version, x.data_ptr()) != found:  # new values loaded since
+            _LOST.pop(x)
             continue
         names.append(name)
     return names
