@@ -604,3 +604,4 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+    torch.distributed.destroy_process_group()  # gloo's threads joined before exit, not killed by it
