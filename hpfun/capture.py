@@ -57,15 +57,17 @@ KEPT_WHOLE = frozenset([
     # attention without dropout (with it, torch takes the math path, decomposed)
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    # activations and their backwards: one pass over memory instead of several
-    # (silu_backward and mish_backward are composites the dispatcher expands before capture)
-    aten.gelu_backward.default, aten.threshold_backward.default, aten.silu.default,
+    # activations and their backwards: one pass over memory instead of several (autograd's
+    # backward calls silu_backward and mish_backward; under torch.func.grad, torch writes them
+    # as elementwise ops to keep them differentiable)
+    aten.gelu_backward.default, aten.silu_backward.default, aten.mish_backward.default,
+    aten.threshold_backward.default, aten.silu.default,
     aten.sigmoid_backward.default, aten.tanh_backward.default, aten.hardtanh_backward.default,
     aten.leaky_relu_backward.default, aten.elu_backward.default, aten.softplus.default,
     aten.softplus_backward.default, aten.mish.default, aten.hardsigmoid.default,
     aten.hardsigmoid_backward.default,
-    # layer norm's backward (rule in rules/norm.yaml)
-    aten.native_layer_norm_backward.default,
+    # layer and group norm's backwards (rules in rules/norm.yaml)
+    aten.native_layer_norm_backward.default, aten.native_group_norm_backward.default,
     # lerp and addcmul (Adam's moment updates): torch's decompositions are ten and five ops, and
     # tracing them cost a third of capturing an HF Llama step with AdamW
     aten.lerp.Scalar, aten.lerp.Tensor, aten.lerp_.Scalar, aten.lerp_.Tensor,
@@ -380,6 +382,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
     _drop_profiler_calls(gm)
+    _drop_plain_copies(gm)
     gm.graph.eliminate_dead_code()
     rematerialize(gm)  # hpfun.checkpoint's regions: recompute before the backward reads, not kept
     split_fused(gm)
@@ -753,6 +756,30 @@ def _drop_profiler_calls(gm: torch.fx.GraphModule) -> None:
     for n in reversed(list(gm.graph.nodes)):
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
             gm.graph.erase_node(n)
+
+
+def _drop_plain_copies(gm: torch.fx.GraphModule) -> None:
+    """`copy(dst, src)` where `src` is a new tensor of `dst`'s shape, dtype, device and strides
+    that nothing else reads is `src` itself. An in-place update written as `x.copy_(f(x, ...))`
+    (an optimizer's `addcdiv_` with a traced step size, `param.copy_(new)`) functionalizes to such
+    a copy: one more pass over the tensor, and a second buffer of it, per step. A `src` that is
+    a view, an input or read elsewhere keeps its copy, so no two results share memory."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.copy.default or len(n.args) != 2 or n.kwargs:
+            continue
+        src = n.args[1]
+        if not isinstance(src, torch.fx.Node) or src.op != "call_function" or len(src.users) != 1 \
+                or not isinstance(src.target, torch._ops.OpOverload) or src.target._schema.is_mutable:
+            continue
+        returns = src.target._schema.returns
+        if len(returns) != 1 or returns[0].alias_info is not None:
+            continue
+        have, want = src.meta.get("val"), n.meta.get("val")
+        if not isinstance(have, torch.Tensor) or not isinstance(want, torch.Tensor) or \
+                (have.shape, have.dtype, have.device, have.stride()) != (want.shape, want.dtype, want.device, want.stride()):
+            continue
+        n.replace_all_uses_with(src)
+        gm.graph.erase_node(n)
 
 
 def _constants_as_inputs(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
