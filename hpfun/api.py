@@ -573,7 +573,8 @@ class ShardedFunction:
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
         substitution = lift.Substitution(call.state, swap, grads, scalars)
         try:
-            with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.signs else contextlib.nullcontext():
+            with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
+                    else contextlib.nullcontext():
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
             statics_after = lift.statics(call.state.roots)

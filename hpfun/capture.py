@@ -524,19 +524,64 @@ def _fused_decomposition(target, metas: tuple, static_args: tuple) -> torch.fx.G
 # ---------------------------------------------------------------------------------------------
 
 
+class PythonFloats:
+    """The float64 0-d tensors a trace holds in place of Python floats: lifted hyperparameters'
+    stand-ins, an optimizer's step count read as a number (`mark_float`), and what arithmetic
+    on them alone gives. Eager's Python float does not promote a tensor (`lr / 0.9` keeps a
+    float32 tensor learning rate float32, and an integer tensor times 0.5 is the default float
+    dtype); a float64 0-d tensor promotes another 0-d one, and any integer tensor, to float64.
+    `promoted` casts such a stand-in first, as torch casts the float. Stand-ins are kept alive
+    while the trace runs, so their ids stay theirs."""
+
+    active: "PythonFloats | None" = None
+
+    def __init__(self, ids=()):
+        self.ids = set(ids)
+        self._kept: list = []
+
+    def __contains__(self, x) -> bool:
+        return id(x) in self.ids
+
+    def add(self, x: torch.Tensor) -> None:
+        self.ids.add(id(x))
+        self._kept.append(x)
+
+    def promoted(self, args: tuple) -> tuple:
+        a, b = args
+        if (a in self) == (b in self):
+            return args
+        w, other = (a, b) if a in self else (b, a)
+        if other.is_floating_point() and other.dim() == 0 and other.dtype != w.dtype:
+            w = w.to(other.dtype)
+        elif not other.is_floating_point() and not other.is_complex():
+            w = w.to(torch.get_default_dtype())
+        else:
+            return args
+        return (w, other) if a in self else (other, w)
+
+
+def mark_float(x: torch.Tensor) -> torch.Tensor:
+    """`x` (a float64 0-d tensor traced where eager reads a Python number) joins the trace's
+    `PythonFloats`, if a step with lifted hyperparameters is being traced."""
+    if PythonFloats.active is not None:
+        PythonFloats.active.add(x)
+    return x
+
+
 @contextlib.contextmanager
 def _exact_optimizer_scalars():
     """While compiling, torch.optim reads its step count (a float32 tensor) as a tensor, not as
     the Python number eager reads, and computes its bias corrections in float32 (1e-7 away from
     eager's double-precision ones). Traced, it reads the count as a float64 tensor instead: the
-    same integer, and the same double-precision arithmetic as eager, now recorded in the graph."""
+    same integer, and the same double-precision arithmetic as eager, now recorded in the graph;
+    it promotes as the Python number does (`PythonFloats`)."""
     from torch.optim import optimizer
 
     original = optimizer._get_value
 
     def exact(x):
         if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point():
-            return x.to(torch.float64)
+            return mark_float(x.to(torch.float64))
         return original(x)
 
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("torch.optim") and m is not None

@@ -32,7 +32,7 @@ import weakref
 import attrs
 import torch
 
-from hpfun.capture import HPFUN_DIR, TORCH_DIR
+from hpfun.capture import HPFUN_DIR, TORCH_DIR, PythonFloats, mark_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
 
@@ -568,7 +568,7 @@ class _Float64Scalars(dict):
     def __setitem__(self, key, value):
         if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
             self.dtypes[key] = value.dtype
-            value = value.to(torch.float64)
+            value = mark_float(value.to(torch.float64))
         else:
             self.dtypes.pop(key, None)
         super().__setitem__(key, value)
@@ -605,7 +605,11 @@ class ScalarSigns(torch.overrides.TorchFunctionMode):
       Python answer: its sign is part of the cache key, so the program is right for every value
       of that sign (compared with anything else, it stays a traced tensor);
     - a float's stand-in converted to a parameter's lower precision (Adam turns a tensor beta1
-      into a float32 one) stays float64, as the float would in eager's arithmetic."""
+      into a float32 one) stays float64, as the float would in eager's arithmetic;
+    - in arithmetic with a tensor, a float's stand-in, and every value computed from such
+      stand-ins alone (the step count, read as a number, and the bias corrections made from it),
+      promotes as the Python float does: a 0-d tensor would make `lr / bias_correction` float64
+      where eager's is the tensor learning rate's float32 (`PythonFloats`)."""
 
     _COMPARE = {f: compare for name, compare in (("eq", operator.eq), ("ne", operator.ne), ("gt", operator.gt),
                                                  ("ge", operator.ge), ("lt", operator.lt), ("le", operator.le))
@@ -614,21 +618,53 @@ class ScalarSigns(torch.overrides.TorchFunctionMode):
     def __init__(self, signs: dict, floats: set):
         super().__init__()
         self.signs = signs  # id(stand-in) -> the sign of the value it stands in for
-        self.floats = floats  # ids of the stand-ins of Python floats
+        self.floats = PythonFloats(floats)  # the stand-ins of Python floats, and what is computed from them alone
+
+    def __enter__(self):
+        self._outer = PythonFloats.active
+        PythonFloats.active = self.floats
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        PythonFloats.active = self._outer
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not args or id(args[0]) not in self.signs:
+        floats = self.floats
+        if args and id(args[0]) in self.signs:
+            compare = self._COMPARE.get(func)
+            if compare is not None and len(args) == 2 and type(args[1]) in (int, float) and args[1] == 0:
+                return compare(self.signs[id(args[0])], 0)
+            if func is torch.Tensor.to and args[0] in floats:
+                dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+                if dtype is not None and dtype.is_floating_point:
+                    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+                    args = tuple(a for a in args if not isinstance(a, torch.dtype))
+        if not floats.ids:
             return func(*args, **kwargs)
-        compare = self._COMPARE.get(func)
-        if compare is not None and len(args) == 2 and type(args[1]) in (int, float) and args[1] == 0:
-            return compare(self.signs[id(args[0])], 0)
-        if func is torch.Tensor.to and id(args[0]) in self.floats:
-            dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
-            if dtype is not None and dtype.is_floating_point:
-                kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-                args = tuple(a for a in args if not isinstance(a, torch.dtype))
-        return func(*args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors:
+            return func(*args, **kwargs)
+        if func in _BINARY and len(tensors) == 2 and len(args) == 2:
+            args = floats.promoted(args)
+        elif func in _IN_PLACE_BINARY and len(tensors) == 2 and len(args) == 2 and args[0] not in floats:
+            args = floats.promoted(args)  # `mu_product *= mu`: the tensor written keeps its dtype
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype == torch.float64 and func not in _NOT_ARITHMETIC \
+                and all(t in floats for t in tensors):
+            floats.add(out)
+        return out
+
+
+_BINARY = frozenset(getattr(torch.Tensor, f"__{op}__") for op in
+                    ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "pow", "rpow")) | {
+    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.Tensor.add, torch.Tensor.sub,
+    torch.Tensor.mul, torch.Tensor.div, torch.Tensor.pow, torch.maximum, torch.minimum}
+_IN_PLACE_BINARY = frozenset(getattr(torch.Tensor, f"__i{op}__") for op in ("add", "sub", "mul", "truediv")) | {
+    torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_}
+# ops returning a float64 0-d tensor that is no arithmetic result (a copy keeps what it copies)
+_NOT_ARITHMETIC = frozenset({torch.Tensor.__setitem__, torch.Tensor.copy_})
 
 
 def _scalar_of(group: dict, key: str, index: int | None):
@@ -709,6 +745,11 @@ class Substitution:
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
+
+    @property
+    def traces_optimizer(self) -> bool:
+        """Whether an optimizer's step may run in the trace (`ScalarSigns` then stands in for its numbers)."""
+        return bool(self.signs or self._optimizers)
 
     def _set(self, write, old, new):
         write(new)
