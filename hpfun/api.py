@@ -453,6 +453,9 @@ class ShardedFunction:
         out = []
         for name, x in call.lifted.items():
             spec = specs.get(name)
+            if spec is not None and spec is not AUTO and getattr(x, "ndim", None) == 0 and \
+                    not any(pattern_matches(p, name) and not _is_glob(p) for p in self.state_specs):
+                spec = None  # a 0-d value (a learning rate, a scale) a wildcard caught: nothing to split
             follows = call.state.slots[name].follows if name in call.state.slots else None
             if name not in specs and follows in specs and _same_shape(call.lifted.get(follows), x):
                 spec = specs[follows]
@@ -616,6 +619,10 @@ RETRACE_SHAPES_WARNING_AFTER = 8  # programs for new shapes of the same argument
 class RetraceWarning(UserWarning):
     """A sharded function keeps compiling: a Python value its trace reads keeps changing, or its
     arguments keep coming in new shapes."""
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:

@@ -63,11 +63,15 @@ _LIKE = frozenset([aten.full_like.default, aten.zeros_like.default, aten.ones_li
 
 def gather_axes(mesh: Mesh, gather_params) -> tuple[str, ...]:
     """The `gather_params` option as a tuple of mesh axis names (empty: no policy), checked."""
-    if gather_params is None:
+    if gather_params is None or gather_params is False:
         return ()
+    if gather_params is True:
+        raise SpecError(f"gather_params=True does not say which axes parameters are split over: name them, e.g. "
+                        f"gather_params={mesh.axis_names[0]!r} (the mesh has axes {list(mesh.axis_names)})",
+                        headline="bad option")
     axes = (gather_params,) if isinstance(gather_params, str) else gather_params
     if not isinstance(axes, (tuple, list)) or not axes or not all(isinstance(a, str) for a in axes):
-        raise SpecError(f"gather_params must be None, a mesh axis name or a tuple of them, got {gather_params!r}",
+        raise SpecError(f"gather_params must be None (or False), a mesh axis name or a tuple of them, got {gather_params!r}",
                         headline="bad option")
     unknown = [a for a in axes if a not in mesh.axis_names]
     if unknown:

@@ -116,12 +116,15 @@ def test_lower_lists_the_gathers_at_their_use_points(mlp):
 def test_the_option_is_checked_and_keys_the_cache():
     with pytest.raises(SpecError, match=r"gather_params names 'data', but the mesh \{dp: 4\} has axes \['dp'\]"):
         hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params="data")
-    with pytest.raises(SpecError, match="gather_params must be None, a mesh axis name or a tuple"):
+    with pytest.raises(SpecError, match=r"gather_params must be None \(or False\), a mesh axis name or a tuple"):
         hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=1)
+    with pytest.raises(SpecError, match="gather_params=True does not say which axes .* gather_params='dp'"):
+        hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=True)
+    off = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=False).options
     a = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params=("dp",)).options
     b = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp")), gather_params="dp").options
     c = hpfun.shard(mlp_step, mesh=MESH, in_specs=(MLP_Z3, P("dp"), P("dp"))).options
-    assert a == b and hash(a) == hash(b) and a != c
+    assert a == b and hash(a) == hash(b) and a != c and off == c
 
 
 def test_zero3_with_tensor_parallel_on_a_2x2_mesh():
@@ -360,10 +363,14 @@ def _module():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def test_zero3_module_and_adamw_over_three_steps():
+@pytest.mark.parametrize("plan", [{"0.weight": P("dp"), "0.bias": P("dp"), "2.weight": P("dp"), "2.bias": P("dp")},
+                                  {"*": P("dp")}], ids=["by-name", "everything"])
+def test_zero3_module_and_adamw_over_three_steps(plan):
     """The stock training step, parameters (and so their AdamW state) split over dp, gathered at
     each use: three steps equal eager's; each Linear's weight and bias are gathered in one
-    bucket; the second weight again for the backward; four reduce-scatters."""
+    bucket; the second weight again for the backward; four reduce-scatters. `{"*": P("dp")}`
+    says the same: the wildcard also catches AdamW's learning rate and betas (0-d, lifted), which
+    have nothing to split and stay whole."""
     model, opt = _module()
     ref_model, ref_opt = _module()
 
@@ -374,7 +381,6 @@ def test_zero3_module_and_adamw_over_three_steps():
         opt.zero_grad()
         return loss
 
-    plan = {"0.weight": P("dp"), "0.bias": P("dp"), "2.weight": P("dp"), "2.bias": P("dp")}
     f = hpfun.shard(step, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=plan, gather_params="dp")
     x, y = torch.randn(32, 16), torch.randint(0, 8, (32,))
     for _ in range(3):
