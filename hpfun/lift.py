@@ -221,6 +221,9 @@ class Snapshot:
         self.tensors: dict = {}  # id -> a weak reference to each tensor seen
         self.refs: tuple = ()
         self.flags: tuple = ()
+        self._empty: tuple = ()
+        self._named: tuple = ()
+        self._other: tuple = ()
 
     def _seen(self, values) -> None:
         for v in values:
@@ -247,13 +250,25 @@ class Snapshot:
     def seal(self) -> None:
         self.refs = tuple(ref for ref, _ in self.tensors.values())
         self.flags = tuple(flag for _, flag in self.tensors.values())
+        # checked at every call, so sorted by the cheapest check each needs: empty dicts (most of a
+        # module tree's buffer and submodule dicts) stay empty; string keys compare as strings
+        self._empty = tuple(d for d, keys, _ in self.dicts if not keys)
+        self._named = tuple((d, tuple(d), ids) for d, keys, ids in self.dicts
+                            if keys and all(type(k) is str for k in d))
+        named = {id(d) for d, _, _ in self._named}
+        self._other = tuple(e for e in self.dicts if e[1] and id(e[0]) not in named)
 
     def holds(self) -> bool:
         tensors = tuple(map(operator.call, self.refs))  # (`None in tensors` would compare tensors with ==)
         if not all(map(operator.is_not, tensors, itertools.repeat(None))) or \
                 tuple(map(_REQUIRES_GRAD, tensors)) != self.flags:
             return False
-        for d, keys, ids in self.dicts:
+        if any(self._empty):
+            return False
+        for d, keys, ids in self._named:
+            if tuple(d) != keys or tuple(map(id, d.values())) != ids:
+                return False
+        for d, keys, ids in self._other:
             if len(d) != len(keys) or tuple(map(id, d)) != keys or tuple(map(id, d.values())) != ids:
                 return False
         for seq, ids in self.lists:

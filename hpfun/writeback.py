@@ -144,8 +144,17 @@ class WriteBack:
 def apply(writes, shards_per_output, inputs: list, state) -> None:
     """Write every extra output back: in-place updates first, then assignments (a gradient
     must meet its parameter's new block)."""
+    order, replicated = _order(writes)
     with torch.no_grad():
-        for wb, shards in sorted(zip(writes, shards_per_output, strict=True), key=lambda w: w[0].input is None):
+        for j in order:
+            wb, shards = writes[j], shards_per_output[j]
+            if j in replicated and type(target := inputs[wb.input]) is not Sharded \
+                    and tuple(target.shape) == wb.shape:  # the common case, inline: whole state, updated in place
+                target.copy_(shards[0])
+                _LOCAL.pop(target, None)
+                if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
+                    slot.write(target)
+                continue
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             if wb.input is not None:
                 _update(inputs[wb.input], value)
@@ -162,6 +171,24 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 if slot.follows in state.slots:
                     _meet(state.slots[slot.follows].read(), value)
                 slot.write(_new_tensor(value, like=slot.read()))
+
+
+_ORDERS: dict = {}  # id(writes) -> (writes, order, replicated): a program's writes, planned once
+
+
+def _order(writes) -> tuple[list, frozenset]:
+    """The order `apply` writes in (in-place updates first) and the in-place updates of whole
+    values into state a distributed call updates in place."""
+    found = _ORDERS.get(id(writes))
+    if found is not None and found[0] is writes:
+        return found[1], found[2]
+    order = sorted(range(len(writes)), key=lambda j: writes[j].input is None)
+    replicated = frozenset(j for j, wb in enumerate(writes) if wb.input is not None and wb.layout.is_replicated
+                           and wb.layout.mesh.runtime == "distributed")
+    if len(_ORDERS) > 256:
+        _ORDERS.clear()
+    _ORDERS[id(writes)] = (writes, order, replicated)
+    return order, replicated
 
 
 def clear(names, state) -> None:
