@@ -320,7 +320,7 @@ def test_the_state_walk_is_reused_until_the_module_or_optimizer_changes(monkeypa
     """Calls after the first reuse the last walk of the modules and the optimizer (it costs
     about a millisecond for a small HF model), and walk again when anything it read changed:
     a tensor attribute that appears, a submodule replaced, a parameter frozen, a parameter
-    group added. Every call equals eager, and a frozen parameter keeps its optimizer state."""
+    group added, a buffer registered where there was none. Every call equals eager, and a frozen parameter keeps its optimizer state."""
     from hpfun import lift
 
     walks = []
@@ -372,6 +372,13 @@ def test_the_state_walk_is_reused_until_the_module_or_optimizer_changes(monkeypa
     model.lin.bias.requires_grad_(True)
     ref.lin.bias.requires_grad_(True)
     check(9)  # the kept momentum carries on, as eager's does
+    walks.clear()
+    for m in (model, ref):  # into a dict that was empty (Linear has no buffers): walked again
+        m.lin.register_buffer("count", torch.zeros((), dtype=torch.float64))
+    check(10)
+    assert walks == [1]
+    check(11)
+    assert walks == [1]
 
 
 SCALE = torch.tensor([2.0, 3.0])
