@@ -562,7 +562,7 @@ class PythonFloats:
 
 def mark_float(x: torch.Tensor) -> torch.Tensor:
     """`x` (a float64 0-d tensor traced where eager reads a Python number) joins the trace's
-    `PythonFloats`, if a step with lifted hyperparameters is being traced."""
+    `PythonFloats`, while an optimizer's step is traced (`lift.ScalarSigns` holds them)."""
     if PythonFloats.active is not None:
         PythonFloats.active.add(x)
     return x
