@@ -816,6 +816,9 @@ REPLICATED = {
     "masked_scatter": (aten.masked_scatter.default, lambda x, m, s: aten.masked_scatter.default(x, m > 0, s),
                        (_rand(4, 4), _rand(4, 4), _rand(16))),
     "pdist": (aten._pdist_forward.default, lambda x: aten._pdist_forward.default(x, 2.0), (_rand(4, 4),)),
+    # nn.Embedding(max_norm=1.5): rows named by an index scaled down to the norm (some are above it)
+    "embedding_renorm": (aten.embedding_renorm.default,
+                         lambda w, i: aten.embedding_renorm.default(w, i, 1.5, 2.0), (_rand(8, 4), _ids(4, 8))),
 }
 
 
