@@ -34,7 +34,7 @@ from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     AUTO, Auto, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
-    spec_tree_problems, tensor_layout,
+    spec_tree_problems, specificity, tensor_layout,
 )
 from hpfun.writeback import WriteBack
 
@@ -448,21 +448,33 @@ class ShardedFunction:
         may_miss = set(self._patterns_seen)
         if _optimizer_state_pending(call.state):  # its state's names appear at its first step: checked from then on
             may_miss.update(self.state_specs or {})
-        specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss)
+        decided_by: dict[str, str] = {}
+        specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss,
+                               matched_by=decided_by)
         self._patterns_seen.update(p for p in (self.state_specs or {}) if any(pattern_matches(p, n) for n in names))
         out = []
         for name, x in call.lifted.items():
             spec = specs.get(name)
-            if spec is not None and spec is not AUTO and getattr(x, "ndim", None) == 0 and \
-                    not any(pattern_matches(p, name) and not _is_glob(p) for p in self.state_specs):
+            by_wildcard = spec is not None and not any(pattern_matches(p, name) and not _is_glob(p)
+                                                       for p in self.state_specs)
+            if by_wildcard and spec is not AUTO and getattr(x, "ndim", None) == 0:
                 spec = None  # a 0-d value (a learning rate, a scale) a wildcard caught: nothing to split
             follows = call.state.slots[name].follows if name in call.state.slots else None
-            if name not in specs and follows in specs and _same_shape(call.lifted.get(follows), x):
+            # a gradient or optimizer state no pattern names, or that only a less specific one than
+            # its parameter's does (`"*"` beside a pattern keeping one parameter whole), follows it
+            if follows in specs and _same_shape(call.lifted.get(follows), x) and \
+                    (name not in specs or specificity(decided_by[follows]) > specificity(decided_by[name])):
                 spec = specs[follows]
                 if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
                     out.append(Auto(follows, self.mesh))
                     continue
+            before = len(problems)
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
+            if by_wildcard and len(problems) > before:  # a plan for many tensors that does not fit this one
+                tail = ".".join(name.split(".")[-2:])
+                problems[before:] = [attrs.evolve(p, fix=f"{p.fix}; or keep it out of the wildcard with a more "
+                                                        f"specific pattern, e.g. state_specs['*.{tail}'] = P()")
+                                     for p in problems[before:]]
         return out
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":

@@ -278,11 +278,12 @@ def pattern_matches(pattern: str, name: str) -> bool:
 
 
 def match_patterns(patterns: dict, names: list[str], problems: list, where: str, mesh: Mesh | None = None,
-                   may_miss=()) -> dict:
+                   may_miss=(), matched_by: dict | None = None) -> dict:
     """name -> spec from a dict of glob patterns; every typo and overlap becomes a problem.
-    Patterns in `may_miss` may match nothing (they matched names an earlier call had)."""
+    Patterns in `may_miss` may match nothing (they matched names an earlier call had).
+    `matched_by`, if given, is filled with name -> the pattern that decided its spec."""
     out: dict[str, P | None] = {}
-    matched_by: dict[str, str] = {}
+    matched_by = {} if matched_by is None else matched_by
     for pattern, spec in patterns.items():
         at = f"{where}[{pattern!r}]"
         if not isinstance(pattern, str):
@@ -304,7 +305,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
                                     "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}")))
         for n in hits:
             if n in matched_by:
-                before, now = _specificity(matched_by[n]), _specificity(pattern)
+                before, now = specificity(matched_by[n]), specificity(pattern)
                 if before > now or before == now and out[n] == spec:
                     continue  # the more specific pattern decides (or both say the same)
                 if before == now:
@@ -317,7 +318,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
     return out
 
 
-def _specificity(pattern: str) -> int:
+def specificity(pattern: str) -> int:
     """How specific a glob pattern is: its characters that are not wildcards (a `[...]` set counts one)."""
     return len(re.sub(r"\[[^\]]*\]", "x", pattern).replace("*", "").replace("?", ""))
 

@@ -399,6 +399,43 @@ def test_zero3_module_and_adamw_over_three_steps(plan):
     assert sorted(len(b.members) for b in fused) == [2, 2]  # weight and bias of one Linear, never across layers
 
 
+def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
+    """`{"*": P("dp")}` cannot split a 6-row head over 4 ranks: the error says so and how to keep
+    it out of the wildcard. With a more specific pattern keeping it whole, its AdamW state (which
+    `"*"` names too, less specifically) follows it, and the step equals eager's."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 6))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    (model, opt), (ref, ref_opt) = make(), make()
+
+    def step_of(model, opt):
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    x, y = torch.randn(32, 16), torch.randint(0, 6, (32,))
+    everything = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                             state_specs={"*": P("dp")}, gather_params="dp")
+    with pytest.raises(SpecError, match=r"(?s)model.2.weight: dim 0 of size 6 is not divisible.*more specific pattern, "
+                                        r"e.g. state_specs\['\*.2.weight'\] = P\(\)"):
+        everything(x, y)
+    f = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    state_specs={"*": P("dp"), "2.*": P()}, gather_params="dp")
+    for _ in range(3):
+        assert torch.allclose(f(x, y).full(), step_of(ref, ref_opt)(x, y), atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
+    assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
+    assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
+
+
 def test_zero3_hugging_face_llama_is_fsdp_schedule():
     """A Hugging Face Llama trained as written (loss.backward(), AdamW.step()), every weight split
     over dp by one pattern: the step equals eager's, and the program is exactly FSDP's schedule:
