@@ -460,10 +460,12 @@ class ShardedFunction:
             if by_wildcard and spec is not AUTO and getattr(x, "ndim", None) == 0:
                 spec = None  # a 0-d value (a learning rate, a scale) a wildcard caught: nothing to split
             follows = call.state.slots[name].follows if name in call.state.slots else None
-            # a gradient or optimizer state no pattern names, or that only a less specific one than
-            # its parameter's does (`"*"` beside a pattern keeping one parameter whole), follows it
+            # a gradient or optimizer state no pattern names follows its parameter; so does one named
+            # by a pattern that names its parameter too, less specifically than the parameter's own
+            # (`"*"` beside a pattern keeping one parameter whole; not `"opt.*"`, which is about state)
             if follows in specs and _same_shape(call.lifted.get(follows), x) and \
-                    (name not in specs or specificity(decided_by[follows]) > specificity(decided_by[name])):
+                    (name not in specs or pattern_matches(decided_by[name], follows)
+                     and specificity(decided_by[follows]) > specificity(decided_by[name])):
                 spec = specs[follows]
                 if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
                     out.append(Auto(follows, self.mesh))

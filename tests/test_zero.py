@@ -402,7 +402,8 @@ def test_zero3_module_and_adamw_over_three_steps(plan):
 def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     """`{"*": P("dp")}` cannot split a 6-row head over 4 ranks: the error says so and how to keep
     it out of the wildcard. With a more specific pattern keeping it whole, its AdamW state (which
-    `"*"` names too, less specifically) follows it, and the step equals eager's."""
+    `"*"` names too, less specifically) follows it, and the step equals eager's. A pattern about
+    optimizer state alone (`"opt.*"`) is not overridden."""
     def make():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 6))
@@ -434,6 +435,11 @@ def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
     assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
     assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
+    # a pattern about the state alone keeps its own spec, however general
+    f = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    state_specs={"0.*": P("dp"), "opt.*": P()})
+    layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
+    assert layouts["model.0.weight"] == "[S(0)]" and layouts["opt.state.model.0.weight.exp_avg"] == "[R]"
 
 
 def test_zero3_hugging_face_llama_is_fsdp_schedule():
