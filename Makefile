@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.hpfun-installed
 
-.PHONY: setup demo demo-module test validate-nightly decompositions-nightly fuzz-nightly docs clean
+.PHONY: setup demo demo-module test validate-nightly decompositions-nightly hf-nightly fuzz-nightly docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ validate-nightly: $(STAMP)
 # capture's decompositions against torch's kernels on every OpInfo (forward and vjp, float64, ~1 min)
 decompositions-nightly: $(STAMP)
 	$(PY) -m hpfun.testing.decompositions
+
+# 30 Hugging Face architectures, tiny, trained two steps as written: data parallel, their own
+# tensor-parallel plan, ZeRO-3, each against the same step run eagerly (~4 min)
+hf-nightly: $(STAMP)
+	$(PY) -m hpfun.testing.hf_sweep
 
 # whole random programs against the unsharded run: thousands with a fresh seed (the suite runs a
 # fixed 120), with the verifier on; FUZZ_EXAMPLES and FUZZ_SEED override; report in build/fuzz-nightly.txt

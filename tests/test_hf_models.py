@@ -280,3 +280,15 @@ def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
     assert "lm_head.weight" not in hpfun.tp_plan(tied)  # one tensor, named as torch lists it first
     with pytest.raises(hpfun.SpecError, match="has no tensor-parallel plan"):
         hpfun.tp_plan(torch.nn.Linear(2, 2))
+
+
+def test_the_architecture_sweep_reports_ok_and_refused_cases():
+    """`python -m hpfun.testing.hf_sweep` (make hf-nightly) on one architecture: data parallel
+    equals eager; ZeRO-3 by wildcard on a model whose dims do not all divide 2 is refused with
+    hpfun's error naming the tensor, not counted wrong."""
+    from hpfun.testing import hf_sweep
+
+    outcome, detail = hf_sweep.run_case("llama", "dp")
+    assert outcome == "ok", detail
+    outcome, detail = hf_sweep.run_case("gpt_neox", "zero3")
+    assert outcome == "refused" and "not divisible" in detail, detail

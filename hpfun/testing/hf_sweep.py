@@ -1,0 +1,230 @@
+"""Hugging Face models as their users call them, sharded, against the same step run eagerly.
+
+Each architecture is built tiny from its own config class (random weights, float32), in eval
+mode (dropout draws differ: hpfun's random numbers are its own), and trained for two steps with
+the stock loop (`model(**batch).loss`, `loss.backward()`, `opt.step()`, `opt.zero_grad()`) by
+SGD with momentum: beside an identical eager copy, on a simulated mesh, in each mode:
+
+- `dp`: the batch split over 2 ranks, the state replicated;
+- `tp`: dp x tp = 2 x 2, the model's own tensor-parallel plan (`hpfun.tp_plan`); models without
+  one are skipped;
+- `zero3`: the batch and every lifted tensor split over 2 ranks (`{"*": P("dp")}`), each
+  parameter gathered at its use (`gather_params="dp"`).
+
+A case is `ok` when the losses and every parameter agree within `TOLERANCE`, `wrong` when they
+do not, `refused` when hpfun raised one of its own errors (a plan that does not divide a tensor,
+a value read into Python), and `error` for anything else. SGD, not AdamW, because Adam turns a
+gradient that is zero up to rounding (a key projection's bias) into a step of the full learning
+rate, either way.
+
+    python -m hpfun.testing.hf_sweep [--modes dp tp zero3] [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+import hpfun
+from hpfun import P
+
+TOLERANCE = 1e-4
+VOCAB = 128
+
+
+def _lm(config: str, model: str, **extra):
+    """A causal or masked LM of `transformers.<config>` with small common sizes."""
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64, pad_token_id=0)
+    return lambda t: getattr(t, model)(getattr(t, config)(**{**sizes, **extra}))
+
+
+def _gqa(config: str, model: str, **extra):
+    return _lm(config, model, num_key_value_heads=2, **extra)
+
+
+def _tokens(seed: int = 0, length: int = 16) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (4, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _text():
+    ids = _tokens()
+    return {"input_ids": ids, "labels": ids}
+
+
+def _seq2seq():
+    return {"input_ids": _tokens(), "labels": _tokens(1, 8)}
+
+
+def _image():
+    g = torch.Generator().manual_seed(2)
+    return {"pixel_values": torch.randn(4, 3, 32, 32, generator=g), "labels": torch.randint(0, 3, (4,), generator=g)}
+
+
+def _t5(t):
+    return t.T5ForConditionalGeneration(t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_heads=4, decoder_start_token_id=0))
+
+
+def _bart(t):
+    return t.BartForConditionalGeneration(t.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+
+
+def _whisper(t):
+    return t.WhisperForConditionalGeneration(t.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0))
+
+
+def _audio():
+    return {"input_features": torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(4)), "labels": _tokens(1, 8)}
+
+
+def _clip(t):
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64)
+    vision = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4)
+    return t.CLIPModel(t.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+
+
+def _contrastive():
+    return {"input_ids": _tokens(), "pixel_values": _image()["pixel_values"], "return_loss": True}
+
+
+# name -> (model from the transformers module, batch)
+CASES = {
+    "llama": (_gqa("LlamaConfig", "LlamaForCausalLM"), _text),
+    "mistral": (_gqa("MistralConfig", "MistralForCausalLM", sliding_window=8), _text),
+    "qwen2": (_gqa("Qwen2Config", "Qwen2ForCausalLM"), _text),
+    "qwen3": (_gqa("Qwen3Config", "Qwen3ForCausalLM", head_dim=8), _text),
+    "gemma": (_gqa("GemmaConfig", "GemmaForCausalLM", head_dim=8), _text),
+    "gemma2": (_gqa("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8), _text),
+    "gemma3": (_gqa("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8), _text),
+    "phi": (_lm("PhiConfig", "PhiForCausalLM"), _text),
+    "phi3": (_gqa("Phi3Config", "Phi3ForCausalLM"), _text),
+    "gpt_neox": (_lm("GPTNeoXConfig", "GPTNeoXForCausalLM"), _text),
+    "mixtral": (_gqa("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2), _text),
+    "deepseek_v3": (_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=16, num_key_value_heads=4,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8), _text),
+    "gpt2": (lambda t: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                      n_positions=64)), _text),
+    "falcon": (lambda t: t.FalconForCausalLM(t.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                            num_attention_heads=4)), _text),
+    "bloom": (lambda t: t.BloomForCausalLM(t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)), _text),
+    "gptj": (lambda t: t.GPTJForCausalLM(t.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                      n_positions=64)), _text),
+    "opt": (lambda t: t.OPTForCausalLM(t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, max_position_embeddings=64,
+                                                   word_embed_proj_dim=32)), _text),
+    "mamba": (lambda t: t.MambaForCausalLM(t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                                         num_hidden_layers=2, expand=2, conv_kernel=4)), _text),
+    "bert": (_lm("BertConfig", "BertForMaskedLM"), _text),
+    "distilbert": (lambda t: t.DistilBertForMaskedLM(t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64,
+                                                                        n_layers=2, n_heads=4,
+                                                                        max_position_embeddings=64)), _text),
+    "roformer": (_lm("RoFormerConfig", "RoFormerForMaskedLM", embedding_size=32), _text),
+    "modernbert": (_lm("ModernBertConfig", "ModernBertForMaskedLM", local_attention=8, global_attn_every_n_layers=2,
+                       bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2), _text),
+    "t5": (_t5, _seq2seq),
+    "bart": (_bart, _seq2seq),
+    "whisper": (_whisper, _audio),
+    "vit": (lambda t: t.ViTForImageClassification(t.ViTConfig(image_size=32, patch_size=8, hidden_size=32,
+                                                              intermediate_size=64, num_hidden_layers=2,
+                                                              num_attention_heads=4, num_labels=3)), _image),
+    "swin": (lambda t: t.SwinForImageClassification(t.SwinConfig(image_size=32, patch_size=4, embed_dim=16,
+                                                                 depths=[1, 1], num_heads=[2, 2], window_size=4,
+                                                                 num_labels=4)), _image),
+    "convnext": (lambda t: t.ConvNextForImageClassification(t.ConvNextConfig(num_channels=3, num_stages=2,
+                                                                             hidden_sizes=[8, 16], depths=[1, 1],
+                                                                             num_labels=3)), _image),
+    "clip": (_clip, _contrastive),
+}
+MODES = ("dp", "tp", "zero3")
+
+
+def _build(name: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return CASES[name][0](transformers).float().eval()
+
+
+def _step(model, opt):
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def run_case(name: str, mode: str, steps: int = 2) -> tuple[str, str]:
+    """(outcome, detail) of one architecture in one mode: ok, wrong, refused, skipped or error."""
+    model, ref = _build(name), _build(name)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    batch = CASES[name][1]()
+    options: dict = {}
+    if mode == "dp":
+        mesh, state_specs = hpfun.Mesh.simulated((2,), ("dp",)), None
+    elif mode == "tp":
+        mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+        try:
+            state_specs = hpfun.tp_plan(model)
+        except hpfun.SpecError:
+            return "skipped", "no tensor-parallel plan"
+    elif mode == "zero3":
+        mesh, state_specs, options = hpfun.Mesh.simulated((2,), ("dp",)), {"*": P("dp")}, {"gather_params": "dp"}
+    else:
+        raise ValueError(f"mode {mode!r}: one of {MODES}")
+    in_specs = ({k: P("dp") if isinstance(v, torch.Tensor) else None for k, v in batch.items()},)
+    sharded = hpfun.shard(_step(model, opt), mesh=mesh, in_specs=in_specs, out_specs=P(), state_specs=state_specs,
+                          **options)
+    eager = _step(ref, ref_opt)
+    try:
+        losses = [(sharded(batch).full().item(), eager(batch).item()) for _ in range(steps)]
+    except hpfun.HpfunError as err:  # its headline and first problem
+        return "refused", " ".join(line.strip() for line in str(err).splitlines()[:2])
+    except Exception as err:  # noqa: BLE001 - every failure is a row of the report
+        return "error", f"{type(err).__name__}: {err}".splitlines()[0] + "\n" + traceback.format_exc(limit=-3)
+    loss_diff = max(abs(a - b) for a, b in losses)
+    param_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters(), strict=True))
+    detail = f"loss {loss_diff:.1e}, parameters {param_diff:.1e}"
+    return ("ok" if max(loss_diff, param_diff) <= TOLERANCE else "wrong"), detail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"architectures (default: all): {', '.join(CASES)}")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown architectures {unknown}; known: {', '.join(CASES)}")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    counts: dict[str, int] = {}
+    for name in args.names or list(CASES):
+        for mode in args.modes:
+            start = time.perf_counter()
+            outcome, detail = run_case(name, mode)
+            counts[outcome] = counts.get(outcome, 0) + 1
+            print(f"{name:12s} {mode:6s} {outcome:8s} {time.perf_counter() - start:5.1f} s  {detail}", flush=True)
+    print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    return 1 if counts.get("wrong") or counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
