@@ -357,10 +357,21 @@ def test_zero1_gpt_equals_the_unsharded_step(gpt_ref):
 # ---------------------------------------------------------------------------------------------
 
 
-def _module():
+def _module(classes: int = 8):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, classes))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _stock_step(model, opt):
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
 
 
 @pytest.mark.parametrize("plan", [{"0.weight": P("dp"), "0.bias": P("dp"), "2.weight": P("dp"), "2.bias": P("dp")},
@@ -373,23 +384,11 @@ def test_zero3_module_and_adamw_over_three_steps(plan):
     have nothing to split and stay whole."""
     model, opt = _module()
     ref_model, ref_opt = _module()
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    f = hpfun.shard(step, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=plan, gather_params="dp")
+    f = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=plan,
+                    gather_params="dp")
     x, y = torch.randn(32, 16), torch.randint(0, 8, (32,))
     for _ in range(3):
-        loss = f(x, y)
-        ref_loss = F.cross_entropy(ref_model(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert torch.allclose(loss.full(), ref_loss, atol=1e-6)
+        assert torch.allclose(f(x, y).full(), _stock_step(ref_model, ref_opt)(x, y), atol=1e-6)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
     low = f.lower(x, y)
@@ -404,39 +403,24 @@ def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     it out of the wildcard. With a more specific pattern keeping it whole, its AdamW state (which
     `"*"` names too, less specifically) follows it, and the step equals eager's. A pattern about
     optimizer state alone (`"opt.*"`) is not overridden."""
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 6))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    (model, opt), (ref, ref_opt) = make(), make()
-
-    def step_of(model, opt):
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
+    (model, opt), (ref, ref_opt) = _module(classes=6), _module(classes=6)
     x, y = torch.randn(32, 16), torch.randint(0, 6, (32,))
-    everything = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+    everything = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
                              state_specs={"*": P("dp")}, gather_params="dp")
     with pytest.raises(SpecError, match=r"(?s)model.2.weight: dim 0 of size 6 is not divisible.*more specific pattern, "
                                         r"e.g. state_specs\['\*.2.weight'\] = P\(\)"):
         everything(x, y)
-    f = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+    f = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
                     state_specs={"*": P("dp"), "2.*": P()}, gather_params="dp")
     for _ in range(3):
-        assert torch.allclose(f(x, y).full(), step_of(ref, ref_opt)(x, y), atol=1e-6)
+        assert torch.allclose(f(x, y).full(), _stock_step(ref, ref_opt)(x, y), atol=1e-6)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
     layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
     assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
     assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
     # a pattern about the state alone keeps its own spec, however general
-    f = hpfun.shard(step_of(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+    f = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
                     state_specs={"0.*": P("dp"), "opt.*": P()})
     layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
     assert layouts["model.0.weight"] == "[S(0)]" and layouts["opt.state.model.0.weight.exp_avg"] == "[R]"
