@@ -15,7 +15,7 @@ True
 """
 
 from hpfun import rules
-from hpfun.api import RetraceWarning, ShardedFunction, redistribute, shard
+from hpfun.api import RetraceWarning, ShardedFunction, WildcardWarning, redistribute, shard
 from hpfun.checkpoint import checkpoint  # hpfun.checkpoint is the function
 from hpfun.constrain import constrain
 from hpfun.debug import explain_cache_miss
@@ -36,7 +36,7 @@ from hpfun.writeback import gather_state
 
 __all__ = [
     "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
-    "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "RuleFileError", "Shard", "Sharded",
+    "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "WildcardWarning", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "tp_plan", "visualize",
 ]

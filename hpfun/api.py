@@ -274,6 +274,7 @@ class ShardedFunction:
         self._cache: dict = {}
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
+        self._kept_whole: dict[str, str] = {}  # tensors a wildcard's spec did not fit, warned about once
         self._auto: list = []  # (key, entry) of each program with AUTO leaves
         self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
         self.trace_count = 0
@@ -449,6 +450,7 @@ class ShardedFunction:
         if _optimizer_state_pending(call.state):  # its state's names appear at its first step: checked from then on
             may_miss.update(self.state_specs or {})
         decided_by: dict[str, str] = {}
+        kept_whole: dict[str, str] = {}
         specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss,
                                matched_by=decided_by)
         self._patterns_seen.update(p for p in (self.state_specs or {}) if any(pattern_matches(p, n) for n in names))
@@ -470,13 +472,20 @@ class ShardedFunction:
                 if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
                     out.append(Auto(follows, self.mesh))
                     continue
-            before = len(problems)
+            if by_wildcard and (misfit := _misfit(self.mesh, x, spec)):  # a plan for many tensors, not this one
+                if follows not in kept_whole and follows not in self._kept_whole:  # state follows its parameter
+                    kept_whole[name] = f"{tuple(x.shape)}: {misfit}"
+                spec = None
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
-            if by_wildcard and len(problems) > before:  # a plan for many tensors that does not fit this one
-                tail = ".".join(name.split(".")[-2:])
-                problems[before:] = [attrs.evolve(p, fix=f"{p.fix}; or keep it out of the wildcard with a more "
-                                                        f"specific pattern, e.g. state_specs['*.{tail}'] = P()")
-                                     for p in problems[before:]]
+        if fresh := {n: why for n, why in kept_whole.items() if n not in self._kept_whole}:
+            self._kept_whole.update(fresh)
+            example = ".".join(next(iter(fresh)).split(".")[-2:])
+            warnings.warn(f"state_specs: {len(fresh)} tensor(s) matched only by wildcard patterns cannot take their "
+                          "spec and are kept whole (replicated) on every rank, with their gradients and optimizer state:\n" +
+                          "\n".join(f"  {n} {why}" for n, why in fresh.items()) +
+                          f"\nname them with a more specific pattern to choose their layout (e.g. "
+                          f"state_specs['*.{example}'] = P() keeps one whole and silences this), or pad them",
+                          WildcardWarning, stacklevel=5)
         return out
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
@@ -628,6 +637,25 @@ class ShardedFunction:
 
 RETRACE_WARNING_AFTER = 3  # compiles caused by changes of one Python value before RetraceWarning
 RETRACE_SHAPES_WARNING_AFTER = 8  # programs for new shapes of the same arguments before RetraceWarning
+
+
+class WildcardWarning(UserWarning):
+    """A tensor only wildcard `state_specs` patterns match could not take their spec (a dim the
+    mesh axes do not divide, too few dims) and is kept whole; named by a specific pattern, the same
+    spec is an error."""
+
+
+def _misfit(mesh: Mesh, x, spec) -> str | None:
+    """Why a tensor cannot take a well-formed spec, or None when it can (or the spec itself is
+    malformed, which stays an error)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(spec, P) or bad_spec("", spec, mesh) is not None:
+        return None
+    if any(axis not in mesh.axis_names for d in range(len(spec.dims)) for axis in spec.axes(d)):
+        return None
+    if len(spec.dims) > x.ndim:
+        return f"{spec} has more entries than its {x.ndim} dims"
+    problems = spec.to_layout(mesh, x.ndim).problems(tuple(x.shape))
+    return f"{problems[0]} (spec {spec})" if problems else None
 
 
 class RetraceWarning(UserWarning):

@@ -9,7 +9,8 @@ SGD with momentum: beside an identical eager copy, on a simulated mesh, in each 
 - `tp`: dp x tp = 2 x 2, the model's own tensor-parallel plan (`hpfun.tp_plan`); models without
   one are skipped;
 - `zero3`: the batch and every lifted tensor split over 2 ranks (`{"*": P("dp")}`), each
-  parameter gathered at its use (`gather_params="dp"`).
+  parameter gathered at its use (`gather_params="dp"`); the tensors 2 does not divide are kept
+  whole, and listed.
 
 A case is `ok` when the losses and every parameter agree within `TOLERANCE`, `wrong` when they
 do not, `refused` when hpfun raised one of its own errors (a plan that does not divide a tensor,
@@ -194,7 +195,9 @@ def run_case(name: str, mode: str, steps: int = 2) -> tuple[str, str]:
                           **options)
     eager = _step(ref, ref_opt)
     try:
-        losses = [(sharded(batch).full().item(), eager(batch).item()) for _ in range(steps)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", hpfun.WildcardWarning)
+            losses = [(sharded(batch).full().item(), eager(batch).item()) for _ in range(steps)]
     except hpfun.HpfunError as err:  # its headline and first problem
         return "refused", " ".join(line.strip() for line in str(err).splitlines()[:2])
     except Exception as err:  # noqa: BLE001 - every failure is a row of the report
@@ -202,6 +205,10 @@ def run_case(name: str, mode: str, steps: int = 2) -> tuple[str, str]:
     loss_diff = max(abs(a - b) for a, b in losses)
     param_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters(), strict=True))
     detail = f"loss {loss_diff:.1e}, parameters {param_diff:.1e}"
+    whole = [line.split()[0] for w in caught if issubclass(w.category, hpfun.WildcardWarning)
+             for line in str(w.message).splitlines()[1:-1]]
+    if whole:  # tensors the wildcard's spec does not divide
+        detail += f"; kept whole: {', '.join(whole)}"
     return ("ok" if max(loss_diff, param_diff) <= TOLERANCE else "wrong"), detail
 
 
