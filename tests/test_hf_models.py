@@ -292,3 +292,35 @@ def test_the_architecture_sweep_reports_ok_cases_and_what_it_kept_whole():
     assert outcome == "ok" and "kept whole" not in detail, detail
     outcome, detail = hf_sweep.run_case("gpt_neox", "zero3")
     assert outcome == "ok" and "kept whole: model.gpt_neox.rotary_emb.inv_freq" in detail, detail
+
+
+def test_autocast_data_parallel_gradients_are_ddps():
+    """A Llama step under `torch.autocast("cpu", bfloat16)`, batch split over 2 ranks: each rank's
+    matmuls round in bfloat16 on its own rows, so the gradients are what data parallelism
+    computes (each half's gradient, averaged), bit for bit, and eager's only up to bfloat16
+    rounding."""
+    from hpfun.testing import hf_sweep
+
+    model, ref, ddp = (hf_sweep._build("llama") for _ in range(3))
+    ref.load_state_dict(model.state_dict())
+    ddp.load_state_dict(model.state_dict())
+    batch = hf_sweep.CASES["llama"][1]()
+
+    def step(m, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(**b).loss
+        loss.backward()
+        return loss
+
+    f = hpfun.shard(lambda b: step(model, b), mesh=hpfun.Mesh.simulated((2,), ("dp",)),
+                    in_specs=({k: P("dp") for k in batch},), out_specs=P())
+    loss = f(batch).full()
+    assert loss.dtype == torch.float32 and torch.allclose(loss, step(ref, batch), rtol=1e-3)
+    halves = []
+    for rows in (slice(0, 2), slice(2, 4)):
+        ddp.zero_grad()
+        step(ddp, {k: v[rows] for k, v in batch.items()})
+        halves.append([p.grad.clone() for p in ddp.parameters()])
+    for p, q, g0, g1 in zip(model.parameters(), ref.parameters(), *halves, strict=True):
+        assert torch.equal(p.grad, (g0 + g1) / 2)
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-2 * q.grad.abs().max().item())

@@ -766,3 +766,47 @@ def test_a_constant_mask_torch_reads_is_read_while_tracing():
     for read in (lambda x: x * float((x > 0).sum()), lambda x: x * float(torch.rand(3).sum()), written, assigned):
         with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
             hpfun.shard(read, mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))(torch.ones(4))
+
+
+def _loop_piece(kind: str):
+    """A training step with one piece of a real training loop in it."""
+    def step(model, opt, x, y):
+        if kind == "accumulate":  # two micro-batches, one update
+            for rows in (slice(0, 4), slice(4, 8)):
+                (F.cross_entropy(model(x[rows]), y[rows]) / 2).backward()
+            loss = F.cross_entropy(model(x), y).detach()
+        else:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        if kind == "clip_norm":  # the clip is active: the gradient's norm is far above 0.05
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        elif kind == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+        opt.zero_grad(set_to_none=kind != "accumulate")
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("kind", ["clip_norm", "clip_value", "accumulate"])
+@pytest.mark.parametrize("plan", ["megatron", "zero3"])
+def test_training_loop_pieces_equal_eager(kind, plan):
+    """Gradient clipping by norm (the norm of gradients split over tp or dp is summed across
+    ranks) and by value, and accumulation over two backward calls, with Megatron weights on
+    dp x tp or every tensor split over dp (ZeRO-3); AdamW with parameter groups, three steps."""
+    model, ref = mlp(), mlp()
+    groups = lambda m: [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},  # noqa: E731
+                        {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}]
+    opt, ref_opt = torch.optim.AdamW(groups(model), lr=1e-2), torch.optim.AdamW(groups(ref), lr=1e-2)
+    mesh, specs = (DP_TP, MEGATRON) if plan == "megatron" else (DP, {"*": P("dp")})
+    step = _loop_piece(kind)
+    f = hpfun.shard(functools.partial(step, model, opt), mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    state_specs=specs)
+    for i in range(3):
+        x, y = batch(i)
+        assert torch.allclose(f(x, y).full(), step(ref, ref_opt, x, y), atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
+    if kind == "clip_norm":  # the clip was active: a norm computed per rank would have failed above
+        probe = mlp()
+        F.cross_entropy(probe(batch(0)[0]), batch(0)[1]).backward()
+        assert torch.nn.utils.clip_grad_norm_(probe.parameters(), 0.05) > 0.5
