@@ -32,8 +32,8 @@ validate-nightly: $(STAMP)
 decompositions-nightly: $(STAMP)
 	$(PY) -m hpfun.testing.decompositions
 
-# 29 Hugging Face architectures, tiny, trained two steps as written: data parallel, their own
-# tensor-parallel plan, ZeRO-3, each against the same step run eagerly (~4 min)
+# 48 Hugging Face models, tiny, trained two steps as written: data parallel, their own
+# tensor-parallel plan, ZeRO-3, each against the same step run eagerly (~5 min)
 hf-nightly: $(STAMP)
 	$(PY) -m hpfun.testing.hf_sweep
 

@@ -58,6 +58,15 @@ def _text():
     return {"input_ids": ids, "labels": ids}
 
 
+def _classes():
+    return {"input_ids": _tokens(), "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def _spans():
+    return {"input_ids": _tokens(), "start_positions": torch.tensor([1, 2, 3, 4]),
+            "end_positions": torch.tensor([5, 6, 7, 8])}
+
+
 def _seq2seq():
     return {"input_ids": _tokens(), "labels": _tokens(1, 8)}
 
@@ -117,8 +126,20 @@ CASES = {
     "deepseek_v3": (_lm("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=16, num_key_value_heads=4,
                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8), _text),
+    "olmo2": (_gqa("Olmo2Config", "Olmo2ForCausalLM"), _text),
+    "stablelm": (_gqa("StableLmConfig", "StableLmForCausalLM"), _text),
+    "cohere": (_gqa("CohereConfig", "CohereForCausalLM"), _text),
+    "starcoder2": (_gqa("Starcoder2Config", "Starcoder2ForCausalLM"), _text),
+    "granite": (_gqa("GraniteConfig", "GraniteForCausalLM"), _text),
+    "qwen2_moe": (_gqa("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16), _text),
+    "llama_cls": (_gqa("LlamaConfig", "LlamaForSequenceClassification", num_labels=2), _classes),
     "gpt2": (lambda t: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                                       n_positions=64)), _text),
+    "gpt2_cls": (lambda t: t.GPT2ForSequenceClassification(t.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=2, pad_token_id=0)), _classes),
+    "gpt_bigcode": (lambda t: t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                                        n_positions=64, multi_query=True)), _text),
     "falcon": (lambda t: t.FalconForCausalLM(t.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                             num_attention_heads=4)), _text),
     "bloom": (lambda t: t.BloomForCausalLM(t.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)), _text),
@@ -130,6 +151,11 @@ CASES = {
     "mamba": (lambda t: t.MambaForCausalLM(t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
                                                          num_hidden_layers=2, expand=2, conv_kernel=4)), _text),
     "bert": (_lm("BertConfig", "BertForMaskedLM"), _text),
+    "bert_qa": (_lm("BertConfig", "BertForQuestionAnswering"), _spans),
+    "roberta": (_lm("RobertaConfig", "RobertaForMaskedLM", pad_token_id=1), _text),
+    "albert": (_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=16), _text),
+    "electra": (_lm("ElectraConfig", "ElectraForMaskedLM", embedding_size=32), _text),
+    "deberta_v2": (_lm("DebertaV2Config", "DebertaV2ForMaskedLM"), _text),
     "distilbert": (lambda t: t.DistilBertForMaskedLM(t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64,
                                                                         n_layers=2, n_heads=4,
                                                                         max_position_embeddings=64)), _text),
@@ -148,6 +174,21 @@ CASES = {
     "convnext": (lambda t: t.ConvNextForImageClassification(t.ConvNextConfig(num_channels=3, num_stages=2,
                                                                              hidden_sizes=[8, 16], depths=[1, 1],
                                                                              num_labels=3)), _image),
+    "dinov2": (lambda t: t.Dinov2ForImageClassification(t.Dinov2Config(image_size=32, patch_size=8, hidden_size=32,
+                                                                      intermediate_size=64, num_hidden_layers=2,
+                                                                      num_attention_heads=4, num_labels=4)), _image),
+    "beit": (lambda t: t.BeitForImageClassification(t.BeitConfig(image_size=32, patch_size=8, hidden_size=32,
+                                                                intermediate_size=64, num_hidden_layers=2,
+                                                                num_attention_heads=4, num_labels=4,
+                                                                use_relative_position_bias=True)), _image),
+    "resnet": (lambda t: t.ResNetForImageClassification(t.ResNetConfig(num_channels=3, embedding_size=8,
+                                                                      hidden_sizes=[8, 16], depths=[1, 1],
+                                                                      num_labels=4)), _image),
+    "mobilenet_v2": (lambda t: t.MobileNetV2ForImageClassification(t.MobileNetV2Config(
+        num_channels=3, image_size=32, depth_multiplier=0.25, num_labels=4)), _image),
+    "segformer": (lambda t: t.SegformerForImageClassification(t.SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2], num_labels=4)), _image),
     "clip": (_clip, _contrastive),
 }
 MODES = ("dp", "tp", "zero3")
