@@ -169,6 +169,12 @@ def points(graph: torch.fx.Graph) -> dict[torch.fx.Node, Points]:
     waits = {c: wait_group(c) for c in collectives}
     issuing = {n for g in issues.values() for n in g}
     waiting = {n for g in waits.values() for n in g}
+    # the ops of the user's program before each node: a collective overlaps those between it and
+    # its wait (counted once, not walked per collective: a 32-layer step has hundreds in flight)
+    computed_before, count = {}, 0
+    for node in graph.nodes:
+        computed_before[node] = count
+        count += "hpfun_origin" in node.meta
     out = {}
     for c in collectives:
         after = issues[c][0].prev
@@ -177,16 +183,9 @@ def points(graph: torch.fx.Graph) -> dict[torch.fx.Node, Points]:
         before = waits[c][-1].next
         while before in waiting:
             before = before.next
-        out[c] = Points(after.name, before.name if before.op != "output" else "output", _overlapped(c))
+        overlapped = computed_before[wait_of(c)] - computed_before[c] - ("hpfun_origin" in c.meta)
+        out[c] = Points(after.name, before.name if before.op != "output" else "output", overlapped)
     return out
-
-
-def _overlapped(collective: torch.fx.Node) -> int:
-    count, node, wait = 0, collective.next, wait_of(collective)
-    while node is not wait:
-        count += "hpfun_origin" in node.meta
-        node = node.next
-    return count
 
 
 # ---------------------------------------------------------------------------------------------
