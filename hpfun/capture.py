@@ -400,13 +400,31 @@ def _compiled_code_runs_as_written():
     return mock.patch.object(torch._dynamo.config, "disable", True)
 
 
+def _lstm_as_matmuls():
+    """`nn.LSTM` traced as torch's composite one-layer LSTM (a matmul and gates per step), which
+    has rules: with oneDNN on, CPU LSTMs whose input needs no gradient (a model's first layer)
+    are written as oneDNN's fused `mkldnn_rnn_layer`, an op no rule can split. GRU and plain
+    RNNs are traced that way already. The program's other ops are the same either way."""
+    return _mkldnn_off()
+
+
+@contextlib.contextmanager
+def _mkldnn_off():
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # not torch.backends.mkldnn.flags: it sets (and warns about) TF32 too
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
 def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
-                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars():
+                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls():
             return traced(*fakes)
     except CaptureError:
         raise
