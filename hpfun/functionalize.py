@@ -34,13 +34,26 @@ def _writes_first(target) -> bool:
 
 
 def _out_of_place(target):
-    """`aten.add_.Tensor` -> `aten.add.Tensor`, or None where there is no such op."""
+    """`aten.add_.Tensor` -> `aten.add.Tensor`, or None where there is no such op: the overload
+    of the same arguments, whatever its name (`pow_.Scalar` takes a tensor and a number, as
+    `pow.Tensor_Scalar` does; `pow.Scalar` takes a number and a tensor)."""
     name = target._schema.name.split("::")[-1]
     if not name.endswith("_") or name.startswith("_"):
         return None
     packet = getattr(aten, name[:-1], None)
-    overload = target._overloadname
-    return getattr(packet, overload, None) if packet is not None and overload in packet.overloads() else None
+    if packet is None:
+        return None
+    want = _signature(target._schema)
+    named = target._overloadname
+    for overload in sorted(packet.overloads(), key=lambda o: o != named):  # the same name first
+        op = getattr(packet, overload)
+        if _signature(op._schema) == want:
+            return op
+    return None
+
+
+def _signature(schema) -> tuple:
+    return tuple((a.name, str(a.type), a.kwarg_only) for a in schema.arguments)
 
 
 def _vals(args):

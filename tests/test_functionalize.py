@@ -66,6 +66,24 @@ def test_an_in_place_op_keeps_its_targets_dtype(traces):
     assert len(traces) == 1
 
 
+def test_an_in_place_op_becomes_the_overload_of_its_arguments(traces):
+    """`x.pow_(3)` is `pow_.Scalar(Tensor, Scalar)`: out of place that is `pow.Tensor_Scalar`, not
+    the like-named `pow.Scalar(Scalar, Tensor)`; likewise `float_power_` and `ldexp_`.
+    The gradient of a 3-norm writes `pow_` (it crashed capture); each becomes one rewrite."""
+
+    def f(a, b):
+        a.pow_(3).float_power_(1).ldexp_(torch.ones_like(a, dtype=torch.int64))
+        b.pow_(b.abs())
+        return a.sum() + b.sum()
+
+    _check(f, torch.randn(8, 4, dtype=torch.float64), torch.rand(4, 4, dtype=torch.float64) + 0.5, specs=(P("dp"), P()))
+    assert len(traces) == 1
+    x = torch.randn(8, 4, dtype=torch.float64)
+    grad_norm = hpfun.shard(lambda t: torch.func.grad(lambda u: torch.linalg.vector_norm(u, 3))(t), mesh=DP,
+                            in_specs=(P("dp"),), out_specs=P("dp"))
+    torch.testing.assert_close(grad_norm(x).full(), torch.func.grad(lambda u: torch.linalg.vector_norm(u, 3))(x))
+
+
 def test_a_view_read_after_its_base_is_written_sees_the_write(traces):
     """A view made before the write and read after it: torch's functionalization handles it."""
 
