@@ -925,13 +925,23 @@ def _describe(err: Exception) -> str:
                     "is_causal (a read of its values): pass is_causal=True with a causal mask (tgt_is_causal=True "
                     "for nn.Transformer's decoder), or make the mask inside the function "
                     "(nn.Transformer.generate_square_subsequent_mask), whose constant values hpfun reads")
+        elif reader is not None and reader.name == "gaussian_nll_loss":
+            hint = (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write the "
+                    "loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / var.clamp(min=eps)), "
+                    "averaged as its reduction says")
         elif reader is not None:
             hint += f" (the read is in {os.path.relpath(reader.filename, TORCH_DIR)}:{reader.lineno}, {reader.name})"
         if "grad_scaler.py" in frames:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "
                     "dtype=torch.bfloat16) needs no scaler), or scale the loss by a constant instead")
+    if "'Sparse" in str(err) or "Sparse" in kind:
+        hint = (" — a sparse tensor: nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make their weight's "
+                "gradient sparse, and hpfun shards dense tensors only; pass sparse=False (the same update, with a "
+                "dense gradient)")
     if "saved tensor hooks" in str(err):  # torch.utils.checkpoint under torch.func.grad
         hint = " — for activation checkpointing inside a sharded function use hpfun.checkpoint(block)(x)"
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if first.startswith("Could not run") and ". " in first:  # not the dispatcher's list of every backend
+        first = first[:first.index(". ") + 1]
     return f"{kind}{where}: {first}{hint}"

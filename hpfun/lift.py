@@ -515,6 +515,11 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
         for name, (key, index) in lifted_scalars(opt, group).items():
             add(_join(prefix, f"param_groups.{g}.{name}"), functools.partial(_scalar_of, group, key, index),
                 functools.partial(_set_scalar, group, key, index), scalar=True)
+    if isinstance(opt, torch.optim.SparseAdam):
+        problems.append(Problem(prefix or "optimizer", "is a SparseAdam, which updates sparse gradients; hpfun shards "
+                                "dense tensors only", "use nn.Embedding(sparse=False) and torch.optim.Adam (which also "
+                                "decays the moments of rows the batch does not touch, where SparseAdam leaves them)"))
+        return
     for p, entries in opt.state.items():
         snapshot.dict(entries)
         owner = names.get(id(p))

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hpfun
 from hpfun import P
@@ -126,6 +127,38 @@ def test_grad_scaler_is_named_with_the_fix():
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
     assert "scaler.step(opt)" in text and "GradScaler skips the optimizer's step" in text and "bfloat16" in text
+
+
+def test_sparse_gradients_and_gaussian_nll_loss_are_named_with_the_fix():
+    """Sparse embedding gradients, SparseAdam and F.gaussian_nll_loss's check of its variance
+    each fail with what hpfun cannot do and what to write instead."""
+    emb = torch.nn.Embedding(16, 4, sparse=True)
+    sgd = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ids = torch.randint(0, 16, (8,))
+
+    def sparse_step(i):
+        loss = emb(i).square().mean()
+        loss.backward()
+        sgd.step()
+        sgd.zero_grad()
+        return loss
+
+    _, text = _raise(hpfun.shard(sparse_step, mesh=MESH, in_specs=P("dp"), out_specs=P()), ids,
+                     error=hpfun.CaptureError)
+    assert "sparse=False" in text and "only available for these backends" not in text
+    adam = torch.optim.SparseAdam(emb.parameters())
+
+    def sparse_adam_step(i):
+        emb(i).square().mean().backward()
+        adam.step()
+
+    _, text = _raise(hpfun.shard(sparse_adam_step, mesh=MESH, in_specs=P("dp"), out_specs=P()), ids,
+                     error=hpfun.CaptureError)
+    assert "adam: is a SparseAdam" in text and "torch.optim.Adam" in text
+    x = torch.randn(8, 4)
+    _, text = _raise(hpfun.shard(lambda x: F.gaussian_nll_loss(x[:, :2], x[:, 2:], x[:, 2:].exp()), mesh=MESH,
+                                 in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
+    assert "no variance is negative" in text and "var.clamp(min=eps)" in text
 
 
 def test_sharded_input_on_another_mesh():
