@@ -53,7 +53,10 @@ def _out_of_place(target):
 
 
 def _signature(schema) -> tuple:
-    return tuple((a.name, str(a.type), a.kwarg_only) for a in schema.arguments)
+    """What a call of the op may pass: names, types, keyword-only-ness and defaults (a call of
+    `bernoulli_(x)` leans on `p=0.5`, which `bernoulli.p` does not have)."""
+    return tuple((a.name, str(a.type), a.kwarg_only, a.has_default_value() and repr(a.default_value))
+                 for a in schema.arguments)
 
 
 def _vals(args):
