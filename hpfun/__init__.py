@@ -20,7 +20,8 @@ from hpfun.checkpoint import checkpoint  # hpfun.checkpoint is the function
 from hpfun.constrain import constrain
 from hpfun.debug import explain_cache_miss
 from hpfun.errors import (
-    CaptureError, ExecutionError, HpfunError, LayoutError, MissingRuleError, Problem, RuleFileError, ShardingError, SpecError,
+    CaptureError, ExecutionError, HpfunError, InternalError, LayoutError, MissingRuleError, Problem, RuleFileError,
+    ShardingError, SpecError,
 )
 from hpfun.explain import Lowered
 from hpfun.hf import tp_plan
@@ -35,7 +36,7 @@ from hpfun.visualize import visualize  # after the submodule import: hpfun.visua
 from hpfun.writeback import gather_state
 
 __all__ = [
-    "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "InternalError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "WildcardWarning", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "tp_plan", "visualize",

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import UnliftedTensor, trace
 from hpfun.collectives import REDUCE_DTYPES
-from hpfun.errors import CaptureError, ExecutionError, Problem, ShardingError, SpecError
+from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
@@ -275,6 +275,7 @@ class ShardedFunction:
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
         self._kept_whole: dict[str, str] = {}  # tensors a wildcard's spec did not fit, warned about once
+        self._stage = ""  # what a compile is doing, for an internal error's message
         self._auto: list = []  # (key, entry) of each program with AUTO leaves
         self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
         self.trace_count = 0
@@ -491,8 +492,19 @@ class ShardedFunction:
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
         # graph modules write their Python code when first run or read, not at every pass's
         # recompile(): at 8 layers of a Llama each recompile costs 0.2-0.4 s, and planning runs none
-        with _use_lazy_graph_module(True), _collector_paused():
-            return self._compile_graph(call, leaves, fitting)
+        self._stage = "capturing"
+        try:
+            with _use_lazy_graph_module(True), _collector_paused():
+                return self._compile_graph(call, leaves, fitting)
+        except (HpfunError, KeyboardInterrupt):
+            raise
+        except Exception as err:  # anything else is hpfun's own failure: said so, the cause kept
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise InternalError(Problem(f"hpfun.shard({name})", f"{type(err).__name__} while {self._stage}: {first}",
+                                        "this is a bug in hpfun, not in your function: please report it with this "
+                                        "traceback (HPFUN_DEBUG=1 adds the program); fallback='replicate' or other "
+                                        "specs may avoid it")) from err
 
     def _compile_graph(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
         self.trace_count += 1
@@ -508,6 +520,7 @@ class ShardedFunction:
         except UnliftedTensor as err:
             raise lift.unlifted_tensor_error(call.state, str(err)) from None
         gm = captured.gm
+        self._stage = "planning the layouts"
         fold_contractions(gm)
         paths = call.paths()
         names = [paths[i] for i in tensor_pos]
@@ -545,6 +558,7 @@ class ShardedFunction:
         checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
         if checked:
             verify.verify_annotation(gm, self.mesh)
+        self._stage = "lowering the per-shard program"
         program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype,
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)

@@ -93,3 +93,10 @@ class ExecutionError(HpfunError, RuntimeError):
     """An op of the per-shard program raised while it ran (the op's own error is the cause)."""
 
     headline = "the per-shard program failed"
+
+
+class InternalError(HpfunError, RuntimeError):
+    """hpfun itself failed while compiling a function it accepted: a bug in hpfun (the original
+    exception is the cause, with its traceback)."""
+
+    headline = "hpfun internal error"

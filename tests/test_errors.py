@@ -216,3 +216,19 @@ def test_an_op_returning_a_list_inside_a_tuple_without_a_rule_is_named():
     want = check(x.clone())
     torch.testing.assert_close(got[0].full(), want[0])
     assert got[1].full().item() == want[1].item() == 1.0
+
+
+def test_a_failure_inside_hpfun_is_an_internal_error_with_its_cause(monkeypatch):
+    """An exception no stage meant to raise (here a KeyError planted in folding) is not passed
+    on bare: it is an InternalError naming the function, the stage and the original error,
+    which stays the cause."""
+    import hpfun.api
+
+    def broken(gm):
+        raise KeyError("planted")
+
+    monkeypatch.setattr(hpfun.api, "fold_contractions", broken)
+    err, text = _raise(hpfun.shard(lambda x: x.sum(), mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                       error=hpfun.InternalError)
+    assert "KeyError while planning the layouts: 'planted'" in text and "bug in hpfun" in text and "<lambda>" in text
+    assert isinstance(err.__cause__, KeyError)
