@@ -501,8 +501,9 @@ class ShardedFunction:
         except Exception as err:  # anything else is hpfun's own failure: said so, the cause kept
             first = (str(err).strip().splitlines() or [""])[0][:300]
             name = getattr(self.fn, "__qualname__", repr(self.fn))
+            whose = "hpfun" if self.options.registry is REGISTRY else "hpfun or in the rules of the registry passed"
             raise InternalError(Problem(f"hpfun.shard({name})", f"{type(err).__name__} while {self._stage}: {first}",
-                                        "this is a bug in hpfun, not in your function: please report it with this "
+                                        f"this is a bug in {whose}, not in your function: please report it with this "
                                         "traceback (HPFUN_DEBUG=1 adds the program); fallback='replicate' or other "
                                         "specs may avoid it")) from err
 

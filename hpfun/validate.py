@@ -44,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from hpfun.capture import decompositions
-from hpfun.errors import HpfunError
+from hpfun.errors import HpfunError, InternalError
 from hpfun.layout import REDUCE_OPS, Layout, Partial
 from hpfun.rules.base import OpCall, Rule, TensorArg, TensorMeta
 from hpfun.rules.registry import FAMILIES, REGISTRY, resolve_op
@@ -458,6 +458,10 @@ def _example(data, rule: Rule, cases: list[OpCase], registry, run: _Run) -> None
         run.mismatch = f"{err}\n  case: {case}"
         raise
     except HpfunError as err:
+        if isinstance(err, InternalError):  # the rule (or hpfun) crashed: reported as the cause, not a refusal
+            cause = err.__cause__ or err
+            run.crash = f"{type(cause).__name__}: {_first_line(cause)}\n  raised at {_where(cause)}\n  {run.context}"
+            raise
         run.refused.append(_first_line(err))
         hypothesis.reject()
     except Exception as err:

@@ -14,7 +14,8 @@ replicated or Partial.
 numbers, through hpfun on one device with the same seed, since hpfun's generator is not
 eager's) against the gathered sharded outputs, to 1e-9 (1e-5 where it computes in float32),
 NaN and inf where they are. Its `Outcome` is `ok`, `user_error` (an `hpfun.HpfunError` raised
-before anything runs: allowed), `wrong` (values differ) or `internal` (any other exception).
+before anything runs: allowed), `wrong` (values differ) or `internal` (any other exception, an
+`hpfun.InternalError` among them).
 
 >>> import hpfun
 >>> from hpfun import P
@@ -46,7 +47,7 @@ import attrs
 import torch
 
 import hpfun
-from hpfun.errors import HpfunError
+from hpfun.errors import HpfunError, InternalError
 from hpfun.layout import P
 from hpfun.mesh import Mesh
 from hpfun.sharded import Sharded
@@ -91,8 +92,11 @@ class FuzzFailure(AssertionError):
 
 
 def _failed(stage: str, err: BaseException) -> Outcome:
-    # a broken invariant of hpfun's own (hpfun.verify) is never the user's error
-    refused = isinstance(err, HpfunError) and not isinstance(err, VerificationError)
+    # a broken invariant of hpfun's own (hpfun.verify) is never the user's error, nor is an
+    # exception hpfun's passes did not mean to raise (an InternalError: reported as its cause)
+    if isinstance(err, InternalError) and err.__cause__ is not None:
+        err = err.__cause__
+    refused = isinstance(err, HpfunError) and not isinstance(err, (VerificationError, InternalError))
     kind = "user_error" if refused and stage == "lower" else "internal"
     where = traceback.extract_tb(err.__traceback__)[-1:]
     at = f"\n  raised at {where[0].filename}:{where[0].lineno}" if where else ""

@@ -239,6 +239,8 @@ def run_case(name: str, mode: str, steps: int = 2) -> tuple[str, str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", hpfun.WildcardWarning)
             losses = [(sharded(batch).full().item(), eager(batch).item()) for _ in range(steps)]
+    except hpfun.InternalError as err:  # hpfun's own failure: counted as an error, not a refusal
+        return "error", " ".join(line.strip() for line in str(err).splitlines()[:2])
     except hpfun.HpfunError as err:  # its headline and first problem
         return "refused", " ".join(line.strip() for line in str(err).splitlines()[:2])
     except Exception as err:  # noqa: BLE001 - every failure is a row of the report
