@@ -839,3 +839,43 @@ def test_an_lstm_on_a_split_batch_equals_eager():
         assert torch.allclose(f(x, y).full(), eager_step(ref, ref_opt, x, y), atol=1e-6)
     assert max_diff(model, ref) < 1e-6
     assert "mkldnn" not in str(f.lower(x, y))
+
+
+class _Vision(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+            torch.nn.ConvTranspose2d(4, 4, 2, stride=2), torch.nn.MaxPool2d(2), torch.nn.Upsample(scale_factor=0.5),
+            torch.nn.PixelShuffle(2), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(1, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=True)
+        self.dec, self.out = torch.nn.TransformerDecoder(layer, 1), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.out(self.dec(x, x[:, :2], tgt_mask=mask, tgt_is_causal=True)[:, -1])
+
+
+@pytest.mark.parametrize("make, shape", [(_Vision, (8, 3, 8, 8)), (_Decoder, (8, 5, 8))], ids=["vision", "decoder"])
+def test_more_torch_nn_layers_on_a_split_batch_equal_eager(make, shape):
+    """Instance norm with running statistics, a transposed convolution, pooling, upsampling and
+    pixel shuffle; a pre-norm Transformer decoder layer with a causal mask and cross-attention:
+    three SGD steps on a split batch equal eager's, buffers included."""
+    torch.manual_seed(0)
+    model = make().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    f = stock_step(model, opt, DP)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(*shape, dtype=torch.float64, generator=g), torch.randint(0, 4, (8,), generator=g)
+    for _ in range(3):
+        assert torch.allclose(f(x, y).full(), eager_step(ref, ref_opt, x, y), atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
