@@ -400,6 +400,16 @@ def test_zero3_module_and_adamw_over_three_steps(plan):
     assert sorted(len(b.members) for b in fused) == [2, 2]  # weight and bias of one Linear, never across layers
 
 
+def _head_kept_whole(f, model, ref, x, y):
+    """The parameters equal eager's; the first Linear and its AdamW state split, the head and its
+    state whole."""
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+    layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
+    assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
+    assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
+
+
 def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     """`{"*": P("dp")}` cannot split a 6-row head over 4 ranks: the head and its AdamW state are
     kept whole, with one warning naming them and how to choose for them, and the step equals
@@ -420,11 +430,7 @@ def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per function, not at every call
         assert torch.allclose(everything(x, y).full(), _stock_step(ref, ref_opt)(x, y), atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(p, q, atol=1e-6)
-    layouts = {i["path"]: i["layout"] for i in everything.lower(x, y).inputs}
-    assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
-    assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
+    _head_kept_whole(everything, model, ref, x, y)
     named = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
                         state_specs={"*": P("dp"), "model.2.weight": P("dp")})
     with pytest.raises(SpecError, match=r"model.2.weight: dim 0 of size 6 is not divisible"):
@@ -435,11 +441,7 @@ def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
         warnings.simplefilter("error")
         for _ in range(2):
             assert torch.allclose(f(x, y).full(), _stock_step(ref, ref_opt)(x, y), atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        assert torch.allclose(p, q, atol=1e-6)
-    layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
-    assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
-    assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg"] == "[R]"
+    _head_kept_whole(f, model, ref, x, y)
     # a pattern about the state alone keeps its own spec, however general
     f = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
                     state_specs={"0.*": P("dp"), "opt.*": P()})
