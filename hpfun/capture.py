@@ -400,18 +400,15 @@ def _compiled_code_runs_as_written():
     return mock.patch.object(torch._dynamo.config, "disable", True)
 
 
+@contextlib.contextmanager
 def _lstm_as_matmuls():
     """`nn.LSTM` traced as torch's composite one-layer LSTM (a matmul and gates per step), which
     has rules: with oneDNN on, CPU LSTMs whose input needs no gradient (a model's first layer)
     are written as oneDNN's fused `mkldnn_rnn_layer`, an op no rule can split. GRU and plain
-    RNNs are traced that way already. The program's other ops are the same either way."""
-    return _mkldnn_off()
-
-
-@contextlib.contextmanager
-def _mkldnn_off():
+    RNNs are traced that way already. The program's other ops are the same either way. (Not
+    torch.backends.mkldnn.flags: it sets, and warns about, TF32 too.)"""
     was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)  # not torch.backends.mkldnn.flags: it sets (and warns about) TF32 too
+    torch._C._set_mkldnn_enabled(False)
     try:
         yield
     finally:
