@@ -355,7 +355,8 @@ def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | Non
     if spec is AUTO:
         return Auto(where, mesh)
     return tensor_layout(mesh, where, tuple(x.shape), spec or P(), problems,
-                         "pad the tensor, pick a size divisible by the axes, or shard another dim")
+                         "pad the tensor, pick a size divisible by the axes (for a data loader's last, smaller batch: "
+                         "drop_last=True), or shard another dim")
 
 
 def tensor_layout(mesh: Mesh, where: str, shape: tuple, spec: P, problems: list, fix: str) -> Layout | None:
