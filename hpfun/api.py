@@ -33,8 +33,9 @@ from hpfun.runtime.distributed import runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
-    AUTO, Auto, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths, match_patterns, pattern_matches,
-    spec_tree_problems, specificity, tensor_layout,
+    AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
+    match_patterns, misfit, only_wildcards, pattern_matches, spec_tree_problems, specificity, tensor_layout,
+    warn_kept_whole,
 )
 from hpfun.writeback import WriteBack
 
@@ -458,8 +459,7 @@ class ShardedFunction:
         out = []
         for name, x in call.lifted.items():
             spec = specs.get(name)
-            by_wildcard = spec is not None and not any(pattern_matches(p, name) and not _is_glob(p)
-                                                       for p in self.state_specs)
+            by_wildcard = spec is not None and only_wildcards(self.state_specs, name)
             if by_wildcard and spec is not AUTO and getattr(x, "ndim", None) == 0:
                 spec = None  # a 0-d value (a learning rate, a scale) a wildcard caught: nothing to split
             follows = call.state.slots[name].follows if name in call.state.slots else None
@@ -473,20 +473,14 @@ class ShardedFunction:
                 if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
                     out.append(Auto(follows, self.mesh))
                     continue
-            if by_wildcard and (misfit := _misfit(self.mesh, x, spec)):  # a plan for many tensors, not this one
+            if by_wildcard and (why := misfit(self.mesh, x, spec)):  # a plan for many tensors, not this one
                 if follows not in kept_whole and follows not in self._kept_whole:  # state follows its parameter
-                    kept_whole[name] = f"{tuple(x.shape)}: {misfit}"
+                    kept_whole[name] = f"{tuple(x.shape)}: {why}"
                 spec = None
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
         if fresh := {n: why for n, why in kept_whole.items() if n not in self._kept_whole}:
             self._kept_whole.update(fresh)
-            example = ".".join(next(iter(fresh)).split(".")[-2:])
-            warnings.warn(f"state_specs: {len(fresh)} tensor(s) matched only by wildcard patterns cannot take their "
-                          "spec and are kept whole (replicated) on every rank, with their gradients and optimizer state:\n" +
-                          "\n".join(f"  {n} {why}" for n, why in fresh.items()) +
-                          f"\nname them with a more specific pattern to choose their layout (e.g. "
-                          f"state_specs['*.{example}'] = P() keeps one whole and silences this), or pad them",
-                          WildcardWarning, stacklevel=5)
+            warn_kept_whole("state_specs", fresh, state=True)
         return out
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
@@ -654,32 +648,9 @@ RETRACE_WARNING_AFTER = 3  # compiles caused by changes of one Python value befo
 RETRACE_SHAPES_WARNING_AFTER = 8  # programs for new shapes of the same arguments before RetraceWarning
 
 
-class WildcardWarning(UserWarning):
-    """A tensor only wildcard `state_specs` patterns match could not take their spec (a dim the
-    mesh axes do not divide, too few dims) and is kept whole; named by a specific pattern, the same
-    spec is an error."""
-
-
-def _misfit(mesh: Mesh, x, spec) -> str | None:
-    """Why a tensor cannot take a well-formed spec, or None when it can (or the spec itself is
-    malformed, which stays an error)."""
-    if not isinstance(x, torch.Tensor) or not isinstance(spec, P) or bad_spec("", spec, mesh) is not None:
-        return None
-    if any(axis not in mesh.axis_names for d in range(len(spec.dims)) for axis in spec.axes(d)):
-        return None
-    if len(spec.dims) > x.ndim:
-        return f"{spec} has more entries than its {x.ndim} dims"
-    problems = spec.to_layout(mesh, x.ndim).problems(tuple(x.shape))
-    return f"{problems[0]} (spec {spec})" if problems else None
-
-
 class RetraceWarning(UserWarning):
     """A sharded function keeps compiling: a Python value its trace reads keeps changing, or its
     arguments keep coming in new shapes."""
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?[")
 
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:

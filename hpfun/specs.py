@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import os
 import re
+import sys
+import warnings
 
 import attrs
 import torch
@@ -233,7 +236,8 @@ def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "
 
 def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", mesh: Mesh | None = None) -> list:
     """One spec per leaf of `tree` from a prefix tree of specs (P or None at any level); a dict
-    of specs whose keys differ from a dict argument's is read as name patterns."""
+    of specs whose keys differ from a dict argument's is read as name patterns. A tensor only
+    wildcards match whose dims their spec does not divide is kept whole (`WildcardWarning`)."""
     where = root + pytree.keystr(path)
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
@@ -241,9 +245,19 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
                                                              path + (pytree.MappingKey(k),), root, mesh)]
+        leaves = [x for _, x in pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]]
         names = dotted_names(tree)
         by_name = match_patterns(specs, names, problems, where, mesh)
-        return [by_name.get(n) for n in names]
+        out, kept = [], {}
+        for name, x in zip(names, leaves, strict=True):
+            spec = by_name.get(name)
+            if mesh is not None and spec is not None and only_wildcards(specs, name) and \
+                    (why := misfit(mesh, x, spec)):
+                kept[name], spec = f"{tuple(x.shape)}: {why}", None
+            out.append(spec)
+        if kept:
+            warn_kept_whole(where, kept)
+        return out
     if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
         return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
                 for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),), root, mesh)]
@@ -316,6 +330,52 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             matched_by[n] = pattern
             out[n] = spec
     return out
+
+
+def is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def only_wildcards(patterns: dict, name: str) -> bool:
+    """No pattern without wildcards matches `name`: a plan for many tensors decides its spec."""
+    return not any(isinstance(p, str) and not is_glob(p) and pattern_matches(p, name) for p in patterns)
+
+
+class WildcardWarning(UserWarning):
+    """A tensor only wildcard patterns match (in state_specs, or a dict of patterns in in_specs
+    or out_specs) could not take their spec (a dim the mesh axes do not divide, too few dims) and
+    is kept whole; named by a specific pattern, the same spec is an error."""
+
+
+def misfit(mesh: Mesh, x, spec) -> str | None:
+    """Why a tensor cannot take a well-formed spec, or None when it can (or the spec itself is
+    malformed, which stays an error)."""
+    if not isinstance(x, torch.Tensor) or isinstance(x, Sharded) or not isinstance(spec, P) or \
+            bad_spec("", spec, mesh) is not None:
+        return None
+    if any(axis not in mesh.axis_names for d in range(len(spec.dims)) for axis in spec.axes(d)):
+        return None
+    if len(spec.dims) > x.ndim:
+        return f"{spec} has more entries than its {x.ndim} dims"
+    problems = spec.to_layout(mesh, x.ndim).problems(tuple(x.shape))
+    return f"{problems[0]} (spec {spec})" if problems else None
+
+
+def warn_kept_whole(where: str, kept: dict, state: bool = False) -> None:
+    """One WildcardWarning listing the tensors (name -> shape and why) a wildcard left whole,
+    attributed to the user's call."""
+    example = ".".join(next(iter(kept)).split(".")[-2:])
+    level, frame = 2, sys._getframe(1)  # stacklevel 2 is our caller
+    while frame is not None and frame.f_code.co_filename.startswith(_HPFUN_DIR):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"{where}: {len(kept)} tensor(s) matched only by wildcard patterns cannot take their spec and are "
+                  "kept whole (replicated) on every rank" + (", with their gradients and optimizer state" * state) +
+                  ":\n" + "\n".join(f"  {n} {why}" for n, why in kept.items()) +
+                  f"\nname them with a more specific pattern to choose their layout (e.g. '*.{example}': P() beside "
+                  "the wildcard keeps that one whole and silences this), or pad them", WildcardWarning, stacklevel=level)
+
+
+_HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def specificity(pattern: str) -> int:

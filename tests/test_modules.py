@@ -283,6 +283,39 @@ def test_functional_call_and_autograd_grad_keep_working():
     assert torch.allclose(grads_of(x, y).full(), ref_grads[0], rtol=0, atol=1e-12)
 
 
+def test_a_wildcard_in_a_dict_of_specs_keeps_whole_what_it_cannot_split():
+    """The functional step with `{"*": P("dp")}` for its parameters in and out, on a model whose
+    4-class head does not split over 8 ranks: the head comes in and goes out whole, one warning
+    per dict names it (attributed to the caller's line), and the update equals eager's. A
+    pattern without wildcards that does not fit is still an error."""
+    mesh = hpfun.Mesh.simulated((8,), ("dp",))
+    model, ref = mlp(), mlp()
+    x, y = batch(0)
+
+    def loss_fn(params, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    def step(params, x, y):
+        grads = torch.func.grad(loss_fn)(params, x, y)
+        return {k: p - 0.1 * grads[k] for k, p in params.items()}
+
+    f = hpfun.shard(step, mesh=mesh, in_specs=({"*": P("dp")}, P("dp"), P("dp")), out_specs={"*": P("dp")})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.warns(hpfun.WildcardWarning) as caught:
+        new = f(params, x, y)
+    messages = [str(w.message) for w in caught if w.category is hpfun.WildcardWarning]
+    assert [m.split(":")[0] for m in messages] == ["args[0]", "outputs"], messages
+    assert all("2.weight (4, 16): dim 0 of size 4 is not divisible" in m and "0.weight" not in m for m in messages)
+    assert all(w.filename == __file__ for w in caught if w.category is hpfun.WildcardWarning)
+    assert new["0.weight"].layout.placements_str() == "[S(0)]" and new["2.weight"].layout.placements_str() == "[R]"
+    ref_grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
+    for (k, p), g in zip(params.items(), ref_grads, strict=True):
+        assert torch.allclose(new[k].full(), p - 0.1 * g, rtol=0, atol=1e-12), k
+    exact = hpfun.shard(step, mesh=mesh, in_specs=({"*": P("dp"), "2.weight": P("dp")}, P("dp"), P("dp")),
+                        out_specs={"*": P("dp")})
+    assert "args[0]['2.weight']: dim 0 of size 4 is not divisible" in _error(exact, params, x, y, error=hpfun.SpecError)
+
+
 # ---------------------------------------------------------------------------------------------
 # Lifting: read at every call, never baked in
 # ---------------------------------------------------------------------------------------------
