@@ -87,7 +87,11 @@ def leaf_paths(tree, prefix: str = "args") -> list[str]:
 
 def dotted_names(tree) -> list[str]:
     """Every leaf's keys joined by dots ("layers.0.weight"): what name patterns match."""
-    return [".".join(str(_key(k)) for k in path) for path, _ in pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]]
+    return [_dotted(path) for path, _ in pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]]
+
+
+def _dotted(path) -> str:
+    return ".".join(str(_key(k)) for k in path)
 
 
 def _key(k):
@@ -245,8 +249,8 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
                                                              path + (pytree.MappingKey(k),), root, mesh)]
-        leaves = [x for _, x in pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]]
-        names = dotted_names(tree)
+        flat = pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]
+        names, leaves = [_dotted(path) for path, _ in flat], [x for _, x in flat]
         by_name = match_patterns(specs, names, problems, where, mesh)
         out, kept = [], {}
         for name, x in zip(names, leaves, strict=True):
