@@ -636,13 +636,20 @@ _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__"
                                "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
 
 
+# in-place methods that change a tensor's flags or view, never its elements
+_NOT_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "rename_", "squeeze_", "unsqueeze_",
+                         "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_"})
+
+
 def _refuse_overlapping_write(func, args) -> None:
     """An in-place write into a tensor whose elements share memory (an `expand`ed one: the
     gradient of a sum is `ones.expand(n)`) sets the shared element once per alias in eager, but
     functionalization writes each alias back as if it were its own element, so the program would
-    compute something else. torch deprecates such writes; hpfun refuses them before tracing on."""
+    compute something else. torch deprecates such writes; hpfun refuses them before tracing on.
+    Marking such a tensor as requiring a gradient (`torch.func.grad` of a function of it) or
+    re-viewing it writes nothing."""
     name = getattr(func, "__name__", "")
-    if not (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS):
+    if not (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS) or name in _NOT_WRITES:
         return
     target = args[0] if args else None
     if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:

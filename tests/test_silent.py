@@ -270,3 +270,20 @@ def test_in_place_write_into_an_expanded_tensor_is_refused():
     g = hpfun.shard(lambda x: torch.func.grad(lambda t: t.sum())(x).clone().mul_(2.0), mesh=MESH, in_specs=P("a"),
                     out_specs=P())
     assert torch.equal(g(x).full(), torch.full((4,), 2.0))  # a clone owns its memory: allowed
+
+
+def test_a_gradient_taken_of_an_expanded_tensor_is_no_write():
+    """torch.func.grad of a function of the gradient of a sum (an expanded tensor) marks it as
+    requiring a gradient, `requires_grad_`: in place, but no element written, so it is not
+    refused (the fuzzer's nightly run found two such programs refused); results equal eager."""
+
+    def f(x, w):
+        g = torch.func.grad(lambda t: t.sum())(x)  # ones, expanded: every element one alias
+        gg = torch.func.grad(lambda t: (t * w).sum() + (t ** 2).sum())(g)
+        return gg, torch.func.grad(lambda t: t.sum(dim=1).mean())(g)
+
+    x, w = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    for spec in (P("a"), P(None, "a")):
+        out = hpfun.shard(f, mesh=MESH, in_specs=(spec, P()), out_specs=(P(), P()))(x, w)
+        for got, want in zip(out, f(x, w), strict=True):
+            assert torch.equal(got.full(), want)
