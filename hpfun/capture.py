@@ -641,6 +641,19 @@ _NOT_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "rename_"
                          "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_"})
 
 
+def _refuse_generator(func) -> None:
+    """A random op given its own `torch.Generator`: the program draws hpfun's counter-based
+    random numbers (the same for every layout), not the generator's, so its stream cannot be
+    honoured; refused rather than silently ignored."""
+    frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    name = getattr(func, "__name__", str(func))
+    raise CaptureError(Problem(f"{name}{where}", "is given its own torch.Generator: inside a sharded function random "
+                               "numbers come from hpfun's generator, the same for every layout, not from yours",
+                               "drop generator= (hpfun.random_seed(seed) makes a call's draws reproducible), or draw "
+                               "the numbers outside and pass them in"))
+
+
 def _refuse_overlapping_write(func, args) -> None:
     """An in-place write into a tensor whose elements share memory (an `expand`ed one: the
     gradient of a sum is `ones.expand(n)`) sets the shared element once per alias in eager, but
@@ -753,6 +766,8 @@ class _TensorScalars(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         _refuse_overlapping_write(func, args)
+        if isinstance(kwargs.get("generator"), torch.Generator):
+            _refuse_generator(func)
         if func in _READS and isinstance(args[0], FakeTensor):
             value = _constant_value(args[0])
             if value is not None:

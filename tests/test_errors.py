@@ -232,3 +232,15 @@ def test_a_failure_inside_hpfun_is_an_internal_error_with_its_cause(monkeypatch)
                        error=hpfun.InternalError)
     assert "KeyError while planning the layouts: 'planted'" in text and "bug in hpfun" in text and "<lambda>" in text
     assert isinstance(err.__cause__, KeyError)
+
+
+def test_a_random_op_given_its_own_generator_is_refused_with_the_fix():
+    """torch.rand(..., generator=g) inside a sharded function: the program draws hpfun's random
+    numbers, not g's, so it is refused (it failed inside hpfun before), naming the line."""
+    g = torch.Generator().manual_seed(0)
+    f = hpfun.shard(lambda x: x + torch.rand(4, generator=g), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    _, text = _raise(f, torch.randn(4), error=hpfun.CaptureError)
+    assert "rand at" in text and "test_errors.py" in text and "its own torch.Generator" in text
+    assert "hpfun.random_seed" in text
+    assert torch.equal(hpfun.shard(lambda x: x + 0 * torch.rand(4), mesh=MESH, in_specs=P("dp"),
+                                   out_specs=P("dp"))(torch.ones(4)).full(), torch.ones(4))  # without one: fine
