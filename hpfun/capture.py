@@ -616,6 +616,12 @@ _VALUE = {torch.addcdiv: torch.addcdiv, torch.addcmul: torch.addcmul, torch.Tens
           torch.Tensor.addcmul: torch.addcmul, torch.Tensor.addcdiv_: torch.addcdiv, torch.Tensor.addcmul_: torch.addcmul}
 
 
+def _at_user_line() -> str:
+    """' at file:line: code' of the innermost user frame calling now, or ''."""
+    frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+
+
 def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
     """F.one_hot as the comparison it computes. torch's kernel reads the values to check them
     (`.item()`, which a trace cannot do; under torch.func.grad its decomposition is skipped), and
@@ -624,8 +630,7 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
     if input.dtype != torch.int64:
         return one_hot(input, num_classes)  # torch's own error: class ids are int64
     if num_classes == -1:
-        frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        where = _at_user_line()
         raise CaptureError(f"F.one_hot without num_classes{where}: the number of classes is the largest "
                            "value + 1, read from the data, which a trace on shapes cannot do; pass num_classes=")
     classes = torch.arange(num_classes, device=input.device)
@@ -645,8 +650,7 @@ def _refuse_generator(func) -> None:
     """A random op given its own `torch.Generator`: the program draws hpfun's counter-based
     random numbers (the same for every layout), not the generator's, so its stream cannot be
     honoured; refused rather than silently ignored."""
-    frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    where = _at_user_line()
     name = getattr(func, "__name__", str(func))
     raise CaptureError(Problem(f"{name}{where}", "is given its own torch.Generator: inside a sharded function random "
                                "numbers come from hpfun's generator, the same for every layout, not from yours",
@@ -666,8 +670,7 @@ def _refuse_overlapping_write(func, args) -> None:
         return
     target = args[0] if args else None
     if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:
-        frames = [f for f in traceback.extract_stack() if _is_user_frame(f.filename)]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+        where = _at_user_line()
         raise CaptureError(
             Problem(f"{name}{where}", f"writes in place into a tensor whose elements share memory (strides "
                                       f"{tuple(target.stride())}, e.g. made by expand)",
