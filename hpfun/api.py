@@ -35,7 +35,7 @@ from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecke
 from hpfun.specs import (
     AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
     match_patterns, misfit, only_wildcards, pattern_matches, spec_tree_problems, specificity, tensor_layout,
-    warn_kept_whole,
+    warn_kept_whole, warn_kept_whole_unless,
 )
 from hpfun.writeback import WriteBack
 
@@ -478,7 +478,8 @@ class ShardedFunction:
                     kept_whole[name] = f"{tuple(x.shape)}: {why}"
                 spec = None
             out.append(leaf_layout(self.mesh, name, x, spec, problems))
-        if fresh := {n: why for n, why in kept_whole.items() if n not in self._kept_whole}:
+        fresh = {n: why for n, why in kept_whole.items() if n not in self._kept_whole}
+        if fresh and not problems:  # (with problems the call raises: no warning beside the error)
             self._kept_whole.update(fresh)
             warn_kept_whole("state_specs", fresh, state=True)
         return out
@@ -896,7 +897,8 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
     if out_specs is None:
         return [None] * len(out_tensors), tensor_paths
     problems: list[Problem] = []
-    per_leaf = broadcast_prefix(out_specs, out_example, problems, root=root, mesh=mesh)
+    kept: dict = {}
+    per_leaf = broadcast_prefix(out_specs, out_example, problems, root=root, mesh=mesh, kept=kept)
     layouts = []
     for path, value, spec in zip(paths, flat, per_leaf, strict=True):
         if not isinstance(value, torch.Tensor):
@@ -912,6 +914,7 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
                                      "pick out_specs whose axes divide the output, or None to keep hpfun's layout"))
     if problems:
         raise SpecError(problems)
+    warn_kept_whole_unless(kept, problems)
     return layouts, tensor_paths
 
 

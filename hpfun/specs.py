@@ -238,33 +238,35 @@ def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "
 # ---------------------------------------------------------------------------------------------
 
 
-def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", mesh: Mesh | None = None) -> list:
+def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", mesh: Mesh | None = None,
+                     kept: dict | None = None) -> list:
     """One spec per leaf of `tree` from a prefix tree of specs (P or None at any level); a dict
     of specs whose keys differ from a dict argument's is read as name patterns. A tensor only
-    wildcards match whose dims their spec does not divide is kept whole (`WildcardWarning`)."""
+    wildcards match whose dims their spec does not divide is kept whole: noted in `kept` (where
+    -> {name: why}) for the caller's `WildcardWarning`."""
     where = root + pytree.keystr(path)
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
     if isinstance(specs, dict) and isinstance(tree, dict):
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
-                                                             path + (pytree.MappingKey(k),), root, mesh)]
+                                                             path + (pytree.MappingKey(k),), root, mesh, kept)]
         flat = pytree.tree_flatten_with_path(tree, is_leaf=is_sharded)[0]
         names, leaves = [_dotted(path) for path, _ in flat], [x for _, x in flat]
         by_name = match_patterns(specs, names, problems, where, mesh)
-        out, kept = [], {}
+        out = []
         for name, x in zip(names, leaves, strict=True):
             spec = by_name.get(name)
             if mesh is not None and spec is not None and only_wildcards(specs, name) and \
                     (why := misfit(mesh, x, spec)):
-                kept[name], spec = f"{tuple(x.shape)}: {why}", None
+                spec = None
+                if kept is not None:
+                    kept.setdefault(where, {})[name] = f"{tuple(x.shape)}: {why}"
             out.append(spec)
-        if kept:
-            warn_kept_whole(where, kept)
         return out
     if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
         return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
-                for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),), root, mesh)]
+                for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),), root, mesh, kept)]
     if not _is_spec_tree(specs):  # a string, a tuple of axis names, a placement: meant as one spec
         problems.append(bad_spec(where, specs, mesh))
     elif isinstance(tree, (dict, list, tuple, torch.Tensor, Sharded)):
@@ -450,7 +452,17 @@ def input_layouts(mesh: Mesh, in_specs, args: tuple, problems: list) -> list[Lay
         problems.append(Problem("in_specs", f"has {len(specs)} entries, one per positional argument, but the call "
                                 f"passes {len(args)}", _ONE_PER_ARGUMENT))
         return [None] * n_leaves(args)
-    per_leaf = broadcast_prefix(specs, args, problems, mesh=mesh)
+    kept: dict = {}
+    per_leaf = broadcast_prefix(specs, args, problems, mesh=mesh, kept=kept)
     flat, _ = pytree.tree_flatten_with_path(args, is_leaf=is_sharded)
-    return [leaf_layout(mesh, "args" + pytree.keystr(path), x, spec, problems)
-            for (path, x), spec in zip(flat, per_leaf, strict=True)]
+    layouts = [leaf_layout(mesh, "args" + pytree.keystr(path), x, spec, problems)
+               for (path, x), spec in zip(flat, per_leaf, strict=True)]
+    warn_kept_whole_unless(kept, problems)
+    return layouts
+
+
+def warn_kept_whole_unless(kept: dict, problems: list) -> None:
+    """A WildcardWarning per dict of patterns that kept tensors whole, unless the call has
+    problems (it raises: no warning beside the error)."""
+    for where, names in kept.items() if not problems else ():
+        warn_kept_whole(where, names)
