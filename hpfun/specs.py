@@ -257,11 +257,10 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
         out = []
         for name, x in zip(names, leaves, strict=True):
             spec = by_name.get(name)
-            if mesh is not None and spec is not None and only_wildcards(specs, name) and \
-                    (why := misfit(mesh, x, spec)):
+            if kept is not None and mesh is not None and spec is not None and only_wildcards(specs, name) and \
+                    (why := misfit(mesh, x, spec)):  # never kept whole without the caller to say so
                 spec = None
-                if kept is not None:
-                    kept.setdefault(where, {})[name] = f"{tuple(x.shape)}: {why}"
+                kept.setdefault(where, {})[name] = f"{tuple(x.shape)}: {why}"
             out.append(spec)
         return out
     if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
@@ -356,8 +355,7 @@ class WildcardWarning(UserWarning):
 def misfit(mesh: Mesh, x, spec) -> str | None:
     """Why a tensor cannot take a well-formed spec, or None when it can (or the spec itself is
     malformed, which stays an error)."""
-    if not isinstance(x, torch.Tensor) or isinstance(x, Sharded) or not isinstance(spec, P) or \
-            bad_spec("", spec, mesh) is not None:
+    if not isinstance(x, torch.Tensor) or not isinstance(spec, P) or bad_spec("", spec, mesh) is not None:
         return None
     if any(axis not in mesh.axis_names for d in range(len(spec.dims)) for axis in spec.axes(d)):
         return None
