@@ -17,7 +17,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import UnliftedTensor, trace
+from hpfun.capture import UnliftedTensor, same_value, trace
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
@@ -279,6 +279,8 @@ class ShardedFunction:
         self._stage = ""  # what a compile is doing, for an internal error's message
         self._auto: list = []  # (key, entry) of each program with AUTO leaves
         self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
+        self._read_variants: dict = {}  # cache key -> the programs compiled for other values read from inputs
+        self._read_changes: dict = {}  # where a value is read from the inputs -> compiles its changes caused
         self.trace_count = 0
         self._signature_obj = _signature(fn)
         self._arity = _plain_arity(self._signature_obj, len(in_specs) if isinstance(in_specs, tuple) else None)
@@ -296,6 +298,8 @@ class ShardedFunction:
             entry = None
         if entry is None:
             entry = self._program(call)[1]
+        elif entry.reads:
+            entry = self._for_reads(call, entry)
         flat = call.flat
         tensors = [flat[i] for i in entry.fed_flat] + entry.constants_list
         if not entry.program.donated:
@@ -316,6 +320,8 @@ class ShardedFunction:
             writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
         if entry.cleared:
             writeback.clear(entry.cleared, call.state)
+        if entry.effects:
+            _replay(entry.effects, call.state.statics)
         return entry.unflatten([unchecked(lay, shape, s, token) for (lay, shape, token), s in
                                 zip(entry.outputs, shards[:n], strict=True)])
 
@@ -384,7 +390,39 @@ class ShardedFunction:
                 self._auto.append((key, entry))
         if call.key is not None and _hashable(call.key):
             self._fast[call.key] = entry
+        if entry.reads:
+            entry = self._for_reads(call, entry, key, leaves)
         return entry.program, entry
+
+    def _for_reads(self, call: _Call, entry: "_Entry", key=None, leaves=None) -> "_Entry":
+        """The program of this signature that is right for the values this call's inputs give the
+        reads its trace made (`capture.InputRead`: `labels.max() >= vocab_size`), compiled if none is."""
+        inputs = [call.flat[i] for i in entry.tensor_pos]
+        if all(r.holds(inputs) for r in entry.reads):
+            return entry
+        if key is None:
+            leaves, key = self._signature(call)
+        variants = self._read_variants.setdefault(key, [entry])
+        for other in variants:
+            if all(r.holds([call.flat[i] for i in other.tensor_pos]) for r in other.reads):
+                return other
+        for r in entry.reads:
+            now = r.evaluate(inputs)
+            if not same_value(now, r.value):
+                self._read_changes[r.where] = seen = self._read_changes.get(r.where, 0) + 1
+                if seen == RETRACE_WARNING_AFTER:
+                    fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+                    warnings.warn(
+                        f"hpfun.shard({fn}) compiled a new program {seen} times because a value the function reads "
+                        f"from its inputs changed (at{r.where}; last {r.value!r} -> {now!r}): the program is traced "
+                        "for the value read, and every new value compiles again (seconds each). Compute it outside "
+                        "the sharded function, or with tensor ops (torch.where) instead of Python.",
+                        RetraceWarning, stacklevel=4)
+        if self.mesh.runtime == "distributed":
+            runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+        new = self._compile(call, leaves)
+        variants.append(new)
+        return new
 
     def _note_changed_statics(self, key) -> None:
         """A compile whose signature differs from the last one of the same arguments only in
@@ -394,8 +432,8 @@ class ShardedFunction:
         last = next((k for k in reversed(self._cache) if k[0] == tree and k[1] == leaves and list(k[3:]) == rest), None)
         if last is None:
             return
-        before = dict(last[2])
-        for name, value in statics:
+        before = lift.expand_statics(dict(last[2]))
+        for name, value in lift.expand_statics(dict(statics)).items():
             if name not in before or before[name] == value:
                 continue
             self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
@@ -510,12 +548,17 @@ class ShardedFunction:
         device = next((leaves[i].device for i in tensor_pos), None)
         if device is not None and torch.device(device).type == "meta":
             device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
+        arguments = len(call.flat) - len(call.lifted)  # (lifted state comes last)
+        readable = [call.flat[i] if i < arguments and type(call.flat[i]) is torch.Tensor
+                    and call.flat[i].device.type != "meta" else None for i in tensor_pos]
         try:
             captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
-                             requires_grad=[leaves[i].requires_grad for i in tensor_pos])
+                             requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
         except UnliftedTensor as err:
             raise lift.unlifted_tensor_error(call.state, str(err)) from None
         gm = captured.gm
+        if captured.reads and self.mesh.runtime == "distributed":  # every rank must have read the same
+            runtime_for(self.mesh).check_same_program([f"the value read at{r.where}: {r.value!r}" for r in captured.reads])
         self._stage = "planning the layouts"
         fold_contractions(gm)
         paths = call.paths()
@@ -570,7 +613,8 @@ class ShardedFunction:
                 return self._compile_graph(call, leaves, fitting)
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen,
-                       tuple((i, names[j]) for i, j in enumerate(fed) if j in donated_args))
+                       tuple((i, names[j]) for i, j in enumerate(fed) if j in donated_args), traced.effects,
+                       captured.reads)
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
@@ -613,10 +657,12 @@ class ShardedFunction:
                     else contextlib.nullcontext():
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
-            statics_after = lift.statics(call.state.roots)
         finally:
             substitution.restore()
-        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v and k not in substitution.set_aside]
+            statics_after = lift.statics(call.state.roots)
+            traced.effects = _undo_effects(call.state.statics, statics_after)
+        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
+                   and k not in substitution.set_aside and type(v) is not lift.ModuleValues]
         if changed:
             raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
                                         "function was traced", "a traced program cannot repeat Python side effects: "
@@ -635,7 +681,10 @@ class ShardedFunction:
                 writes.append(WriteBack(layout, shape, name, slot=name))
             else:
                 opt, param, key = traced.new_state[name]
-                writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key))
+                if opt is None:  # a tensor the step put into a module
+                    writes.append(WriteBack(layout, shape, name, place=key))
+                else:
+                    writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key))
         for j in captured.mutated:
             x = call.flat[tensor_pos[j]]
             layout = layouts[j]
@@ -680,9 +729,30 @@ def _collector_paused():
             gc.enable()
 
 
+def _undo_effects(before: dict, after: dict) -> tuple:
+    """Python values of modules the trace changed (`self.max_seq_len_cached = n` in a forward):
+    set back to what they were, so that tracing changes nothing, and returned as (statics key,
+    name, new value) to be set by every call of the program (`_replay`), as eager would."""
+    effects = []
+    for key, was in before.items():
+        now = after.get(key)
+        if type(was) is lift.ModuleValues and type(now) is lift.ModuleValues and was != now:
+            for name, old, new in was.changes(now):
+                was.set(name, old)
+                effects.append((key, name, new))
+    return tuple(effects)
+
+
+def _replay(effects: tuple, statics: dict) -> None:
+    for key, name, value in effects:
+        statics[key].set(name, value)
+
+
 class _Traced:
     """What the trace of the function left besides its graph: the outputs' structure, and what
     it assigned to lifted slots."""
+
+    effects: tuple = ()  # (statics key, name, value) of each Python value of a module it changed
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
@@ -739,6 +809,8 @@ class _Entry:
     output_paths: tuple
     auto: object = None  # the hpfun.auto.AutoPlan of a program with AUTO leaves
     spent: tuple = ()  # (program input, path) of each donated argument leaf (donate_argnums)
+    effects: tuple = ()  # Python values of modules the function sets, set again at every call (`_replay`)
+    reads: tuple = ()  # capture.InputReads: values read from the inputs that the program is right for
 
     # derived once, for cache-hit calls
     tensor_pos: tuple = attrs.field(init=False)  # flat input positions of the tensor leaves
@@ -1005,7 +1077,8 @@ def _from_numpy(args: tuple, kwonly: dict) -> tuple[tuple, dict]:
 def _describe(call: _Call, leaves) -> list[str]:
     """One line per input leaf and per Python value deciding the trace, for ranks to compare."""
     lines = [f"{path}: {leaf.describe()}" for path, leaf in zip(call.paths(), leaves, strict=True)]
-    return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items()]
+    # (not the Python values modules hold: a rank's own number there is the user's business)
+    return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items() if type(v) is not lift.ModuleValues]
 
 
 def execute(program: Program, tensors: list, compile: bool = False, released: list | None = None,

@@ -352,6 +352,7 @@ class Captured:
     gm: torch.fx.GraphModule
     constants: tuple[torch.Tensor, ...]
     mutated: tuple[int, ...]
+    reads: tuple = ()  # InputReads: values the trace read from its inputs, which the program assumes
 
 
 def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
@@ -360,7 +361,7 @@ def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
     return trace(flat_fn, metas, device).gm
 
 
-def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
+def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Captured:
     """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype),
     on the device the program will run on (tensors the function creates are made there).
 
@@ -371,9 +372,11 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
     ops it recorded are rewritten out of place on the graph (`hpfun.functionalize`); only where a
     write could be seen through a view is the graph traced again through torch's
     functionalization, keeping each node's source line. What the function wrote into its inputs
-    becomes extra outputs (`Captured.mutated`)."""
+    becomes extra outputs (`Captured.mutated`). `readable`: the real values of the inputs whose
+    values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
-    gm = _trace(flat_fn, fakes)
+    with readable_inputs(readable or []) as reads:
+        gm = _trace(flat_fn, fakes)
     mutated: list[int] = []
     if _mutates(gm) and (written := functionalize(gm)) is not None:
         mutated = written  # rewritten out of place where it is: no write is seen through a view
@@ -388,7 +391,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None) -> Captured:
     split_fused(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()
-    return Captured(gm, tuple(constants), tuple(mutated))
+    return Captured(gm, tuple(constants), tuple(mutated), tuple(reads))
 
 
 def _compiled_code_runs_as_written():
@@ -622,6 +625,51 @@ def _at_user_line() -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
 
 
+_AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+
+
+def _as_strided(as_strided, x, size, stride, storage_offset=None):
+    """`x.as_strided(size, stride)` (Longformer's overlapping chunks) as the gather it is: the
+    elements of `x` it addresses, picked by index. Its sizes and strides address the storage of
+    the tensor traced, which the per-shard program's tensor (a block, or a gathered copy laid out
+    otherwise) does not share; indices address values, whatever their layout, and their
+    gradient (an index_put that sums where windows overlap) is autograd's own. Addresses that are
+    not all elements of `x` (storage beyond it, or overlapping elements) are left to torch."""
+    base = x.storage_offset()
+    offset = base if storage_offset is None else storage_offset
+    size, stride = list(size), list(stride)
+    if x.numel() == 0 or 0 in size or len(size) != len(stride) or min(stride, default=0) < 0 \
+            or min(x.stride(), default=0) < 0 or not _distinct_elements(x):
+        return as_strided(x, size, stride, storage_offset)
+    span = sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1  # the storage x's elements lie in
+    if offset < base or offset + sum((n - 1) * s for n, s in zip(size, stride)) >= base + span:
+        return as_strided(x, size, stride, storage_offset)
+    device = x.device
+    if x.is_contiguous():
+        at = torch.arange(span, device=device).as_strided(size, stride, offset - base)
+        return x.reshape(-1)[at]
+    with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():  # every address one of x's
+        where = torch.full((span,), -1, dtype=torch.int64)
+        where[torch.arange(span).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)] = torch.arange(x.numel())
+        if bool((where.as_strided(size, stride, offset - base) < 0).any()):
+            return as_strided(x, size, stride, storage_offset)
+    elements = torch.arange(span, device=device).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)
+    where = torch.full((span,), -1, dtype=torch.int64, device=device).index_put(
+        (elements,), torch.arange(x.numel(), device=device))
+    return x.reshape(-1)[where.as_strided(size, stride, offset - base)]
+
+
+def _distinct_elements(x) -> bool:
+    """Whether no two elements of `x` share a storage place (true of every tensor but expanded
+    ones and some as_strided views): each dim's stride passes the span of the dims strided finer."""
+    reach = 0
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+    return True
+
+
 def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
     """F.one_hot as the comparison it computes. torch's kernel reads the values to check them
     (`.item()`, which a trace cannot do; under torch.func.grad its decomposition is skipped), and
@@ -692,37 +740,118 @@ _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int
                     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
 
 
+_READABLE: list = [None]  # the real inputs a trace may read values of (`readable_inputs`), and its reads
+
+
+@contextlib.contextmanager
+def readable_inputs(values: list):
+    """While tracing, `values[i]` (a real tensor, or None) is the real value of the trace's i-th
+    input: a value read into Python from those inputs only (`labels.max() >= vocab_size`, a
+    check transformers models make) is computed from them, as eager would, and recorded as an
+    `InputRead` the program holds for (`reads`)."""
+    was = _READABLE[0]
+    _READABLE[0] = (values, [])
+    try:
+        yield _READABLE[0][1]
+    finally:
+        _READABLE[0] = was
+
+
+@attrs.frozen(eq=False)
+class InputRead:
+    """A Python value the trace read from its inputs' values: the ops that made it from the
+    inputs (`steps`, each (op, args, kwargs) with `_Made(k)` for the k-th step's result and
+    `_Input(i)` for the i-th input), how it was read, what it was, and the user's line. A program
+    traced with it is right for another call only where the same read gives the same value."""
+
+    steps: tuple
+    read: object
+    read_args: tuple
+    value: object
+    where: str
+
+    def holds(self, inputs: list) -> bool:
+        return same_value(self.evaluate(inputs), self.value)
+
+    def evaluate(self, inputs: list):
+        made: list = []
+        cpu = torch.device("cpu")
+
+        def arg(a):
+            if isinstance(a, _Made):
+                return made[a.k]
+            if isinstance(a, _Input):
+                return inputs[a.i].detach().to(cpu)
+            return cpu if isinstance(a, torch.device) else a
+
+        with torch.no_grad():
+            for op, args, kwargs in self.steps:
+                args, kwargs = pytree.tree_map(arg, (args, kwargs))
+                made.append(op(*args, **kwargs))
+        return self.read(made[-1], *self.read_args)
+
+
+@attrs.frozen
+class _Made:
+    k: int
+
+
+@attrs.frozen
+class _Input:
+    i: int
+
+
+def same_value(a, b) -> bool:
+    """Whether two values read into Python are the same."""
+    return a == b or (a != a and b != b)  # (NaN read twice is the same value)
+
+
 def _constant_value(t):
     """The real value of a traced tensor computed from constants only (no input, no random op:
     `nn.Transformer.generate_square_subsequent_mask(n)`, which torch's transformer layers compare
-    with a causal mask), by running the ops that made it; None for any other tensor."""
+    with a causal mask), by running the ops that made it; or from constants and inputs whose
+    real values the trace was given (`readable_inputs`): then (value, steps), for an
+    `InputRead`. None for any other tensor."""
     mode = proxy_tensor.get_proxy_mode()
     if mode is None or not isinstance(t, torch.Tensor) or t._version:  # written in place since made
         return None
     slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
     if slot is None:
         return None
-    made, stack, seen = [], [slot.proxy.node], set()
+    readable = _READABLE[0][0] if _READABLE[0] is not None else None
+    made, stack, seen, inputs = [], [slot.proxy.node], set(), {}
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if _written_later(node):  # GradScaler's found_inf: made by torch.full, then set by a kernel
+        writers = _writes_into(node)  # (GradScaler's found_inf: made by torch.full, set by a kernel reading
+        if writers is None:  # the gradients, so not a constant)
             return None
+        stack += writers  # run too, in the order recorded: their inputs must be constants or inputs as well
         if node.op == "get_attr":
+            made.append(node)
+            continue
+        if node.op == "placeholder" and readable is not None:
+            if not inputs:
+                inputs.update((n, i) for i, n in enumerate(n for n in mode.tracer.graph.nodes if n.op == "placeholder"))
+            i = inputs.get(node)
+            if i is None or i >= len(readable) or readable[i] is None:
+                return None  # lifted state, or an input planned on shapes only
             made.append(node)
             continue
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
-                or torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
-            return None  # an input, a random draw, a write: not a constant
+                or torch.Tag.nondeterministic_seeded in target.tags:
+            return None  # an input, a random draw: not a constant
         made.append(node)
         stack += node.all_input_nodes
         if len(seen) > 256:  # constants are small graphs; a long walk is a value made from the inputs
             return None
     order = {n: i for i, n in enumerate(mode.tracer.graph.nodes)}
     real: dict = {}
+    steps: list = []
+    ref: dict = {}
     cpu = torch.device("cpu")
 
     def arg(a):
@@ -730,19 +859,40 @@ def _constant_value(t):
             return real[a]
         return cpu if isinstance(a, torch.device) else a
 
+    def step_arg(a):
+        return ref[a] if isinstance(a, torch.fx.Node) else a
+
     with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
         for node in sorted(made, key=order.__getitem__):
             if node.op == "get_attr":
                 real[node] = getattr(mode.tracer.root, node.target).to(cpu)
+                ref[node] = real[node]
+                continue
+            if node.op == "placeholder":
+                real[node] = readable[inputs[node]].detach().to(cpu)
+                ref[node] = _Input(inputs[node])
                 continue
             args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
             real[node] = node.target(*args, **kwargs)
-    return real[slot.proxy.node]
+            steps.append((node.target, *pytree.tree_map(step_arg, (node.args, node.kwargs))))
+            ref[node] = _Made(len(steps) - 1)
+    value = real[slot.proxy.node]
+    if not any(n.op == "placeholder" for n in made):
+        return value
+    if slot.proxy.node.op == "placeholder":  # the input itself, read whole
+        steps.append((torch.clone, (ref[slot.proxy.node],), {}))
+    return value, tuple(steps)
 
 
-def _written_later(node: torch.fx.Node) -> bool:
-    """Whether an op the trace recorded writes into `node`'s value, or into a view of it."""
-    stack, seen = [node], set()
+def _read_with(func, kwargs, value, *args):
+    return func(value, *args, **kwargs)
+
+
+def _writes_into(node: torch.fx.Node) -> list | None:
+    """The ops the trace recorded so far that write into `node`'s value or into a view of it
+    (`shifted[:, 1:] = ids[:, :-1]`), with the views they write through; None where an op that
+    is not ATen's reads it (what it does to its arguments is unknown)."""
+    stack, seen, writers = [node], set(), []
     while stack:
         n = stack.pop()
         if n in seen:
@@ -751,13 +901,13 @@ def _written_later(node: torch.fx.Node) -> bool:
         for user in n.users:
             target = user.target
             if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-                return True  # not an ATen op: what it does to its arguments is unknown
+                return None
             schema = target._schema
             if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-                return True
+                writers.append(user)
             if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are ours
                 stack.append(user)
-    return False
+    return writers
 
 
 class _TensorScalars(TorchFunctionMode):
@@ -773,10 +923,18 @@ class _TensorScalars(TorchFunctionMode):
             _refuse_generator(func)
         if func in _READS and isinstance(args[0], FakeTensor):
             value = _constant_value(args[0])
+            if isinstance(value, tuple):  # read from the inputs' values: recorded, for the call to check
+                value, steps = value
+                result = func(value, *args[1:], **kwargs)
+                _READABLE[0][1].append(InputRead(steps, functools.partial(_read_with, func, kwargs), tuple(args[1:]),
+                                                 result, _at_user_line()))
+                return result
             if value is not None:
                 return func(value, *args[1:], **kwargs)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
+        if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
+            return _as_strided(func, *args, **kwargs)
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
             alpha = kwargs.pop("alpha")
             x, y, *rest = args

@@ -8,6 +8,7 @@ from __future__ import annotations
 import attrs
 from torch.utils import _pytree as pytree
 
+from hpfun import lift
 from hpfun.api import ShardedFunction, input_paths
 from hpfun.log import COLLECTIVES, LAYOUTS, PROGRAM, level, log_compile  # the log, importable from here as before
 
@@ -70,7 +71,7 @@ def explain_cache_miss(f, *args, **kwargs) -> CacheMiss:
     for tree, cached, statics, *_ in f._cache:
         paths = input_paths(pytree.tree_unflatten([0] * tree.num_leaves, tree))
         found = _differences(dict(zip(paths, cached, strict=True)), given)
-        found += _static_differences(dict(statics), dict(key[2]))
+        found += _static_differences(lift.expand_statics(dict(statics)), lift.expand_statics(dict(key[2])))
         if not found and tree != key[0]:  # same leaves, other containers (a list for a tuple...)
             found = [Difference("args", "structure", str(tree), str(key[0]))]
         candidates.append(found)

@@ -35,6 +35,7 @@ import torch
 from hpfun.capture import HPFUN_DIR, TORCH_DIR, PythonFloats, mark_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
+from torch._subclasses.fake_tensor import FakeTensor
 
 _LIBRARY_DIRS = (TORCH_DIR, HPFUN_DIR, os.path.dirname(os.__file__) + os.sep)
 _SITE_PACKAGES = os.sep + "site-packages" + os.sep
@@ -144,6 +145,16 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 continue
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
                   functools.partial(setattr, cell, "cell_contents"))
+        note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
+        defaults = fn.__defaults__ or ()
+        for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):
+            if not _is_scalar(d):  # (a number there is the function's own constant)
+                value(d, var, _item_reader(functools.partial(getattr, fn, "__defaults__"), i), _default_writer(fn, i))
+        kwdefaults = fn.__kwdefaults__ or {}
+        note((fn, "__kwdefaults__", fn.__kwdefaults__))
+        for var, d in kwdefaults.items():
+            if not _is_scalar(d):
+                value(d, var, functools.partial(kwdefaults.get, var), functools.partial(kwdefaults.__setitem__, var))
         g = fn.__globals__
         for var in _global_names(code):
             note((g, var, g.get(var, _MISSING)))
@@ -330,6 +341,20 @@ def _sequence_writer(seq, i: int, write_seq):
     return write
 
 
+def _is_name(key) -> bool:
+    """A dict key a slot can be named by."""
+    return type(key) in (str, int) and "." not in str(key)
+
+
+def _default_writer(fn, i: int):
+    def write(v):  # a function's defaults are a tuple: rebuilt with the new value
+        items = list(fn.__defaults__)
+        items[i] = v
+        fn.__defaults__ = tuple(items)
+
+    return write
+
+
 def _is_user_object(obj) -> bool:
     """An instance of a class defined in the user's code (not a library's), with attributes."""
     if not isinstance(getattr(obj, "__dict__", None), dict) or isinstance(obj, (type, types.ModuleType)):
@@ -417,9 +442,10 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
 
 def statics(roots, known: dict | None = None) -> dict:
     """The Python values that decide what a trace records: the scalars the function reads from
-    closures and globals (a learning rate `lr`), each module tree's training flags, each
-    optimizer's hyperparameters (its learning rate, betas...). `known`: the statics of an
-    earlier call whose module trees (and so their training flags) are unchanged."""
+    closures and globals (a learning rate `lr`), each module tree's training flags and the
+    Python values its modules hold (`ModuleValues`), each optimizer's hyperparameters (its
+    learning rate, betas...). `known`: the statics of an earlier call whose module trees (and
+    so their flags and values) are unchanged."""
     out: dict[str, object] = {}
     for root in roots:
         if root.value is _SCALAR:
@@ -427,6 +453,8 @@ def statics(roots, known: dict | None = None) -> dict:
         elif isinstance(root.value, torch.nn.Module):
             name = _join(root.name, "training")
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
+            name = _join(root.name, VALUES)
+            out[name] = known[name] if known is not None else ModuleValues.of(root.name, root.value)
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):
                 lifted = lifted_scalars(root.value, group)  # inputs, read at every call: their signs key the cache
@@ -441,6 +469,90 @@ def statics(roots, known: dict | None = None) -> dict:
     return out
 
 
+VALUES = "<python values>"  # the statics key of a module tree's ModuleValues
+
+
+class ModuleValues:
+    """The Python values a module tree holds (`self.scale = 2.0`, `self.max_seq_len_cached`, a
+    transformers config's `use_cache`): numbers, strings, booleans, None and tuples of them held
+    by each module, and by each plain object a module holds (a config), by name. A trace reads
+    them as constants, so they key the program cache: a value changed between calls compiles
+    again, where the program of the old value would be silently wrong. Hashed once (a cache-hit
+    call hashes one object, not every value of a model), compared by value.
+
+    `objects` names where the values live (module FQN, or FQN.attribute for a held object), for
+    writing a value back (`replay`)."""
+
+    __slots__ = ("items", "objects", "_hash")
+
+    def __init__(self, items: tuple, objects: dict):
+        self.items, self.objects = items, objects
+        self._hash = hash(items)
+
+    @classmethod
+    def of(cls, prefix: str, module: torch.nn.Module) -> "ModuleValues":
+        items, objects, seen = [], {}, set()
+        for mod_name, mod in module.named_modules(remove_duplicate=True):
+            base = _join(prefix, mod_name)
+            objects[base] = mod
+            for attr, v in vars(mod).items():
+                if attr == "training" or attr.startswith("__"):
+                    continue
+                if _is_scalar(v):
+                    items.append((_join(base, attr), v))
+                elif _is_plain_object(v) and id(v) not in seen:  # a config, walked once where first held
+                    seen.add(id(v))
+                    objects[_join(base, attr)] = v
+                    items += [(_join(_join(base, attr), k), w) for k, w in vars(v).items()
+                              if _is_scalar(w) and not k.startswith("_")]  # (not its bookkeeping: a hash of itself)
+        return cls(tuple(items), objects)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is ModuleValues and self._hash == other._hash and self.items == other.items)
+
+    def __repr__(self) -> str:
+        return f"<{len(self.items)} Python values of modules>"
+
+    def changes(self, after: "ModuleValues") -> list[tuple[str, object, object]]:
+        """(name, value here, value in `after`) of each value that differs; _MISSING where absent."""
+        before, now = dict(self.items), dict(after.items)
+        return [(k, before.get(k, _MISSING), now.get(k, _MISSING)) for k in dict.fromkeys([*before, *now])
+                if before.get(k, _MISSING) != now.get(k, _MISSING) or type(before.get(k)) is not type(now.get(k))]
+
+    def set(self, name: str, value) -> None:
+        """Write one value at its place (deleting it for _MISSING)."""
+        owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
+        owner = self.objects.get(owner_name)
+        if owner is None:
+            return
+        if value is _MISSING:
+            if attr in vars(owner):
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+
+
+def expand_statics(statics: dict) -> dict:
+    """`statics` with each ModuleValues spread into its values by name (for messages)."""
+    out = {}
+    for k, v in statics.items():
+        if type(v) is ModuleValues:
+            out.update(v.items)
+        else:
+            out[k] = v
+    return out
+
+
+def _is_plain_object(v) -> bool:
+    """An object with attributes that is not state, a function or a class: a config."""
+    return isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
+        v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType,
+            types.MethodType, functools.partial, Sharded))
+
+
 def _constant(v):
     return lambda: v
 
@@ -453,11 +565,15 @@ def _cannot_write(name: str):
 
 
 def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot) -> None:
-    params = []
+    params, objects = [], set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
         for store in (vars(mod), mod._parameters, mod._buffers, mod._modules):
             snapshot.dict(store)
+        for v in vars(mod).values():  # a config's values key the cache too (`ModuleValues`)
+            if _is_plain_object(v) and id(v) not in objects:
+                objects.add(id(v))
+                snapshot.dict(vars(v))
         for attr, p in list(mod._parameters.items()):
             if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
                                      functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):
@@ -468,6 +584,11 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
+            elif type(v) is dict and not attr.startswith("_") and any(isinstance(t, torch.Tensor) for t in v.values()):
+                snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
+                for key, t in list(v.items()):
+                    if isinstance(t, torch.Tensor) and _is_name(key):
+                        add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient
     for name, mod, attr, p in params:
         if p.requires_grad:
@@ -751,9 +872,11 @@ class Substitution:
         self.signs: dict = {}  # id(a lifted hyperparameter's stand-in) -> its value's sign (`ScalarSigns`)
         self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)
         self._optimizers: list = []
+        self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
         for root in state.roots:
             if isinstance(root.value, torch.nn.Module):
                 self._module(root.value)
+                self._keep(root.name, root.value)
             elif isinstance(root.value, torch.optim.Optimizer):
                 self._optimizer(root.value)
             elif id(root.value) in swap:
@@ -777,10 +900,59 @@ class Substitution:
 
     def _module(self, module):
         for mod in module.modules():
-            for store in (mod._parameters, mod._buffers, vars(mod)):
+            caches = [v for k, v in vars(mod).items() if type(v) is dict and not k.startswith("_")]
+            for store in (mod._parameters, mod._buffers, vars(mod), *caches):
                 for key, v in list(store.items()):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
+
+    def _keep(self, prefix: str, module) -> None:
+        """What each module holds before the trace, to find and take back what the trace left in it."""
+        for name, mod in module.named_modules(remove_duplicate=True):
+            held = vars(mod)
+            containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
+                          if type(v) in (dict, list) and not k.startswith("_")}
+            self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
+
+    def created(self) -> dict:
+        """name -> (value, place) of each tensor the trace put into a module that was not there
+        (`self.cos_cached = ...`, `register_buffer` in a forward, `self.last_loss = loss.detach()`):
+        state the step makes, written back after every call as eager leaves it (`put`)."""
+        out = {}
+        for prefix, mod, held, buffers, containers in self._modules:
+            for attr, v in list(vars(mod).items()):
+                if isinstance(v, FakeTensor) and held.get(attr) is not v:
+                    out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
+            for attr, v in list(mod._buffers.items()):
+                if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
+                    out[_join(prefix, attr)] = (v, ("buffer", prefix, attr))
+            for attr, (container, items) in containers.items():  # a cache dict the forward filled
+                if isinstance(container, dict) and vars(mod).get(attr) is container:
+                    for key, v in container.items():
+                        if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
+                            out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+        return out
+
+    def _take_back(self) -> None:
+        """Nothing the trace made stays in a module: its tensors are the trace's stand-ins."""
+        for _, mod, held, buffers, containers in self._modules:
+            for attr, v in list(vars(mod).items()):
+                if isinstance(v, FakeTensor) and held.get(attr) is not v:
+                    if attr in held:
+                        setattr(mod, attr, held[attr])
+                    else:
+                        delattr(mod, attr)
+            for attr, v in list(mod._buffers.items()):
+                if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
+                    if attr in buffers:
+                        mod._buffers[attr] = buffers[attr]
+                    else:
+                        del mod._buffers[attr]
+            for container, items in containers.values():  # a cache dict the forward filled
+                inside = container.values() if isinstance(container, dict) else container
+                if any(isinstance(v, FakeTensor) for v in inside):
+                    container.clear()
+                    container.update(items) if isinstance(container, dict) else container.extend(items)
 
     def _optimizer(self, opt):
         prefix = next(r.name for r in self.state.roots if r.value is opt)
@@ -860,12 +1032,36 @@ class Substitution:
                     out[name] = None
         if problems:
             raise CaptureError(problems, headline="cannot lift the state the function reads")
+        for name, (value, setter) in self.created().items():
+            if name not in out:
+                out[name] = value
+                new_state[name] = (None, None, setter)
         return out, new_state
 
     def restore(self) -> None:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        self._take_back()
+
+
+def put(state: State, place: tuple, value) -> None:
+    """Write a tensor the step made at its `place` (`Substitution.created`) in this call's modules."""
+    kind, fqn, attr, *key = place
+    for root in state.roots:
+        if isinstance(root.value, torch.nn.Module) and (not root.name or fqn == root.name
+                                                        or fqn.startswith(root.name + ".")):
+            try:
+                mod = root.value.get_submodule(fqn[len(root.name):].lstrip("."))
+            except AttributeError:
+                continue
+            if kind == "buffer":
+                mod._buffers[attr] = value
+            elif kind == "item":
+                vars(mod)[attr][key[0]] = value
+            else:
+                setattr(mod, attr, value)
+            return
 
 
 def _read_substituted(slot: Slot, name: str, swap: dict, state: State):

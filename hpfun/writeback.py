@@ -19,6 +19,7 @@ import weakref
 import attrs
 import torch
 
+from hpfun import lift
 from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block, unchecked
@@ -128,8 +129,9 @@ class WriteBack:
     """Where one extra output of a program goes.
 
     `input`: the index of a flat input (argument leaf or lifted tensor) the function modified
-    in place; otherwise `slot`: the name of the lifted slot the function assigned, or for an
-    optimizer's first state, `optimizer`, `param` and `key`."""
+    in place; otherwise `slot`: the name of the lifted slot the function assigned; for an
+    optimizer's first state, `optimizer`, `param` and `key`; for a tensor the function put into
+    a module that did not hold it (a cache made in a forward), its `place`."""
 
     layout: Layout
     shape: tuple
@@ -139,6 +141,7 @@ class WriteBack:
     optimizer: str | None = None
     param: str | None = None
     key: str | None = None
+    place: tuple | None = None  # a tensor the step put into a module: where (`lift.put`)
 
 
 def apply(writes, shards_per_output, inputs: list, state) -> None:
@@ -161,6 +164,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 slot = state.slots.get(wb.name) if state is not None else None
                 if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
+            elif wb.place is not None:
+                lift.put(state, wb.place, _new_tensor(value))
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
                 param = state.slots[wb.param].read()

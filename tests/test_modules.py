@@ -773,7 +773,7 @@ def test_a_constant_mask_torch_reads_is_read_while_tracing():
     a read of values). A mask made inside the function from constants is evaluated while
     tracing, so the stock step trains equal to eager; one held in a buffer (an input) cannot
     be, and the error says to pass is_causal=True, with which it trains too. Values made from
-    inputs or random draws, or constants written from them in place, are still refused."""
+    random draws, or constants written from them in place, are still refused."""
     for kwargs in ({}, {"buffer": True, "is_causal": True}):
         model = _CausalEncoder(**kwargs).double()
         ref = copy.deepcopy(model)
@@ -786,19 +786,83 @@ def test_a_constant_mask_torch_reads_is_read_while_tracing():
     model = _CausalEncoder(buffer=True).double()
     with pytest.raises(hpfun.CaptureError, match="pass is_causal=True"):
         stock_step(model, torch.optim.SGD(model.parameters(), lr=0.1), DP)(*batch(0))
-    def written(x):  # made from constants, then written from the input (GradScaler's found_inf)
+    w = torch.ones(4)
+
+    def written(x):  # made from constants, then written from a parameter (GradScaler's found_inf)
         found = torch.zeros(())
-        torch._amp_foreach_non_finite_check_and_unscale_([x], found, torch.ones(()))
+        torch._amp_foreach_non_finite_check_and_unscale_([w * x], found, torch.ones(()))
         return x * float(found)
 
     def assigned(x):
         m = torch.zeros(2)
-        m[0] = x[0]
+        m[0] = (w * x)[0]
         return x * float(m.sum())
 
-    for read in (lambda x: x * float((x > 0).sum()), lambda x: x * float(torch.rand(3).sum()), written, assigned):
+    for read in (lambda x: x * float((w * x > 0).sum()), lambda x: x * float(torch.rand(3).sum()), written, assigned):
         with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
             hpfun.shard(read, mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))(torch.ones(4))
+
+
+def test_a_value_read_from_the_arguments_is_read_as_eager_reads_it():
+    """A check a model makes on its inputs (`labels.max() >= vocab_size`, `torch.all(ids >= 0)`,
+    Longformer's `mask.any().item()`) reads the arguments' values: computed from them while
+    tracing, and checked at every call. A call whose arguments give another value runs (and
+    first compiles) the program traced for it; a value that keeps changing warns. Values read
+    from the same arguments after writing into a copy of them (`shifted[:, 1:] = ids[:, :-1]`)
+    are read too. Every call equals eager."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5).double()
+    ref = copy.deepcopy(lin)
+
+    def loss(x, labels, net=lin):
+        if labels.max() >= 5:
+            raise ValueError("a label out of range")
+        shifted = labels.new_zeros(labels.shape)
+        shifted[1:] = labels[:-1]
+        assert torch.all(shifted >= 0).item()
+        logits = net(x)
+        if (labels == 0).any():  # a branch on the batch's values
+            logits = logits * 2
+        return F.cross_entropy(logits, labels) * float((labels > 2).sum())
+
+    step = hpfun.shard(loss, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    x, _ = batch(0)
+    label_sets = [[1, 2, 3, 4] * 2, [1, 2, 3, 0] * 2, [2, 2, 2, 4] * 2, [1, 2, 3, 4] * 2, [0, 0, 1, 1] * 2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", hpfun.RetraceWarning)
+        for labels in label_sets:
+            labels = torch.tensor(labels)
+            assert abs(step(x, labels).full().item() - loss(x, labels, ref).item()) < 1e-12
+    assert step.trace_count == 4  # one program per value of the reads; the fourth call reuses the first
+    assert any("a value the function reads from its inputs changed" in str(w.message) for w in caught)
+    with pytest.raises(hpfun.CaptureError, match="a label out of range"):
+        step(x, torch.tensor([1, 2, 3, 7] * 2))
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+def test_as_strided_windows_of_a_split_batch_equal_eager(contiguous):
+    """Overlapping windows made with as_strided (Longformer's chunks) address the storage of the
+    tensor traced; the program's blocks and gathered copies are laid out otherwise. They are
+    taken by index instead: forward and gradient (summed where windows overlap) equal eager,
+    for a contiguous input and a transposed one."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).double()
+    ref = copy.deepcopy(lin)
+
+    def loss(x, net=lin):
+        h = net(x)  # (batch, 16, 8)
+        if not contiguous:
+            h = h.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, strided otherwise
+        chunks = h.as_strided((h.shape[0], 3, 8, 8), (h.stride(0), 4 * h.stride(1), h.stride(1), h.stride(2)))
+        return (chunks.sum(1) ** 2).mean()
+
+    step = hpfun.shard(lambda x: (loss(x), torch.autograd.grad(loss(x), lin.weight)[0]), mesh=DP,
+                       in_specs=(P("dp"),), out_specs=(P(), P()))
+    x = torch.randn(4, 16, 8, dtype=torch.float64)
+    got_loss, got_grad = step(x)
+    want = loss(x, ref)
+    assert abs(got_loss.full().item() - want.item()) < 1e-12
+    torch.testing.assert_close(got_grad.full(), torch.autograd.grad(want, ref.weight)[0], rtol=0, atol=1e-12)
 
 
 def _loop_piece(kind: str):
@@ -912,3 +976,102 @@ def test_more_torch_nn_layers_on_a_split_batch_equal_eager(make, shape):
     for _ in range(3):
         assert torch.allclose(f(x, y).full(), eager_step(ref, ref_opt, x, y), atol=1e-12)
     assert max_diff(model, ref) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# Python values and caches a module keeps
+# ---------------------------------------------------------------------------------------------
+
+
+class _Config:  # a transformers-style config object held by the modules
+    def __init__(self):
+        self.temperature = 1.0
+
+
+class Scaled(torch.nn.Module):
+    """Python values read by the forward: its own, and a held config's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4).double()
+        self.scale, self.mode, self.config = 2.0, "plain", _Config()
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale / self.config.temperature
+        return y if self.mode == "plain" else y.tanh()
+
+
+def test_a_python_value_a_module_holds_keys_the_program():
+    """A trace bakes `self.scale` in: changed between calls (by the user, by a held config),
+    the call compiles again instead of running the old value's program; changed back, the
+    first program is reused."""
+    torch.manual_seed(0)
+    model = Scaled()
+    step = hpfun.shard(lambda x: model(x).square().mean(), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    x, _ = batch(0)
+    for change in [{}, {"scale": 3.0}, {"mode": "tanh"}, {"config.temperature": 4.0}, {"scale": 2.0, "mode": "plain",
+                                                                                         "config.temperature": 1.0}]:
+        for name, value in change.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(model.config if owner else model, attr, value)
+        assert abs(step(x).full().item() - model(x).square().mean().item()) < 1e-12, change
+    assert step.trace_count == 4  # the last values are the first call's: its program again
+    model.config.temperature = 0.5
+    assert "model.config.temperature: value 0.5, cached 1.0" in str(hpfun.explain_cache_miss(step, x))
+
+
+class Cached(torch.nn.Module):
+    """What forwards keep between calls: a cache dict filled once (LeViT's attention biases in
+    eval mode), a rotary table registered as a buffer when a longer sequence comes, with the
+    length in a Python int, and the last loss kept in an attribute for logging."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).double()
+        self.table = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+        self.cache, self.cached_len, self.flips = {}, 0, False
+
+    def forward(self, x):
+        n = x.shape[1]
+        if "bias" not in self.cache:
+            self.cache["bias"] = self.table * 2
+        if n > self.cached_len:
+            self.register_buffer("cos", torch.cos(torch.arange(n, dtype=torch.float64))[:, None], persistent=False)
+            self.cached_len = n
+        self.flips = not self.flips
+        y = (self.lin(x) + self.cache["bias"]) * self.cos[:n]
+        self.last = y.detach().mean()
+        return y
+
+
+def test_what_a_forward_keeps_in_its_module_is_kept_as_eager_keeps_it():
+    """Every call equals eager, and leaves the module as eager does: the buffer registered, the
+    Python values set (a flag flipped at every call, also by a cached program), the last loss
+    a real tensor. Nothing of the trace (a stand-in tensor) is left anywhere in the module."""
+    torch.manual_seed(0)
+    model = Cached().eval()
+    ref = copy.deepcopy(model)
+    step = hpfun.shard(lambda x: model(x).square().mean(), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    g = torch.Generator().manual_seed(1)
+    for shape in [(4, 4, 8), (4, 4, 8), (4, 6, 8), (4, 4, 8), (4, 4, 8)]:
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        assert abs(step(x).full().item() - ref(x).square().mean().item()) < 1e-12
+        assert (model.cached_len, model.flips, model.cache.keys()) == (ref.cached_len, ref.flips, ref.cache.keys())
+        assert torch.equal(model.cos, ref.cos) and "cos" not in model.state_dict()
+        assert abs(model.last.item() - ref.last.item()) < 1e-12
+        assert not any(isinstance(v, torch._subclasses.FakeTensor) for v in
+                       [*vars(model).values(), *model._buffers.values(), *model.cache.values()])
+
+
+def test_a_module_given_as_a_default_argument_is_lifted():
+    """`def step(x, model=model)` (binding the model when the function is made) reads the
+    module's parameters as state, as a closure would."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+
+    def loss(x, net=model):
+        return net(x).square().mean()
+
+    step = hpfun.shard(loss, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    x, _ = batch(0)
+    assert abs(step(x).full().item() - loss(x, ref).item()) < 1e-12
