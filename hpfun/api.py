@@ -651,7 +651,7 @@ class ShardedFunction:
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
                  if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
-        substitution = lift.Substitution(call.state, swap, grads, scalars)
+        substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext():

@@ -584,9 +584,10 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
-            elif type(v) is dict and not attr.startswith("_") and any(isinstance(t, torch.Tensor) for t in v.values()):
+            elif type(v) is dict and not attr.startswith("_") and (not v or any(isinstance(t, torch.Tensor)
+                                                                              for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
-                for key, t in list(v.items()):
+                for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient
@@ -865,7 +866,7 @@ class Substitution:
     held in several places (tied weights, an optimizer's parameter) is one stand-in everywhere.
     """
 
-    def __init__(self, state: State, swap: dict, grads: dict, scalars: dict | None = None):
+    def __init__(self, state: State, swap: dict, grads: dict, scalars: dict | None = None, fn=None):
         self.state, self.swap, self._undo = state, swap, []
         self.scalars = scalars or {}  # a scalar slot's name -> its stand-in (`LIFTED_SCALARS`)
         self.set_aside: set = set()  # the statics this substitution itself changes (a group's foreach flag)
@@ -873,10 +874,13 @@ class Substitution:
         self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)
         self._optimizers: list = []
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
+        self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
+        if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
+            self._watch(fn)
         for root in state.roots:
             if isinstance(root.value, torch.nn.Module):
-                self._module(root.value)
                 self._keep(root.name, root.value)
+                self._module(root.value)
             elif isinstance(root.value, torch.optim.Optimizer):
                 self._optimizer(root.value)
             elif id(root.value) in swap:
@@ -906,6 +910,36 @@ class Substitution:
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
 
+    def _watch(self, fn) -> None:
+        """Lists and dicts the function's code and the hooks of its modules reach through closure
+        cells and globals (`acts = []` that a forward hook appends activations to): what the trace
+        adds to them is taken back, and added by every call (`created`)."""
+        functions = [fn]
+        for root in self.state.roots:
+            if isinstance(root.value, torch.nn.Module):
+                for mod in root.value.modules():
+                    for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
+                        functions += hooks.values()
+        seen: set = set()
+        for f in functions:
+            while isinstance(f, (functools.partial, types.MethodType)):
+                f = f.func if isinstance(f, functools.partial) else f.__func__
+            if not isinstance(f, types.FunctionType) or f.__code__ in seen:
+                continue
+            seen.add(f.__code__)
+            places = [(var, functools.partial(getattr, cell, "cell_contents"))
+                      for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True)]
+            places += [(var, functools.partial(f.__globals__.get, var)) for var in _global_names(f.__code__)
+                       if var in f.__globals__]
+            for var, read in places:
+                try:
+                    container = read()
+                except ValueError:  # an empty cell
+                    continue
+                if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
+                    self._watched.append((var, read, container, dict(container) if type(container) is dict
+                                          else list(container)))
+
     def _keep(self, prefix: str, module) -> None:
         """What each module holds before the trace, to find and take back what the trace left in it."""
         for name, mod in module.named_modules(remove_duplicate=True):
@@ -931,6 +965,15 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+        for var, read, container, items in self._watched:
+            if type(container) is list:
+                for i, v in enumerate(container[len(items):]):
+                    if isinstance(v, FakeTensor):
+                        out[f"{var}[+{i}]"] = (v, ("append", read))
+            else:  # (only new keys: a tensor held before is lifted state, its assignment written back as such)
+                for key, v in container.items():
+                    if isinstance(v, FakeTensor) and key not in items:
+                        out[f"{var}[{key!r}]"] = (v, ("key", read, key))
         return out
 
     def _take_back(self) -> None:
@@ -953,6 +996,11 @@ class Substitution:
                 if any(isinstance(v, FakeTensor) for v in inside):
                     container.clear()
                     container.update(items) if isinstance(container, dict) else container.extend(items)
+        for _, _, container, items in self._watched:
+            inside = container.values() if type(container) is dict else container
+            if any(isinstance(v, FakeTensor) for v in inside):
+                container.clear()
+                container.update(items) if type(container) is dict else container.extend(items)
 
     def _optimizer(self, opt):
         prefix = next(r.name for r in self.state.roots if r.value is opt)
@@ -1047,6 +1095,12 @@ class Substitution:
 
 def put(state: State, place: tuple, value) -> None:
     """Write a tensor the step made at its `place` (`Substitution.created`) in this call's modules."""
+    if place[0] == "append":  # a list the function (or a hook) appended to: this call's value too
+        place[1]().append(value)
+        return
+    if place[0] == "key":
+        place[1]()[place[2]] = value
+        return
     kind, fqn, attr, *key = place
     for root in state.roots:
         if isinstance(root.value, torch.nn.Module) and (not root.name or fqn == root.name

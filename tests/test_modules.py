@@ -1063,6 +1063,26 @@ def test_what_a_forward_keeps_in_its_module_is_kept_as_eager_keeps_it():
                        [*vars(model).values(), *model._buffers.values(), *model.cache.values()])
 
 
+def test_what_a_hook_appends_to_a_list_is_appended_by_every_call():
+    """A forward hook that logs activations into a list (`acts.append(out.detach().norm())`) and
+    one that rescales the output: each call appends its own real value, as eager does, and
+    nothing of the trace is left in the list."""
+    torch.manual_seed(0)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    acts, ref_acts = [], []
+    model[0].register_forward_hook(lambda m, i, o: acts.append(o.detach().norm()))
+    ref[0].register_forward_hook(lambda m, i, o: ref_acts.append(o.detach().norm()))
+    for m in (model, ref):
+        m[2].register_forward_hook(lambda m, i, o: o * 0.5)
+    step = hpfun.shard(lambda x: model(x).square().mean(), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(3):
+        x, _ = batch(i)
+        assert abs(step(x).full().item() - ref(x).square().mean().item()) < 1e-12
+    assert len(acts) == 3 and all(type(a) is torch.Tensor for a in acts)
+    torch.testing.assert_close(torch.stack(acts), torch.stack(ref_acts), rtol=0, atol=1e-12)
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
