@@ -474,8 +474,9 @@ VALUES = "<python values>"  # the statics key of a module tree's ModuleValues
 
 class ModuleValues:
     """The Python values a module tree holds (`self.scale = 2.0`, `self.max_seq_len_cached`, a
-    transformers config's `use_cache`): numbers, strings, booleans, None and tuples of them held
-    by each module, and by each plain object a module holds (a config), by name. A trace reads
+    transformers config's `use_cache`, PEFT's `self.scaling = {"default": 2.0}`): numbers,
+    strings, booleans, None and tuples of them held by each module, in a dict of them a module
+    holds, and by each plain object a module holds (a config), by name. A trace reads
     them as constants, so they key the program cache: a value changed between calls compiles
     again, where the program of the old value would be silently wrong. Hashed once (a cache-hit
     call hashes one object, not every value of a model), compared by value.
@@ -500,6 +501,11 @@ class ModuleValues:
                     continue
                 if _is_scalar(v):
                     items.append((_join(base, attr), v))
+                elif type(v) is dict and not attr.startswith("_") and v and id(v) not in seen \
+                        and all(_is_scalar(w) and _is_name(k) for k, w in v.items()):  # PEFT's scaling per adapter
+                    seen.add(id(v))
+                    objects[_join(base, attr)] = v
+                    items += [(_join(base, f"{attr}.{k}"), w) for k, w in v.items()]
                 elif _is_plain_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
@@ -527,6 +533,13 @@ class ModuleValues:
         owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
         owner = self.objects.get(owner_name)
         if owner is None:
+            return
+        if type(owner) is dict:
+            key = next((k for k in owner if str(k) == attr), attr)
+            if value is _MISSING:
+                owner.pop(key, None)
+            else:
+                owner[key] = value
             return
         if value is _MISSING:
             if attr in vars(owner):
@@ -585,7 +598,8 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
             elif type(v) is dict and not attr.startswith("_") and (not v or any(isinstance(t, torch.Tensor)
-                                                                              for t in v.values())):
+                                                                              for t in v.values())
+                                                                   or all(map(_is_scalar, v.values()))):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
