@@ -532,6 +532,8 @@ class ShardedFunction:
         except (HpfunError, KeyboardInterrupt):
             raise
         except Exception as err:  # anything else is hpfun's own failure: said so, the cause kept
+            if getattr(err, "hpfun_raised_by_the_code", False):  # the function's own check: the caller's
+                raise
             first = (str(err).strip().splitlines() or [""])[0][:300]
             name = getattr(self.fn, "__qualname__", repr(self.fn))
             whose = "hpfun" if self.options.registry is REGISTRY else "hpfun or in the rules of the registry passed"

@@ -429,6 +429,10 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
     except CaptureError:
         raise
     except Exception as err:  # re-raised with the user's line: tracing errors come in many types
+        if _raised_by_the_code(err):  # the function's own `raise ValueError(...)`: as eager raises it
+            err.add_note("(raised while hpfun.shard traced the function)")
+            err.hpfun_raised_by_the_code = True
+            raise
         if "convert all Tensors to FakeTensors" in str(err):
             raise UnliftedTensor(_user_where(err)) from err
         raise CaptureError(_describe(err)) from err
@@ -1071,6 +1075,17 @@ def _replaying(gm: torch.fx.GraphModule):
             return torch.fx.Interpreter(gm).run(*args)
 
     return run
+
+
+def _raised_by_the_code(err: Exception) -> bool:
+    """Whether `err` is one the traced code raised itself, by a `raise` or an `assert` in its own
+    (or a library's, not torch's) source: a check of its arguments (transformers' "You have to
+    specify either input_ids or inputs_embeds") is the caller's to catch, as in eager."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames or not _is_user_frame(frames[-1].filename) or isinstance(err, torch._subclasses.fake_tensor.UnsupportedFakeTensorException):
+        return False
+    line = (frames[-1].line or "").lstrip()
+    return line.startswith(("raise ", "assert ")) and type(err).__module__ == "builtins"
 
 
 def _user_where(err: Exception) -> str:
