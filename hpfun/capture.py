@@ -630,6 +630,21 @@ def _at_user_line() -> str:
 
 
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def _set_data(target, value) -> None:
+    """`p.data = new` (weight clipping after the step, an EMA swapped in) as the in-place copy it
+    is for every later read: setting `.data` swaps a tensor's contents outside anything a trace
+    records, so the write was lost. A lifted leaf takes the new values, and is written back."""
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape or value.dtype != target.dtype:
+        what = f"a {type(value).__name__}" if not isinstance(value, torch.Tensor) else \
+            f"{value.dtype} {list(value.shape)} (it is {target.dtype} {list(target.shape)})"
+        raise CaptureError(f"`.data` of a tensor is set to {what}{_at_user_line()}: a lifted tensor keeps its shape "
+                           "and dtype inside a sharded function; assign a new tensor to its place instead "
+                           "(module.weight = torch.nn.Parameter(...)) outside it")
+    with torch.no_grad():
+        target.copy_(value)
 
 
 def _as_strided(as_strided, x, size, stride, storage_offset=None):
@@ -939,6 +954,9 @@ class _TensorScalars(TorchFunctionMode):
             return _one_hot(func, *args, **kwargs)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \
+                and args[0].is_leaf:
+            return _set_data(*args)
         if func in _ALPHA and isinstance(kwargs.get("alpha"), torch.Tensor):
             alpha = kwargs.pop("alpha")
             x, y, *rest = args

@@ -1118,6 +1118,36 @@ def test_what_a_hook_appends_to_a_list_is_appended_by_every_call():
     torch.testing.assert_close(torch.stack(acts), torch.stack(ref_acts), rtol=0, atol=1e-12)
 
 
+def test_setting_data_of_a_parameter_is_written_back():
+    """`p.data = p.data.clamp(...)` after the step (WGAN's weight clipping as often written) set
+    the contents outside what a trace records: the write was lost, silently. Now it is the
+    in-place update it is, equal to eager; a new shape is refused with the fix."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+
+    def step(m, o, x, y, bound=0.05):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        for p in m.parameters():
+            p.data = p.data.clamp(-bound, bound)
+        return loss
+
+    sharded = hpfun.shard(lambda x, y: step(model, opt, x, y), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(2):
+        x, y = batch(i)
+        torch.testing.assert_close(sharded(x, y).full(), step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12 and model[0].weight.abs().max().item() == 0.05
+
+    def reshaped(x):
+        model[2].bias.data = torch.zeros(5, dtype=torch.float64)
+        return model(x).sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"`.data` of a tensor is set to torch.float64 \[5\]"):
+        hpfun.shard(reshaped, mesh=DP, in_specs=(P("dp"),), out_specs=P())(batch(0)[0])
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
