@@ -214,7 +214,56 @@ def lifted_dp(out: Path):
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
+    got["kept"] = kept_by_the_forward(mesh)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+class _Keeps(torch.nn.Module):
+    """A forward that keeps things: a cache dict, a buffer registered on a longer sequence with
+    its length in a Python int, a flag flipped per call, the last output's mean; and a check of
+    its input's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).double()
+        self.cache, self.cached_len, self.flips = {}, 0, False
+
+    def forward(self, x):
+        if x.max() > 100:
+            raise ValueError("out of range")
+        n = x.shape[1]
+        if "w" not in self.cache:
+            self.cache["w"] = self.lin.weight * 2
+        if n > self.cached_len:
+            self.register_buffer("cos", torch.cos(torch.arange(n, dtype=torch.float64))[:, None], persistent=False)
+            self.cached_len = n
+        self.flips = not self.flips
+        y = (x @ self.cache["w"]) * self.cos[:n]
+        self.last = y.detach().mean()
+        return y
+
+
+def kept_by_the_forward(mesh) -> dict:
+    """What a forward keeps in its module (and a hook appends to a list), on gloo: each call
+    against eager, and the module's state after it."""
+    torch.manual_seed(3)
+    model, ref = _Keeps(), _Keeps()
+    ref.load_state_dict(model.state_dict())
+    acts, ref_acts = [], []
+    model.lin.register_forward_hook(lambda m, i, o: None)
+    model.register_forward_hook(lambda m, i, o: acts.append(o.detach().norm()))
+    ref.register_forward_hook(lambda m, i, o: ref_acts.append(o.detach().norm()))
+    step = hpfun.shard(lambda x: model(x).square().mean(), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    diffs = []
+    g = torch.Generator().manual_seed(5)
+    for shape in [(4, 4, 8), (4, 4, 8), (4, 6, 8), (4, 6, 8)]:
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        diffs.append(abs(step(x).full().item() - ref(x).square().mean().item()))
+        diffs.append(abs(model.last.item() - ref.last.item()))
+    same = (model.cached_len, model.flips, sorted(model.cache), len(acts)) == (ref.cached_len, ref.flips, sorted(ref.cache), len(ref_acts))
+    diffs.append((torch.stack(acts) - torch.stack(ref_acts)).abs().max().item())
+    diffs.append((model.cos - ref.cos).abs().max().item())
+    return {"diff": max(diffs), "same": same, "raised": _error(lambda: step(torch.full((4, 4, 8), 1e3, dtype=torch.float64)))}
 
 
 def donated_state(tp_mesh, dp_mesh, x, y) -> dict:

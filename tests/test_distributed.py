@@ -248,6 +248,16 @@ def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_jo
         assert donated["global kept"] and kept["global kept"], rank
 
 
+def test_what_a_forward_keeps_is_kept_on_every_rank(lifted_dp_job):
+    """A cache dict, a buffer registered in the forward, a Python flag it flips, the last
+    output kept in an attribute, a forward hook's list, a check of the input's values: on gloo
+    as in eager, on both ranks; the check's own ValueError reaches the caller."""
+    for rank in lifted_dp_job:
+        kept = rank["kept"]
+        assert kept["diff"] < 1e-12 and kept["same"], kept
+        assert kept["raised"].startswith("ValueError: out of range"), kept["raised"]
+
+
 def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
     """Rank 1 passes a smaller batch and closes over a narrower module: every rank fails, with
     one line per differing input naming its path and each rank's value."""
