@@ -34,6 +34,7 @@ import functools
 import os
 import sys
 import traceback
+import weakref
 from unittest import mock
 
 import attrs
@@ -666,7 +667,7 @@ def _as_strided(as_strided, x, size, stride, storage_offset=None):
     device = x.device
     if x.is_contiguous():
         at = torch.arange(span, device=device).as_strided(size, stride, offset - base)
-        return x.reshape(-1)[at]
+        return _taken(x.reshape(-1)[at])
     with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():  # every address one of x's
         where = torch.full((span,), -1, dtype=torch.int64)
         where[torch.arange(span).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)] = torch.arange(x.numel())
@@ -675,7 +676,26 @@ def _as_strided(as_strided, x, size, stride, storage_offset=None):
     elements = torch.arange(span, device=device).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)
     where = torch.full((span,), -1, dtype=torch.int64, device=device).index_put(
         (elements,), torch.arange(x.numel(), device=device))
-    return x.reshape(-1)[where.as_strided(size, stride, offset - base)]
+    return _taken(x.reshape(-1)[where.as_strided(size, stride, offset - base)])
+
+
+_TAKEN: dict = {}  # id -> weak reference of each as_strided result taken by index (a copy, not a view)
+
+
+def _taken(out: torch.Tensor) -> torch.Tensor:
+    if len(_TAKEN) > 4096:
+        for k in [k for k, r in _TAKEN.items() if r() is None]:
+            del _TAKEN[k]
+    _TAKEN[id(out)] = weakref.ref(out)
+    return out
+
+
+def _is_taken(t) -> bool:
+    for x in (t, getattr(t, "_base", None)):
+        ref = _TAKEN.get(id(x)) if x is not None else None
+        if ref is not None and ref() is x:
+            return True
+    return False
 
 
 def _distinct_elements(x) -> bool:
@@ -736,6 +756,10 @@ def _refuse_overlapping_write(func, args) -> None:
     if not (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS) or name in _NOT_WRITES:
         return
     target = args[0] if args else None
+    if isinstance(target, torch.Tensor) and _TAKEN and _is_taken(target):
+        raise CaptureError(Problem(f"{name}{_at_user_line()}", "writes in place into the result of as_strided, which "
+                                   "hpfun takes by index (a copy: the write would not reach the tensor it views)",
+                                   "write into that tensor itself (index_put_, scatter_), or clone the result first"))
     if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:
         where = _at_user_line()
         raise CaptureError(

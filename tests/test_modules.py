@@ -866,6 +866,14 @@ def test_as_strided_windows_of_a_split_batch_equal_eager(contiguous):
     assert abs(got_loss.full().item() - want.item()) < 1e-12
     torch.testing.assert_close(got_grad.full(), torch.autograd.grad(want, ref.weight)[0], rtol=0, atol=1e-12)
 
+    def written(x):  # a write through the windows would not reach x: refused, not lost
+        y = x.clone()
+        y.as_strided((4, 2), (8, 1)).zero_()
+        return y
+
+    with pytest.raises(hpfun.CaptureError, match="writes in place into the result of as_strided"):
+        hpfun.shard(written, mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))(torch.randn(4, 8))
+
 
 def _loop_piece(kind: str):
     """A training step with one piece of a real training loop in it."""
