@@ -648,6 +648,8 @@ class ShardedFunction:
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
             swap[id(real)] = fake
+            if isinstance(real, torch.Tensor) and (real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None)):
+                _hooks_onto(real, fake)
             if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
@@ -729,6 +731,17 @@ def _collector_paused():
     finally:
         if was_on:
             gc.enable()
+
+
+def _hooks_onto(real: torch.Tensor, stand_in: torch.Tensor) -> None:
+    """A parameter's own gradient hooks (`p.register_hook(lambda g: g.clamp(-c, c))`, a
+    post-accumulate hook) on its stand-in too: the trace's backward runs them, as eager's does."""
+    for hook in (real._backward_hooks or {}).values():
+        if stand_in.requires_grad:
+            stand_in.register_hook(hook)
+    for hook in (getattr(real, "_post_accumulate_grad_hooks", None) or {}).values():
+        if stand_in.requires_grad and stand_in.is_leaf:
+            stand_in.register_post_accumulate_grad_hook(hook)
 
 
 def _undo_effects(before: dict, after: dict) -> tuple:

@@ -1156,6 +1156,26 @@ def test_setting_data_of_a_parameter_is_written_back():
         hpfun.shard(reshaped, mesh=DP, in_specs=(P("dp"),), out_specs=P())(batch(0)[0])
 
 
+def _halve_grad(p) -> None:
+    p.grad.mul_(0.5)
+
+
+def test_a_parameters_own_gradient_hooks_run():
+    """`p.register_hook(lambda g: g.clamp(-c, c))` (per-parameter gradient clipping) and a
+    post-accumulate hook were registered on the parameter, not on its stand-in in the trace:
+    the gradient went unclipped, silently. Both now run, equal to eager."""
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        m[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        m[2].weight.register_post_accumulate_grad_hook(_halve_grad)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    step = stock_step(model, opt, DP)
+    for i in range(2):
+        x, y = batch(i)
+        torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
