@@ -650,6 +650,10 @@ class ShardedFunction:
             swap[id(real)] = fake
             if isinstance(real, torch.Tensor) and (real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None)):
                 _hooks_onto(real, fake)
+            if isinstance(real, torch.Tensor) and type(real) is not Sharded and real.__dict__:  # `p.no_decay = True`,
+                for key, value in real.__dict__.items():  # read by a custom loop: the stand-in has it too
+                    if key not in fake.__dict__:
+                        setattr(fake, key, value)
             if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()

@@ -1176,6 +1176,33 @@ def test_a_parameters_own_gradient_hooks_run():
     assert max_diff(model, ref) < 1e-12
 
 
+def test_attributes_set_on_parameters_are_read_in_the_trace():
+    """`p.no_decay = True` (how Megatron-style code marks parameters) read by a hand-written
+    update: the stand-in the trace reads carries the parameter's attributes, so the biases
+    skip the decay as in eager."""
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        for name, p in m.named_parameters():
+            p.no_decay = name.endswith("bias")
+
+    def step(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                if not getattr(p, "no_decay", False):
+                    p.mul_(0.9)
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        return loss
+
+    sharded = hpfun.shard(lambda x, y: step(model, x, y), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(2):
+        x, y = batch(i)
+        torch.testing.assert_close(sharded(x, y).full(), step(ref, x, y), rtol=0, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
