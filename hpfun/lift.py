@@ -78,21 +78,33 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     roots: list[Root] = []
     opaque: list[tuple[str, object]] = []
     seen_objects: set[int] = set()
-    seen_code: set = set()
+    seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
+    names: set[str] = set()
 
-    def value(obj, name: str, read, write) -> None:
+    def unique(name: str, owner: str) -> str:
+        """`name`, or where another root has it (two helpers each closing over their own `model`)
+        the owner's name before it, then a number."""
+        if name in names and owner:
+            name = _join(owner, name)
+        base, n = name, 2
+        while name in names:
+            name, n = f"{base}#{n}", n + 1
+        names.add(name)
+        return name
+
+    def value(obj, name: str, read, write, owner: str = "") -> None:
         if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
             if name and read is not None:
-                roots.append(Root(name, _SCALAR, read))
+                roots.append(Root(unique(name, owner), _SCALAR, read))
             return
         if id(obj) in seen_objects:
             return
         if isinstance(obj, (torch.Tensor, Sharded)):
             seen_objects.add(id(obj))
-            roots.append(Root(name, obj, read, write))
+            roots.append(Root(unique(name, owner), obj, read, write))
         elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             seen_objects.add(id(obj))
-            roots.append(Root(name, obj))
+            roots.append(Root(unique(name, owner) if name else name, obj))
         elif isinstance(obj, dict) and _holds_state(obj):
             seen_objects.add(id(obj))
             note(None)
@@ -134,9 +146,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if not isinstance(fn, types.FunctionType):
                 return
         code = fn.__code__
-        if code in seen_code or not given and _is_library(code.co_filename):
+        key = (code, tuple(map(id, fn.__closure__ or ())))
+        if key in seen_functions or not given and _is_library(code.co_filename):
             return
-        seen_code.add(code)
+        seen_functions.add(key)
         note((fn, "__code__", code))
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
             contents = getattr(cell, "cell_contents", _MISSING)
@@ -144,7 +157,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if contents is _MISSING:  # an empty cell: a name assigned later in the enclosing function
                 continue
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
-                  functools.partial(setattr, cell, "cell_contents"))
+                  functools.partial(setattr, cell, "cell_contents"), owner=name)
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
         defaults = fn.__defaults__ or ()
         for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):

@@ -1203,6 +1203,30 @@ def test_attributes_set_on_parameters_are_read_in_the_trace():
     assert max_diff(model, ref) < 1e-12
 
 
+def test_two_closures_of_one_helper_lift_both_modules():
+    """`make_head(model)` called twice: two closures of the same code, each over its own `m`.
+    The walk had taken the second for the first (same code) and named both `m`; both are lifted
+    now, the second named after the function holding it."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4).double(), torch.nn.Linear(8, 4).double()
+
+    def make_head(m):
+        def head(x):
+            return m(x)
+        return head
+
+    head_a, head_b = make_head(a), make_head(b)
+
+    def loss(x):
+        return (head_a(x) * head_b(x)).sum()
+
+    step = hpfun.shard(loss, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    x, _ = batch(0)
+    assert abs(step(x).full().item() - loss(x).item()) < 1e-12
+    text = str(step.lower(x))
+    assert "m.weight" in text and "head_b.m.weight" in text, text
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
