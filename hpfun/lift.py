@@ -79,6 +79,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     opaque: list[tuple[str, object]] = []
     seen_objects: set[int] = set()
     seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
+    seen_places: set = set()  # (id of a cell or a globals dict, name): a variable two functions read is one root
     names: set[str] = set()
 
     def unique(name: str, owner: str) -> str:
@@ -154,8 +155,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
             contents = getattr(cell, "cell_contents", _MISSING)
             note((cell, "cell_contents", contents))
-            if contents is _MISSING:  # an empty cell: a name assigned later in the enclosing function
+            if contents is _MISSING or (id(cell), var) in seen_places:  # (empty: assigned later in the enclosing function)
                 continue
+            seen_places.add((id(cell), var))
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
                   functools.partial(setattr, cell, "cell_contents"), owner=name)
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
@@ -171,7 +173,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         g = fn.__globals__
         for var in _global_names(code):
             note((g, var, g.get(var, _MISSING)))
-            if var in g:
+            if var in g and (id(g), var) not in seen_places:
+                seen_places.add((id(g), var))
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
 
     note = guard.append if guard is not None else lambda _: None
