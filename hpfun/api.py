@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -34,8 +36,8 @@ from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
-    match_patterns, misfit, only_wildcards, pattern_matches, spec_tree_problems, specificity, tensor_layout,
-    warn_kept_whole, warn_kept_whole_unless,
+    match_patterns, misfit, only_wildcards, pattern_matches, register_container, spec_tree_problems, specificity,
+    tensor_layout, warn_kept_whole, warn_kept_whole_unless,
 )
 from hpfun.writeback import WriteBack
 
@@ -775,6 +777,8 @@ class _Traced:
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
+        while any([register_container(type(v)) for v in flat if _is_container(v)]):  # a dataclass of results
+            flat, self.out_tree = pytree.tree_flatten(out)  # (nested ones registered level by level)
         out, flat = _without_caches(out, flat, self.out_tree)
         self.out_example = out
         self.out_statics = {i: v for i, v in enumerate(flat) if not isinstance(v, torch.Tensor)}
@@ -1187,14 +1191,20 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     kind = type(x)
     if kind is Sharded:
         key.append(x.signature())
-    elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x):
-        return False  # a namedtuple, an OrderedDict, a registered class, a subclass...
+    elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x) or \
+            _is_container(x) and register_container(kind):
+        return False  # a namedtuple, an OrderedDict, a registered class, a subclass, a BatchEncoding...
     elif isinstance(x, torch.Tensor):
         key.append((x.shape, x.dtype, x.device, x.requires_grad))
     else:
         key.append(("static", kind, x))
     flat.append(x)
     return True
+
+
+def _is_container(x) -> bool:
+    """A dataclass instance, or a mapping that is not a dict (`register_container`)."""
+    return (isinstance(x, collections.abc.Mapping) or dataclasses.is_dataclass(x)) and not isinstance(x, type)
 
 
 def _is_numpy(x) -> bool:

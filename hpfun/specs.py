@@ -19,8 +19,12 @@ it takes (its own path, or the parameter a gradient or optimizer state follows).
 
 from __future__ import annotations
 
+import collections
+import collections.abc
+import dataclasses
 import difflib
 import fnmatch
+import functools
 import os
 import re
 import sys
@@ -115,6 +119,48 @@ def _describe(tree) -> str:
 
 def n_leaves(tree) -> int:
     return len(pytree.tree_leaves(tree, is_leaf=is_sharded))
+
+
+def register_container(kind: type) -> bool:
+    """Whether an argument of this type is now a container whose values hpfun sees: a
+    dataclass (a `Batch(x, y)`), or a mapping that is not a dict (transformers' BatchEncoding,
+    what its tokenizers and data collators return, is a UserDict), registered with
+    torch.utils._pytree once; the function is handed the same type back."""
+    if kind in pytree.SUPPORTED_NODES:
+        return True
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        if dataclasses.is_dataclass(kind):
+            pytree.register_dataclass(kind, serialized_type_name=name)
+            return True
+        if issubclass(kind, collections.abc.Mapping):
+            pytree.register_pytree_node(kind, _mapping_flatten, functools.partial(_mapping_unflatten, kind),
+                                        serialized_type_name=name, flatten_with_keys_fn=_mapping_flatten_with_keys)
+            return True
+    except (TypeError, ValueError):  # fields a dataclass's __init__ does not take: a leaf, as before
+        return False
+    return False
+
+
+def _mapping_flatten(m):
+    return list(m.values()), list(m.keys())
+
+
+def _mapping_flatten_with_keys(m):
+    return [(pytree.MappingKey(k), v) for k, v in m.items()], list(m.keys())
+
+
+def _mapping_unflatten(kind, values, keys):
+    data = dict(zip(keys, values, strict=True))
+    try:
+        return kind(data)
+    except Exception:  # noqa: BLE001 - a constructor that wants more: the mapping filled in place
+        out = kind.__new__(kind)
+        if isinstance(out, collections.UserDict):
+            out.data = data
+        else:
+            out.update(data)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +272,9 @@ def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "
     problems of the call."""
     if is_spec_leaf(specs):
         return []
+    if dataclasses.is_dataclass(specs) and not isinstance(specs, type):  # a Batch of specs for a Batch
+        return [p for f in dataclasses.fields(specs)
+                for p in spec_tree_problems(getattr(specs, f.name), root, mesh, f"{path}.{f.name}")]
     if isinstance(specs, dict):
         return [p for k, v in specs.items() for p in spec_tree_problems(v, root, mesh, f"{path}[{k!r}]")]
     if _is_spec_tree(specs):
@@ -247,7 +296,10 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     where = root + pytree.keystr(path)
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
-    if isinstance(specs, dict) and isinstance(tree, dict):
+    if dataclasses.is_dataclass(specs) and type(specs) is type(tree):  # a Batch of specs for a Batch
+        specs = {f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)}
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    if isinstance(specs, dict) and isinstance(tree, collections.abc.Mapping):
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
                                                              path + (pytree.MappingKey(k),), root, mesh, kept)]

@@ -106,18 +106,42 @@ def test_non_tensor_outputs_come_back_as_they_are():
         torch.testing.assert_close(out[5]["a"][0].full(), x.sum())
 
 
-def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
-    """A dataclass holding tensors would hand back the trace's stand-ins: an error naming its path."""
+def test_dataclasses_and_mappings_in_and_out_are_containers():
+    """A dataclass batch (`Batch(x, y)`) and a mapping that is not a dict (transformers'
+    BatchEncoding, what its tokenizers and collators return) are seen into, given a prefix spec
+    or one of their own shape, and handed to the function as themselves; a dataclass of results
+    comes back as one, holding Sharded values."""
+    import collections
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
 
     @dataclasses.dataclass
     class Out:
-        y: torch.Tensor
+        total: torch.Tensor
         n: int
 
-    f = hpfun.shard(lambda x: (x, Out(x, 1)), mesh=MESH, in_specs=P("dp"))
-    _, text = _error(f, torch.randn(8), error=hpfun.CaptureError)
-    assert "outputs[1]: is a value of type Out holding tensors (y)" in text and "register_dataclass" in text
-    assert "FakeTensor" not in text
+    class Encoding(collections.UserDict):  # what BatchEncoding is
+        def __getattr__(self, name):
+            return self.data[name]
+
+    def step(batch):
+        assert isinstance(batch, (Batch, Encoding))
+        return Out((batch.x * batch.y).sum(), 1)
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    for batch, spec in [(Batch(x, y), P("dp")), (Batch(x, y), Batch(P("dp"), P())), (Encoding(x=x, y=y), P("dp")),
+                        (Encoding(x=x, y=y), {"x": P("dp"), "y": P("dp")})]:
+        out = hpfun.shard(step, mesh=MESH, in_specs=(spec,), out_specs=Out(P(), None))(batch)
+        assert isinstance(out, Out) and out.n == 1
+        torch.testing.assert_close(out.total.full(), (x * y).sum())
+
+
+def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
+    """An object holding tensors that is not a container hpfun can see into would hand back the
+    trace's stand-ins: an error naming its path."""
 
     class Layers:  # tensors a few levels down, as a transformers cache holds them
         def __init__(self, x):
