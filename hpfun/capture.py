@@ -1166,6 +1166,11 @@ def _describe(err: Exception) -> str:
             hint = (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write the "
                     "loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / var.clamp(min=eps)), "
                     "averaged as its reduction says")
+        elif "aten.nonzero" in str(err) or "aten.masked_select" in str(err):
+            hint = (" — a boolean mask picks as many elements as it has True values (x[mask], masked_select, "
+                    "nonzero), a shape read from the data, and hpfun traces on shapes only: keep the shape and mask "
+                    "the values instead (F.cross_entropy(..., ignore_index=-100), torch.where(mask, x, 0), or a "
+                    "weighted sum divided by mask.sum())")
         elif reader is not None:
             hint += f" (the read is in {os.path.relpath(reader.filename, TORCH_DIR)}:{reader.lineno}, {reader.name})"
         if "grad_scaler.py" in frames:

@@ -106,10 +106,19 @@ def test_data_dependent_control_flow_is_a_capture_error():
 
 
 def test_data_dependent_shape_is_a_capture_error():
-    """Ops whose output shape depends on data (nonzero) fail at capture with the user's line."""
+    """Ops whose output shape depends on data (nonzero, a boolean-mask index as loss code
+    writes it) fail at capture with the user's line and the shape-keeping rewrite."""
     f = hpfun.shard(lambda x: torch.nonzero(x), mesh=MESH, in_specs=P("dp"))
     _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
     assert "nonzero" in text
+
+    def masked_loss(logits, labels):
+        keep = labels != -100
+        return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+
+    f = hpfun.shard(masked_loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 4), torch.tensor([1, -100, 2, 3, -100, 0, 1, 2]), error=hpfun.CaptureError)
+    assert "logits[keep]" in text and "ignore_index=-100" in text
 
 
 def test_grad_scaler_is_named_with_the_fix():
