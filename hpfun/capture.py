@@ -1166,7 +1166,11 @@ def _describe(err: Exception) -> str:
             hint = (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write the "
                     "loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / var.clamp(min=eps)), "
                     "averaged as its reduction says")
-        elif "aten.nonzero" in str(err) or "aten.masked_select" in str(err):
+        elif reader is not None and reader.name == "ctc_loss":
+            hint = (" — torch's CTC loss kernel sizes its work from the target lengths' values, so it cannot be "
+                    "traced on shapes, and hpfun has no decomposition of it yet: a step with a CTC loss cannot be "
+                    "sharded (a forward-only function returning the log-probabilities can)")
+        elif reader is None and ("aten.nonzero" in str(err) or "aten.masked_select" in str(err)):
             hint = (" — a boolean mask picks as many elements as it has True values (x[mask], masked_select, "
                     "nonzero), a shape read from the data, and hpfun traces on shapes only: keep the shape and mask "
                     "the values instead (F.cross_entropy(..., ignore_index=-100), torch.where(mask, x, 0), or a "

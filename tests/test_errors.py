@@ -120,6 +120,14 @@ def test_data_dependent_shape_is_a_capture_error():
     _, text = _raise(f, torch.randn(8, 4), torch.tensor([1, -100, 2, 3, -100, 0, 1, 2]), error=hpfun.CaptureError)
     assert "logits[keep]" in text and "ignore_index=-100" in text
 
+    def ctc(x):  # torch's CTC kernel sizes its work from the lengths' values: said plainly
+        return torch.nn.functional.ctc_loss(x.log_softmax(-1).transpose(0, 1), torch.ones(8, 2, dtype=torch.long),
+                                            torch.full((8,), 4), torch.full((8,), 2))
+
+    f = hpfun.shard(ctc, mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 4, 5), error=hpfun.CaptureError)
+    assert "CTC loss kernel sizes its work" in text and "cannot be sharded" in text
+
 
 def test_grad_scaler_is_named_with_the_fix():
     """torch.amp.GradScaler's step branches on whether a gradient overflowed: the error says so
