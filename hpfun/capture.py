@@ -419,13 +419,44 @@ def _lstm_as_matmuls():
         torch._C._set_mkldnn_enabled(was)
 
 
+@contextlib.contextmanager
+def _cumulative_batch_norm():
+    """BatchNorm with `momentum=None` (a cumulative average of the batch statistics, as
+    `torch.optim.swa_utils.update_bn` sets it) traced as the update it makes: torch's forward
+    reads the batch count into a Python float (`1.0 / float(self.num_batches_tracked)`), which a
+    trace cannot; the same average is computed with the count as a tensor."""
+    cls = torch.nn.modules.batchnorm._BatchNorm
+    original = cls.forward
+
+    def forward(self, input):  # noqa: A002 - torch's own name
+        if self.momentum is not None or not (self.training and self.track_running_stats) \
+                or self.num_batches_tracked is None or self.running_mean is None:
+            return original(self, input)
+        self._check_input_dim(input)
+        self.num_batches_tracked.add_(1)
+        out = torch.nn.functional.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        dims = [0, *range(2, input.dim())]
+        with torch.no_grad():
+            factor = 1.0 / self.num_batches_tracked.double()
+            for stat, batch in ((self.running_mean, input.mean(dims)), (self.running_var, input.var(dims, correction=1))):
+                stat.copy_(stat * (1 - factor) + batch * factor)
+        return out
+
+    cls.forward = forward
+    try:
+        yield
+    finally:
+        cls.forward = original
+
+
 def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
-                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls():
+                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls(), \
+                _cumulative_batch_norm():
             return traced(*fakes)
     except CaptureError:
         raise

@@ -476,13 +476,16 @@ def test_in_place_updates_of_arguments():
     assert torch.equal(sharded.full(), torch.arange(8.0) - 0.5) and sharded.shards[0] is shards[0]
 
 
-def test_batch_norm_running_statistics_and_eval_mode():
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["moving-average", "cumulative"])
+def test_batch_norm_running_statistics_and_eval_mode(momentum):
     """BatchNorm trained under data parallel updates running_mean/var and num_batches_tracked
-    exactly as eager; model.eval() retraces, and explain_cache_miss says why."""
+    exactly as eager, with an exponential or a cumulative average (momentum=None, whose count
+    torch reads as a Python float); model.eval() retraces, and explain_cache_miss says why."""
 
     def net():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8, momentum=momentum),
+                                   torch.nn.ReLU(),
                                    torch.nn.Flatten(), torch.nn.Linear(8 * 16, 4)).double()
 
     model, ref = net(), net()
