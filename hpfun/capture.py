@@ -1197,6 +1197,11 @@ def _describe(err: Exception) -> str:
             hint = (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write the "
                     "loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / var.clamp(min=eps)), "
                     "averaged as its reduction says")
+        elif reader is not None and reader.name in ("pack_padded_sequence", "pack_sequence"):
+            hint = (" — a packed sequence is laid out by the lengths' values, which a trace on shapes cannot "
+                    "read: run the RNN on the padded batch instead (a unidirectional RNN's outputs at the valid "
+                    "steps are the same; mask the rest with torch.where(arange(T) < lengths[:, None], ...) and "
+                    "take each sequence's last valid output rather than h_n)")
         elif reader is not None and reader.name == "ctc_loss":
             hint = (" — torch's CTC loss kernel sizes its work from the target lengths' values, so it cannot be "
                     "traced on shapes, and hpfun has no decomposition of it yet: a step with a CTC loss cannot be "

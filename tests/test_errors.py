@@ -128,6 +128,13 @@ def test_data_dependent_shape_is_a_capture_error():
     _, text = _raise(f, torch.randn(8, 4, 5), error=hpfun.CaptureError)
     assert "CTC loss kernel sizes its work" in text and "cannot be sharded" in text
 
+    def packed(x, lengths):  # a packed sequence is laid out by the lengths' values
+        return torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False).data.sum()
+
+    f = hpfun.shard(packed, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 6, 4), torch.tensor([6, 3, 5, 2, 1, 6, 4, 2]), error=hpfun.CaptureError)
+    assert "run the RNN on the padded batch" in text
+
 
 def test_grad_scaler_is_named_with_the_fix():
     """torch.amp.GradScaler's step branches on whether a gradient overflowed: the error says so
