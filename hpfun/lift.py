@@ -597,6 +597,12 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
     params, objects = [], set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
+        if isinstance(mod, torch.jit.ScriptModule):
+            raise CaptureError(Problem(base or "the function", f"is a TorchScript module ({type(mod).__name__}): its "
+                                       "compiled graph reads its own parameters, which hpfun cannot swap for the "
+                                       "trace's", "shard the nn.Module it was scripted from (hpfun compiles the "
+                                       "per-shard program itself: compile=True)"),
+                               headline="cannot lift the state the function reads")
         for store in (vars(mod), mod._parameters, mod._buffers, mod._modules):
             snapshot.dict(store)
         for v in vars(mod).values():  # a config's values key the cache too (`ModuleValues`)

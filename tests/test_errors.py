@@ -105,6 +105,14 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "if (x * w).sum() > 0" in text and "torch.where" in text
 
 
+def test_a_torchscript_module_is_named_with_the_fix():
+    """A scripted submodule runs its compiled graph on its own parameters: named, not a TypeError."""
+    model = torch.nn.Sequential(torch.jit.script(torch.nn.Linear(4, 4)), torch.nn.ReLU())
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "model.0: is a TorchScript module" in text and "shard the nn.Module it was scripted from" in text
+
+
 def test_data_dependent_shape_is_a_capture_error():
     """Ops whose output shape depends on data (nonzero, a boolean-mask index as loss code
     writes it) fail at capture with the user's line and the shape-keeping rewrite."""
