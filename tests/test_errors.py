@@ -105,6 +105,7 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "if (x * w).sum() > 0" in text and "torch.where" in text
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_torchscript_module_is_named_with_the_fix():
     """A scripted submodule runs its compiled graph on its own parameters: named, not a TypeError."""
     model = torch.nn.Sequential(torch.jit.script(torch.nn.Linear(4, 4)), torch.nn.ReLU())
