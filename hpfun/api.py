@@ -19,7 +19,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import UnliftedTensor, same_value, trace
+from hpfun.capture import ON_META, UnliftedTensor, same_value, trace
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
@@ -553,8 +553,8 @@ class ShardedFunction:
         if device is not None and torch.device(device).type == "meta":
             device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
         arguments = len(call.flat) - len(call.lifted)  # (lifted state comes last)
-        readable = [call.flat[i] if i < arguments and type(call.flat[i]) is torch.Tensor
-                    and call.flat[i].device.type != "meta" else None for i in tensor_pos]
+        readable = [(ON_META if call.flat[i].device.type == "meta" else call.flat[i])
+                    if i < arguments and type(call.flat[i]) is torch.Tensor else None for i in tensor_pos]
         try:
             captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
                              requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)

@@ -815,6 +815,7 @@ _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int
 
 
 _READABLE: list = [None]  # the real inputs a trace may read values of (`readable_inputs`), and its reads
+ON_META = object()  # an argument given as a meta tensor: its values cannot be read
 
 
 @contextlib.contextmanager
@@ -822,9 +823,10 @@ def readable_inputs(values: list):
     """While tracing, `values[i]` (a real tensor, or None) is the real value of the trace's i-th
     input: a value read into Python from those inputs only (`labels.max() >= vocab_size`, a
     check transformers models make) is computed from them, as eager would, and recorded as an
-    `InputRead` the program holds for (`reads`)."""
+    `InputRead` the program holds for (`reads`). `ON_META` marks an argument given as a meta
+    tensor (planning only), which a read then names in its error."""
     was = _READABLE[0]
-    _READABLE[0] = (values, [])
+    _READABLE[0] = (values, [], [])
     try:
         yield _READABLE[0][1]
     finally:
@@ -910,7 +912,9 @@ def _constant_value(t):
             if not inputs:
                 inputs.update((n, i) for i, n in enumerate(n for n in mode.tracer.graph.nodes if n.op == "placeholder"))
             i = inputs.get(node)
-            if i is None or i >= len(readable) or readable[i] is None:
+            if i is None or i >= len(readable) or not isinstance(readable[i], torch.Tensor):
+                if i is not None and i < len(readable) and readable[i] is ON_META:
+                    _READABLE[0][2].append(i)
                 return None  # lifted state, or an input planned on shapes only
             made.append(node)
             continue
@@ -1188,7 +1192,10 @@ def _describe(err: Exception) -> str:
         stack = traceback.extract_tb(err.__traceback__)
         frames = {os.path.basename(f.filename) for f in stack}
         reader = next((f for f in reversed(stack) if _public_torch_file(f.filename)), None)
-        if any(f.name == "_detect_is_causal_mask" for f in stack):
+        if _READABLE[0] is not None and _READABLE[0][2]:
+            hint = (" — the function reads values of its arguments here, and they are meta tensors (planning "
+                    "only): give real tensors for the arguments it reads (the others may stay meta)")
+        elif any(f.name == "_detect_is_causal_mask" for f in stack):
             hint = (" — torch's transformer layers compare the attention mask with a causal mask to decide "
                     "is_causal (a read of its values): pass is_causal=True with a causal mask (tgt_is_causal=True "
                     "for nn.Transformer's decoder), or make the mask inside the function "

@@ -15,6 +15,23 @@ def _collectives(lowered):
     return [(c.kind, c.axes, c.bytes, c.dtype) for c in lowered.collectives]
 
 
+def test_a_value_read_from_a_meta_argument_asks_for_a_real_one():
+    """A check on an argument's values (`labels.max() >= 5`) cannot be read from a meta tensor:
+    the error says so, and planning with that argument real (the others meta) works."""
+    lin = torch.nn.Linear(8, 5)
+
+    def loss(x, labels):
+        if labels.max() >= 5:
+            raise ValueError("a label out of range")
+        return torch.nn.functional.cross_entropy(lin(x), labels)
+
+    step = hpfun.shard(loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    x = torch.empty(8, 8, device="meta")
+    with pytest.raises(hpfun.CaptureError, match="reads values of its arguments here, and they are meta tensors"):
+        step.lower(x, torch.empty(8, dtype=torch.long, device="meta"))
+    assert step.lower(x, torch.zeros(8, dtype=torch.long)).collectives
+
+
 def test_a_function_on_meta_arguments():
     def loss(x, w1, w2):
         return (torch.relu(x @ w1) @ w2).square().mean()
