@@ -597,6 +597,12 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
     params, objects = [], set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
+        lazy = [attr for attr, t in [*mod._parameters.items(), *mod._buffers.items()] if torch.nn.parameter.is_lazy(t)]
+        if lazy:
+            raise CaptureError([Problem(_join(base, attr), f"is not initialized yet ({type(mod).__name__} makes it at "
+                                        "its first forward, from the input's shape)", "run the model once eagerly on a "
+                                        "sample batch before the sharded call (or give the layer its sizes)")
+                                for attr in lazy], headline="cannot lift the state the function reads")
         if isinstance(mod, torch.jit.ScriptModule):
             raise CaptureError(Problem(base or "the function", f"is a TorchScript module ({type(mod).__name__}): its "
                                        "compiled graph reads its own parameters, which hpfun cannot swap for the "

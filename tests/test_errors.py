@@ -105,6 +105,19 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "if (x * w).sum() > 0" in text and "torch.where" in text
 
 
+def test_a_lazy_module_not_yet_initialized_is_named_with_the_fix():
+    """LazyLinear makes its weight at its first forward: named, not torch's bare RuntimeError;
+    initialized eagerly once, the same step runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU())
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(8, 4)
+    _, text = _raise(f, x, error=hpfun.CaptureError)
+    assert "model.0.weight: is not initialized yet (LazyLinear" in text and "run the model once eagerly" in text
+    model(x)
+    torch.testing.assert_close(f(x).full(), model(x).sum())
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_torchscript_module_is_named_with_the_fix():
     """A scripted submodule runs its compiled graph on its own parameters: named, not a TypeError."""
