@@ -19,7 +19,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import ON_META, UnliftedTensor, same_value, trace
+from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
@@ -293,6 +293,8 @@ class ShardedFunction:
     # -- public ---------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        if tracing():  # called inside another sharded function: its code is part of that program
+            return self.fn(*args, **kwargs)
         call = self._prepare(args, kwargs)
         try:
             entry = self._fast.get(call.key)
@@ -326,6 +328,11 @@ class ShardedFunction:
             _replay(entry.effects, call.state.statics)
         return entry.unflatten([unchecked(lay, shape, s, token) for (lay, shape, token), s in
                                 zip(entry.outputs, shards[:n], strict=True)])
+
+    @property
+    def traced_function(self):
+        """The function this one runs: what a sharded function calling this one traces."""
+        return self.fn
 
     def lower(self, *args, **kwargs) -> Lowered:
         """The per-shard program for these arguments, with layouts and collectives (nothing runs)."""

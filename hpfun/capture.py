@@ -818,6 +818,12 @@ _READABLE: list = [None]  # the real inputs a trace may read values of (`readabl
 ON_META = object()  # an argument given as a meta tensor: its values cannot be read
 
 
+def tracing() -> bool:
+    """Whether hpfun is tracing a function now (a sharded function called inside another is
+    traced as its code, part of the outer program)."""
+    return _READABLE[0] is not None
+
+
 @contextlib.contextmanager
 def readable_inputs(values: list):
     """While tracing, `values[i]` (a real tensor, or None) is the real value of the trace's i-th

@@ -118,6 +118,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
+        elif isinstance(getattr(type(obj), "traced_function", None), property):  # a sharded function called
+            value(obj.traced_function, name, _constant(obj.fn), None)  # inside this one: its code and state are ours
         elif _is_user_object(obj):  # an instance of the user's own class (a Trainer holding model and opt)
             seen_objects.add(id(obj))
             note(None)

@@ -1230,6 +1230,17 @@ def test_two_closures_of_one_helper_lift_both_modules():
     assert "m.weight" in text and "head_b.m.weight" in text, text
 
 
+def test_a_sharded_function_called_inside_another_is_part_of_its_program():
+    """`outer` calls `inner`, itself sharded (a library's step called from a user's): the inner
+    code is traced into the outer program, its module lifted by the outer; each alone as before."""
+    model = mlp()
+    inner = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))
+    outer = hpfun.shard(lambda x: inner(x).square().mean(), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    x, _ = batch(0)
+    assert abs(outer(x).full().item() - model(x).square().mean().item()) < 1e-12
+    torch.testing.assert_close(inner(x).full(), model(x), rtol=0, atol=1e-12)
+
+
 def test_a_module_given_as_a_default_argument_is_lifted():
     """`def step(x, model=model)` (binding the model when the function is made) reads the
     module's parameters as state, as a closure would."""
