@@ -674,10 +674,16 @@ class ShardedFunction:
                     else contextlib.nullcontext():
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
-        finally:
+        finally:  # (also when the function raised: what it set in modules is set back, and that error stays)
             substitution.restore()
+            try:
+                statics_after = lift.statics(call.state.roots)
+            except Exception:  # noqa: BLE001 - read again below, where its own error may show
+                statics_after = None
+            if statics_after is not None:
+                traced.effects = _undo_effects(call.state.statics, statics_after)
+        if statics_after is None:
             statics_after = lift.statics(call.state.roots)
-            traced.effects = _undo_effects(call.state.statics, statics_after)
         changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
                    and k not in substitution.set_aside and type(v) is not lift.ModuleValues]
         if changed:
