@@ -1186,6 +1186,23 @@ def _public_torch_file(filename: str) -> bool:
     return not rel.startswith(("_", "fx/", "utils/", "overrides", "autograd/")) and "/_" not in rel
 
 
+_PACKED = (" — a packed sequence is laid out by the lengths' values, which a trace on shapes cannot read: run the "
+           "RNN on the padded batch instead (a unidirectional RNN's outputs at the valid steps are the same; mask the "
+           "rest with torch.where(arange(T) < lengths[:, None], ...) and take each sequence's last valid output "
+           "rather than h_n)")
+# torch functions that read their arguments' values, by name: what to write instead
+_READER_HINTS = {
+    "gaussian_nll_loss": (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write "
+                          "the loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / "
+                          "var.clamp(min=eps)), averaged as its reduction says"),
+    "pack_padded_sequence": _PACKED,
+    "pack_sequence": _PACKED,
+    "ctc_loss": (" — torch's CTC loss kernel sizes its work from the target lengths' values, so it cannot be traced "
+                 "on shapes, and hpfun has no decomposition of it yet: a step with a CTC loss cannot be sharded (a "
+                 "forward-only function returning the log-probabilities can)"),
+}
+
+
 def _describe(err: Exception) -> str:
     where = _user_where(err)
     where = f" at {where}" if where else ""
@@ -1206,19 +1223,8 @@ def _describe(err: Exception) -> str:
                     "is_causal (a read of its values): pass is_causal=True with a causal mask (tgt_is_causal=True "
                     "for nn.Transformer's decoder), or make the mask inside the function "
                     "(nn.Transformer.generate_square_subsequent_mask), whose constant values hpfun reads")
-        elif reader is not None and reader.name == "gaussian_nll_loss":
-            hint = (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write the "
-                    "loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / var.clamp(min=eps)), "
-                    "averaged as its reduction says")
-        elif reader is not None and reader.name in ("pack_padded_sequence", "pack_sequence"):
-            hint = (" — a packed sequence is laid out by the lengths' values, which a trace on shapes cannot "
-                    "read: run the RNN on the padded batch instead (a unidirectional RNN's outputs at the valid "
-                    "steps are the same; mask the rest with torch.where(arange(T) < lengths[:, None], ...) and "
-                    "take each sequence's last valid output rather than h_n)")
-        elif reader is not None and reader.name == "ctc_loss":
-            hint = (" — torch's CTC loss kernel sizes its work from the target lengths' values, so it cannot be "
-                    "traced on shapes, and hpfun has no decomposition of it yet: a step with a CTC loss cannot be "
-                    "sharded (a forward-only function returning the log-probabilities can)")
+        elif reader is not None and reader.name in _READER_HINTS:
+            hint = _READER_HINTS[reader.name]
         elif reader is None and ("aten.nonzero" in str(err) or "aten.masked_select" in str(err)):
             hint = (" — a boolean mask picks as many elements as it has True values (x[mask], masked_select, "
                     "nonzero), a shape read from the data, and hpfun traces on shapes only: keep the shape and mask "
