@@ -16,6 +16,7 @@ True
 
 from hpfun import rules
 from hpfun.api import RetraceWarning, ShardedFunction, WildcardWarning, redistribute, shard
+from hpfun.capture import TracingWarning
 from hpfun.checkpoint import checkpoint  # hpfun.checkpoint is the function
 from hpfun.constrain import constrain
 from hpfun.debug import explain_cache_miss
@@ -37,7 +38,7 @@ from hpfun.writeback import gather_state
 
 __all__ = [
     "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "InternalError", "Layout", "LayoutError", "Lowered", "Mesh",
-    "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "WildcardWarning", "RuleFileError", "Shard", "Sharded",
+    "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "TracingWarning", "WildcardWarning", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "tp_plan", "visualize",
 ]

@@ -11,6 +11,7 @@ import inspect
 import operator
 import re
 import sys
+import types
 import warnings
 
 import attrs
@@ -268,6 +269,25 @@ def input_paths(inputs) -> list[str]:
     return leaf_paths(args) + leaf_paths(kwonly, "kwargs") + list(lifted)
 
 
+class _Bound:
+    """A sharded method's function for one instance, held on the instance: a copy or pickle of
+    the instance does not take it (the copy makes its own, bound to itself)."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function):
+        self.function = function
+
+    def __copy__(self):
+        return _Bound(None)
+
+    def __deepcopy__(self, memo):
+        return _Bound(None)
+
+    def __reduce__(self):
+        return (_Bound, (None,))
+
+
 class ShardedFunction:
     """A function traced once per input signature and run as one per-shard program."""
 
@@ -291,6 +311,27 @@ class ShardedFunction:
             functools.update_wrapper(self, fn)
 
     # -- public ---------------------------------------------------------------------------------
+
+    def __get__(self, obj, objtype=None):
+        """`@hpfun.shard(...)` on a method (a trainer's `def step(self, x, y)`, a module's
+        `forward`): each instance gets its own sharded function of the bound method, made at first
+        use and kept on the instance (so it lives as long as the instance, and a copy of the
+        instance makes its own); `in_specs` are for the arguments after `self`, and the state the
+        instance holds is lifted by name (`self.model.weight`)."""
+        if obj is None:
+            return self
+        store = getattr(obj, "__dict__", None)
+        key = f"__hpfun_shard_{self.__name__ if hasattr(self, '__name__') else id(self)}"
+        held = store.get(key) if isinstance(store, dict) else self.__dict__.get("_bound_without_dict", {}).get(id(obj))
+        if held is not None and held.function is not None and held.function.fn.__self__ is obj:
+            return held.function
+        bound = ShardedFunction(types.MethodType(self.fn, obj), self.mesh, self.in_specs, self.out_specs, self.options,
+                                self.state_specs)
+        if isinstance(store, dict):
+            store[key] = _Bound(bound)
+        else:  # (an object with __slots__: kept here instead, for the life of this function)
+            self.__dict__.setdefault("_bound_without_dict", {})[id(obj)] = _Bound(bound)
+        return bound
 
     def __call__(self, *args, **kwargs):
         if tracing():  # called inside another sharded function: its code is part of that program
@@ -559,9 +600,13 @@ class ShardedFunction:
         device = next((leaves[i].device for i in tensor_pos), None)
         if device is not None and torch.device(device).type == "meta":
             device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
+        # values the trace may read: the arguments', and lifted state's that is not a parameter (a
+        # counter buffer: AveragedModel's `n_averaged == 0`); a parameter's read would replay the
+        # step's arithmetic on whole values at every call
         arguments = len(call.flat) - len(call.lifted)  # (lifted state comes last)
-        readable = [(ON_META if call.flat[i].device.type == "meta" else call.flat[i])
-                    if i < arguments and type(call.flat[i]) is torch.Tensor else None for i in tensor_pos]
+        readable = [(ON_META if isinstance(x, torch.Tensor) and x.device.type == "meta" else x)
+                    if isinstance(x, (torch.Tensor, Sharded)) and (i < arguments or not leaves[i].requires_grad)
+                    else None for i, x in ((i, call.flat[i]) for i in tensor_pos)]  # (a Sharded one read whole)
         try:
             captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
                              requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
@@ -614,6 +659,8 @@ class ShardedFunction:
                         bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
         if checked:
             verify.verify_program(program)
+        if captured.seed is not None:
+            program = attrs.evolve(program, seed=captured.seed)
         if self.options.donate_state or donated_args:
             updated = {w.input for w in writes if w.input is not None and names[w.input] in call.lifted}
             donated = updated if self.options.donate_state else set()
@@ -681,11 +728,12 @@ class ShardedFunction:
             except Exception:  # noqa: BLE001 - read again below, where its own error may show
                 statics_after = None
             if statics_after is not None:
-                traced.effects = _undo_effects(call.state.statics, statics_after)
+                traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots)
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
-                   and k not in substitution.set_aside and type(v) is not lift.ModuleValues]
+                   and k not in substitution.set_aside and type(v) is not lift.ModuleValues
+                   and k not in {key for key, _, _ in traced.effects}]
         if changed:
             raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
                                         "function was traced", "a traced program cannot repeat Python side effects: "
@@ -763,10 +811,12 @@ def _hooks_onto(real: torch.Tensor, stand_in: torch.Tensor) -> None:
             stand_in.register_post_accumulate_grad_hook(hook)
 
 
-def _undo_effects(before: dict, after: dict) -> tuple:
-    """Python values of modules the trace changed (`self.max_seq_len_cached = n` in a forward):
-    set back to what they were, so that tracing changes nothing, and returned as (statics key,
-    name, new value) to be set by every call of the program (`_replay`), as eager would."""
+def _undo_effects(before: dict, after: dict, roots) -> tuple:
+    """Python values of modules the trace changed (`self.max_seq_len_cached = n` in a forward,
+    `model.eval()` in an evaluation step): set back to what they were, so that tracing changes
+    nothing, and returned as (statics key, name, new value) to be set by every call of the
+    program (`_replay`), as eager would; for training flags, (key, the module tree, its flags)."""
+    trees = {lift.training_key(r.name): r.value for r in roots if isinstance(r.value, torch.nn.Module)}
     effects = []
     for key, was in before.items():
         now = after.get(key)
@@ -774,12 +824,23 @@ def _undo_effects(before: dict, after: dict) -> tuple:
             for name, old, new in was.changes(now):
                 was.set(name, old)
                 effects.append((key, name, new))
+        elif key in trees and type(was) is tuple and type(now) is tuple and len(was) == len(now) and was != now:
+            _set_flags(trees[key], was)
+            effects.append((key, trees[key], now))
     return tuple(effects)
+
+
+def _set_flags(tree: torch.nn.Module, flags: tuple) -> None:
+    for module, flag in zip(tree.modules(), flags, strict=True):
+        module.training = flag
 
 
 def _replay(effects: tuple, statics: dict) -> None:
     for key, name, value in effects:
-        statics[key].set(name, value)
+        if isinstance(name, torch.nn.Module):
+            _set_flags(name, value)
+        else:
+            statics[key].set(name, value)
 
 
 class _Traced:

@@ -34,6 +34,7 @@ import functools
 import os
 import sys
 import traceback
+import warnings
 import weakref
 from unittest import mock
 
@@ -354,6 +355,7 @@ class Captured:
     constants: tuple[torch.Tensor, ...]
     mutated: tuple[int, ...]
     reads: tuple = ()  # InputReads: values the trace read from its inputs, which the program assumes
+    seed: int | None = None  # `torch.manual_seed(s)` the function calls before drawing: every call draws from s
 
 
 def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
@@ -376,7 +378,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     becomes extra outputs (`Captured.mutated`). `readable`: the real values of the inputs whose
     values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
-    with readable_inputs(readable or []) as reads:
+    with readable_inputs(readable or []) as reads, _seeded_inside() as seed:
         gm = _trace(flat_fn, fakes)
     mutated: list[int] = []
     if _mutates(gm) and (written := functionalize(gm)) is not None:
@@ -392,7 +394,37 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     split_fused(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()
-    return Captured(gm, tuple(constants), tuple(mutated), tuple(reads))
+    return Captured(gm, tuple(constants), tuple(mutated), tuple(reads), seed[0])
+
+
+@contextlib.contextmanager
+def _seeded_inside():
+    """`torch.manual_seed(s)` called by the function while traced: recorded, not run (tracing
+    has no side effects), and yielded as `[s]` ([None] if not called). The program then draws
+    from `s` at every call instead of a seed drawn from torch's generator, and seeds torch's
+    generator with `s` after each call, so that every call draws the same numbers, as eager's
+    do. A program's draws share one seed, so a call after the function has drawn is refused."""
+    seed: list = [None]
+    original = torch.random.manual_seed
+
+    def manual_seed(s):
+        mode = proxy_tensor.get_proxy_mode()
+        if mode is None:  # not while recording (a fake mode's own use): as torch does it
+            return original(s)
+        drawn = next((n for n in mode.tracer.graph.nodes if n.op == "call_function"
+                      and isinstance(n.target, torch._ops.OpOverload)
+                      and torch.Tag.nondeterministic_seeded in n.target.tags), None)
+        if drawn is not None:
+            raise CaptureError(Problem(f"torch.manual_seed({s!r}){_at_user_line()}",
+                                       f"seeds torch's generator after the function drew random numbers ({drawn.target})",
+                                       "a sharded program's draws share one seed: call torch.manual_seed before the "
+                                       "first draw (or outside the function), or fix the seed of the whole call "
+                                       "with `with hpfun.random_seed(s):`"))
+        seed[0] = int(s) % 2**63
+        return torch.default_generator
+
+    with mock.patch.object(torch.random, "manual_seed", manual_seed), mock.patch.object(torch, "manual_seed", manual_seed):
+        yield seed
 
 
 def _compiled_code_runs_as_written():
@@ -863,7 +895,7 @@ class InputRead:
             if isinstance(a, _Made):
                 return made[a.k]
             if isinstance(a, _Input):
-                return inputs[a.i].detach().to(cpu)
+                return _whole(inputs[a.i]).detach().to(cpu)
             return cpu if isinstance(a, torch.device) else a
 
         with torch.no_grad():
@@ -871,6 +903,12 @@ class InputRead:
                 args, kwargs = pytree.tree_map(arg, (args, kwargs))
                 made.append(op(*args, **kwargs))
         return self.read(made[-1], *self.read_args)
+
+
+def _whole(x) -> torch.Tensor:
+    """A value read: a tensor, or a Sharded one's full value (on a distributed mesh a collective,
+    which every rank makes alike: they trace, and check reads, in the same order)."""
+    return x if isinstance(x, torch.Tensor) else x.full()
 
 
 @attrs.frozen
@@ -918,7 +956,7 @@ def _constant_value(t):
             if not inputs:
                 inputs.update((n, i) for i, n in enumerate(n for n in mode.tracer.graph.nodes if n.op == "placeholder"))
             i = inputs.get(node)
-            if i is None or i >= len(readable) or not isinstance(readable[i], torch.Tensor):
+            if i is None or i >= len(readable) or readable[i] is None or readable[i] is ON_META:
                 if i is not None and i < len(readable) and readable[i] is ON_META:
                     _READABLE[0][2].append(i)
                 return None  # lifted state, or an input planned on shapes only
@@ -953,7 +991,7 @@ def _constant_value(t):
                 ref[node] = real[node]
                 continue
             if node.op == "placeholder":
-                real[node] = readable[inputs[node]].detach().to(cpu)
+                real[node] = _whole(readable[inputs[node]]).detach().to(cpu)
                 ref[node] = _Input(inputs[node])
                 continue
             args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
@@ -994,6 +1032,27 @@ def _writes_into(node: torch.fx.Node) -> list | None:
     return writers
 
 
+class TracingWarning(UserWarning):
+    """Something the function does runs once, while hpfun traces it, and not at every call: a
+    tensor printed shows a stand-in (its shape and dtype) once."""
+
+
+_SITE_PACKAGES = os.sep + "site-packages" + os.sep
+_PRINTS = frozenset([torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__])
+
+
+def _warn_printed(tensor) -> None:
+    """A traced tensor printed by the user's own code (not a library's): said once per line."""
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith((TORCH_DIR, HPFUN_DIR))]
+    if not frames or not _is_user_frame(frames[-1].filename) or _SITE_PACKAGES in frames[-1].filename:
+        return
+    f = frames[-1]
+    warnings.warn_explicit(
+        f"`{f.line}` prints a tensor while hpfun traces the function, which shows a stand-in "
+        f"({tuple(tensor.shape)}, {tensor.dtype}) once, not its values at every call: return the tensor and print it "
+        "after the call (`print(step(x, y).full())`)", TracingWarning, f.filename, f.lineno)
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -1005,6 +1064,8 @@ class _TensorScalars(TorchFunctionMode):
         _refuse_overlapping_write(func, args)
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)
+        if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
+            _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
         if func in _READS and isinstance(args[0], FakeTensor):
             value = _constant_value(args[0])
             if isinstance(value, tuple):  # read from the inputs' values: recorded, for the call to check
@@ -1232,10 +1293,21 @@ def _describe(err: Exception) -> str:
                     "weighted sum divided by mask.sum())")
         elif reader is not None:
             hint += f" (the read is in {os.path.relpath(reader.filename, TORCH_DIR)}:{reader.lineno}, {reader.name})"
+        elif any(read in where for read in (".item()", ".tolist()", "float(", "print(")):
+            hint += ("; to log a value (`return loss.item()`), return the tensor and read it after the call "
+                     "(`step(x, y).full().item()`)")
+        if any(f.name in ("__init__", "_validate_sample") and os.sep + "distributions" + os.sep in f.filename
+               for f in stack):
+            hint = (" — torch.distributions checks its parameters' and samples' values (validate_args), a read of "
+                    "values computed in the step: pass validate_args=False to the distribution, or call "
+                    "torch.distributions.Distribution.set_default_validate_args(False) once")
         if "grad_scaler.py" in frames:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "
                     "dtype=torch.bfloat16) needs no scaler), or scale the loss by a constant instead")
+    if "format string passed to FakeTensor" in str(err):  # f"{loss:.3f}": a read of the value
+        hint = (" — formatting a tensor's value reads it, and hpfun traces on shapes only: to log a value, return the "
+                "tensor and format it after the call (`f\"{step(x, y).full().item():.3f}\"`)")
     if "'Sparse" in str(err) or "Sparse" in kind:
         hint = (" — a sparse tensor: nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make their weight's "
                 "gradient sparse, and hpfun shards dense tensors only; pass sparse=False (the same update, with a "

@@ -26,11 +26,18 @@ def run(program: Program, blocks: Callable[[tuple, torch.device | None], list], 
     rank of a simulated mesh, this rank's of a distributed one. `boxed` (distributed): the
     program empties the list of inputs it is given, and frees each after its last use."""
     mesh = program.mesh
-    seed = draw_seed() if program.uses_seed else NO_SEED
+    if program.seed is not None:  # the function seeds torch itself: every call draws the same numbers
+        seed = torch.tensor([program.seed], dtype=torch.int64)
+    else:
+        seed = draw_seed() if program.uses_seed else NO_SEED
     if mesh.runtime == "simulated":
         per_rank = [blocks(mesh.coords(r), None) for r in range(mesh.size)]
         outs = simulated.run(program.module, mesh, per_rank, seed, compile=compile)
-        return [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
-    runtime = runtime_for(mesh)
-    local = blocks(runtime.coords, runtime.device)
-    return [(out,) for out in runtime.run(program.module, local, seed, program.uses_seed, compile=compile, boxed=boxed)]
+        out = [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
+    else:
+        runtime = runtime_for(mesh)
+        local = blocks(runtime.coords, runtime.device)
+        out = [(o,) for o in runtime.run(program.module, local, seed, program.uses_seed, compile=compile, boxed=boxed)]
+    if program.seed is not None:  # and leaves torch's generator seeded, as its eager call would
+        torch.manual_seed(program.seed)
+    return out

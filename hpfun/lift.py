@@ -98,11 +98,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
             return
+        if isinstance(obj, (torch.Tensor, Sharded)):  # a root per place that holds it (`w` and `params = [w, b]`):
+            roots.append(Root(unique(name, owner), obj, read, write))  # one input, its stand-in in every place
+            return
         if id(obj) in seen_objects:
             return
-        if isinstance(obj, (torch.Tensor, Sharded)):
-            seen_objects.add(id(obj))
-            roots.append(Root(unique(name, owner), obj, read, write))
         elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             seen_objects.add(id(obj))
             roots.append(Root(unique(name, owner) if name else name, obj))
@@ -448,7 +448,11 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems, snapshot)
         elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
-            add(root.name, root.read, root.write or _cannot_write(root.name))
+            leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
+            if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
+                # a tensor made with requires_grad=True (a from-scratch model: `w -= lr * w.grad`): its gradient too
+                add(f"{root.name}.grad", functools.partial(_grad_at, root.read), functools.partial(_set_grad_at, root.read),
+                    follows=root.name)
     if problems:
         raise CaptureError(problems, headline="cannot lift the state the function reads")
     snapshot.seal()
@@ -469,7 +473,7 @@ def statics(roots, known: dict | None = None) -> dict:
         if root.value is _SCALAR:
             out[root.name] = root.read()
         elif isinstance(root.value, torch.nn.Module):
-            name = _join(root.name, "training")
+            name = training_key(root.name)
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
             name = _join(root.name, VALUES)
             out[name] = known[name] if known is not None else ModuleValues.of(root.name, root.value)
@@ -485,6 +489,11 @@ def statics(roots, known: dict | None = None) -> dict:
                     if isinstance(v, torch.Tensor) and (sign := _tensor_sign(v)) is not None:
                         out[_join(root.name, f"param_groups.{g}.{key}.sign")] = sign
     return out
+
+
+def training_key(root: str) -> str:
+    """The statics key of a module tree's training flags."""
+    return _join(root, "training")
 
 
 VALUES = "<python values>"  # the statics key of a module tree's ModuleValues
@@ -654,6 +663,15 @@ def _grad_of(mod, attr):
 
 def _set_grad(mod, attr, value):
     mod._parameters[attr].grad = value
+
+
+def _grad_at(read):
+    t = read()
+    return t.grad if isinstance(t, torch.Tensor) else None
+
+
+def _set_grad_at(read, value):
+    read().grad = value
 
 
 def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list,

@@ -69,6 +69,7 @@ class Program:
     uses_seed: bool = False  # the program draws random numbers: each call needs a seed
     buckets: tuple = ()  # the hpfun.schedule.Bucket of each fused collective, in program order
     donated: tuple = ()  # inputs whose buffers a call hands over, freed after their last use (donate_state)
+    seed: int | None = None  # the function's own torch.manual_seed(s): every call draws from s, and seeds torch with it
 
 
 class LowerContext:

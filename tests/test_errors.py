@@ -94,7 +94,7 @@ def test_a_problem_repeated_in_every_layer_is_listed_once_with_its_count():
 def test_data_dependent_control_flow_is_a_capture_error():
     """Reading values computed in the program (here from a parameter) in Python control flow
     names the user's line and the fix."""
-    w = torch.randn(4)
+    w = torch.randn(4, requires_grad=True)
 
     def branchy(x):
         if (x * w).sum() > 0:
@@ -178,8 +178,9 @@ def test_grad_scaler_is_named_with_the_fix():
 
 
 def test_sparse_gradients_and_gaussian_nll_loss_are_named_with_the_fix():
-    """Sparse embedding gradients, SparseAdam and F.gaussian_nll_loss's check of its variance
-    each fail with what hpfun cannot do and what to write instead."""
+    """Sparse embedding gradients, SparseAdam, F.gaussian_nll_loss's check of its variance and
+    torch.distributions' checks of their parameters each fail with what hpfun cannot do and
+    what to write instead."""
     emb = torch.nn.Embedding(16, 4, sparse=True)
     sgd = torch.optim.SGD(emb.parameters(), lr=0.1)
     ids = torch.randint(0, 16, (8,))
@@ -207,6 +208,12 @@ def test_sparse_gradients_and_gaussian_nll_loss_are_named_with_the_fix():
     _, text = _raise(hpfun.shard(lambda x: F.gaussian_nll_loss(x[:, :2], x[:, 2:], x[:, 2:].exp()), mesh=MESH,
                                  in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
     assert "no variance is negative" in text and "var.clamp(min=eps)" in text
+    head = torch.nn.Linear(4, 2)  # a distribution checks its parameters' values, here made by a parameter
+    # (validate_args given: torch.compile, once used in a process, turns the default off)
+    _, text = _raise(hpfun.shard(lambda x: torch.distributions.Normal(head(x), 1.0, validate_args=True)
+                                 .log_prob(x[:, :2]).mean(),
+                                 mesh=MESH, in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
+    assert "validate_args=False" in text
 
 
 def test_sharded_input_on_another_mesh():
@@ -292,3 +299,14 @@ def test_a_random_op_given_its_own_generator_is_refused_with_the_fix():
     assert "hpfun.random_seed" in text
     assert torch.equal(hpfun.shard(lambda x: x + 0 * torch.rand(4), mesh=MESH, in_specs=P("dp"),
                                    out_specs=P("dp"))(torch.ones(4)).full(), torch.ones(4))  # without one: fine
+
+
+def test_logging_a_traced_value_says_what_to_do():
+    """`return loss.item()` and `f"{loss:.3f}"` read a value the program computes: refused,
+    with the fix (return the tensor, read it after the call). A print: see test_front_door."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    w = torch.ones(4, requires_grad=True)  # (values made from the arguments alone are read: see test_modules)
+    for logged in (lambda x: (x * w).sum().item(), lambda x: f"{(x * w).sum():.3f}"):
+        _, text = _raise(hpfun.shard(logged, mesh=mesh, in_specs=P("dp"), out_specs=P()), torch.ones(4),
+                         error=hpfun.CaptureError)
+        assert "return the tensor" in text and ".full().item()" in text

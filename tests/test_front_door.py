@@ -172,14 +172,16 @@ def test_unhashable_python_arguments_are_named_not_unhashable_type():
 
 
 def test_a_print_inside_runs_once_at_the_trace(capsys):
-    """What the README says: a print shows a fake tensor, once, at the trace."""
+    """What the README says: a print shows a fake tensor, once, at the trace, and a
+    TracingWarning at the user's line says so."""
 
     def f(x):
         print("x is", x)
         return x
 
     g = hpfun.shard(f, mesh=MESH, in_specs=P("dp"))
-    g(torch.randn(8))
+    with pytest.warns(hpfun.TracingWarning, match=r'`print\("x is", x\)` prints a tensor while hpfun traces'):
+        g(torch.randn(8))
     g(torch.randn(8))
     printed = capsys.readouterr().out
     assert printed.count("x is") == 1 and "FakeTensor" in printed

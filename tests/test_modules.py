@@ -705,6 +705,45 @@ def test_state_held_by_a_users_object():
     assert {"self.model.0.weight", "self.scale.table", "self.opt.state.self.model.0.weight.exp_avg"} <= set(names)
 
 
+class ShardedTrainer(Trainer):
+    """The same step, decorated in the class."""
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def step(self, x, y):
+        return Trainer.step(self, x, y)
+
+
+class ShardedForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_method_decorated_in_its_class():
+    """`@hpfun.shard(...)` on a method (a trainer's step, a module's forward) shards the bound
+    method of each instance: in_specs name the arguments after self, each instance has its own
+    programs and state, and a deep copy of a module (an EMA copy) runs its own weights."""
+    trainers, ref = [ShardedTrainer(), ShardedTrainer()], Trainer()
+    for i in range(2):
+        x, y = batch(i)
+        want = ref.step(x, y).item()
+        assert abs(trainers[0].step(x, y).full().item() - want) < 1e-12
+    assert max_diff(trainers[0].model, ref.model) < 1e-12 and max_diff(trainers[1].model, mlp()) == 0
+    assert trainers[0].step is trainers[0].step and trainers[0].step.trace_count == 2  # (AdamW's state made)
+    model = ShardedForward()
+    x, _ = batch(0)
+    torch.testing.assert_close(model(x).full(), model.net(x), rtol=0, atol=1e-12)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.net[0].weight.mul_(2)
+    torch.testing.assert_close(twin(x).full(), twin.net(x), rtol=0, atol=1e-12)
+    assert not torch.allclose(twin(x).full(), model(x).full())
+
+
 def test_tensor_in_an_object_hpfun_cannot_lift():
     """A tensor reached through a library's object (not a module, tensor, container or an
     instance of the user's own classes) is an error naming the object and where it holds it."""
@@ -774,10 +813,11 @@ class _CausalEncoder(torch.nn.Module):
 def test_a_constant_mask_torch_reads_is_read_while_tracing():
     """torch's transformer layers compare the mask with a causal one (`bool((mask == causal).all())`,
     a read of values). A mask made inside the function from constants is evaluated while
-    tracing, so the stock step trains equal to eager; one held in a buffer (an input) cannot
-    be, and the error says to pass is_causal=True, with which it trains too. Values made from
-    random draws, or constants written from them in place, are still refused."""
-    for kwargs in ({}, {"buffer": True, "is_causal": True}):
+    tracing, so the stock step trains equal to eager; one held in a buffer (lifted state) is
+    read from the buffer and checked at every call, as eager checks it, and trains so too, as
+    with is_causal=True. Values made from a parameter or random draws, or constants written
+    from them in place, are still refused."""
+    for kwargs in ({}, {"buffer": True}, {"buffer": True, "is_causal": True}):
         model = _CausalEncoder(**kwargs).double()
         ref = copy.deepcopy(model)
         opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
@@ -786,10 +826,7 @@ def test_a_constant_mask_torch_reads_is_read_while_tracing():
             x, y = batch(i)
             torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
         assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-10
-    model = _CausalEncoder(buffer=True).double()
-    with pytest.raises(hpfun.CaptureError, match="pass is_causal=True"):
-        stock_step(model, torch.optim.SGD(model.parameters(), lr=0.1), DP)(*batch(0))
-    w = torch.ones(4)
+    w = torch.nn.Parameter(torch.ones(4))  # (a parameter's values are not read: see the test after next)
 
     def written(x):  # made from constants, then written from a parameter (GradScaler's found_inf)
         found = torch.zeros(())
@@ -842,6 +879,68 @@ def test_a_value_read_from_the_arguments_is_read_as_eager_reads_it():
     with pytest.raises(ValueError, match="a label out of range") as raised:  # the function's own error, as eager
         step(x, torch.tensor([1, 2, 3, 7] * 2))
     assert "raised while hpfun.shard traced the function" in raised.value.__notes__[0]
+
+
+def test_a_counter_buffer_is_read_as_eager_reads_it():
+    """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
+    0`: copy, else average): a read of lifted state that is not a parameter, computed from the
+    buffer's value and checked at every call, so the first call and the later ones run the
+    programs of its two values. The averages equal eager's under data parallelism and ZeRO-3."""
+    for state_specs in (None, {"*": P("dp")}):
+        models = [mlp(), mlp()]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        emas = [torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+                for m in models]
+
+        def make(model, opt, ema):
+            def step(x, y):
+                loss = eager_step(model, opt, x, y)
+                ema.update_parameters(model)
+                return loss
+            return step
+
+        step = hpfun.shard(make(models[0], opts[0], emas[0]), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                           state_specs=state_specs)
+        eager = make(models[1], opts[1], emas[1])
+        for i in range(3):
+            x, y = batch(i)
+            torch.testing.assert_close(step(x, y).full(), eager(x, y), rtol=0, atol=1e-12)
+        assert max_diff(emas[0], emas[1]) < 1e-12 and emas[0].n_averaged.item() == 3
+        assert step.trace_count == 2
+
+
+def test_a_step_that_switches_the_model_to_eval_mode():
+    """`model.eval()` inside a sharded function (an evaluation step; a training step that ends in
+    eval mode) leaves the modules' flags as eager leaves them, at every call of its program,
+    and `model.train()` in the next step switches back: alternating training and evaluation
+    steps of a model with BatchNorm equal eager's, flags included."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                          torch.nn.Linear(16, 4)).double())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    def make(model, opt):
+        def train(x, y):
+            model.train()
+            return eager_step(model, opt, x, y)
+
+        def evaluate(x, y):
+            model.eval()
+            with torch.no_grad():
+                return F.cross_entropy(model(x), y)
+        return train, evaluate
+
+    sharded = [hpfun.shard(f, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P()) for f in make(models[0], opts[0])]
+    eager = make(models[1], opts[1])
+    for i in range(3):
+        for f, g in zip(sharded, eager):
+            x, y = batch(i)
+            torch.testing.assert_close(f(x, y).full(), g(x, y), rtol=0, atol=1e-12)
+            assert [m.training for m in models[0].modules()] == [m.training for m in models[1].modules()]
+    assert max_diff(*models) < 1e-12
+    assert models[0][1].num_batches_tracked.item() == 3
 
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
@@ -1177,6 +1276,38 @@ def test_a_parameters_own_gradient_hooks_run():
         x, y = batch(i)
         torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
     assert max_diff(model, ref) < 1e-12
+
+
+def test_a_from_scratch_model_of_tensors_that_require_grad():
+    """The first training loop of every tutorial: weights made with requires_grad=True, held in
+    variables and in a list, `loss.backward()`, an update in place under no_grad, `.grad.zero_()`.
+    Their gradients are lifted with them; a tensor held in two places is one input, its
+    stand-in in both; `torch.autograd.grad` with respect to one works too. Equal to eager."""
+    def make():
+        torch.manual_seed(0)
+        w = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+        b = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+        params = [w, b]
+
+        def step(x, y):
+            loss = F.cross_entropy(x @ w + b, y)
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    p -= 0.5 * p.grad
+                    p.grad.zero_()
+            return loss, torch.autograd.grad(F.cross_entropy(x @ w + b, y), w)[0]
+        return step, params
+
+    (eager, want), (step, have) = make(), make()
+    step = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        for a, b in zip(eager(x, y), step(x, y), strict=True):
+            torch.testing.assert_close(b.full(), a, rtol=0, atol=1e-12)
+    for p, q in zip(want, have, strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-12)
+        assert torch.equal(q.grad, p.grad)
 
 
 def test_attributes_set_on_parameters_are_read_in_the_trace():

@@ -91,6 +91,37 @@ def test_manual_seed_reproduces_and_successive_calls_differ():
     assert torch.equal(f(x).full(), first) and not torch.equal(first, second)
 
 
+def test_manual_seed_inside_the_function_fixes_its_draws():
+    """torch.manual_seed(s) called by the function (an evaluation step seeding its dropout) makes
+    every call draw the same numbers, on every layout, whatever torch's generator held before,
+    and leaves torch's generator seeded with s, as the eager call would. A seed set after the
+    function has drawn is refused: a program's draws share one seed."""
+    def noisy(x):
+        torch.manual_seed(123)
+        return F.dropout(x, 0.5) + torch.rand_like(x)
+
+    x = torch.ones(8, 4)
+    results = []
+    for mesh, spec in ((hpfun.Mesh.simulated((2,), ("a",)), P("a")), (hpfun.Mesh.simulated((2, 2), ("a", "b")), P("b", "a"))):
+        f = hpfun.shard(noisy, mesh=mesh, in_specs=spec, out_specs=spec)
+        torch.manual_seed(1)
+        results.append(f(x).full())
+        after = torch.rand(3)
+        torch.manual_seed(2)
+        results.append(f(x).full())
+        torch.manual_seed(123)
+        assert torch.equal(after, torch.rand(3))  # the generator was left seeded with 123
+    assert all(torch.equal(r, results[0]) for r in results)
+
+    def late(x):
+        y = torch.rand_like(x)
+        torch.manual_seed(0)
+        return y + torch.rand_like(x)
+
+    with pytest.raises(hpfun.CaptureError, match="after the function drew random numbers"):
+        hpfun.shard(late, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"), out_specs=P("a"))(x)
+
+
 def test_native_rng_is_disjoint_per_block_and_same_where_replicated():
     """rng="native": blocks differ, replicated ranks agree, and the shape is right."""
     mesh = hpfun.Mesh.simulated((2, 2), ("a", "b"))
