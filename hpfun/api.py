@@ -1265,11 +1265,11 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     kind = type(x)
     if kind is Sharded:
         key.append(x.signature())
+    elif isinstance(x, torch.Tensor):  # (first: lifted parameters are most leaves, and no container)
+        key.append((x.shape, x.dtype, x.device, x.requires_grad))
     elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x) or \
             _is_container(x) and register_container(kind):
         return False  # a namedtuple, an OrderedDict, a registered class, a subclass, a BatchEncoding...
-    elif isinstance(x, torch.Tensor):
-        key.append((x.shape, x.dtype, x.device, x.requires_grad))
     else:
         key.append(("static", kind, x))
     flat.append(x)

@@ -22,7 +22,7 @@ import torch
 from hpfun import lift
 from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
-from hpfun.sharded import Sharded, local_block, unchecked
+from hpfun.sharded import Sharded, local_block, signature, unchecked
 
 
 class _Blocks:
@@ -72,11 +72,11 @@ def held_block(x: torch.Tensor) -> Sharded | None:
     entry = _LOCAL.get(x)
     if entry is None:
         return None
-    layout, shape, ptr = entry
-    if x.data_ptr() != ptr or x.shape != layout.local_shape(shape):
+    layout, shape, ptr, local, token = entry
+    if x.data_ptr() != ptr or x.shape != local:
         _LOCAL.pop(x)
         return None
-    return unchecked(layout, shape, (x,))  # its local shape checked just above
+    return unchecked(layout, shape, (x,), token)  # its local shape checked just above
 
 
 # tensor -> (version, data pointer): donated state a failed call lost
@@ -94,7 +94,7 @@ def lose(released: list, err: BaseException) -> None:
         with torch.no_grad():
             owner.data = torch.empty(shape, dtype=owner.dtype, device=owner.device)
         if entry is not None:  # still the block it was: its layout stays known
-            _LOCAL[owner] = (entry[0], entry[1], owner.data_ptr())
+            _hold(owner, entry[0], entry[1])
         _LOST[owner] = (owner._version, owner.data_ptr())
     err.add_note(f"hpfun: this call was handed {len(released)} tensors of lifted state (donate_state=True) and "
                  "failed before writing their new values back: their values are lost. Load them again (e.g. "
@@ -120,8 +120,9 @@ def lost(values) -> list[str]:
 def _hold(x: torch.Tensor, layout: Layout, shape: tuple) -> None:
     if layout.is_replicated:
         _LOCAL.pop(x, None)
-    else:
-        _LOCAL[x] = (layout, tuple(shape), x.data_ptr())
+    else:  # (its block's shape and its signature's token, made once: read at every call)
+        shape = tuple(shape)
+        _LOCAL[x] = (layout, shape, x.data_ptr(), layout.local_shape(shape), signature(layout, shape, x.dtype))
 
 
 @attrs.frozen
@@ -148,16 +149,27 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     """Write every extra output back: in-place updates first, then assignments (a gradient
     must meet its parameter's new block)."""
     order, replicated = _order(writes)
+    targets, sources, scalars = [], [], []  # whole state updated in place: copied in one foreach call
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
             if j in replicated and type(target := inputs[wb.input]) is not Sharded \
                     and tuple(target.shape) == wb.shape:  # the common case, inline: whole state, updated in place
-                target.copy_(shards[0])
+                targets.append(target)
+                sources.append(shards[0])
                 _LOCAL.pop(target, None)
                 if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
-                    slot.write(target)
+                    scalars.append((slot, target))
                 continue
+            if wb.input is not None and type(target := inputs[wb.input]) is Sharded \
+                    and all(a.shape == b.shape for a, b in zip(target.shards, shards, strict=True)):
+                targets += target.shards  # a split argument or held block: its new shards, in place
+                sources += shards
+                if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
+                    scalars.append((slot, target))
+                continue
+            if targets:  # (before anything that may read them: a gradient meets its parameter's new value)
+                _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             if wb.input is not None:
                 _update(inputs[wb.input], value)
@@ -176,6 +188,19 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 if slot.follows in state.slots:
                     _meet(state.slots[slot.follows].read(), value)
                 slot.write(_new_tensor(value, like=slot.read()))
+        if targets:
+            _copy(targets, sources, scalars)
+
+
+def _copy(targets: list, sources: list, scalars: list) -> None:
+    """The pending in-place updates of whole state, in one call (84 tensors of an HF Llama step
+    cost a Python round trip each as separate copies); the lists are emptied."""
+    torch._foreach_copy_(targets, sources)
+    for slot, target in scalars:  # a lifted float hyperparameter, read as a tensor, updated in place
+        slot.write(target)
+    targets.clear()
+    sources.clear()
+    scalars.clear()
 
 
 _ORDERS: dict = {}  # id(writes) -> (writes, order, replicated): a program's writes, planned once
