@@ -448,13 +448,13 @@ class ShardedFunction:
         """The program of this signature that is right for the values this call's inputs give the
         reads its trace made (`capture.InputRead`: `labels.max() >= vocab_size`), compiled if none is."""
         inputs = [call.flat[i] for i in entry.tensor_pos]
-        if all(r.holds(inputs) for r in entry.reads):
+        if _all_hold(entry.reads, inputs):
             return entry
         if key is None:
             leaves, key = self._signature(call)
         variants = self._read_variants.setdefault(key, [entry])
         for other in variants:
-            if all(r.holds([call.flat[i] for i in other.tensor_pos]) for r in other.reads):
+            if _all_hold(other.reads, [call.flat[i] for i in other.tensor_pos]):
                 return other
         for r in entry.reads:
             now = r.evaluate(inputs)
@@ -809,6 +809,13 @@ def _hooks_onto(real: torch.Tensor, stand_in: torch.Tensor) -> None:
     for hook in (getattr(real, "_post_accumulate_grad_hooks", None) or {}).values():
         if stand_in.requires_grad and stand_in.is_leaf:
             stand_in.register_post_accumulate_grad_hook(hook)
+
+
+def _all_hold(reads, inputs: list) -> bool:
+    """Whether every read gives the value it gave the trace. Each is evaluated, none skipped:
+    reading state a distributed call left split gathers it (a collective), and every rank must
+    make the same collectives, whatever its own values."""
+    return all([r.holds(inputs) for r in reads])
 
 
 def _undo_effects(before: dict, after: dict, roots) -> tuple:
