@@ -973,15 +973,20 @@ class Substitution:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
 
     def _watch(self, fn) -> None:
-        """Lists and dicts the function's code and the hooks of its modules reach through closure
-        cells and globals (`acts = []` that a forward hook appends activations to): what the trace
-        adds to them is taken back, and added by every call (`created`)."""
+        """Lists and dicts the function's code and the hooks of its modules and parameters (forward,
+        backward, gradient) reach through closure cells and globals (`acts = []` that a forward
+        hook appends activations to): what the trace adds to them is taken back, and added by
+        every call (`created`)."""
         functions = [fn]
         for root in self.state.roots:
             if isinstance(root.value, torch.nn.Module):
                 for mod in root.value.modules():
-                    for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
+                    for hooks in (mod._forward_hooks, mod._forward_pre_hooks, mod._backward_hooks,
+                                  mod._backward_pre_hooks):
                         functions += hooks.values()
+                    for p in mod._parameters.values():  # a parameter's own gradient hooks
+                        for hooks in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)):
+                            functions += (hooks or {}).values()
         seen: set = set()
         for f in functions:
             while isinstance(f, (functools.partial, types.MethodType)):

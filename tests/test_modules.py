@@ -1209,23 +1209,33 @@ def test_what_a_forward_keeps_in_its_module_is_kept_as_eager_keeps_it():
 
 
 def test_what_a_hook_appends_to_a_list_is_appended_by_every_call():
-    """A forward hook that logs activations into a list (`acts.append(out.detach().norm())`) and
-    one that rescales the output: each call appends its own real value, as eager does, and
-    nothing of the trace is left in the list."""
+    """A forward hook that logs activations into a list (`acts.append(out.detach().norm())`), a
+    full backward hook that logs output gradients, and one that rescales the output: each call
+    appends its own real values, as eager does, and nothing of the trace is left in the lists."""
     torch.manual_seed(0)
     model = mlp()
     ref = copy.deepcopy(model)
-    acts, ref_acts = [], []
+    acts, ref_acts, grads, ref_grads = [], [], [], []
     model[0].register_forward_hook(lambda m, i, o: acts.append(o.detach().norm()))
     ref[0].register_forward_hook(lambda m, i, o: ref_acts.append(o.detach().norm()))
+    model[0].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().norm()))
+    ref[0].register_full_backward_hook(lambda m, gi, go: ref_grads.append(go[0].detach().norm()))
     for m in (model, ref):
         m[2].register_forward_hook(lambda m, i, o: o * 0.5)
-    step = hpfun.shard(lambda x: model(x).square().mean(), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+
+    def loss(m, x):
+        out = m(x).square().mean()
+        out.backward()
+        m.zero_grad()
+        return out.detach()
+
+    step = hpfun.shard(lambda x: loss(model, x), mesh=DP, in_specs=(P("dp"),), out_specs=P())
     for i in range(3):
         x, _ = batch(i)
-        assert abs(step(x).full().item() - ref(x).square().mean().item()) < 1e-12
-    assert len(acts) == 3 and all(type(a) is torch.Tensor for a in acts)
+        assert abs(step(x).full().item() - loss(ref, x).item()) < 1e-12
+    assert len(acts) == len(grads) == 3 and all(type(a) is torch.Tensor for a in acts + grads)
     torch.testing.assert_close(torch.stack(acts), torch.stack(ref_acts), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.stack(grads), torch.stack(ref_grads), rtol=0, atol=1e-12)
 
 
 def test_setting_data_of_a_parameter_is_written_back():

@@ -815,6 +815,8 @@ REPLICATED = {
                       (_rand(8, 4), _ids(8, 8), torch.tensor([0, 3, 5, 5]))),
     "masked_scatter": (aten.masked_scatter.default, lambda x, m, s: aten.masked_scatter.default(x, m > 0, s),
                        (_rand(4, 4), _rand(4, 4), _rand(16))),
+    "masked_scatter_backward": (aten.masked_scatter_backward.default,
+                                lambda g, m: aten.masked_scatter_backward.default(g, m > 0, [16]), (_rand(4, 4), _rand(4, 4))),
     "pdist": (aten._pdist_forward.default, lambda x: aten._pdist_forward.default(x, 2.0), (_rand(4, 4),)),
     "pdist_backward": (aten._pdist_backward.default,
                        lambda g, x: aten._pdist_backward.default(g, x, 2.0, aten._pdist_forward.default(x, 2.0)),
