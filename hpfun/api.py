@@ -716,6 +716,7 @@ class ShardedFunction:
                  if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
+        objects = lift.ObjectValues(call.state.opaque)  # (a scheduler's counters: a change is an error)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext():
@@ -734,10 +735,17 @@ class ShardedFunction:
         changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
                    and k not in substitution.set_aside and type(v) is not lift.ModuleValues
                    and k not in {key for key, _, _ in traced.effects}]
-        if changed:
+        moved = objects.changed()
+        objects.restore()
+        if changed or moved:
+            side_effect = "a traced program cannot repeat Python side effects: make this change outside the sharded function"
             raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
-                                        "function was traced", "a traced program cannot repeat Python side effects: "
-                                        "make this change outside the sharded function") for k in changed],
+                                        "function was traced", side_effect) for k in changed] +
+                               [Problem(f"{name} (a {type(obj).__name__})", "changed " + ", ".join(
+                                   f"{attr} from {_short(was)} to {_short(now)}" for attr, was, now in values[:3]) +
+                                   " while the function was traced",
+                                   _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
+                                for name, obj, values in moved],
                                headline="the function changes Python state")
         return traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})
 
@@ -764,6 +772,11 @@ class ShardedFunction:
             writes.append(WriteBack(layout, leaves[tensor_pos[j]].shape, names[j], input=j))
         return writes
 
+
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_SCHEDULER_FIX = ("step the scheduler after the call (`loss = train_step(x, y); scheduler.step()`): its step is Python "
+                  "arithmetic on its own counters, which a traced program would repeat with the values of the trace, "
+                  "while the learning rate it sets is an input hpfun reads at every call")
 
 RETRACE_WARNING_AFTER = 3  # compiles caused by changes of one Python value before RetraceWarning
 RETRACE_SHAPES_WARNING_AFTER = 8  # programs for new shapes of the same arguments before RetraceWarning

@@ -20,6 +20,7 @@ inputs instead (0-d float64 tensors while traced), so a scheduler stepping them 
 from __future__ import annotations
 
 import collections
+import copy
 import dis
 import functools
 import itertools
@@ -1190,6 +1191,44 @@ def _read_substituted(slot: Slot, name: str, swap: dict, state: State):
         stand_in = state.slots[slot.follows].read()  # the parameter's place holds its stand-in now
         return None if stand_in is None else stand_in.grad
     return slot.read()
+
+
+class ObjectValues:
+    """The Python values (numbers, strings, flags, lists of them) held by the library objects the
+    function reaches and hpfun does not walk (`State.opaque`: an LR scheduler, a logger), read
+    before a trace. A trace that changes one (`scheduler.step()` counting `last_epoch`) would
+    bake the value it computed into every call, silently: `changed` names them for an error,
+    and `restore` sets them back, so that tracing leaves no side effect."""
+
+    def __init__(self, opaque):
+        self.held = []  # (name, object, attribute, the value held, a copy of it)
+        for name, obj in opaque:
+            d = getattr(obj, "__dict__", None)
+            if not isinstance(d, dict):
+                continue
+            for attr, v in list(d.items()):
+                if _is_scalar(v) or type(v) in (list, dict) and all(map(_is_scalar, v.values() if type(v) is dict else v)):
+                    self.held.append((name, obj, attr, v, copy.copy(v)))
+
+    def changed(self) -> list[tuple[str, object, list]]:
+        """(name, object, [(attribute, value before, value now)]) of each object whose values the
+        trace changed."""
+        out: dict = {}
+        for name, obj, attr, held, was in self.held:
+            now = vars(obj).get(attr, _MISSING)
+            if now is not held or (type(held) in (list, dict) and held != was):
+                if not (_is_scalar(now) and now == was and type(now) is type(was)):
+                    out.setdefault(id(obj), (name, obj, []))[2].append((attr, was, now))
+        return list(out.values())
+
+    def restore(self) -> None:
+        for _, obj, attr, held, was in self.held:
+            if type(held) is list:
+                held[:] = was
+            elif type(held) is dict:
+                held.clear()
+                held.update(was)
+            vars(obj)[attr] = held
 
 
 def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:

@@ -130,6 +130,26 @@ def test_scheduled_optimizers_equal_eager_with_one_program(name):
     assert opt.param_groups[0] == {**ref_opt.param_groups[0], "params": opt.param_groups[0]["params"]}
 
 
+def test_a_scheduler_stepped_inside_the_function_is_named_with_the_fix():
+    """A scheduler's step() inside the sharded function counts in Python (`last_epoch`) and sets
+    the learning rate from the count: the program would set the trace's value at every call,
+    silently (a warmup stuck at its first step, parameters off by 7% after five steps). It is an
+    error naming the scheduler and the fix, and the trace leaves the scheduler as it was."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: min(1.0, (n + 1) / 4))
+
+    def step(x, y):
+        loss = eager_step(model, opt, x, y)
+        scheduler.step()
+        return loss
+
+    with pytest.raises(hpfun.CaptureError, match=r"scheduler \(a LambdaLR\): changed last_epoch from 0 to 1") as err:
+        hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
+    assert "step the scheduler after the call" in str(err.value)
+    assert scheduler.last_epoch == 0 and scheduler.get_last_lr() == [0.025] and opt.param_groups[0]["lr"] == 0.025
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.Adamax])
 def test_a_float32_tensor_learning_rate_steps_as_eager_bit_for_bit(make, dtype):
