@@ -13,6 +13,7 @@ a choice that only pays later (gathering a gradient once for two consumers) is f
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -139,6 +140,9 @@ def _resolved(layout: Layout) -> Layout:
     return layout
 
 
+_order = functools.lru_cache(maxsize=4096)(repr)  # a layout's sort key, made once (attrs' repr of a Layout is slow)
+
+
 def _candidates(graph, site, best, outputs_of) -> list:
     """Every strategy the rule offers `site` for the input layouts the greedy walks asked about,
     and for each input taken in each layout its producer can give it (the others as `best` has
@@ -148,7 +152,7 @@ def _candidates(graph, site, best, outputs_of) -> list:
     probe_axes = site.mesh.ndim == 1  # see _neighbours
     for i, producer in enumerate(site.producers):
         near = _neighbours(have[i], producer) if probe_axes else []
-        for layout in sorted(outputs_of.get(_value(producer), ()), key=repr) + near:
+        for layout in sorted(outputs_of.get(_value(producer), ()), key=_order) + near:
             asked.append(have[:i] + (layout,) + have[i + 1:])
     found, seen = [], set()
     for layouts in dict.fromkeys(asked):
