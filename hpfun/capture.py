@@ -1301,6 +1301,10 @@ def _describe(err: Exception) -> str:
             hint = (" — torch.distributions checks its parameters' and samples' values (validate_args), a read of "
                     "values computed in the step: pass validate_args=False to the distribution, or call "
                     "torch.distributions.Distribution.set_default_validate_args(False) once")
+        if any(f.filename.endswith(os.path.join("transformers", "generation", "utils.py")) for f in stack):
+            hint = (" — transformers' generate() decides in Python when every sequence has finished, from the "
+                    "tokens the model chose (a read of computed values): shard the model's forward, one decoding "
+                    "step, and run the generation loop outside the sharded function")
         if "grad_scaler.py" in frames:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "

@@ -324,3 +324,22 @@ def test_autocast_data_parallel_gradients_are_ddps():
     for p, q, g0, g1 in zip(model.parameters(), ref.parameters(), *halves, strict=True):
         assert torch.equal(p.grad, (g0 + g1) / 2)
         assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-2 * q.grad.abs().max().item())
+
+
+def test_generate_inside_names_the_loop_outside():
+    """generate() stops when every sequence has finished, read from the tokens the model chose:
+    refused, naming the fix; the fix (the forward sharded, the greedy loop outside) gives
+    generate()'s tokens."""
+    model = build("gpt2", "eager").eval()
+    mesh, _, _ = LAYOUTS["dp"]
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    generate = hpfun.shard(lambda ids: model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
+                           mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    with pytest.raises(hpfun.CaptureError, match="run the generation loop outside the sharded function"):
+        generate(ids)
+    step = hpfun.shard(lambda ids: model(ids, use_cache=False).logits[:, -1], mesh=mesh, in_specs=P("dp"),
+                       out_specs=P("dp"))
+    tokens = ids
+    for _ in range(2):
+        tokens = torch.cat([tokens, step(tokens).full().argmax(-1, keepdim=True)], 1)
+    assert torch.equal(tokens, model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0))
