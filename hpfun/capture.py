@@ -1301,6 +1301,10 @@ def _describe(err: Exception) -> str:
             hint = (" — torch.distributions checks its parameters' and samples' values (validate_args), a read of "
                     "values computed in the step: pass validate_args=False to the distribution, or call "
                     "torch.distributions.Distribution.set_default_validate_args(False) once")
+        if any(os.sep + os.path.join("torch", "utils", "data") + os.sep in f.filename for f in stack):
+            hint = (" — a DataLoader iterated inside the sharded function: its sampler and indices are Python "
+                    "values read from tensors, and a program repeats one trace; iterate the loader outside and "
+                    "pass each batch: `for x, y in loader: loss = train_step(x, y)`")
         if any(f.filename.endswith(os.path.join("transformers", "generation", "utils.py")) for f in stack):
             hint = (" — transformers' generate() decides in Python when every sequence has finished, from the "
                     "tokens the model chose (a read of computed values): shard the model's forward, one decoding "

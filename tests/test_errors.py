@@ -310,3 +310,18 @@ def test_logging_a_traced_value_says_what_to_do():
         _, text = _raise(hpfun.shard(logged, mesh=mesh, in_specs=P("dp"), out_specs=P()), torch.ones(4),
                          error=hpfun.CaptureError)
         assert "return the tensor" in text and ".full().item()" in text
+
+
+def test_a_data_loader_iterated_inside_names_the_loop_outside():
+    """A DataLoader iterated inside the sharded function reads its indices from tensors: refused,
+    with the loop outside as the fix."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    lin = torch.nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4, shuffle=True)
+
+    def epoch():
+        return sum(lin(x).square().mean() for (x,) in loader)
+
+    _, text = _raise(hpfun.shard(epoch, mesh=MESH, in_specs=(), out_specs=P()), error=hpfun.CaptureError)
+    assert "iterate the loader outside and pass each batch" in text
