@@ -275,6 +275,7 @@ _OWN = {
 # with the separator: a path that merely starts alike (.../torchvision) is not torch's
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 HPFUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+SITE_PACKAGES = os.sep + "site-packages" + os.sep  # an installed library's files are under it
 
 
 def _is_user_frame(filename: str) -> bool:
@@ -1037,14 +1038,13 @@ class TracingWarning(UserWarning):
     tensor printed shows a stand-in (its shape and dtype) once."""
 
 
-_SITE_PACKAGES = os.sep + "site-packages" + os.sep
 _PRINTS = frozenset([torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor.__format__])
 
 
 def _warn_printed(tensor) -> None:
-    """A traced tensor printed by the user's own code (not a library's): said once per line."""
+    """A traced tensor printed by the user's own code (not a library's): said at the trace, at its line."""
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith((TORCH_DIR, HPFUN_DIR))]
-    if not frames or not _is_user_frame(frames[-1].filename) or _SITE_PACKAGES in frames[-1].filename:
+    if not frames or not _is_user_frame(frames[-1].filename) or SITE_PACKAGES in frames[-1].filename:
         return
     f = frames[-1]
     warnings.warn_explicit(

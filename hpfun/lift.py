@@ -33,13 +33,12 @@ import weakref
 import attrs
 import torch
 
-from hpfun.capture import HPFUN_DIR, TORCH_DIR, PythonFloats, mark_float
+from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, PythonFloats, mark_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
 from torch._subclasses.fake_tensor import FakeTensor
 
 _LIBRARY_DIRS = (TORCH_DIR, HPFUN_DIR, os.path.dirname(os.__file__) + os.sep)
-_SITE_PACKAGES = os.sep + "site-packages" + os.sep
 
 
 @attrs.frozen(eq=False)
@@ -323,7 +322,7 @@ def _holds(guard: list) -> bool:
 
 
 def _is_library(filename: str) -> bool:
-    return filename.startswith(_LIBRARY_DIRS) or _SITE_PACKAGES in filename
+    return filename.startswith(_LIBRARY_DIRS) or SITE_PACKAGES in filename
 
 
 _SCALAR = object()  # a Root's value for a Python scalar: read anew (`Root.read`) whenever wanted
