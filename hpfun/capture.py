@@ -1043,10 +1043,11 @@ _PRINTS = frozenset([torch.Tensor.__repr__, torch.Tensor.__str__, torch.Tensor._
 
 def _warn_printed(tensor) -> None:
     """A traced tensor printed by the user's own code (not a library's): said at the trace, at its line."""
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith((TORCH_DIR, HPFUN_DIR))]
-    if not frames or not _is_user_frame(frames[-1].filename) or SITE_PACKAGES in frames[-1].filename:
-        return
-    f = frames[-1]
+    here = os.path.abspath(__file__)
+    f = next((f for f in reversed(traceback.extract_stack())  # the caller of the print: past torch and this mode
+              if not f.filename.startswith(TORCH_DIR) and os.path.abspath(f.filename) != here), None)
+    if f is None or not _is_user_frame(f.filename) or f.filename.startswith("<") or SITE_PACKAGES in f.filename:
+        return  # (hpfun's own message, a library's, or generated code)
     warnings.warn_explicit(
         f"`{f.line}` prints a tensor while hpfun traces the function, which shows a stand-in "
         f"({tuple(tensor.shape)}, {tensor.dtype}) once, not its values at every call: return the tensor and print it "

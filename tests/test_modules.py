@@ -1238,8 +1238,8 @@ def test_what_a_hook_appends_to_a_list_is_appended_by_every_call():
     acts, ref_acts, grads, ref_grads = [], [], [], []
     model[0].register_forward_hook(lambda m, i, o: acts.append(o.detach().norm()))
     ref[0].register_forward_hook(lambda m, i, o: ref_acts.append(o.detach().norm()))
-    model[0].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().norm()))
-    ref[0].register_full_backward_hook(lambda m, gi, go: ref_grads.append(go[0].detach().norm()))
+    model[2].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().norm()))
+    ref[2].register_full_backward_hook(lambda m, gi, go: ref_grads.append(go[0].detach().norm()))
     for m in (model, ref):
         m[2].register_forward_hook(lambda m, i, o: o * 0.5)
 
