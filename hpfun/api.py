@@ -736,7 +736,8 @@ class ShardedFunction:
                    and k not in substitution.set_aside and type(v) is not lift.ModuleValues
                    and k not in {key for key, _, _ in traced.effects}]
         moved = objects.changed()
-        objects.restore()
+        if moved:
+            objects.restore()
         if changed or moved:
             side_effect = "a traced program cannot repeat Python side effects: make this change outside the sharded function"
             raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "

@@ -1193,11 +1193,13 @@ def _read_substituted(slot: Slot, name: str, swap: dict, state: State):
 
 
 class ObjectValues:
-    """The Python values (numbers, strings, flags, lists of them) held by the library objects the
-    function reaches and hpfun does not walk (`State.opaque`: an LR scheduler, a logger), read
-    before a trace. A trace that changes one (`scheduler.step()` counting `last_epoch`) would
-    bake the value it computed into every call, silently: `changed` names them for an error,
-    and `restore` sets them back, so that tracing leaves no side effect."""
+    """The public Python values (numbers, strings, flags, lists of them) held by the library
+    objects the function reaches and hpfun does not walk (`State.opaque`: an LR scheduler, a
+    progress bar), read before a trace. A trace that changes one (`scheduler.step()` counting
+    `last_epoch`) would bake the value it computed into every call, silently: `changed` names
+    them for an error, and `restore` sets them back (private ones too), so that a refused trace
+    leaves no side effect. A change of a private attribute alone is not an error: it is
+    bookkeeping a call may fill (a logger's `_cache` of enabled levels)."""
 
     def __init__(self, opaque):
         self.held = []  # (name, object, attribute, the value held, a copy of it)
@@ -1206,7 +1208,7 @@ class ObjectValues:
             if not isinstance(d, dict):
                 continue
             for attr, v in list(d.items()):
-                if _is_scalar(v) or type(v) in (list, dict) and all(map(_is_scalar, v.values() if type(v) is dict else v)):
+                if _is_scalar(v) or type(v) is list and all(map(_is_scalar, v)):
                     self.held.append((name, obj, attr, v, copy.copy(v)))
 
     def changed(self) -> list[tuple[str, object, list]]:
@@ -1214,8 +1216,10 @@ class ObjectValues:
         trace changed."""
         out: dict = {}
         for name, obj, attr, held, was in self.held:
+            if attr.startswith("_"):
+                continue
             now = vars(obj).get(attr, _MISSING)
-            if now is not held or (type(held) in (list, dict) and held != was):
+            if now is not held or (type(held) is list and held != was):
                 if not (_is_scalar(now) and now == was and type(now) is type(was)):
                     out.setdefault(id(obj), (name, obj, []))[2].append((attr, was, now))
         return list(out.values())
@@ -1224,9 +1228,6 @@ class ObjectValues:
         for _, obj, attr, held, was in self.held:
             if type(held) is list:
                 held[:] = was
-            elif type(held) is dict:
-                held.clear()
-                held.update(was)
             vars(obj)[attr] = held
 
 

@@ -4,6 +4,7 @@ Every result is compared with the same code run eagerly, unsharded, on an identi
 
 import copy
 import functools
+import logging
 import warnings
 
 import pytest
@@ -148,6 +149,13 @@ def test_a_scheduler_stepped_inside_the_function_is_named_with_the_fix():
         hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
     assert "step the scheduler after the call" in str(err.value)
     assert scheduler.last_epoch == 0 and scheduler.get_last_lr() == [0.025] and opt.param_groups[0]["lr"] == 0.025
+    logger = logging.getLogger("hpfun.tests.a_training_loop")  # a logger fills its private cache: not a change
+
+    def logged(x, y):
+        logger.info("a step")
+        return eager_step(model, opt, x, y)
+
+    hpfun.shard(logged, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
