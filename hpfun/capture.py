@@ -482,6 +482,44 @@ def _cumulative_batch_norm():
         cls.forward = original
 
 
+_PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+              "normalvariate", "getrandbits", "betavariate", "expovariate", "triangular", "lognormvariate")
+_NP_RANDOM = ("rand", "randn", "random", "random_sample", "randint", "uniform", "normal", "choice", "shuffle",
+              "permutation", "binomial", "poisson", "beta", "exponential")
+
+
+@contextlib.contextmanager
+def _python_random_refused():
+    """Python's and NumPy's random functions, called by the user's own code while traced, are
+    refused: the trace would draw once and the program repeat that draw at every call (an
+    augmentation `if random.random() < 0.5` applied always or never), silently. Libraries'
+    draws (torch's, transformers') are theirs and pass."""
+    import random
+
+    def guard(module: str, name: str, original):
+        def draw(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if _is_user_frame(caller) and not caller.startswith("<") and SITE_PACKAGES not in caller:
+                raise CaptureError(Problem(f"{module}.{name}{_at_user_line()}",
+                                           "draws a Python random number while hpfun traces the function: the "
+                                           "program would repeat this one draw at every call",
+                                           "draw with torch instead (`torch.rand(()) < 0.5` with torch.where: hpfun "
+                                           "draws anew at every call, the same values on every layout), or draw "
+                                           "outside the function and pass the result in"))
+            return original(*args, **kwargs)
+        return draw
+
+    patches = [mock.patch.object(random, name, guard("random", name, getattr(random, name))) for name in _PY_RANDOM]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        patches += [mock.patch.object(np.random, name, guard("numpy.random", name, getattr(np.random, name)))
+                    for name in _NP_RANDOM if hasattr(np.random, name)]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
 def _trace(fn, fakes) -> torch.fx.GraphModule:
     traced = make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake", record_stack_traces=True)
     try:
@@ -489,7 +527,7 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls(), \
-                _cumulative_batch_norm():
+                _cumulative_batch_norm(), _python_random_refused():
             return traced(*fakes)
     except CaptureError:
         raise

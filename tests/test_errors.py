@@ -325,3 +325,23 @@ def test_a_data_loader_iterated_inside_names_the_loop_outside():
 
     _, text = _raise(hpfun.shard(epoch, mesh=MESH, in_specs=(), out_specs=P()), error=hpfun.CaptureError)
     assert "iterate the loader outside and pass each batch" in text
+
+
+def test_python_random_numbers_drawn_inside_are_refused():
+    """`if random.random() < 0.5: x = x.flip(-1)` would be decided once, at the trace, and the
+    program apply it always or never: Python's and NumPy's draws in the user's code are refused,
+    naming the line and the torch spelling."""
+    import random
+
+    np = pytest.importorskip("numpy")
+
+    def augmented(x):
+        return x.flip(-1) if random.random() < 0.5 else x
+
+    def scaled(x):
+        return x * float(np.random.rand())
+
+    for f, name in ((augmented, "random.random"), (scaled, "numpy.random.rand")):
+        _, text = _raise(hpfun.shard(f, mesh=MESH, in_specs=P("dp"), out_specs=P("dp")), torch.randn(8, 4),
+                         error=hpfun.CaptureError)
+        assert f"{name} at " in text and "torch.rand(())" in text
