@@ -490,16 +490,16 @@ _NP_RANDOM = ("rand", "randn", "random", "random_sample", "randint", "uniform", 
 
 @contextlib.contextmanager
 def _python_random_refused():
-    """Python's and NumPy's random functions, called by the user's own code while traced, are
+    """Python's and NumPy's random functions, called while traced by code other than torch's and
+    hpfun's (the user's, or a model library's: a LayerDrop decided with `random.uniform`), are
     refused: the trace would draw once and the program repeat that draw at every call (an
-    augmentation `if random.random() < 0.5` applied always or never), silently. Libraries'
-    draws (torch's, transformers') are theirs and pass."""
+    augmentation `if random.random() < 0.5` applied always or never), silently."""
     import random
 
     def guard(module: str, name: str, original):
         def draw(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if _is_user_frame(caller) and not caller.startswith("<") and SITE_PACKAGES not in caller:
+            if _is_user_frame(caller):
                 raise CaptureError(Problem(f"{module}.{name}{_at_user_line()}",
                                            "draws a Python random number while hpfun traces the function: the "
                                            "program would repeat this one draw at every call",
