@@ -495,11 +495,14 @@ def _python_random_refused():
     refused: the trace would draw once and the program repeat that draw at every call (an
     augmentation `if random.random() < 0.5` applied always or never), silently."""
     import random
+    import threading
+
+    tracing_thread = threading.get_ident()  # (another thread's draws are its own business)
 
     def guard(module: str, name: str, original):
         def draw(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if _is_user_frame(caller):
+            if threading.get_ident() == tracing_thread and _is_user_frame(caller):
                 raise CaptureError(Problem(f"{module}.{name}{_at_user_line()}",
                                            "draws a Python random number while hpfun traces the function: the "
                                            "program would repeat this one draw at every call",
