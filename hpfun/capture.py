@@ -817,14 +817,23 @@ def _distinct_elements(x) -> bool:
 def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
     """F.one_hot as the comparison it computes. torch's kernel reads the values to check them
     (`.item()`, which a trace cannot do; under torch.func.grad its decomposition is skipped), and
-    without num_classes it reads the number of classes from them. Class ids out of range give a
-    row of zeros, not torch's error (checking them would read the values)."""
+    without num_classes it reads the number of classes from them: from the arguments' values,
+    that is a read checked at every call (`InputRead`), as `labels.max()` is; from other values
+    it is refused. Class ids out of range give a row of zeros, not torch's error (checking them
+    would read the values)."""
     if input.dtype != torch.int64:
         return one_hot(input, num_classes)  # torch's own error: class ids are int64
     if num_classes == -1:
-        where = _at_user_line()
-        raise CaptureError(f"F.one_hot without num_classes{where}: the number of classes is the largest "
-                           "value + 1, read from the data, which a trace on shapes cannot do; pass num_classes=")
+        largest = _constant_value(input.max())
+        if largest is None:
+            raise CaptureError(f"F.one_hot without num_classes{_at_user_line()}: the number of classes is the "
+                               "largest value + 1, read from values the program computes, which a trace on shapes "
+                               "cannot do; pass num_classes=")
+        if isinstance(largest, tuple):  # read from the arguments: the program holds for this value only
+            largest, steps = largest
+            _READABLE[0][1].append(InputRead(steps, functools.partial(_read_with, torch.Tensor.__int__, {}), (),
+                                             int(largest), _at_user_line()))
+        num_classes = int(largest) + 1
     classes = torch.arange(num_classes, device=input.device)
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 

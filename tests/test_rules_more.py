@@ -397,11 +397,21 @@ def test_one_hot_under_grad(mesh_shape):
     assert (layouts, kinds) == ([_leading(mesh_shape)], [])
 
 
-def test_one_hot_without_num_classes_is_a_clear_error():
-    """Without num_classes the class count is read from the data: an error saying so, and the fix."""
-    f = hpfun.shard(lambda y: F.one_hot(y), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))
+def test_one_hot_without_num_classes_reads_the_arguments_or_is_a_clear_error():
+    """Without num_classes the class count is read from the data: from an argument's values it is
+    read, as eager reads it, and checked at every call (a batch with another largest class runs
+    its own program); from values the program computes (a parameter's), an error saying so, and
+    the fix."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    f = hpfun.shard(lambda y: F.one_hot(y), mesh=mesh, in_specs=P("a"), out_specs=P("a"))
+    for ids in ([0, 1, 2, 3], [0, 1, 1, 0], [0, 1, 2, 3]):
+        ids = torch.tensor(ids)
+        assert torch.equal(f(ids).full(), F.one_hot(ids))
+    assert f.trace_count == 2
+    w = torch.ones(4, requires_grad=True)
+    g = hpfun.shard(lambda y: F.one_hot(y * w.long()), mesh=mesh, in_specs=P("a"))
     with pytest.raises(hpfun.CaptureError, match=r"F.one_hot without num_classes at .*test_rules_more.py:\d+.*pass num_classes="):
-        f(torch.tensor([0, 1, 2, 3]))
+        g(torch.tensor([0, 1, 2, 3]))
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
