@@ -824,16 +824,12 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
     if input.dtype != torch.int64:
         return one_hot(input, num_classes)  # torch's own error: class ids are int64
     if num_classes == -1:
-        largest = _constant_value(input.max())
-        if largest is None:
+        largest = _read(torch.Tensor.__int__, input.max())
+        if largest is _UNREADABLE:
             raise CaptureError(f"F.one_hot without num_classes{_at_user_line()}: the number of classes is the "
                                "largest value + 1, read from values the program computes, which a trace on shapes "
                                "cannot do; pass num_classes=")
-        if isinstance(largest, tuple):  # read from the arguments: the program holds for this value only
-            largest, steps = largest
-            _READABLE[0][1].append(InputRead(steps, functools.partial(_read_with, torch.Tensor.__int__, {}), (),
-                                             int(largest), _at_user_line()))
-        num_classes = int(largest) + 1
+        num_classes = largest + 1
     classes = torch.arange(num_classes, device=input.device)
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 
@@ -1057,6 +1053,26 @@ def _constant_value(t):
     return value, tuple(steps)
 
 
+_UNREADABLE = object()  # `_read` of a value made from neither constants nor readable inputs
+
+
+def _read(func, t, args=(), kwargs=None):
+    """`func(value of t, *args)` (a read into Python: `.item()`, `bool`, `int`) of a traced tensor
+    made from constants, or from inputs whose real values the trace was given: then recorded as
+    an `InputRead`, for every call to check. `_UNREADABLE` for any other tensor."""
+    kwargs = kwargs or {}
+    value = _constant_value(t)
+    if value is None:
+        return _UNREADABLE
+    if not isinstance(value, tuple):
+        return func(value, *args, **kwargs)
+    value, steps = value
+    result = func(value, *args, **kwargs)
+    _READABLE[0][1].append(InputRead(steps, functools.partial(_read_with, func, kwargs), tuple(args), result,
+                                     _at_user_line()))
+    return result
+
+
 def _read_with(func, kwargs, value, *args):
     return func(value, *args, **kwargs)
 
@@ -1118,15 +1134,9 @@ class _TensorScalars(TorchFunctionMode):
         if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
             _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
         if func in _READS and isinstance(args[0], FakeTensor):
-            value = _constant_value(args[0])
-            if isinstance(value, tuple):  # read from the inputs' values: recorded, for the call to check
-                value, steps = value
-                result = func(value, *args[1:], **kwargs)
-                _READABLE[0][1].append(InputRead(steps, functools.partial(_read_with, func, kwargs), tuple(args[1:]),
-                                                 result, _at_user_line()))
+            result = _read(func, args[0], args[1:], kwargs)
+            if result is not _UNREADABLE:
                 return result
-            if value is not None:
-                return func(value, *args[1:], **kwargs)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
