@@ -69,6 +69,10 @@ from hpfun.specs import AUTO, Auto
 # found no choice at all within 60 s (benchmarks/plan.py)
 TIME_LIMIT = 300.0
 MAX_ROUNDS = 12  # memory points added before giving up on fitting the budget
+# Seconds per byte held per rank by an AUTO leaf's layout: a tie-break only (1 GB costs 1e-9 s),
+# so that of two plans equally fast by the model the one holding less wins (an input split over
+# dp rather than passed whole and sliced locally, which costs nothing by the model).
+HELD_BYTE_SECONDS = 1e-18
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,6 +684,10 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
                                     "give those leaves explicit specs"), headline="automatic sharding failed")
     base, start, options = built
     nodes, candidates, edges = list(base.nodes), dict(base.candidates), dict(base.edges)
+    for node in open_inputs:
+        val = node.meta["val"]
+        candidates[node] = tuple(attrs.evolve(c, price=HELD_BYTE_SECONDS * _nbytes(c.outputs[0], tuple(val.shape), val.dtype))
+                                 for c in candidates[node])
     members: dict = {name: list(g.inputs) for name, g in groups.items()}
     for name, g in groups.items():
         for k in g.sinks:
