@@ -363,6 +363,8 @@ class ShardedFunction:
         if entry.writes:
             tensors = [flat[i] for i in entry.tensor_pos]
             writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
+            if entry.creates:  # state now there, which the next call reads (`if "s" not in cache:` takes the
+                self._roots.forget()  # other branch in eager): found by a new walk, and traced again
         if entry.cleared:
             writeback.clear(entry.cleared, call.state)
         if entry.effects:
@@ -738,16 +740,32 @@ class ShardedFunction:
         moved = objects.changed()
         if moved:
             objects.restore()
+        if leaked := objects.leaked():
+            raise CaptureError([Problem(where, "holds a tensor the function made, in an object hpfun does not lift (it "
+                                        "walks modules, optimizers, and tensors, dicts and lists closed over or global)"
+                                        ": the program cannot put it there at every call",
+                                        "keep it in a module (a buffer or attribute), an optimizer's state, or a dict "
+                                        "the function closes over or reads as a global: hpfun writes those back after "
+                                        "every call, and reads them at the next") for where in leaked],
+                               headline="the function stores a tensor where hpfun cannot write it back")
         if changed or moved:
             side_effect = "a traced program cannot repeat Python side effects: make this change outside the sharded function"
-            raise CaptureError([Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
-                                        "function was traced", side_effect) for k in changed] +
+
+            def static_changed(k):
+                opt = next((r.value for r in call.state.roots if isinstance(r.value, torch.optim.Optimizer)
+                            and k.startswith(f"{r.name}.param_groups." if r.name else "param_groups.")), None)
+                if opt is not None:  # a counter the optimizer keeps in its group (timm's Adan, Lookahead)
+                    return lift.changed_state(k, opt, call.state.statics[k], statics_after[k])
+                return Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
+                               "function was traced", side_effect)
+            raise CaptureError([static_changed(k) for k in changed] +
                                [Problem(f"{name} (a {type(obj).__name__})", "changed " + ", ".join(
                                    f"{attr} from {_short(was)} to {_short(now)}" for attr, was, now in values[:3]) +
                                    " while the function was traced",
                                    _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
+        substitution.put_numbers()
         return traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})
 
     def _write_targets(self, call, traced, captured, names, lifted_index, layouts, tensor_pos, leaves) -> list:
@@ -936,6 +954,7 @@ class _Entry:
     constants_list: list = attrs.field(init=False)
     outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
     _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
+    creates: bool = attrs.field(init=False)  # writes state into a place that held none (a new key, attribute)
 
     def __attrs_post_init__(self):
         program, n = self.program, self.n_outputs
@@ -947,6 +966,7 @@ class _Entry:
                         zip(program.output_layouts[:n], program.output_shapes[:n], program.output_dtypes[:n], strict=True))
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
+        object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append" for w in self.writes))
 
     def unflatten(self, results: list):
         if self.out_statics:

@@ -213,6 +213,11 @@ class RootCache:
         self._last = (roots, opaque, guard) if None not in guard else None
         return roots, opaque
 
+    def forget(self) -> None:
+        """Walk and collect anew at the next call: a call put state where there was none (a new
+        key in a dict the function reaches, which no walk had made a root of)."""
+        self._last = self._state = None
+
     def state(self) -> State:
         """`collect` of the roots; the last State again while nothing it read has changed, with
         the statics (learning rates, scalars) read anew."""
@@ -444,9 +449,10 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     for root in roots:
         if isinstance(root.value, torch.nn.Module):
             _module_slots(root.name, root.value, add, snapshot)
+    opaque = list(opaque)
     for root in roots:
         if isinstance(root.value, torch.optim.Optimizer):
-            _optimizer_slots(root.name, root.value, add, names, problems, snapshot)
+            _optimizer_slots(root.name, root.value, add, names, problems, snapshot, opaque)
         elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
             leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
             if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
@@ -488,6 +494,23 @@ def statics(roots, known: dict | None = None) -> dict:
                 for key, v in group.items():  # a hyperparameter kept in a tensor: an input, its sign keys the cache
                     if isinstance(v, torch.Tensor) and (sign := _tensor_sign(v)) is not None:
                         out[_join(root.name, f"param_groups.{g}.{key}.sign")] = sign
+            out.update(_state_numbers(root.name, root.value, known))
+    return out
+
+
+def _state_numbers(name: str, opt, known: dict | None) -> dict:
+    """The Python numbers and flags in an optimizer's per-parameter state (timm's Muon keeps
+    `use_muon`), by parameter position: statics. `known` (the statics of a walk whose snapshot
+    still holds) has them: the state's dicts hold the same objects."""
+    prefix = _join(name, "state.")
+    if known is not None:
+        return {k: v for k, v in known.items() if k.startswith(prefix)}
+    out = {}
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            for key, v in opt.state.get(p, {}).items():
+                if not isinstance(v, torch.Tensor) and _is_scalar(v):
+                    out[f"{prefix}{g}.{i}.{key}"] = _hashable(v)
     return out
 
 
@@ -675,7 +698,7 @@ def _set_grad_at(read, value):
 
 
 def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list,
-                     snapshot: Snapshot) -> None:
+                     snapshot: Snapshot, opaque: list) -> None:
     snapshot.dict(vars(opt))
     snapshot.list(opt.param_groups)
     snapshot.dict(opt.state)
@@ -716,8 +739,8 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
             if isinstance(v, torch.Tensor):
                 add(name, functools.partial(_state_of, opt, p, key), functools.partial(_set_state, opt, p, key),
                     follows=owner)
-            elif v is not None:
-                problems.append(_untraceable_state(name, v))
+            elif not _is_scalar(v):  # (a number or flag is a static: `statics`) LBFGS's history lists: not
+                opaque.append((name, v))  # lifted; a trace that reads their tensors is refused (`unlifted_tensor_error`)
 
 
 # The hyperparameters hpfun traces as 0-d float64 tensors standing in for their floats, per
@@ -885,10 +908,26 @@ def _set_scalar(group: dict, key: str, index: int | None, value) -> None:
         group[key] = (*group[key][:index], value, *group[key][index + 1:])
 
 
-def _untraceable_state(name: str, v) -> Problem:
-    return Problem(name, f"is a {type(v).__name__} ({v!r}), not a tensor: hpfun lifts an optimizer's tensor state only, "
-                   "and a Python value updated at every step would be baked into the traced program",
-                   "use a torch.optim optimizer (they keep their step count as a tensor), or keep this value in a tensor")
+_STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the forward and backward (`loss = "
+                 "fwd_bwd(x, y)`, which writes the gradients back to the parameters), then call `opt.step(); "
+                 "opt.zero_grad()` after it; or use an optimizer that keeps its counters in tensors (torch.optim's do)")
+
+
+def _untraceable_state(name: str, v, opt) -> Problem:
+    return Problem(name, f"is a {type(v).__name__} ({_short_repr(v)}) in {type(opt).__name__}'s state, not a tensor or a "
+                   "number: hpfun lifts an optimizer's tensors, and reads its numbers as constants", _STEP_OUTSIDE)
+
+
+def changed_state(name: str, opt, was, now) -> Problem:
+    """The error for a Python number in an optimizer's state or groups that its step changes."""
+    return Problem(name, f"changed from {was!r} to {now!r} while the function was traced: {type(opt).__name__} keeps "
+                   "it in Python and updates it at every step, and a traced program would repeat the trace's value",
+                   _STEP_OUTSIDE)
+
+
+def _short_repr(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _set_listed(seq, i, value):
@@ -935,6 +974,9 @@ class Substitution:
         self.signs: dict = {}  # id(a lifted hyperparameter's stand-in) -> its value's sign (`ScalarSigns`)
         self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)
         self._optimizers: list = []
+        self._groups: list = []  # (optimizer's name, index, param group, its keys) before the trace
+        self.new_numbers: list = []  # (optimizer state, parameter, key, value) of numbers the step put in its state
+        self._real_params: dict = {}  # id(an optimizer's parameter as the trace sees it) -> the parameter
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
@@ -1032,6 +1074,10 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+        for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
+            for key, v in group.items():
+                if key not in keys and isinstance(v, FakeTensor):
+                    out[_join(prefix, f"param_groups.{g}.{key}")] = (v, ("group", prefix, g, key))
         for var, read, container, items in self._watched:
             if type(container) is list:
                 for i, v in enumerate(container[len(items):]):
@@ -1063,6 +1109,9 @@ class Substitution:
                 if any(isinstance(v, FakeTensor) for v in inside):
                     container.clear()
                     container.update(items) if isinstance(container, dict) else container.extend(items)
+        for _, _, group, keys in self._groups:
+            for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
+                del group[key]
         for _, _, container, items in self._watched:
             inside = container.values() if type(container) is dict else container
             if any(isinstance(v, FakeTensor) for v in inside):
@@ -1072,6 +1121,7 @@ class Substitution:
     def _optimizer(self, opt):
         prefix = next(r.name for r in self.state.roots if r.value is opt)
         for g, group in enumerate(opt.param_groups):
+            self._groups.append((prefix, g, group, frozenset(group)))
             if group.get("fused"):  # one kernel per step with no fake tensor kernel: traced as the for-loop
                 # path, the same arithmetic per tensor (as foreach, capture splits it per tensor)
                 self._set(functools.partial(group.__setitem__, "fused"), group["fused"], False)
@@ -1105,6 +1155,7 @@ class Substitution:
                     self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)])
             params = group["params"]
             for i, p in enumerate(params):
+                self._real_params[id(self.swap.get(id(p), p))] = p
                 if id(p) in self.swap:
                     self._set(functools.partial(params.__setitem__, i), p, self.swap[id(p)])
         entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
@@ -1115,7 +1166,7 @@ class Substitution:
         real_state = opt.state
         opt.state = stand_in_state
         self._undo.append(functools.partial(setattr, opt, "state", real_state))
-        self._optimizers.append((opt, stand_in_state))
+        self._optimizers.append((opt, stand_in_state, real_state))
 
     def assigned(self) -> tuple[dict, dict]:
         """What the traced function left in each slot, read in the substituted world: name ->
@@ -1126,15 +1177,25 @@ class Substitution:
         for name, slot in self.state.slots.items():
             if slot.follows is None or name.endswith(".grad"):
                 out[name] = _read_substituted(slot, name, self.swap, self.state)
-        for opt, stand_in_state in self._optimizers:
+        for opt, stand_in_state, real_state in self._optimizers:
             prefix = next(r.name for r in self.state.roots if r.value is opt)
             seen = set()
             for p, entries in stand_in_state.items():
                 entries = entries.stored() if isinstance(entries, _Float64Scalars) else entries
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
+                real_p = self._real_params.get(id(p))
                 for key, v in entries.items():
                     if owner is not None and v is not None and not isinstance(v, torch.Tensor):
-                        problems.append(_untraceable_state(f"{_join(prefix, 'state')}.{owner}.{key}", v))
+                        name = f"{_join(prefix, 'state')}.{owner}.{key}"
+                        held = real_state.get(real_p, {}).get(key, _MISSING) if real_p is not None else _MISSING
+                        if held is v and not _is_scalar(v):  # not lifted, and left as it was (LBFGS's history)
+                            continue
+                        if not _is_scalar(v):
+                            problems.append(_untraceable_state(name, v, opt))
+                        elif held is _MISSING:  # made by the step (its first): put where eager puts it
+                            self.new_numbers.append((real_state, real_p, key, v))
+                        elif not (type(held) is type(v) and held == v):
+                            problems.append(changed_state(name, opt, held, v))
                     if owner is None or not isinstance(v, torch.Tensor):
                         continue
                     name = f"{_join(prefix, 'state')}.{owner}.{key}"
@@ -1159,6 +1220,12 @@ class Substitution:
         self._undo.clear()
         self._take_back()
 
+    def put_numbers(self) -> None:
+        """The numbers the traced step put in its optimizer's state (made at its first step: timm's
+        Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""
+        for real_state, p, key, v in self.new_numbers:
+            real_state[p][key] = v
+
 
 def put(state: State, place: tuple, value) -> None:
     """Write a tensor the step made at its `place` (`Substitution.created`) in this call's modules."""
@@ -1167,6 +1234,10 @@ def put(state: State, place: tuple, value) -> None:
         return
     if place[0] == "key":
         place[1]()[place[2]] = value
+        return
+    if place[0] == "group":
+        _, name, g, key = place
+        state.root(name).param_groups[g][key] = value
         return
     kind, fqn, attr, *key = place
     for root in state.roots:
@@ -1203,13 +1274,41 @@ class ObjectValues:
 
     def __init__(self, opaque):
         self.held = []  # (name, object, attribute, the value held, a copy of it)
+        self.objects = []  # (name, object, its attributes, {attribute: (dict or list, a copy)})
         for name, obj in opaque:
+            if type(obj) in (dict, list):  # a container of no tensors (`self.stats = {}` of a user's object)
+                self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))
+                continue
             d = getattr(obj, "__dict__", None)
             if not isinstance(d, dict):
                 continue
             for attr, v in list(d.items()):
                 if _is_scalar(v) or type(v) is list and all(map(_is_scalar, v)):
                     self.held.append((name, obj, attr, v, copy.copy(v)))
+            self.objects.append((name, obj, dict(d), {a: (v, copy.copy(v)) for a, v in d.items()
+                                                      if type(v) in (dict, list)}))
+
+    def leaked(self) -> list[str]:
+        """Where the trace left a tensor it made in these objects (`self.stats["step"] = t` in
+        an object hpfun does not walk): the names, each set back as it was."""
+        out = []
+        for name, obj, attrs_before, containers in self.objects:
+            d = vars(obj) if obj is not None else {}
+            for attr, v in list(d.items()):
+                if isinstance(v, FakeTensor) and attrs_before.get(attr) is not v:
+                    out.append(f"{name}.{attr}")
+                    if attr in attrs_before:
+                        d[attr] = attrs_before[attr]
+                    else:
+                        del d[attr]
+            for attr, (container, was) in containers.items():
+                inside = list(container.items()) if type(container) is dict else list(enumerate(container))
+                fresh = [k for k, v in inside if isinstance(v, FakeTensor)]
+                if fresh:
+                    out += [f"{name}{'' if attr is None else '.' + attr}[{k!r}]" for k in fresh]
+                    container.clear()
+                    container.update(was) if type(container) is dict else container.extend(was)
+        return out
 
     def changed(self) -> list[tuple[str, object, list]]:
         """(name, object, [(attribute, value before, value now)]) of each object whose values the
@@ -1247,6 +1346,9 @@ def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:
 
 
 def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:
+    if type(obj) in (list, tuple, dict):
+        items = obj.items() if type(obj) is dict else enumerate(obj)
+        return [f"{name}[{k!r}]" for k, v in items if isinstance(v, torch.Tensor)][:1]
     try:
         items = vars(obj).items()
     except TypeError:

@@ -799,12 +799,117 @@ class CountingSGD(torch.optim.Optimizer):
 
 
 def test_optimizer_state_that_cannot_be_lifted():
-    """Optimizer state that is a Python number (it would be baked in) is a clear error."""
-    model = mlp()
+    """A Python number an optimizer keeps in its state and its step updates (it would be baked
+    in) is a clear error naming the fix; stepping that optimizer outside the sharded function
+    equals eager."""
+    model, twin = mlp(), mlp()
     opt = CountingSGD(model.parameters())
     step = stock_step(model, opt, DP)
-    text = _error(step, *batch(0), error=hpfun.CaptureError)  # at the first step, which creates the state
-    assert "opt.state.model.0.weight.step: is a int (1), not a tensor" in text
+    step(*batch(0))  # the first step makes the count (1, as eager's), read as a constant from then on
+    text = _error(step, *batch(1), error=hpfun.CaptureError)
+    assert "opt.state.model.0.weight.step: changed from 1 to 2 while the function was traced: CountingSGD keeps" in text
+    assert "step this optimizer outside the sharded function" in text
+
+    model, twin = mlp(), mlp()
+    opt, twin_opt = CountingSGD(model.parameters()), CountingSGD(twin.parameters())
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def forward_backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for i in range(3):
+        forward_backward(*batch(i))
+        opt.step()
+        opt.zero_grad()
+        x, y = batch(i)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+    assert max_diff(model, twin) < 1e-12
+    assert forward_backward.trace_count == 1
+
+
+class FlaggedSGD(torch.optim.Optimizer):
+    """Keeps a per-parameter flag it sets once (timm's Muon keeps `use_muon`), and a step count
+    it makes as a tensor in its param group at the first step (timm's Lamb)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            if "step" not in group:
+                group["step"] = torch.tensor(0.0)
+            group["step"].add_(1)
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["matrix"] = p.dim() == 2
+                scale = 2.0 if state["matrix"] else 1.0
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+                p.mul_(1 - 0.01 / group["step"])
+
+
+def test_optimizer_flags_and_a_counter_made_in_its_group():
+    """A number an optimizer puts in its state once is read as a constant (and keys the cache);
+    a tensor it makes in a param group at the first step is created there, then lifted."""
+    model, twin = mlp(), mlp()
+    opt, twin_opt = FlaggedSGD(model.parameters()), FlaggedSGD(twin.parameters())
+    step = stock_step(model, opt, DP)
+    for i in range(4):
+        loss = step(*batch(i))
+        x, y = batch(i)
+        expected = F.cross_entropy(twin(x), y)
+        expected.backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+        torch.testing.assert_close(loss.full(), expected.detach(), rtol=0, atol=1e-12)
+    assert max_diff(model, twin) < 1e-12
+    assert opt.param_groups[0]["step"].item() == 4.0
+    assert [s["matrix"] for s in opt.state.values()] == [True, False, True, False]
+    assert step.trace_count == 2  # the first step, which made the state; then the steady one
+
+
+def test_state_a_call_creates_in_a_global_dict_is_read_by_the_next():
+    """`if "s" not in cache: cache["s"] = torch.tensor(0.)`: the first call's program creates
+    it; the next call finds it (eager takes the other branch) and is traced again."""
+    cache = {}
+
+    def bias_corrected(x):
+        if "s" not in cache:
+            cache["s"] = torch.tensor(0.0, dtype=torch.float64)
+        cache["s"].add_(1)
+        return x / (1 - 0.9 ** cache["s"])
+
+    f = hpfun.shard(bias_corrected, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.ones(4, dtype=torch.float64)
+    got = [f(x).full()[0].item() for _ in range(4)]
+    cache.clear()
+    assert got == [bias_corrected(x)[0].item() for _ in range(4)]
+    assert f.trace_count == 2
+
+
+def test_a_tensor_stored_in_an_object_hpfun_does_not_walk_is_an_error():
+    """A tensor the function stores in a dict of a user's object that held none is an error
+    naming it (it would stay a tracing stand-in there), and the dict is left as it was."""
+
+    class Stats:
+        def __init__(self):
+            self.seen = {}
+
+    stats = Stats()
+
+    def f(x):
+        stats.seen["last"] = x.sum()
+        return x * 2
+
+    step = hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    text = _error(step, torch.ones(4), error=hpfun.CaptureError)
+    assert "stats.seen['last']: holds a tensor the function made" in text
+    assert stats.seen == {}
 
 
 def test_cat_onto_a_legacy_empty_tensor_keeps_the_split():
