@@ -5,6 +5,9 @@ Every error lists *all* problems found in one pass, each with what was wrong and
 
 from __future__ import annotations
 
+import operator
+import types
+
 import attrs
 
 
@@ -100,3 +103,12 @@ class InternalError(HpfunError, RuntimeError):
     exception is the cause, with its traceback)."""
 
     headline = "hpfun internal error"
+
+
+def op_name(target) -> str:
+    """An op's name in reports and errors."""
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, types.FunctionType):  # a helper of hpfun's rules (rules.norm.group_norm_backward)
+        return f"{target.__module__.removeprefix('hpfun.rules.')}.{target.__qualname__}"
+    return str(target)

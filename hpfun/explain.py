@@ -69,7 +69,7 @@ import torch
 from hpfun import memory
 from hpfun.collectives import wire_bytes
 from hpfun.drawing import lowered_html
-from hpfun.errors import HpfunError, Problem
+from hpfun.errors import HpfunError, Problem, op_name
 from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
 from hpfun.mesh import Mesh
@@ -91,10 +91,6 @@ def _arg(a) -> str:
     if isinstance(a, (list, tuple)):
         return "[" + ", ".join(_arg(x) for x in a) + "]"
     return repr(a)
-
-
-def _op_name(target) -> str:
-    return getattr(target, "__name__", str(target)) if target is operator.getitem else str(target)
 
 
 def _dtype(dtype) -> str | None:
@@ -151,7 +147,7 @@ def _node_dict(node: torch.fx.Node, program: Program, given: dict, index: dict) 
     record = node.meta.get("hpfun_collective")
     return {
         "name": node.name, "kind": _kind(node, given),
-        "op": None if node.op in ("placeholder", "output") else _op_name(node.target),
+        "op": None if node.op in ("placeholder", "output") else op_name(node.target),
         "args": args if node.op != "placeholder" else [],
         "inputs": inputs, "outputs": outputs,
         "shapes": _node_shapes(node, program, given),

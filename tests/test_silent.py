@@ -287,3 +287,28 @@ def test_a_gradient_taken_of_an_expanded_tensor_is_no_write():
         out = hpfun.shard(f, mesh=MESH, in_specs=(spec, P()), out_specs=(P(), P()))(x, w)
         for got, want in zip(out, f(x, w), strict=True):
             assert torch.equal(got.full(), want)
+
+
+def test_group_norm_backward_of_a_channels_last_input():
+    """Tokens turned back into an image (`h.transpose(1, 2).reshape(B, C, H, W)`, as diffusers'
+    attention blocks do) are channels-last; a group norm of them, with the projection before it
+    split on its output features, gets its gradient through a collective, contiguous. torch's
+    CPU group norm backward reads the gradient with the input's strides, so the two must agree
+    (the gradient was garbage, 4.2 off)."""
+    torch.manual_seed(0)
+    proj, norm = torch.nn.Linear(16, 16).double(), torch.nn.GroupNorm(4, 16).double()
+    qkv = torch.nn.Linear(16, 48).double()
+
+    def block(x, w):
+        x = x.requires_grad_(True)
+        b, c, height, width = x.shape
+        h = x.view(b, c, height * width).transpose(1, 2)
+        q, k, v = qkv(h).view(b, -1, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, c)
+        h = proj(h).transpose(-1, -2).reshape(b, c, height, width) + x
+        grad, = torch.autograd.grad((F.silu(norm(h)) * w).sum(), x)
+        return grad
+
+    f = hpfun.shard(block, mesh=MESH, in_specs=(P("a"), P("a")), out_specs=P("a"), state_specs={"proj.*": P("a")})
+    x, w = torch.randn(4, 16, 4, 4, dtype=torch.float64), torch.randn(4, 16, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(f(x, w).full(), block(x.clone(), w), rtol=0, atol=1e-12)

@@ -19,6 +19,7 @@ grad_out gives Partial gradients.
 from __future__ import annotations
 
 import attrs
+import torch
 
 from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
@@ -70,14 +71,14 @@ class LayerNormBackward(Rule):
         return combine_axes(call, per_axis)
 
 
-def _group_norm_emit(ctx, call: OpCall, strategy: Strategy, args, kwargs, x_index: int, first: int):
+def _group_norm_emit(ctx, call: OpCall, strategy: Strategy, args, kwargs, x_index: int, first: int, op=None):
     """Call with N, C and group made local (arguments first, first + 1 and first + 3)."""
     args = list(args)
     layout = strategy.inputs[x_index]
     args[first] //= layout.shard_factor(0)
     args[first + 1] //= layout.shard_factor(1)
     args[first + 3] //= layout.shard_factor(1)
-    return ctx.call(call.op, tuple(args), kwargs)
+    return ctx.call(op or call.op, tuple(args), kwargs)
 
 
 def _group_norm_options(call: OpCall, a: int, outs_batch: tuple, outs_channel: tuple) -> list:
@@ -128,7 +129,20 @@ class GroupNormBackward(Rule):
         return combine_axes(call, per_axis)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
-        return _group_norm_emit(ctx, call, strategy, args, kwargs, 1, 5)
+        return _group_norm_emit(ctx, call, strategy, args, kwargs, 1, 5, op=group_norm_backward)
+
+
+def group_norm_backward(grad_out, x, *args):
+    """aten.native_group_norm_backward with `grad_out` in `x`'s memory format. The CPU kernel
+    reads both with the strides of `x`'s format: a contiguous gradient of a channels-last input
+    (which a per-shard program makes where a collective delivers one of them, contiguous, and a
+    local op the other) gives garbage. Autograd hands the kernel matching formats; so does this."""
+    fmt = torch.contiguous_format
+    if x.dim() in (4, 5) and not x.is_contiguous():
+        cl = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        fmt = cl if x.is_contiguous(memory_format=cl) else fmt
+    return torch.ops.aten.native_group_norm_backward.default(
+        grad_out.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), *args)
 
 
 @attrs.frozen(kw_only=True)

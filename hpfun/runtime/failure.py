@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from hpfun.capture import user_line
-from hpfun.errors import ExecutionError, Problem
+from hpfun.errors import ExecutionError, Problem, op_name
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
 
@@ -51,7 +51,7 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException) 
     if node is None:
         return ExecutionError(Problem(where, f"{type(err).__name__}: {first}", _FIX))
     origin = node.meta.get("hpfun_origin")
-    op = str(node.target).replace("torch.ops.", "") if node.op == "call_function" else node.op
+    op = op_name(node.target).replace("torch.ops.", "") if node.op == "call_function" else node.op
     what = f"{op} ({'node ' + origin if origin else 'a step redistributing a value'})"
     layouts = node.meta.get("hpfun_inputs")
     if layouts is not None:
