@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 import traceback
@@ -379,7 +380,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     becomes extra outputs (`Captured.mutated`). `readable`: the real values of the inputs whose
     values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
-    with readable_inputs(readable or []) as reads, _seeded_inside() as seed:
+    with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors():
         gm = _trace(flat_fn, fakes)
     mutated: list[int] = []
     if _mutates(gm) and (written := functionalize(gm)) is not None:
@@ -396,6 +397,20 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     constants = _constants_as_inputs(gm)
     gm.recompile()
     return Captured(gm, tuple(constants), tuple(mutated), tuple(reads), seed[0])
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors():
+    """torch's fake tensors log the whole traceback of an op that fails on them (a shape that
+    does not broadcast) before raising it; hpfun raises it as a CaptureError naming the user's
+    line, so the log is only noise on stderr."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager
