@@ -552,6 +552,11 @@ POOL_CAPTURED = {  # not core: what capture produces for F.interpolate and adapt
                                     lambda x, g: aten.upsample_nearest2d_backward.default(g, [2, 2], [2, 4, 4, 4]), (1,)),
     "upsample_bilinear2d_backward": (aten.upsample_bilinear2d_backward.default,
                                      lambda x, g: aten.upsample_bilinear2d_backward.default(g, [2, 2], [2, 4, 4, 4], False), (1,)),
+    "upsample_nearest_exact2d": (aten._upsample_nearest_exact2d.default,
+                                 lambda x: aten._upsample_nearest_exact2d.default(x, [6, 8]), (0,)),
+    "upsample_nearest_exact2d_backward": (
+        aten._upsample_nearest_exact2d_backward.default,
+        lambda x, g: aten._upsample_nearest_exact2d_backward.default(g, [2, 2], [2, 4, 4, 4]), (1,)),
     "adaptive_max_pool2d": (aten.adaptive_max_pool2d.default, lambda x: aten.adaptive_max_pool2d.default(x, [2, 3]), ()),
     "adaptive_max_pool2d_backward": (
         aten.adaptive_max_pool2d_backward.default,
