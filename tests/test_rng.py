@@ -40,6 +40,11 @@ RANDOM_OPS = {
     "randint": lambda x: torch.randint(3, 17, x.shape).float(),
     "randperm": lambda x: torch.randperm(x.shape[0]).float(),
     "rand_bf16": lambda x: torch.rand(x.shape, dtype=torch.bfloat16).float(),
+    "randint_like": lambda x: torch.randint_like(x, 2, 9),
+    "gumbel_noise": lambda x: -torch.empty_like(x).exponential_().log(),  # F.gumbel_softmax's
+    "log_normal_": lambda x: torch.empty_like(x).log_normal_(0.5, 0.3),
+    "cauchy_": lambda x: torch.empty_like(x).cauchy_(1.0, 2.0),
+    "geometric_": lambda x: torch.empty_like(x).geometric_(0.3),
 }
 MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
 
@@ -197,6 +202,21 @@ def test_bernoulli_rate_and_randint_frequencies():
     assert ((counts - N / 10) ** 2 / (N / 10)).sum().item() < 21.67  # chi-square, 9 dof, 1%
 
 
+def test_exponential_cauchy_geometric_and_log_normal_fit():
+    """The draws by inversion and log-normal: KS distance to their CDFs below the 1% critical
+    value; geometric's support starts at 1 and hits its mean 1/p."""
+    critical = 1.63 / math.sqrt(N)
+    e = _sample("exponential", INDEX, SEED, 5, torch.float64, 2.0)
+    assert e.min() >= 0 and _ks(e.sort().values, lambda v: 1 - torch.exp(-2.0 * v)) < critical
+    c = _sample("cauchy", INDEX, SEED, 6, torch.float64, 1.0, 2.0)
+    assert _ks(c.sort().values, lambda v: 0.5 + torch.atan((v - 1.0) / 2.0) / math.pi) < critical
+    n = _sample("log_normal", INDEX, SEED, 7, torch.float64, 0.5, 0.3)
+    assert _ks(n.sort().values, lambda v: torch.special.ndtr((torch.log(v) - 0.5) / 0.3)) < critical
+    g = _sample("geometric", INDEX, SEED, 8, torch.float64, 0.3)
+    assert g.min() == 1 and torch.equal(g, g.floor())
+    assert abs(g.mean().item() - 1 / 0.3) < 4 * math.sqrt(0.7 / 0.09 / N)
+
+
 def test_randperm_is_a_permutation_and_ops_are_independent():
     """randperm gives a permutation; different op numbers give uncorrelated streams."""
     perm = _sample("randperm", torch.arange(1000), SEED, 5, torch.int64)
@@ -226,3 +246,24 @@ def test_large_draws_are_layout_invariant_across_the_compile_threshold():
         eight = hpfun.shard(draw, mesh=hpfun.Mesh.simulated((8,), ("a",)), in_specs=P("a"))(x)
     assert eight.shards[0].numel() < rng.COMPILE_ABOVE <= x.numel()
     assert torch.equal(eight.full(), one)
+
+
+def test_gumbel_softmax_draws_the_same_for_every_batch_split():
+    """F.gumbel_softmax (exponential_ noise) split on the batch equals its one-device draw."""
+    x = torch.randn(8, 6)
+    step = lambda x: F.gumbel_softmax(x, tau=0.5, hard=True)  # noqa: E731
+    one = hpfun.shard(step, mesh=hpfun.Mesh.simulated((1,), ("a",)), in_specs=P("a"), out_specs=P("a"))
+    four = hpfun.shard(step, mesh=hpfun.Mesh.simulated((4,), ("a",)), in_specs=P("a"), out_specs=P("a"))
+    with hpfun.random_seed(3):
+        expected = one(x).full()
+    with hpfun.random_seed(3):
+        got = four(x).full()
+    assert torch.equal(got, expected) and torch.equal(got.sum(-1), torch.ones(8))
+
+
+def test_a_random_op_without_a_draw_says_to_draw_outside():
+    """torch.multinomial has no exact draw yet: the error says to draw outside and pass it in."""
+    f = hpfun.shard(lambda p: torch.multinomial(p, 2), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"),
+                    out_specs=P("a"))
+    with pytest.raises(hpfun.HpfunError, match="draw the values outside the sharded function"):
+        f(torch.rand(4, 6))

@@ -17,7 +17,8 @@ from hpfun import rng
 from hpfun.layout import Layout, Partial, R
 from hpfun.rules.base import OpCall, Rule, Strategy
 
-KINDS = ("rand", "randn", "uniform", "normal", "bernoulli_p", "bernoulli", "randint", "randperm", "dropout")
+KINDS = ("rand", "randn", "uniform", "normal", "bernoulli_p", "bernoulli", "randint", "randint_like", "randperm",
+         "dropout", "exponential", "log_normal", "cauchy", "geometric")
 
 
 def _check_kind(_, __, value):
@@ -65,8 +66,13 @@ _PARAMS = {
     "bernoulli_p": lambda a: (_arg(a, 1, 0.5),),
     "bernoulli": lambda a: (a[0],),
     "randint": lambda a: (a[0], a[1]) if len(a) > 2 and not isinstance(a[1], (list, tuple)) else (0, a[0]),
+    "randint_like": lambda a: (a[1], a[2]) if len(a) > 2 else (0, a[1]),  # (x, [low,] high)
     "randperm": lambda a: (),
     "dropout": lambda a: (a[0], a[1], _arg(a, 2, True)),
+    "exponential": lambda a: (_arg(a, 1, 1.0),),
+    "log_normal": lambda a: (_arg(a, 1, 1.0), _arg(a, 2, 2.0)),
+    "cauchy": lambda a: (_arg(a, 1, 0.0), _arg(a, 2, 1.0)),
+    "geometric": lambda a: (a[1],),
 }
 
 
@@ -87,9 +93,20 @@ def _from_words(kind: str, w, dtype: torch.dtype, *params):
     if kind in ("bernoulli_p", "bernoulli"):
         p = params[0]
         return (rng.uniform(w, torch.float64 if _is_double(p) else torch.float32) < p).to(dtype)
-    if kind == "randint":
+    if kind in ("randint", "randint_like"):
         low, high = params
         return (rng.below(w, high - low) + low).to(dtype)
+    if kind in ("exponential", "cauchy", "geometric"):  # by inversion of one uniform in [0, 1)
+        u = rng.uniform(w, torch.float64 if dtype == torch.float64 else torch.float32)
+        if kind == "exponential":  # F.gumbel_softmax's -log(Exp(1))
+            return (-torch.log1p(-u) / params[0]).to(dtype)
+        if kind == "cauchy":
+            median, sigma = params
+            return (median + sigma * torch.tan(math.pi * (u - 0.5))).to(dtype)
+        return (torch.floor(torch.log1p(-u) / math.log1p(-params[0])) + 1).to(dtype)
+    if kind == "log_normal":
+        mean, std = params
+        return torch.exp(rng.normal(w, dtype) * std + mean)
     if kind == "randperm":
         return torch.argsort(rng.sort_keys(w)).to(dtype)
     x, p, train = params
