@@ -910,7 +910,9 @@ def _set_scalar(group: dict, key: str, index: int | None, value) -> None:
 
 _STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the forward and backward (`loss = "
                  "fwd_bwd(x, y)`, which writes the gradients back to the parameters), then call `opt.step(); "
-                 "opt.zero_grad()` after it; or use an optimizer that keeps its counters in tensors (torch.optim's do)")
+                 "opt.zero_grad()` after it (the sharded function should not reach the optimizer: its numbers key the "
+                 "cache, and they change at every step); or use an optimizer that keeps its counters in tensors "
+                 "(torch.optim's do)")
 
 
 def _untraceable_state(name: str, v, opt) -> Problem:
