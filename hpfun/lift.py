@@ -1194,8 +1194,8 @@ class Substitution:
                             continue
                         if not _is_scalar(v):
                             problems.append(_untraceable_state(name, v, opt))
-                        elif held is _MISSING:  # made by the step (its first): put where eager puts it
-                            self.new_numbers.append((real_state, real_p, key, v))
+                        elif held is _MISSING and real_p is not None:  # made by the step (its first): put
+                            self.new_numbers.append((real_state, real_p, key, v))  # where eager puts it
                         elif not (type(held) is type(v) and held == v):
                             problems.append(changed_state(name, opt, held, v))
                     if owner is None or not isinstance(v, torch.Tensor):
