@@ -1278,7 +1278,7 @@ class ObjectValues:
         self.held = []  # (name, object, attribute, the value held, a copy of it)
         self.objects = []  # (name, object, its attributes, {attribute: (dict or list, a copy)})
         for name, obj in opaque:
-            if type(obj) in (dict, list):  # a container of no tensors (`self.stats = {}` of a user's object)
+            if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))
                 continue
             d = getattr(obj, "__dict__", None)
