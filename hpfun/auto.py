@@ -363,7 +363,7 @@ class _Memory:
 
     def posed(self, problem: milp.Problem, points: list, budget) -> milp.Problem:
         """`problem` with the memory held at `points` bounded by `budget`."""
-        return attrs.evolve(problem, memory=tuple(self.at(t) for t in points),
+        return milp.with_sides(problem, memory=tuple(self.at(t) for t in points),
                             readers_at=tuple(self.readers[t] for t in points), moved=self.moved, budget=budget,
                             kept_at=tuple(self.kept(t) for t in points))
 
@@ -714,7 +714,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
     tie_of = {node: ("fixed", repeated_name(name)) for node, name in names.items()}
     tie_of.update({node: classes[name] for name, g in groups.items() for node in g.inputs})
     layer_ties = exact.layer_ties(graph, problem, tie_of)
-    problem = attrs.evolve(problem, ties=ties + layer_ties)
+    problem = milp.with_sides(problem, ties=ties + layer_ties)
     memory = _Memory(memory_order(list(graph.nodes)), problem)
     points: list[int] = []  # none at first: the fastest plan often fits, and rows of memory slow HiGHS down
     solution, rounds = None, 0
@@ -789,7 +789,7 @@ def _runner_ups(problem, choice: dict, groups, classes, members, time_limit, onl
         if node is None or only is not None and rep not in only:
             continue
         g = groups[rep]
-        cut = attrs.evolve(problem, cuts=({node: choice[node]},))
+        cut = milp.with_sides(problem, cuts=({node: choice[node]},))
         try:
             other = milp.solve(cut, time_limit=time_limit)
         except (milp.InfeasibleError, ShardingError):

@@ -17,7 +17,6 @@ import functools
 import math
 import operator
 
-import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -40,7 +39,7 @@ def refine(graph, best, time_limit: float = 10.0):
     start_price = milp.total_price(problem, start)
     # repeated layers choose alike: the program is as large at 32 layers as at 4 (the greedy
     # start need not keep the ties; the solution is kept only where cheaper than it)
-    tied = attrs.evolve(problem, ties=layer_ties(graph, problem))
+    tied = milp.with_sides(problem, ties=layer_ties(graph, problem))
     try:
         solution = milp.solve(tied, start=start, time_limit=time_limit)
     except milp.InfeasibleError:  # nothing finite keeps the ties: the greedy plan stands
