@@ -167,19 +167,20 @@ def _collective_dict(c: Collective, mesh: Mesh) -> dict:
 
 
 def report(program: Program, input_paths=None, input_dtypes=None, output_paths=None,
-           cost_model: CostModel | None = None, input_groups=None, with_memory: bool = True) -> dict:
+           cost_model: CostModel | None = None, input_groups=None, with_memory: bool = True,
+           with_nodes: bool = True) -> dict:
     """The report's dict (schema in the module docstring) of a lowered program; argument and
-    output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them."""
+    output paths ("args[0]['w1']", "outputs[1]") and input dtypes where the caller knows them.
+    Without `with_nodes`, "nodes" is None (`node_dicts` makes it)."""
     n, n_out = len(program.input_layouts), len(program.output_layouts)
     nodes = list(program.module.graph.nodes)
-    given = {node: i for i, node in enumerate([x for x in nodes if x.op == "placeholder"][:n])}
     index = {id(c): i for i, c in enumerate(program.collectives)}
     data = {
         "schema": SCHEMA, "version": SCHEMA_VERSION,
         "mesh": {"shape": list(program.mesh.shape), "axis_names": list(program.mesh.axis_names)},
         "inputs": _inputs(program, input_paths or [f"in{i}" for i in range(n)], input_dtypes or [None] * n),
         "outputs": _outputs(program, nodes[-1].args[0], output_paths or [f"outputs[{i}]" for i in range(n_out)]),
-        "nodes": [_node_dict(node, program, given, index) for node in nodes],
+        "nodes": node_dicts(program) if with_nodes else None,
         "collectives": [_collective_dict(c, program.mesh) for c in program.collectives],
         "buckets": _buckets(program, index),
         "cost_model": _model_dict(cost_model or CostModel()),
@@ -187,6 +188,14 @@ def report(program: Program, input_paths=None, input_dtypes=None, output_paths=N
     if with_memory:
         data["memory"] = memory.estimate(program, input_groups)
     return data
+
+
+def node_dicts(program: Program) -> list[dict]:
+    """The report's "nodes": every node of the per-shard program, with its layouts and shapes."""
+    nodes = list(program.module.graph.nodes)
+    given = {node: i for i, node in enumerate([x for x in nodes if x.op == "placeholder"][:len(program.input_layouts)])}
+    index = {id(c): i for i, c in enumerate(program.collectives)}
+    return [_node_dict(node, program, given, index) for node in nodes]
 
 
 def _buckets(program: Program, index: dict) -> list[dict]:
@@ -347,8 +356,11 @@ class Lowered:
                  cost_model: CostModel | None = None, input_groups=None, auto=None):
         self.program = program
         self.auto = auto  # what AUTO specs chose: an hpfun.auto.AutoPlan (runner_ups(), explain()), or None
-        # the memory estimate runs the program on fake tensors: made at its first use, not by lower()
-        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, with_memory=False)
+        # the memory estimate (a run of the program on meta tensors) and the per-node listing (a
+        # second or so for a 32-layer Llama step's 25,000 nodes) are made at their first use, not
+        # by lower(): planning, collectives and cost() need neither
+        self._data = report(program, input_paths, input_dtypes, output_paths, cost_model, with_memory=False,
+                            with_nodes=False)
         self._groups, self._memory_pending = input_groups, True
         if auto is not None:
             self._data["auto"] = auto.to_dict()
@@ -425,7 +437,9 @@ class Lowered:
         return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
     def _full(self) -> dict:
-        """The report's dict with its memory section (estimated at the first call)."""
+        """The report's dict with its nodes and memory section (made at the first call)."""
+        if self._data["nodes"] is None:
+            self._data["nodes"] = node_dicts(self.program)
         if self._memory_pending:
             self._data["memory"] = memory.estimate(self.program, self._groups)
             self._memory_pending = False
@@ -453,7 +467,7 @@ class Lowered:
 
     def _repr_html_(self) -> str:
         total = self.cost()
-        page = lowered_html(self._data, total, _render_text(self._full(), total))
+        page = lowered_html(self._full(), total, _render_text(self._full(), total))
         return page + (self.memory()._repr_html_() if "memory" in self._data else "")
 
 
