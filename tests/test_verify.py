@@ -134,3 +134,49 @@ def test_verify_annotation_directly():
     placeholder.meta["hpfun_layout"] = None
     with pytest.raises(VerificationError, match="has no layout"):
         verify_annotation(gm, MESH)
+
+
+def _local_values(program, share: bool, monkeypatch) -> dict:
+    from hpfun import verify
+
+    for node in program.module.graph.nodes:
+        node.meta.pop("val", None)
+    with monkeypatch.context() as m:
+        if not share:
+            real = verify._OnMeta.__init__
+
+            def unshared(self, *args, **kwargs):
+                real(self, *args, **kwargs)
+                self._seen = None
+
+            m.setattr(verify._OnMeta, "__init__", unshared)
+        verify.meta_run(program)
+    return {n.name: [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+                     for t in torch.utils._pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)]
+            for n in program.module.graph.nodes}
+
+
+@pytest.mark.parametrize("seq_split", [None, P(None, "tp")], ids=["tp", "tp+sp"])
+def test_a_meta_run_that_shares_results_gives_every_node_the_same_metadata(seq_split, monkeypatch):
+    """The meta run reuses an op's result for inputs of the same metadata (repeated layers):
+    every node's local shape, strides, offset and dtype are what running each op gives."""
+    from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step
+
+    params, (idx, targets) = gpt_init(layers=3), gpt_data(4)
+    specs = gpt_specs(params, tp="tp")
+    state = {"m": specs, "v": specs, "step": P()}
+    step = hpfun.shard(gpt_step, mesh=MESH, in_specs=(specs, state, P("dp"), P("dp"), None),
+                       out_specs=(specs, state, P()))
+    program = step.lower(params, adamw_init(params), idx, targets, seq_split).program
+    shared, alone = _local_values(program, True, monkeypatch), _local_values(program, False, monkeypatch)
+    assert sum(bool(v) for v in alone.values()) > 1000
+    assert shared == alone
+
+
+def test_a_program_that_restrides_in_place_shares_no_results():
+    from hpfun import verify
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.t_.default(torch.ops.aten.clone.default(x)))
+    assert verify._OnMeta(gm)._seen is None
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.add_.Tensor(torch.ops.aten.clone.default(x), 1))
+    assert verify._OnMeta(gm)._seen == {}
