@@ -68,7 +68,8 @@ from hpfun.specs import AUTO, Auto
 # when alone; the 32-layer Llama-3-8B-sized step on 2 x 4 took 254 s on a loaded 2-core machine and
 # found no choice at all within 60 s (benchmarks/plan.py)
 TIME_LIMIT = 300.0
-MAX_ROUNDS = 12  # memory points added before giving up on fitting the budget
+MAX_ROUNDS = 12  # rounds of memory points added before giving up on fitting the budget
+POINTS_PER_ROUND = 8
 # Seconds per byte held per rank by an AUTO leaf's layout: a tie-break only (1 GB costs 1e-9 s),
 # so that of two plans equally fast by the model the one holding less wins (an input split over
 # dp rather than passed whole and sliced locally, which costs nothing by the model).
@@ -735,7 +736,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
             raise ShardingError(Problem("memory_budget", f"the plan still peaks at {profile[peak]:.0f} B per rank after "
                                         f"{rounds} rounds of adding memory points", "raise memory_budget"),
                                 headline="automatic sharding failed")
-        points.append(peak)
+        points += _over(profile, budget, points)
     choice = solution.choice
     found["layouts"] = {name: g.candidates[choice[members[name][0]]] if members[name] else g.candidates[0]
                         for name, g in groups.items()}
@@ -760,6 +761,16 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
     return Annotation(plans, solution.price)
 
 
+def _over(profile: list[float], limit: float, points: list, most: int = POINTS_PER_ROUND) -> list[int]:
+    """The points to bound next: the `most` highest over `limit` not bounded yet. A plan kept
+    under the bound at its peak tends to peak at a neighbouring point next (where the same
+    values are live, a moved copy more or less): one point per round took nine rounds of the
+    least-memory MILP on a Llama step. The answer is the same (each round's optimum is a lower
+    bound, and the loop stops when the plan's own peak meets it)."""
+    over = [t for t in range(len(profile)) if profile[t] > limit * (1 + 1e-9) and t not in points]
+    return sorted(over, key=profile.__getitem__, reverse=True)[:most]
+
+
 def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:
     """The error for a budget no plan fits, naming the peak of the least-memory plan found."""
     points = list(points)
@@ -770,7 +781,7 @@ def _over_budget(problem, memory: _Memory, points: list, budget, groups, members
         peak = max(range(len(profile)), key=profile.__getitem__)
         if profile[peak] <= least * (1 + 1e-9) or peak in points:
             break
-        points.append(peak)
+        points += _over(profile, least, points)
     need = math.ceil(profile[peak])
     specs = ", ".join(f"{name} -> {spec_text(g.candidates[choice[members[name][0]]], len(g.shape))}"
                       for name, g in groups.items() if members[name])
