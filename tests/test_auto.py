@@ -388,3 +388,12 @@ def test_auto_on_two_gloo_ranks_plans_alike_and_steps_like_eager(tmp_path):
     lines = [next(l for l in (tmp_path / f"log-rank{r}.txt").read_text().splitlines() if l.startswith("specs"))
              for r in range(2)]
     assert lines[0] == lines[1]
+
+
+def test_each_round_bounds_the_highest_points_over_the_limit():
+    from hpfun.auto import _over
+
+    profile = [5.0, 9.0, 12.0, 11.0, 3.0, 10.5, 8.0]
+    assert _over(profile, 8.0, [], most=3) == [2, 3, 5]
+    assert _over(profile, 8.0, [2], most=3) == [3, 5, 1]  # a bounded point is not added again
+    assert _over(profile, 12.0, [], most=3) == []  # nothing over the limit
