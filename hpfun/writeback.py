@@ -156,7 +156,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
             if j in replicated and type(target := inputs[wb.input]) is not Sharded \
                     and tuple(target.shape) == wb.shape:  # the common case, inline: whole state, updated in place
                 targets.append(target)
-                sources.append(shards[0])
+                sources.append(shards[-1])  # (a simulated mesh's last rank's, as `full()` places blocks)
                 _LOCAL.pop(target, None)
                 if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
                     scalars.append((slot, target))
@@ -208,13 +208,13 @@ _ORDERS: dict = {}  # id(writes) -> (writes, order, replicated): a program's wri
 
 def _order(writes) -> tuple[list, frozenset]:
     """The order `apply` writes in (in-place updates first) and the in-place updates of whole
-    values into state a distributed call updates in place."""
+    values into state: each is a copy of the rank's replica (on a simulated mesh, of the last
+    rank's, the block `Sharded.full()` keeps), all in one foreach call."""
     found = _ORDERS.get(id(writes))
     if found is not None and found[0] is writes:
         return found[1], found[2]
     order = sorted(range(len(writes)), key=lambda j: writes[j].input is None)
-    replicated = frozenset(j for j, wb in enumerate(writes) if wb.input is not None and wb.layout.is_replicated
-                           and wb.layout.mesh.runtime == "distributed")
+    replicated = frozenset(j for j, wb in enumerate(writes) if wb.input is not None and wb.layout.is_replicated)
     if len(_ORDERS) > 256:
         _ORDERS.clear()
     _ORDERS[id(writes)] = (writes, order, replicated)
