@@ -295,7 +295,7 @@ def _writes(target) -> bool:
 
 # in-place ops that change a tensor's shape or strides
 _RESTRIDING = {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
-               "swapaxes_", "swapdims_", "_unsafe_set_", "unfold_"}
+               "swapaxes_", "swapdims_"}
 
 
 def _restrides(target) -> bool:
