@@ -658,7 +658,8 @@ class ShardedFunction:
         self._stage = "lowering the per-shard program"
         program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
                         input_names=in_names, reduce_dtype=self.options.reduce_dtype,
-                        bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap)
+                        bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap,
+                        op_by_op=not self.options.compile)
         if checked:
             verify.verify_program(program)
         if captured.seed is not None:

@@ -19,6 +19,8 @@ import torch
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.node import map_arg
 
+from hpfun import foreach as horizontal
+from hpfun import peephole
 from hpfun.checkpoint import redraws
 from hpfun.collectives import COMMUNICATING, ReduceScatter
 from hpfun.layout import Layout
@@ -226,14 +228,16 @@ def annotate(value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
 
 def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | None], output_names=None,
           rng: str = "philox", input_names=None, reduce_dtype: str = "float32",
-          bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True) -> Program:
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True, op_by_op: bool = True) -> Program:
     """Build the per-shard program of a propagated graph; `None` keeps an output's layout.
 
     `output_names` (e.g. "outputs[0]['w1']") label the collectives that outputs need;
     `input_names` (e.g. "args[0]['wo']") name the inputs in the collectives' reasons;
     `reduce_dtype` ("float32" or "compute") is the dtype bfloat16/float16 sums are reduced in;
     `bucket_bytes` caps fused collectives (0: none) and `overlap` moves issues and waits apart
-    (`hpfun.schedule`)."""
+    (`hpfun.schedule`). `op_by_op` (the program runs op by op, not under torch.compile, which
+    does its own) simplifies it and runs independent same elementwise ops as one `_foreach_*`
+    call (`hpfun.peephole`, `hpfun.foreach`)."""
     ctx = LowerContext(mesh, rng, reduce_dtype)
     ctx.redraws = redraws(gm, rng)  # hpfun.checkpoint's recomputed ops: which draws they repeat
     values: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -275,7 +279,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             values[node] = _emit(ctx, node, local)
         elif node.op == "output":
             names = output_names or [f"outputs[{i}]" for i in range(len(node.args[0]))]
-            return _finish(ctx, gm, node, inputs, output_layouts, names, local, bucket_bytes, overlap)
+            return _finish(ctx, gm, node, inputs, output_layouts, names, local, bucket_bytes, overlap, op_by_op)
     raise AssertionError("graph without output")
 
 
@@ -315,6 +319,7 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed
+        out.meta["hpfun_gathered"] = True  # the use's own copy, which hpfun.schedule places (kept by hpfun.peephole)
     ctx.gather_for = None
     if widen:
         out.meta["hpfun_local_dtype"] = torch.float32
@@ -358,7 +363,7 @@ def _in_dtype(ctx: LowerContext, producer, value, widen: bool):
 
 
 def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, bucket_bytes: int,
-            overlap: bool) -> Program:
+            overlap: bool, op_by_op: bool) -> Program:
     outs, layouts = [], []
     for producer, want, name in zip(node.args[0], output_layouts, names, strict=True):
         ctx.consumer = (name, "output", "")
@@ -366,6 +371,9 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
         outs.append(_in_dtype(ctx, producer, local(producer, dst, f"out_specs of {name}"), False))
         layouts.append(dst)
     ctx.graph.output(outs)
+    if op_by_op:
+        peephole.simplify(ctx.graph)
+        horizontal.fuse(ctx.graph)
     buckets = schedule(ctx.graph, bucket_bytes, overlap)
     module = _make_graph_module(gm, ctx.graph)  # lazy under hpfun's compile: its code is written at first run
     vals = [p.meta["val"] for p in node.args[0]]
