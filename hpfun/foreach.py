@@ -130,14 +130,20 @@ def _constant(value):
 
 def _pure(node: torch.fx.Node) -> bool:
     """Whether `node` may move relative to the program's other ops with a side of their own."""
+    try:
+        return _PURE[node.target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target
+        return False
     target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.namespace == "_c10d_functional" or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return True
+    pure = target is operator.getitem or isinstance(target, torch._ops.OpOverload) and not (
+        target.namespace == "_c10d_functional" or torch.Tag.nondeterministic_seeded in target.tags)
+    _PURE[target] = pure
+    return pure
+
+
+_PURE: dict = {}  # target -> _pure's answer (a few hundred ATen ops at most)
 
 
 def _mutates(node: torch.fx.Node) -> bool:
