@@ -56,8 +56,9 @@ def fold_views(graph: torch.fx.Graph) -> int:
             inner, outer = list(source.args[1]), list(node.args[1])
             if len(inner) != len(outer):
                 continue
-            composed = [inner[d] for d in outer]
-            if composed == sorted(composed):
+            rank = len(inner)
+            composed = [inner[d] % rank for d in outer]  # dims counted from the end, as from the start
+            if composed == list(range(rank)):
                 node.replace_all_uses_with(source.args[0])
             else:
                 node.args = (source.args[0], composed)

@@ -234,3 +234,14 @@ def test_a_large_recomputation_is_kept(unfused, monkeypatch):
     count = lambda low: sum(n.target is aten.tanh.default for n in _calls(low.program))  # noqa: E731
     assert count(simplified) == count(plain) == 2
     assert simplified.memory().peak <= plain.memory().peak
+
+
+def test_composed_permutes_count_dims_from_either_end():
+    """`permute(permute(x, [-1, 0, 1]), [0, 1, 2])` is `permute(x, [2, 0, 1])`, not x."""
+    def f(x):
+        return x.permute(2, 0, 1).permute(-1, 0, 1) * 2.0, x.permute(-1, 0, 1).permute(0, 1, 2) + 1.0
+
+    x = torch.randn(2, 3, 4)
+    a, b = hpfun.shard(f, mesh=ONE, in_specs=(P(),), out_specs=(P(), P()))(x)
+    want_a, want_b = f(x)
+    assert torch.equal(a.full(), want_a) and torch.equal(b.full(), want_b)
