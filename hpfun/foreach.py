@@ -14,12 +14,15 @@ alpha, value), none depending on another. Nodes at the same height (the longest 
 program's end) never depend on each other, and grouping every such set at once keeps the graph
 acyclic (each group sits at the height its members had); AdamW's per-parameter chains all end at
 the program's outputs, so their steps share heights. A second round groups by depth (the longest
-path from the inputs). A group's outputs are held at once, so a group takes members, in program
-order, up to `cap` bytes of results: small tensors and scalars fuse, large ones gain little from
-it and stay apart. The members become `getitem`s of the group's call, keeping their names and
-annotations, and the program is ordered again: each node as early in the old order as its inputs
-allow. Ops that draw from torch's generator, collectives and calls to Python functions keep
-their relative order; a program that mutates a tensor is left as it is.
+path from the inputs); "depends" counts the order of ops with a side of their own (draws from
+torch's generator, collectives, calls to Python functions), which keep their relative order. A
+group's results are held at once, so a group takes members, in program order, up to `cap` bytes
+of results (by default 1/32 of what the program's inputs hold): small tensors and scalars fuse,
+large ones gain little from it and stay apart. The members become `getitem`s of the group's
+call, keeping their names and annotations, and the program is ordered again: every node keeps
+its place (a group takes its first member's), and one whose inputs now come later runs as soon
+as they exist, never earlier than its place, so nothing is computed ahead and held. A program
+that writes a tensor in place is left as it is.
 """
 
 from __future__ import annotations
