@@ -14,25 +14,27 @@ Medians of interleaved repetitions; the parameters of all three are compared at 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import hpfun
-from hpfun import P, foreach, peephole
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import overhead  # noqa: E402 - the tiny Llama's configuration
 
-def _config(layers: int) -> dict:
-    return {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+import hpfun  # noqa: E402
+from hpfun import P, foreach, peephole  # noqa: E402
 
 
 def _build(layers: int):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_config(layers), attn_implementation="sdpa"))
+    config = overhead.LLAMA | {"num_hidden_layers": layers}  # the overhead benchmark's tiny Llama, deeper
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, attn_implementation="sdpa"))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -53,7 +55,8 @@ def _ops(f, ids) -> int:
 
 
 def measure(layers: int, reps: int) -> dict:
-    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, overhead.LLAMA["vocab_size"], (overhead.LLAMA_BATCH, overhead.LLAMA_SEQ),
+                        generator=torch.Generator().manual_seed(1))
     mesh = hpfun.Mesh((1,), ("dp",))
     models = {name: _build(layers) for name in ("eager", "before", "after")}
     steps = {"eager": _step(*models["eager"])}
