@@ -99,8 +99,9 @@ def _nbytes(node: torch.fx.Node) -> int | None:
 
 
 def _signature(node: torch.fx.Node):
-    """(foreach op, what members must share, positions of the tensor arguments, keywords)
-    for a node a foreach op can compute, else None."""
+    """What the members of one group share, for a node a foreach op can compute (else None):
+    the op, the foreach op (or _SWAP / _RSUB), the argument kinds, the scalar arguments (key,
+    value) and the keywords (name, key, value)."""
     forms = TABLE.get(node.target) if node.op == "call_function" else None
     if forms is None or "val" in node.meta and not isinstance(node.meta["val"], torch.Tensor):
         return None

@@ -19,8 +19,7 @@ import torch
 from torch.fx._lazy_graph_module import _make_graph_module
 from torch.fx.node import map_arg
 
-from hpfun import foreach as horizontal
-from hpfun import peephole
+from hpfun import foreach, peephole
 from hpfun.checkpoint import redraws
 from hpfun.collectives import COMMUNICATING, ReduceScatter
 from hpfun.layout import Layout
@@ -373,7 +372,7 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
     ctx.graph.output(outs)
     if op_by_op:
         peephole.simplify(ctx.graph)
-        horizontal.fuse(ctx.graph)
+        foreach.fuse(ctx.graph)
     buckets = schedule(ctx.graph, bucket_bytes, overlap)
     module = _make_graph_module(gm, ctx.graph)  # lazy under hpfun's compile: its code is written at first run
     vals = [p.meta["val"] for p in node.args[0]]
