@@ -149,13 +149,17 @@ class Index:
 
     cases: dict = attrs.Factory(dict)  # op -> [OpCase]
     seen_by: dict = attrs.Factory(dict)  # op -> {OpInfo name}
+    # (op, is complex) -> signatures of the cases kept: each case's is computed once, when it is
+    # offered (recomputed over every kept case at each offer, it was a sixth of the index's time)
+    _kept: dict = attrs.Factory(dict)
 
     def add(self, case: OpCase, limit: int) -> None:
         self.seen_by.setdefault(case.op, set()).add(case.source)
         known = self.cases.setdefault(case.op, [])
         # complex cases count apart, so the real ones of an OpInfo traced first leave them room
-        kind = [c for c in known if c.is_complex == case.is_complex]
-        if len(kind) < limit and case.signature() not in {c.signature() for c in kind}:
+        kept = self._kept.setdefault((case.op, case.is_complex), set())
+        if len(kept) < limit and (signature := case.signature()) not in kept:
+            kept.add(signature)
             known.append(case)
 
 
