@@ -276,5 +276,6 @@ def _reorder(graph: torch.fx.Graph, priority: dict) -> None:
         raise AssertionError("hpfun.foreach: grouping made the program cyclic")
     anchor = ordered[0]
     for node in ordered[1:]:
-        anchor.append(node)
+        if anchor.next is not node:  # (most nodes are in place already: moving one costs fx a relink)
+            anchor.append(node)
         anchor = node

@@ -73,6 +73,9 @@ class Program:
     seed: int | None = None  # the function's own torch.manual_seed(s): every call draws from s, and seeds torch with it
 
 
+_NAMES: dict = {}  # op -> the name fx gives its nodes (numbered apart by the graph)
+
+
 class LowerContext:
     """What rules and redistribution steps use to write into the per-shard graph."""
 
@@ -129,7 +132,10 @@ class LowerContext:
         return self._memo(("index", layout, tuple(shape)), make)
 
     def call(self, op, args, kwargs=None) -> torch.fx.Node:
-        return self.graph.call_function(op, tuple(args), dict(kwargs or {}))
+        name = _NAMES.get(op)
+        if name is None:  # fx derives a node's name from its target's at every node: once per target here
+            name = _NAMES[op] = self.graph._target_to_str(op)
+        return self.graph.call_function(op, tuple(args), dict(kwargs or {}), name=name)
 
     def placeholder(self, name: str) -> torch.fx.Node:
         return self.graph.placeholder(name)
@@ -247,7 +253,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
         annotate(values[node], node.meta["hpfun_layout"], node.meta["val"].shape, node.meta["val"].dtype)
     labels = dict(zip(inputs, input_names, strict=True)) if input_names else {}
 
-    def local(producer, dst: Layout, reason_for: str):
+    def local(producer, dst: Layout, reason_for):
         if ctx.gather_for is not None:  # an FSDP gather (hpfun.fsdp): each use its own copy, shared with none
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]
             ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
@@ -305,7 +311,7 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     widen = _keeps_wide(ctx, node)
     ctx.gather_for = node.meta.get("hpfun_fsdp")
     taken: list = []
-    reason = f"{node.target}"
+    reason = node.target  # made text only where a redistribution names it
 
     def take(x):  # fx's walk (C++) visits arguments in `strategy.inputs`' order
         if not _is_tensor_node(x):

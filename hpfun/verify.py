@@ -193,6 +193,10 @@ _LAYOUT_PRESERVING = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default, 
 def verify_program(program) -> None:
     """Check a lowered per-shard program (`hpfun.lower.Program`); raise VerificationError."""
     problems: list[Problem] = []
+    try:  # well formed: every node after the nodes it reads (what hpfun.schedule and hpfun.foreach move)
+        program.module.graph.lint()
+    except Exception as err:  # noqa: BLE001 - fx raises RuntimeError and others
+        problems.append(Problem("the per-shard program", f"is malformed: {err}"))
     for node in program.module.graph.nodes:
         step = node.meta.get("hpfun_step")
         if step is not None:
