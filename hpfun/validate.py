@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import itertools
 import math
 import os
@@ -161,6 +162,70 @@ class Index:
         if len(kept) < limit and (signature := case.signature()) not in kept:
             kept.add(signature)
             known.append(case)
+
+
+def portable_index(samples: int = 3, cases_per_op: int = 8) -> list:
+    """`opinfo_index`, with each op named by its qualified name: an OpOverload does not pickle,
+    so this is what a fresh process builds and hands back (`from_portable`). A fresh process
+    traces faster than a long-lived one: fx's tracer patches `torch.nn.Module` at every trace,
+    and each patch walks every subclass defined so far (a test suite's, a model library's)."""
+    return to_portable(opinfo_index(samples, cases_per_op))
+
+
+def to_portable(index: Index) -> dict:
+    """`index` with its ops by qualified name, and the modules loaded here (see `from_portable`)."""
+    entries = [(op.name(), sorted(index.seen_by[op]), [(c.args, c.kwargs, c.source) for c in index.cases.get(op, [])])
+               for op in index.seen_by]
+    return {"modules": sorted(sys.modules), "entries": entries}
+
+
+def write_portable_index(path: str, log: str | None = None) -> None:
+    """`portable_index` pickled to `path` (the target of a process building the index); the
+    process's output (torch's warnings about the ops sampled, a traceback) goes to `log`."""
+    import pickle
+
+    if log is not None:
+        with open(log, "w") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+    data = portable_index()
+    with open(path + ".part", "wb") as f:
+        pickle.dump(data, f)
+    os.replace(path + ".part", path)
+
+
+def read_portable_index(path: str) -> Index:
+    """The Index `write_portable_index` wrote to `path`."""
+    import pickle
+
+    with warnings.catch_warnings(), open(path, "rb") as f:  # (sparse samples made again warn of their beta format)
+        warnings.simplefilter("ignore")
+        return from_portable(pickle.load(f))
+
+
+def from_portable(data: dict, cases_per_op: int = 8) -> Index:
+    """The Index `portable_index` described, its ops found again by name (the modules that
+    defined them imported here too: torch registers some ops when a module is first imported)."""
+    for module in data["modules"]:
+        if module not in sys.modules and module.startswith(("torch.", "transformers.integrations")):
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - a module that imports only where it was: its ops are not needed
+                pass
+    index = Index()
+    for name, sources, cases in data["entries"]:
+        op = _op_named(name)
+        index.seen_by[op] = set(sources)
+        for args, kwargs, source in cases:
+            index.add(OpCase(op, args, kwargs, source), cases_per_op)
+    return index
+
+
+def _op_named(qualified: str):
+    """`aten::add.Tensor` -> torch.ops.aten.add.Tensor."""
+    namespace, name = qualified.split("::", 1)
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
 
 
 def opinfo_db():

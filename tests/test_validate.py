@@ -1,8 +1,6 @@
 """Ground-truth validation of every rule (`hpfun.validate`), and checks that the tool and the
 `hpfun.testing` oracle report wrong, missing and crashing rules as such."""
 
-import gc
-
 import attrs
 import pytest
 import torch
@@ -23,15 +21,9 @@ KNOWN_FAILURES: dict[str, str] = {}  # op -> why it fails today; remove an entry
 
 
 @pytest.fixture(scope="module")
-def index():
-    """The OpInfo index, traced once for the module (about 50 s). What the suite made before
-    is frozen out of the garbage collector's walks meanwhile: in a full run they took more
-    time than the index itself."""
-    gc.freeze()
-    try:
-        yield validate.opinfo_index()
-    finally:
-        gc.unfreeze()
+def index(validation_index):
+    """The OpInfo index (conftest builds it in a process of its own, beside the suite)."""
+    return validation_index
 
 
 def test_every_rule_matches_ground_truth(index):
@@ -179,3 +171,19 @@ def test_oracle_exact_mode_is_bitwise():
     assert_sharded_equal(torch.neg, (x,), mesh, hpfun.P("dp"), registry=registry)
     with pytest.raises(ShardedMismatch, match="largest difference at index"):
         assert_sharded_equal(torch.neg, (x,), mesh, hpfun.P("dp"), exact=True, registry=registry)
+
+
+def test_the_index_crosses_processes_as_it_is():
+    """The index conftest builds in a process of its own comes back with the same ops, sources
+    and cases (ops by qualified name: an OpOverload does not pickle)."""
+    import pickle
+
+    index = validate.Index()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for case in validate.traced_calls(lambda a: torch.nn.functional.softmax(a * 2, dim=-1).sum(0), [x], "softmax"):
+        index.add(case, 8)
+    again = validate.from_portable(pickle.loads(pickle.dumps(validate.to_portable(index))))
+    assert list(again.cases) == list(index.cases) and again.seen_by == index.seen_by
+    for op, cases in index.cases.items():
+        assert [(c.signature(), c.source) for c in again.cases[op]] == [(c.signature(), c.source) for c in cases]
+        assert all(torch.equal(a, b) for c, d in zip(cases, again.cases[op]) for a, b in zip(c.tensors, d.tensors))
