@@ -74,7 +74,7 @@ def _start_index_build() -> None:
 def validation_index():
     from hpfun import validate
 
-    _start_index_build()  # (not started at collection: a run selected by keyword)
+    _start_index_build()  # (started at collection already, unless a plugin added the test after it)
     process, path = _INDEX_BUILD["process"], _INDEX_BUILD["path"]
     process.join(timeout=1800)
     if process.is_alive():
