@@ -21,8 +21,9 @@ demo: $(STAMP)
 demo-module: $(STAMP)
 	$(PY) -m hpfun.demo --module
 
+# one worker per core (pytest-xdist), at most four: the suite is many small, single-threaded tests
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadgroup
 
 # every rule against unsharded ground truth, with many more examples than the suite draws
 validate-nightly: $(STAMP)

@@ -53,6 +53,11 @@ _INDEX_BUILD: dict = {}
 
 @pytest.hookimpl(trylast=True)  # the items left after -k and -m
 def pytest_collection_modifyitems(session, config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under `pytest -n` every worker collects every test, and which worker runs the
+        # validation (one xdist_group) is known only when it starts: the fixture builds the
+        # index then, in a process of its own, while the other workers go on.
+        return
     if any("validation_index" in getattr(item, "fixturenames", ()) for item in items):
         _start_index_build()
 
@@ -74,7 +79,7 @@ def _start_index_build() -> None:
 def validation_index():
     from hpfun import validate
 
-    _start_index_build()  # (started at collection already, unless a plugin added the test after it)
+    _start_index_build()  # (started at collection already in a run without workers)
     process, path = _INDEX_BUILD["process"], _INDEX_BUILD["path"]
     process.join(timeout=1800)
     if process.is_alive():
