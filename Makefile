@@ -23,7 +23,7 @@ demo-module: $(STAMP)
 
 # one worker per core (pytest-xdist), at most four: the suite is many small, single-threaded tests
 test: $(STAMP)
-	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadgroup
+	$(PY) -m pytest -n auto --maxprocesses 4
 
 # every rule against unsharded ground truth, with many more examples than the suite draws
 validate-nightly: $(STAMP)

@@ -180,18 +180,23 @@ def to_portable(index: Index) -> dict:
 
 
 def write_portable_index(path: str, log: str | None = None) -> None:
-    """`portable_index` pickled to `path` (the target of a process building the index); the
-    process's output (torch's warnings about the ops sampled, a traceback) goes to `log`."""
+    """`portable_index` pickled to `path` (the target of a process building the index), or an
+    empty `path + ".failed"` if that raised; the process's output (torch's warnings about the
+    ops sampled, a traceback) goes to `log`."""
     import pickle
 
     if log is not None:
         with open(log, "w") as f:
             os.dup2(f.fileno(), 1)
             os.dup2(f.fileno(), 2)
-    data = portable_index()
-    with open(path + ".part", "wb") as f:
-        pickle.dump(data, f)
-    os.replace(path + ".part", path)
+    try:
+        data = portable_index()
+        with open(path + ".part", "wb") as f:
+            pickle.dump(data, f)
+        os.replace(path + ".part", path)
+    except BaseException:
+        open(path + ".failed", "w").close()  # (for readers that are not this process's parent)
+        raise
 
 
 def read_portable_index(path: str) -> Index:

@@ -15,9 +15,6 @@ from hpfun.testing import ShardedMismatch, assert_sharded_equal, layouts, meshes
 
 aten = torch.ops.aten
 
-# Under `pytest -n` (make test) these tests run on one worker, which builds the index once.
-pytestmark = pytest.mark.xdist_group("validation-index")
-
 # Failures the validator finds in today's rules and library, each with its cause. They are
 # tolerated here (and listed in the test output) until fixed; remove an entry with its fix.
 KNOWN_FAILURES: dict[str, str] = {}  # op -> why it fails today; remove an entry once fixed
