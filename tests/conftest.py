@@ -97,10 +97,23 @@ def _builder_gone(pid_file: str) -> bool:
     if "process" in _INDEX_BUILD:
         return not _INDEX_BUILD["process"].is_alive()
     try:
-        with open(pid_file) as f, open(f"/proc/{int(f.read())}/stat") as stat:
+        with open(pid_file) as f:
+            pid = int(f.read())
+    except FileNotFoundError:  # gw0 has not started it yet (still collecting)
+        return False
+    try:  # Linux: the process's state, where a zombie still answers a signal
+        with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:  # no pid yet (gw0 still collecting), or no such process
-        return os.path.exists(pid_file)
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return True  # no such process
+    try:  # elsewhere (macOS): whether a signal reaches it
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 @pytest.fixture(scope="session")
