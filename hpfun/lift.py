@@ -249,6 +249,7 @@ class Snapshot:
 
     def __init__(self):
         self.dicts: list = []  # (dict, ids of its keys, ids of its values)
+        self.versions: list = []  # per dict, its version tag when read (`_dict_version`)
         self.lists: list = []  # (list, ids of its items)
         self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
         self.kept: list = []  # the values that are not tensors, kept alive
@@ -268,6 +269,8 @@ class Snapshot:
 
     def dict(self, d: dict) -> None:  # (an optimizer's state is keyed by its parameters)
         self.dicts.append((d, tuple(map(id, d)), tuple(map(id, d.values()))))
+        if _dict_version is not None:
+            self.versions.append(_dict_version(d))
         self._seen(d)
         self._seen(d.values())
 
@@ -291,6 +294,10 @@ class Snapshot:
                             if keys and all(type(k) is str for k in d))
         named = {id(d) for d, _, _ in self._named}
         self._other = tuple(e for e in self.dicts if e[1] and id(e[0]) not in named)
+        # the others by version tag (an empty dict is told empty cheaper still)
+        self._tagged = tuple(i for i, (_, keys, _) in enumerate(self.dicts) if keys)
+        self._all = tuple(self.dicts[i][0] for i in self._tagged)
+        self.versions = tuple(self.versions[i] for i in self._tagged) if _dict_version is not None else None
 
     def holds(self) -> bool:
         tensors = tuple(map(operator.call, self.refs))  # (`None in tensors` would compare tensors with ==)
@@ -299,12 +306,20 @@ class Snapshot:
             return False
         if any(self._empty):
             return False
-        for d, keys, ids in self._named:
-            if tuple(d) != keys or tuple(map(id, d.values())) != ids:
-                return False
-        for d, keys, ids in self._other:
-            if len(d) != len(keys) or tuple(map(id, d)) != keys or tuple(map(id, d.values())) != ids:
-                return False
+        if self.versions is not None:  # a dict whose version tag is unchanged was not written to
+            now = tuple(map(_dict_version, self._all))
+            if now != self.versions:
+                if not all(_holds_dict(*self.dicts[self._tagged[i]])
+                           for i, (a, b) in enumerate(zip(now, self.versions)) if a != b):
+                    return False
+                self.versions = now  # written to, holding what it held: checked by tag again from now on
+        else:
+            for d, keys, ids in self._named:
+                if tuple(d) != keys or tuple(map(id, d.values())) != ids:
+                    return False
+            for d, keys, ids in self._other:
+                if not _holds_dict(d, keys, ids):
+                    return False
         for seq, ids in self.lists:
             if tuple(map(id, seq)) != ids:
                 return False
@@ -315,6 +330,19 @@ class Snapshot:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _holds_dict(d: dict, keys: tuple, ids: tuple) -> bool:
+    """`d` holds the keys and values (by identity) it held when read."""
+    return len(d) == len(keys) and tuple(map(id, d)) == keys and tuple(map(id, d.values())) == ids
+
+
+try:  # a dict's version tag (PEP 509): CPython changes it at every write, so an equal one means
+    # no write since; torch's guards read it in C, 50 ns a dict, where comparing a module's
+    # attributes by identity takes microseconds
+    from torch._C._dynamo.guards import dict_version as _dict_version
+except ImportError:  # (a build without dynamo's guards: every entry compared, as written above)
+    _dict_version = None
 
 
 def _holds(guard: list) -> bool:
@@ -419,14 +447,15 @@ class State:
     def root(self, name: str):
         return next(r.value for r in self.roots if r.name == name)
 
+    _reads: tuple = attrs.field(init=False, repr=False)  # (names, read functions): read at every call
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "_reads", (tuple(self.slots), tuple(slot.read for slot in self.slots.values())))
+
     def values(self, skip_ids=frozenset()) -> dict:
         """name -> the tensor (or Sharded value) each slot holds now, for slots holding one."""
-        out = {}
-        for name, slot in self.slots.items():
-            v = slot.read()
-            if v is not None and id(v) not in skip_ids:
-                out[name] = v
-        return out
+        names, reads = self._reads
+        return {name: v for name, v in zip(names, map(operator.call, reads)) if v is not None and id(v) not in skip_ids}
 
 
 def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> State:
@@ -737,7 +766,8 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
         for key, v in entries.items():
             name = f"{_join(prefix, 'state')}.{owner}.{key}"
             if isinstance(v, torch.Tensor):
-                add(name, functools.partial(_state_of, opt, p, key), functools.partial(_set_state, opt, p, key),
+                # read from the dict itself: while the snapshot holds, `opt.state[p]` is that dict
+                add(name, functools.partial(entries.get, key), functools.partial(_set_state, opt, p, key),
                     follows=owner)
             elif not _is_scalar(v):  # (a number or flag is a static: `statics`) LBFGS's history lists: not
                 opaque.append((name, v))  # lifted; a trace that reads their tensors is refused (`unlifted_tensor_error`)
@@ -934,10 +964,6 @@ def _short_repr(v) -> str:
 
 def _set_listed(seq, i, value):
     seq[i] = value
-
-
-def _state_of(opt, p, key):
-    return opt.state.get(p, {}).get(key)
 
 
 def _set_state(opt, p, key, value):

@@ -156,3 +156,44 @@ def test_a_pickled_value_interns_its_signature_anew():
     copy = pickle.loads(pickle.dumps(x))
     assert copy.token is None and copy.signature() == token
     assert copy.full().tolist() == x.full().tolist()
+
+
+def test_the_lifted_state_walk_sees_every_write_and_keeps_what_holds():
+    """A module's state is walked again only when a dict the walk read holds other objects: a
+    parameter replaced, a buffer added, an optimizer's state entry reassigned are each seen at
+    the next call (with the values eager would use); an attribute set and deleted again, or the
+    training flag set to what it was, leaves the walk as it was (no retrace, no new walk)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=(P("tp"),), out_specs=P())
+    x = torch.randn(6, 4)
+    for _ in range(3):  # momentum buffers made at the first step: the second call walks again
+        f(x)
+    state, traces = f._roots._state[1], f.trace_count
+    model.extra = 1
+    del model.extra
+    model.train()
+    f(x)
+    assert f._roots._state[1] is state and f.trace_count == traces
+
+    with torch.no_grad():
+        model[0].weight = torch.nn.Parameter(torch.zeros(8, 4))  # replaced: the optimizer still holds the old one
+    ref = model(x).pow(2).mean()
+    assert f(x).full().item() == ref.item()
+    assert f._roots._state[1] is not state
+
+    buf = opt.state[model[2].weight]["momentum_buffer"]
+    opt.state[model[2].weight]["momentum_buffer"] = torch.zeros_like(buf)  # reassigned in its dict
+    state = f._roots._state[1]
+    f(x)
+    assert f._roots._state[1] is not state
+    assert not opt.state[model[2].weight]["momentum_buffer"].equal(torch.zeros_like(buf))  # updated from zero
