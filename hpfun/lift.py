@@ -449,8 +449,12 @@ class State:
 
     _reads: tuple = attrs.field(init=False, repr=False)  # (names, read functions): read at every call
 
+    # the slots holding a Python number read as a tensor (written back as a number)
+    scalar_names: frozenset = attrs.field(init=False, repr=False)
+
     def __attrs_post_init__(self):
         object.__setattr__(self, "_reads", (tuple(self.slots), tuple(slot.read for slot in self.slots.values())))
+        object.__setattr__(self, "scalar_names", frozenset(name for name, slot in self.slots.items() if slot.scalar))
 
     def values(self, skip_ids=frozenset()) -> dict:
         """name -> the tensor (or Sharded value) each slot holds now, for slots holding one."""

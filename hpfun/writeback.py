@@ -150,6 +150,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     must meet its parameter's new block)."""
     order, replicated = _order(writes)
     targets, sources, scalars = [], [], []  # whole state updated in place: copied in one foreach call
+    scalar_names = state.scalar_names if state is not None else ()
+    held = _LOCAL._entries
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -157,16 +159,17 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                     and tuple(target.shape) == wb.shape:  # the common case, inline: whole state, updated in place
                 targets.append(target)
                 sources.append(shards[-1])  # (a simulated mesh's last rank's, as `full()` places blocks)
-                _LOCAL.pop(target, None)
-                if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
-                    scalars.append((slot, target))
+                if id(target) in held:  # a block before: whole from now on
+                    _LOCAL.pop(target, None)
+                if wb.name in scalar_names:
+                    scalars.append((state.slots[wb.name], target))
                 continue
             if wb.input is not None and type(target := inputs[wb.input]) is Sharded \
-                    and all(a.shape == b.shape for a, b in zip(target.shards, shards, strict=True)):
+                    and [a.shape for a in target.shards] == [b.shape for b in shards]:
                 targets += target.shards  # a split argument or held block: its new shards, in place
                 sources += shards
-                if state is not None and (slot := state.slots.get(wb.name)) is not None and slot.scalar:
-                    scalars.append((slot, target))
+                if wb.name in scalar_names:
+                    scalars.append((state.slots[wb.name], target))
                 continue
             if targets:  # (before anything that may read them: a gradient meets its parameter's new value)
                 _copy(targets, sources, scalars)
