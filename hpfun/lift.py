@@ -341,7 +341,9 @@ try:  # a dict's version tag (PEP 509): CPython changes it at every write, so an
     # no write since; torch's guards read it in C, 50 ns a dict, where comparing a module's
     # attributes by identity takes microseconds
     from torch._C._dynamo.guards import dict_version as _dict_version
-except ImportError:  # (a build without dynamo's guards: every entry compared, as written above)
+
+    _dict_version({})
+except Exception:  # (a build or Python without it: every entry compared, as written above)
     _dict_version = None
 
 

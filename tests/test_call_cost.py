@@ -11,11 +11,13 @@ import collections
 import pickle
 
 import numpy as np
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import hpfun
 from hpfun import P
+from hpfun import lift
 from hpfun.api import _builder, _flatten
 from hpfun.sharded import Sharded, signature
 
@@ -158,11 +160,15 @@ def test_a_pickled_value_interns_its_signature_anew():
     assert copy.full().tolist() == x.full().tolist()
 
 
-def test_the_lifted_state_walk_sees_every_write_and_keeps_what_holds():
+@pytest.mark.parametrize("tags", [True, False], ids=["version-tags", "entries"])
+def test_the_lifted_state_walk_sees_every_write_and_keeps_what_holds(tags, monkeypatch):
     """A module's state is walked again only when a dict the walk read holds other objects: a
-    parameter replaced, a buffer added, an optimizer's state entry reassigned are each seen at
-    the next call (with the values eager would use); an attribute set and deleted again, or the
-    training flag set to what it was, leaves the walk as it was (no retrace, no new walk)."""
+    parameter replaced or an optimizer's state entry reassigned is seen at the next call (with
+    the values eager would use); an attribute set and deleted again, or the training flag set
+    to what it was, leaves the walk as it was (no retrace, no new walk). The same with dicts'
+    version tags and without (every entry compared, where the helper is missing)."""
+    if not tags:
+        monkeypatch.setattr(lift, "_dict_version", None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
