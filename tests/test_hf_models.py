@@ -270,6 +270,10 @@ def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
     config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=32)
+    # transformers 5.24 shipped this expert plan; 5.25 moved experts to expert parallelism (an
+    # ep_plan hpfun does not read), so the test gives the plan itself
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                 "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}
     moe = hpfun.tp_plan(transformers.Qwen3MoeForCausalLM(config))
     assert moe["model.layers.*.mlp.experts.gate_up_proj"] == P(None, "tp", None)
     assert moe["model.layers.*.mlp.experts.down_proj"] == P(None, None, "tp")
