@@ -393,18 +393,23 @@ class _Prices:
 
     def kind(self, value: Value) -> Hashable:
         """What a value's move prices depend on: its kind, or the value itself."""
-        if value not in self._kinds:
-            self._kinds[value] = ("kind", self.problem.kind(value)) if self.problem.kind else value
-        return self._kinds[value]
+        kind = self._kinds.get(value)
+        if kind is None:
+            kind = self._kinds[value] = ("kind", self.problem.kind(value)) if self.problem.kind else value
+        return kind
 
     def move(self, value: Value, src: Hashable, dst: Hashable) -> float:
-        key = (self.kind(value), src, dst)
-        if key not in self._moves:
+        # asked hundreds of thousands of times when the MILP is built: one lookup per ask (a
+        # layout's hash is a Python call)
+        kind = self._kinds.get(value)
+        key = (self.kind(value) if kind is None else kind, src, dst)
+        price = self._moves.get(key)
+        if price is None:
             price = self._moves[key] = _moved(self.problem, value, src, dst)
             if not price >= 0:
                 raise ProblemError(Issue(f"move of {value!r} from {src!r} to {dst!r}", f"is priced {price!r}",
                                          "price moves >= 0, and math.inf when impossible"))
-        return self._moves[key]
+        return price
 
     def own(self, node: Node, index: int) -> float:
         """The candidate's price plus the price of delivering its sink outputs."""
@@ -527,7 +532,7 @@ class _Model:
         self.upper.append(upper)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of the joints and payments: hashed often
 class _Sum:
     """A sum of `x` columns plus a constant: the indicator that a node's candidate has a property
     (a constant node contributes 0 or 1, not a column)."""
@@ -642,8 +647,9 @@ def _add_value(problem, prices, alive, model: _Model, x: dict, value: Value, rea
         wants = _by_layout(alive[reader], lambda c, r=reader, s=slot: problem.candidates[r][c].inputs[s])
         wanted.append({L: _indicator(x, reader, group, len(wants) == 1) for L, group in wants.items()})
     key = ("value", prices.kind(value), tuple(made.items()), tuple(tuple(needed.items()) for needed in wanted))
-    if key in joints:
-        charges, all_pairs = joints[key]
+    known = joints.get(key)
+    if known is not None:
+        charges, all_pairs = known
     else:
         moves: dict[tuple, dict[_Sum, None]] = {}
         all_pairs = []
@@ -675,13 +681,15 @@ def _joint(prices: _Prices, model: _Model, value: Value, made: dict, needed: dic
         return {(S, L): need if produced.constant else produced
                 for S, produced in made.items() for L, need in needed.items()}
     key = (tuple(made.items()), tuple(needed.items()), prices.kind(value))  # the pairs follow from it
-    if key in joints:
-        return joints[key]
+    known = joints.get(key)
+    if known is not None:
+        return known
     pairs = tuple((S, L) for S in made for L in needed if prices.move(value, S, L) < math.inf)
     same = (key[0], key[1], pairs)  # values of other kinds with the same indicators and finite moves
-    if same in joints:
-        joints[key] = joints[same]
-        return joints[key]
+    known = joints.get(same)
+    if known is not None:
+        joints[key] = known
+        return known
     mu = joints[key] = joints[same] = {pair: _Sum((model.column(0.0, integral=False),), 0) for pair in pairs}
     rows: tuple[dict, dict] = ({}, {})  # per side, per layout: the mu columns with it (one pass: layouts compare slowly)
     for pair, joint in mu.items():
