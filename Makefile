@@ -6,12 +6,13 @@ STAMP := .venv/.hpfun-installed
 
 setup: $(STAMP)
 
-# torch first, pinned to the CPU build on disk, so nothing later pulls a CUDA build.
-$(STAMP): pyproject.toml
+# torch first, pinned to the CPU build on disk, so nothing later pulls a CUDA build; then hpfun
+# with its dev extra at the versions constraints.txt names (what the suite was run against).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
