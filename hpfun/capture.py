@@ -896,12 +896,21 @@ def _refuse_overlapping_write(func, args) -> None:
         raise CaptureError(Problem(f"{name}{_at_user_line()}", "writes in place into the result of as_strided, which "
                                    "hpfun takes by index (a copy: the write would not reach the tensor it views)",
                                    "write into that tensor itself (index_put_, scatter_), or clone the result first"))
-    if isinstance(target, torch.Tensor) and torch._debug_has_internal_overlap(target) == 1:
+    if isinstance(target, torch.Tensor) and _overlaps_itself(target):
         where = _at_user_line()
         raise CaptureError(
             Problem(f"{name}{where}", f"writes in place into a tensor whose elements share memory (strides "
                                       f"{tuple(target.stride())}, e.g. made by expand)",
                     "clone() it first (x = x.clone()), as torch's own deprecation warning asks"))
+
+
+def _overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether some elements of `tensor` share memory. Under `torch.func` transforms (vmap,
+    grad, jacrev) it is a wrapper the check has no batching rule for: the tensor it wraps, the
+    batch dims' strides included, is checked instead."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return torch._debug_has_internal_overlap(tensor) == 1
 
 
 def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:

@@ -272,6 +272,26 @@ def test_in_place_write_into_an_expanded_tensor_is_refused():
     assert torch.equal(g(x).full(), torch.full((4,), 2.0))  # a clone owns its memory: allowed
 
 
+def test_the_overlap_check_sees_through_vmap():
+    """Under vmap the written tensor is functorch's wrapper, which torch's overlap check has no
+    batching rule for: jacrev batched by vmap (it fills a diagonal of zeros in place) failed to
+    capture. The wrapped tensor is checked instead: the Jacobians equal eager's, and a write into
+    an expanded tensor inside vmap is still refused."""
+
+    def jacobians(x):
+        return torch.func.vmap(torch.func.jacrev(lambda t: torch.tanh(t) * t.sum()))(x)
+
+    x = torch.randn(8, 6, dtype=torch.float64)
+    got = hpfun.shard(jacobians, mesh=MESH, in_specs=P("a"), out_specs=P("a"))(x)
+    assert torch.equal(got.full(), jacobians(x))
+
+    def expanded(x):
+        return torch.func.vmap(lambda t: t.expand(3, 6).mul_(2.0).sum(0))(x)
+
+    with pytest.raises(hpfun.CaptureError, match=r"mul_ at .*test_silent.py:\d+.*share memory"):
+        hpfun.shard(expanded, mesh=MESH, in_specs=P("a"), out_specs=P("a"))(x)
+
+
 def test_a_gradient_taken_of_an_expanded_tensor_is_no_write():
     """torch.func.grad of a function of the gradient of a sum (an expanded tensor) marks it as
     requiring a gradient, `requires_grad_`: in place, but no element written, so it is not
