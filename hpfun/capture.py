@@ -538,7 +538,38 @@ def _python_random_refused():
         yield
 
 
+@contextlib.contextmanager
+def _dispatch_keys_restored_on_error():
+    """Put this thread's dispatch keys back as they were when tracing fails. The guards torch's
+    `torch.func` transforms hold in the failed frames set keys as those frames are freed: after a
+    failed trace of `vmap(jacfwd(f))` the functorch, ADInplaceOrView and Python-snapshot keys
+    stayed excluded once the error was dropped, and every later trace of a transform in the
+    process failed (plain `make_fx` too), a notebook's next cells with it. So those frames are
+    cleared first (their error's message is made by then), then the keys set back. A
+    function's own exception keeps its frames, for the user's debugger."""
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    try:
+        yield
+    except BaseException as err:
+        seen, chained = set(), err
+        while chained is not None and id(chained) not in seen and not getattr(chained, "hpfun_raised_by_the_code", False):
+            seen.add(id(chained))
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__cause__ or chained.__context__
+        for key in torch._C.DispatchKey.__members__.values():
+            if torch._C._dispatch_tls_is_dispatch_key_included(key) != include.has(key):
+                torch._C._dispatch_tls_set_dispatch_key_included(key, include.has(key))
+            if torch._C._dispatch_tls_is_dispatch_key_excluded(key) != exclude.has(key):
+                torch._C._dispatch_tls_set_dispatch_key_excluded(key, exclude.has(key))
+        raise
+
+
 def _trace(fn, fakes) -> torch.fx.GraphModule:
+    with _dispatch_keys_restored_on_error():  # (around the error's report too: making it can set keys)
+        return _make_fx(fn, fakes)
+
+
+def _make_fx(fn, fakes) -> torch.fx.GraphModule:
     # The tensors go in as one list, not one argument each. make_fx wraps the function in a
     # generated `lambda arg0, ..., argN: fn(arg0, ..., argN)`, whose frame holds two slots per
     # argument: at 32 GPT layers (1170 tensors) it filled most of a 16 KiB chunk of CPython's
