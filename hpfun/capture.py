@@ -543,8 +543,9 @@ def _dispatch_keys_restored_on_error():
     """Put this thread's dispatch keys back as they were when tracing fails. The guards torch's
     `torch.func` transforms hold in the failed frames set keys as those frames are freed: after a
     failed trace of `vmap(jacfwd(f))` the functorch, ADInplaceOrView and Python-snapshot keys
-    stayed excluded once the error was dropped, and every later trace of a transform in the
-    process failed (plain `make_fx` too), a notebook's next cells with it. So those frames are
+    stayed excluded once the error was dropped, and a later trace of a transform in the process
+    (`vmap` of `grad` over `functional_call`) failed, plain `make_fx`'s too: in a notebook, the
+    next cells. So those frames are
     cleared first (their error's message is made by then), then the keys set back. A
     function's own exception keeps its frames, for the user's debugger."""
     include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
