@@ -285,6 +285,7 @@ _TRANSFORMS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:.torch.jit.script. is deprecated:DeprecationWarning")  # torch's jvp, eager too
 @pytest.mark.parametrize("name", _TRANSFORMS)
 def test_torch_func_transforms_over_a_split_batch_equal_eager(name):
     """The transforms the README lists as traced through, on a batch split over the mesh."""
