@@ -103,6 +103,63 @@ def test_a_start_is_never_beaten_by_a_dearer_choice(data):
     assert_cheapest(problem, solution)
 
 
+@st.composite
+def repeated_layers(draw):
+    """An input node, then 2-3 copies of one layer of 2 nodes (each reads the one before it; the
+    second may also read the layer's input), the copies' nodes tied, as automatic sharding ties
+    repeated layers. With `differ`, one copy's candidates are redrawn (the same count): a tie
+    of nodes whose candidates differ."""
+    layout = st.sampled_from(LAYOUTS)
+    count = draw(st.integers(2, 3))
+    shapes = [draw(st.integers(1, 3)) for _ in range(2)]  # candidates per layer node
+    skip = draw(st.booleans())
+
+    def layer_candidates():
+        out = []
+        for k, size in enumerate(shapes):
+            reads = 2 if k == 1 and skip else 1
+            out.append(tuple(Candidate(draw(st.lists(layout, min_size=reads, max_size=reads)), (draw(layout),),
+                                       draw(st.sampled_from([0, 0.5, 1, 3, inf]))) for _ in range(size)))
+        return out
+
+    template = layer_candidates()
+    differ = draw(st.sampled_from([None, *range(count)]))
+    nodes, candidates, edges = ["in"], {"in": tuple(Candidate((), (draw(layout),)) for _ in range(2))}, {}
+    ties = [[], []]
+    previous = ("in", 0)
+    for i in range(count):
+        cands = layer_candidates() if i == differ else template
+        a, b = f"a{i}", f"b{i}"
+        nodes += [a, b]
+        candidates[a], candidates[b] = cands
+        edges[a] = (previous,)
+        edges[b] = ((a, 0), previous) if skip else ((a, 0),)
+        ties[0].append(a)
+        ties[1].append(b)
+        previous = (b, 0)
+    table = {(s, d): draw(st.sampled_from([1, 2, 4, inf])) for s in LAYOUTS for d in LAYOUTS if s != d}
+    sinks = {previous: frozenset({draw(layout)})}
+    kinds = {("in", 0): "x", **{(n, 0): "a" if n[0] == "a" else "x" for n in nodes[1:]}}  # a layer's values alike
+    return Problem(nodes, candidates, edges, table_move(table), sinks, ties=ties, kind=kinds.__getitem__)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(repeated_layers())
+def test_tied_repeated_layers_solve_as_brute_force(problem):
+    """Ties of repeated layers (tied nodes share their columns and, with equal candidates, how a
+    value they make and read is delivered) keep the optimum brute force finds among the choices
+    that keep the ties, also where the tied nodes' candidates differ."""
+    try:
+        brute_force(problem)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(problem)
+        return
+    solution = solve(problem)
+    assert all(len({solution.choice[n] for n in tie}) == 1 for tie in problem.ties)
+    assert_cheapest(problem, solution)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hand-written cases
 # ---------------------------------------------------------------------------------------------
