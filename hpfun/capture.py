@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from hpfun.checkpoint import rematerialize, torch_checkpoints
 from hpfun.errors import CaptureError, Problem
 from hpfun.functionalize import functionalize
+from hpfun.optimizers import exact_step_scalars, traced_steps
 
 aten = torch.ops.aten
 
@@ -581,7 +582,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
-                mock.patch.object(torch.compiler, "_is_compiling_flag", True), _exact_optimizer_scalars(), \
+                mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls(), \
                 _cumulative_batch_norm(), _python_random_refused():
             gm = traced(list(fakes))
@@ -703,82 +704,6 @@ def _fused_decomposition(target, metas: tuple, static_args: tuple) -> torch.fx.G
         return [decompose(*[next(it) if a is _TENSOR else a for a in static_args])]
 
     return capture(run, list(metas))
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.optim, traced: its step count stays a tensor, in double precision
-# ---------------------------------------------------------------------------------------------
-
-
-class PythonFloats:
-    """The float64 0-d tensors a trace holds in place of Python floats: lifted hyperparameters'
-    stand-ins, an optimizer's step count read as a number (`mark_float`), and what arithmetic
-    on them alone gives. Eager's Python float does not promote a tensor (`lr / 0.9` keeps a
-    float32 tensor learning rate float32, and an integer tensor times 0.5 is the default float
-    dtype); a float64 0-d tensor promotes another 0-d one, and any integer tensor, to float64.
-    `promoted` casts such a stand-in first, as torch casts the float. Stand-ins are kept alive
-    while the trace runs, so their ids stay theirs."""
-
-    active: "PythonFloats | None" = None
-
-    def __init__(self, ids=()):
-        self.ids = set(ids)
-        self._kept: list = []
-
-    def __contains__(self, x) -> bool:
-        return id(x) in self.ids
-
-    def add(self, x: torch.Tensor) -> None:
-        self.ids.add(id(x))
-        self._kept.append(x)
-
-    def promoted(self, args: tuple) -> tuple:
-        a, b = args
-        if (a in self) == (b in self):
-            return args
-        w, other = (a, b) if a in self else (b, a)
-        if other.is_floating_point() and other.dim() == 0 and other.dtype != w.dtype:
-            w = w.to(other.dtype)
-        elif not other.is_floating_point() and not other.is_complex():
-            w = w.to(torch.get_default_dtype())
-        else:
-            return args
-        return (w, other) if a in self else (other, w)
-
-
-def mark_float(x: torch.Tensor) -> torch.Tensor:
-    """`x` (a float64 0-d tensor traced where eager reads a Python number) joins the trace's
-    `PythonFloats`, while an optimizer's step is traced (`lift.ScalarSigns` holds them)."""
-    if PythonFloats.active is not None:
-        PythonFloats.active.add(x)
-    return x
-
-
-@contextlib.contextmanager
-def _exact_optimizer_scalars():
-    """While compiling, torch.optim reads its step count (a float32 tensor) as a tensor, not as
-    the Python number eager reads, and computes its bias corrections in float32 (1e-7 away from
-    eager's double-precision ones). Traced, it reads the count as a float64 tensor instead: the
-    same integer, and the same double-precision arithmetic as eager, now recorded in the graph;
-    it promotes as the Python number does (`PythonFloats`)."""
-    from torch.optim import optimizer
-
-    original = optimizer._get_value
-
-    def exact(x):
-        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point():
-            return mark_float(x.to(torch.float64))
-        return original(x)
-
-    modules = [m for name, m in list(sys.modules.items()) if name.startswith("torch.optim") and m is not None
-               and getattr(m, "_get_value", None) is original]
-    for m in modules:
-        m._get_value = exact
-    try:
-        yield
-    finally:
-        for m in modules:
-            m._get_value = original
 
 
 _ALPHA = {torch.add, torch.sub, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.sub, torch.Tensor.sub_}
@@ -1215,12 +1140,17 @@ class _TensorScalars(TorchFunctionMode):
             alpha = kwargs.pop("alpha")
             x, y, *rest = args
             if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.is_floating_point() \
-                    and y.dtype == x.dtype and not rest and not kwargs:
-                # torch's kernel computes x + alpha * y in one fused multiply-add, as addcmul does
+                    and y.is_floating_point() and not rest and not kwargs \
+                    and (common := torch.result_type(x, y)) in (x.dtype, y.dtype) \
+                    and (common == x.dtype or not func.__name__.endswith("_")):
+                # torch's kernel computes x + alpha * y in one fused multiply-add, as addcmul does,
+                # in the operands' common dtype (Muon adds a bfloat16 update to a float32 weight:
+                # the update is cast up first, exactly, not rounded to bfloat16 times alpha)
                 alpha = alpha if func.__name__ in ("add", "add_") else torch.neg(alpha)
+                y = y if y.dtype == common else y.to(common)
                 if func.__name__.endswith("_"):
                     return x.addcmul_(y, alpha)
-                return _as_eager(torch.addcmul(x, y, alpha), x, y)
+                return _as_eager(torch.addcmul(x if x.dtype == common else x.to(common), y, alpha), x, y)
             return func(x, torch.mul(y, alpha), *rest, **kwargs)
         if func in _LERP and len(args) == 3 and isinstance(args[2], torch.Tensor) and args[2].dim() == 0 \
                 and isinstance(args[0], torch.Tensor) and args[2].dtype != args[0].dtype:

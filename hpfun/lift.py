@@ -33,7 +33,8 @@ import weakref
 import attrs
 import torch
 
-from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, PythonFloats, mark_float
+from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR
+from hpfun.optimizers import PythonFloats, mark_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
 from torch._subclasses.fake_tensor import FakeTensor
@@ -792,7 +793,7 @@ _LR, _LR_BETAS, _LR_MOMENTUM = ("lr",), ("lr", "betas"), ("lr", "momentum")
 LIFTED_SCALARS = {torch.optim.SGD: _LR_MOMENTUM, torch.optim.Adam: _LR_BETAS, torch.optim.AdamW: _LR_BETAS,
                   torch.optim.Adamax: _LR_BETAS, torch.optim.NAdam: _LR_BETAS, torch.optim.RAdam: _LR_BETAS,
                   torch.optim.Adagrad: _LR, torch.optim.Adadelta: _LR, torch.optim.RMSprop: _LR_MOMENTUM,
-                  torch.optim.ASGD: _LR}
+                  torch.optim.ASGD: _LR, torch.optim.Adafactor: _LR, torch.optim.Muon: _LR_MOMENTUM}
 
 
 def lifted_scalars(opt, group: dict) -> dict[str, tuple]:

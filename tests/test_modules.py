@@ -67,6 +67,8 @@ OPTIMIZERS = {
     # foreach, its step copies with _foreach_copy_, which capture split per tensor only once
     # every foreach op was enumerated (dir(torch.ops.aten) lists only ops looked up before)
     "rprop": lambda ps, foreach: torch.optim.Rprop(ps, lr=1e-2, foreach=foreach),
+    # reads its step count and two norms per parameter with .item(): traced as float64 tensors
+    "adafactor": lambda ps, foreach: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01, foreach=foreach),
 }
 
 
@@ -102,6 +104,7 @@ SCHEDULED = {
     "nadam": (lambda ps: torch.optim.NAdam(ps, lr=1e-2), 1e-12),
     "rmsprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9, centered=True), 1e-12),
     "sgd-nesterov": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 1e-12),
+    "adafactor": (lambda ps: torch.optim.Adafactor(ps, lr=1e-2, maximize=True), 1e-12),
 }
 
 
@@ -129,6 +132,40 @@ def test_scheduled_optimizers_equal_eager_with_one_program(name):
             assert opt.state[p][key].dtype == value.dtype, key
             assert torch.allclose(opt.state[p][key].double(), value.double(), rtol=0, atol=tolerance), key
     assert opt.param_groups[0] == {**ref_opt.param_groups[0], "params": opt.param_groups[0]["params"]}
+
+
+def test_muon_under_a_schedule_is_one_program_with_eagers_weights_bit_for_bit():
+    """Muon (its Newton-Schulz iterations in bfloat16) on the weights, AdamW on the biases, both
+    under OneCycleLR, which cycles Muon's learning rate and momentum: one program after the
+    first step. On one rank its weights equal eager's bit for bit: Muon adds its bfloat16 update to the
+    float64 weight times a learning rate that is a traced float64 scalar, in float64, as eager's
+    Python float does (rounding the update times the rate to bfloat16 first was 1e-4 off)."""
+    def build():
+        model = mlp()
+        weights = [model[0].weight, model[2].weight]
+        return model, [torch.optim.Muon(weights, lr=0.02, weight_decay=0.01),
+                       torch.optim.AdamW([model[0].bias, model[2].bias], lr=1e-2)]
+
+    (model, opts), (ref, ref_opts) = build(), build()
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20) for o in (*opts, *ref_opts)]
+
+    def train(model, opts, x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        return loss
+
+    step = hpfun.shard(functools.partial(train, model, opts), mesh=hpfun.Mesh.simulated((1,), ("dp",)),
+                       in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(4):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - train(ref, ref_opts, x, y).item()) < 1e-12
+        for s in schedulers:
+            s.step()
+    assert step.trace_count == 2 and max_diff(model, ref) == 0
+    assert opts[0].param_groups[0]["momentum"] == ref_opts[0].param_groups[0]["momentum"] != 0.95
 
 
 def test_a_scheduler_stepped_inside_the_function_is_named_with_the_fix():
