@@ -75,6 +75,7 @@ def _problem(graph, best, open_inputs=None, skip_sinks=()):
     get no sink (the caller prices them)."""
     nodes, candidates, edges, options, start = [], {}, {}, {}, {}
     outputs_of: dict = {}  # value -> layouts its candidates give it
+    found_for: dict = {}  # what `_candidates` found for a question: a repeated layer's ops ask the same
     open_inputs = open_inputs or {}
     for node in graph.nodes:
         if node in open_inputs:
@@ -82,18 +83,18 @@ def _problem(graph, best, open_inputs=None, skip_sinks=()):
             nodes.append(node)
             candidates[node] = tuple(milp.Candidate((), (layout,)) for layout in layouts)
             start[node] = layouts.index(best.plans[node].layout)
-            outputs_of[(node, 0)] = set(layouts)
+            outputs_of[(node, 0)] = frozenset(layouts)
         elif node.op in ("placeholder", "get_attr"):
             layout = best.plans[node].layout
             nodes.append(node)
             candidates[node] = (milp.Candidate((), (layout,)),)
             start[node] = 0
-            outputs_of[(node, 0)] = {layout}
+            outputs_of[(node, 0)] = frozenset({layout})
         elif node.op == "call_function" and node.target is not operator.getitem:
             site = graph.sites[node]
             if site.rule is None:
                 return None
-            found = _candidates(graph, site, best, outputs_of)
+            found = _candidates(graph, site, best, outputs_of, found_for)
             chosen = best.plans[node].strategy
             index = next((i for i, (s, _, _) in enumerate(found) if (s.inputs, s.outputs) == (chosen.inputs, chosen.outputs)),
                          None)
@@ -105,7 +106,7 @@ def _problem(graph, best, open_inputs=None, skip_sinks=()):
             edges[node] = tuple(_value(p) for p in site.producers)
             start[node] = index
             for k in range(len(site.outputs)):
-                outputs_of[(node, k)] = {s.outputs[k] for s, _, _ in found}
+                outputs_of[(node, k)] = frozenset(s.outputs[k] for s, _, _ in found)
     sinks: dict = {}
     for k, (value, want) in enumerate(graph.sinks):
         if k in skip_sinks:
@@ -142,11 +143,21 @@ def _resolved(layout: Layout) -> Layout:
 _order = functools.lru_cache(maxsize=4096)(repr)  # a layout's sort key, made once (attrs' repr of a Layout is slow)
 
 
-def _candidates(graph, site, best, outputs_of) -> list:
+def _candidates(graph, site, best, outputs_of, found_for: dict | None = None) -> list:
     """Every strategy the rule offers `site` for the input layouts the greedy walks asked about,
     and for each input taken in each layout its producer can give it (the others as `best` has
-    them); deduplicated by layouts, each with the call the rule saw and its work price."""
+    them); deduplicated by layouts, each with the call the rule saw and its work price.
+    `found_for` keeps the answers by what decides them (the rule's question without the node,
+    the layouts in `best`, those asked, those the producers can give): the same op of another
+    layer is answered from it."""
     have = tuple(best.plans[p].layout for p in site.producers)
+    if found_for is not None:
+        key = (site.kind, have, tuple(graph.asked.get(site.node, ())),
+               tuple(outputs_of.get(_value(p), frozenset()) for p in site.producers))
+        found = found_for.get(key)
+        if found is None:
+            found = found_for[key] = _candidates(graph, site, best, outputs_of)
+        return found
     asked = [have, *graph.asked.get(site.node, ())]
     probe_axes = site.mesh.ndim == 1  # see _neighbours
     for i, producer in enumerate(site.producers):
