@@ -1322,6 +1322,18 @@ _READER_HINTS = {
 }
 
 
+def _optimizer_stepping(err: Exception) -> str | None:
+    """The class name of the `torch.optim.Optimizer` whose method (its step) raised the error, or
+    None."""
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.optim.Optimizer):
+            return type(owner).__name__
+        tb = tb.tb_next
+    return None
+
+
 def _describe(err: Exception) -> str:
     where = _user_where(err)
     where = f" at {where}" if where else ""
@@ -1367,6 +1379,14 @@ def _describe(err: Exception) -> str:
             hint = (" — transformers' generate() decides in Python when every sequence has finished, from the "
                     "tokens the model chose (a read of computed values): shard the model's forward, one decoding "
                     "step, and run the generation loop outside the sharded function")
+        stepping = _optimizer_stepping(err)
+        if stepping is not None:
+            hint = (f" — {stepping}.step() reads tensor values into Python (a norm, the loss), which a trace "
+                    "cannot record: step that optimizer outside the sharded function: shard the forward and backward "
+                    "(`loss = fwd_bwd(x, y)`, which writes the gradients back to the parameters), then call "
+                    "`opt.step(); opt.zero_grad()` after it" + ("; LBFGS takes it as its closure: `opt.step(lambda: "
+                                                                "(opt.zero_grad(), fwd_bwd(x, y).full())[1])`"
+                                                                if stepping == "LBFGS" else ""))
         if "grad_scaler.py" in frames:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "

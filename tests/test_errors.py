@@ -177,6 +177,44 @@ def test_grad_scaler_is_named_with_the_fix():
     assert "scaler.step(opt)" in text and "GradScaler skips the optimizer's step" in text and "bfloat16" in text
 
 
+def test_an_optimizer_that_reads_values_is_named_and_its_fix_works():
+    """LBFGS decides in Python (from the loss and gradient norms) how far to search and when to
+    stop: stepped inside the sharded function, the error names it and says to step it outside,
+    with the sharded forward and backward as its closure; that fix equals eager."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4) for m in (model, ref))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def fwd_bwd(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    def inside(x, y):
+        return opt.step(lambda: (opt.zero_grad(), fwd_bwd(x, y))[1])
+
+    _, text = _raise(hpfun.shard(inside, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P()), x, y,
+                     error=hpfun.CaptureError)
+    assert "LBFGS.step() reads tensor values into Python" in text and "outside the sharded function" in text
+    assert "opt.step(lambda: (opt.zero_grad(), fwd_bwd(x, y).full())[1])" in text
+    sharded = hpfun.shard(fwd_bwd, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+
+    def ref_closure():
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        got = opt.step(lambda: (opt.zero_grad(), sharded(x, y).full())[1])
+        want = ref_opt.step(ref_closure)
+        assert abs(got.item() - want.detach().item()) < 1e-6
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), ref.parameters()))
+    assert sharded.trace_count == 1
+
+
 def test_sparse_gradients_and_gaussian_nll_loss_are_named_with_the_fix():
     """Sparse embedding gradients, SparseAdam, F.gaussian_nll_loss's check of its variance and
     torch.distributions' checks of their parameters each fail with what hpfun cannot do and
