@@ -229,6 +229,7 @@ class _Leaf:
     value: object = None
     device: torch.device | None = None  # where the program runs; tensors it creates go there
     requires_grad: bool = False  # a lifted parameter: autograd fills its .grad
+    strides: tuple | None = None  # a tensor that is not contiguous: its strides, traced with it
 
     def describe(self) -> str:
         if self.kind == "static":
@@ -598,7 +599,7 @@ class ShardedFunction:
         self.trace_count += 1
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
         traced = _Traced()
-        gm_inputs = [(leaves[i].shape, leaves[i].dtype) for i in tensor_pos]
+        gm_inputs = [(leaves[i].shape, leaves[i].dtype, leaves[i].strides) for i in tensor_pos]
         device = next((leaves[i].device for i in tensor_pos), None)
         if device is not None and torch.device(device).type == "meta":
             device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
@@ -1282,8 +1283,8 @@ def _spend(tensors: list, spent: tuple, err: BaseException | None = None) -> Non
 
 def _flatten(tree, flat: list, key: list) -> bool:
     """`tree`'s leaves appended to `flat` in pytree order (Sharded values as leaves), and to
-    `key` what the program cache keys on: the structure, each tensor's shape, dtype, device and
-    requires_grad, each Sharded value's signature, other values as they are. Tuples, lists and
+    `key` what the program cache keys on: the structure, each tensor's shape, dtype, device,
+    requires_grad and (when not contiguous) strides, each Sharded value's signature, other values as they are. Tuples, lists and
     dicts only (False for another pytree node or a NumPy array: the general path takes those),
     walked as `pytree.tree_flatten` walks them."""
     kind = type(tree)
@@ -1308,7 +1309,8 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     if kind is Sharded:
         key.append(x.signature())
     elif isinstance(x, torch.Tensor):  # (first: lifted parameters are most leaves, and no container)
-        key.append((x.shape, x.dtype, x.device, x.requires_grad))
+        key.append((x.shape, x.dtype, x.device, x.requires_grad) if x.is_contiguous() else
+                   (x.shape, x.dtype, x.device, x.requires_grad, x.stride()))
     elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x) or \
             _is_container(x) and register_container(kind):
         return False  # a namedtuple, an OrderedDict, a registered class, a subclass, a BatchEncoding...
@@ -1365,7 +1367,8 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
                      requires_grad=requires_grad and x.dtype.is_floating_point)
     if isinstance(x, torch.Tensor):
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
-                     requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point)
+                     requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point,
+                     strides=None if x.is_contiguous() else tuple(x.stride()))
     return _Leaf("static", value=x)
 
 

@@ -333,14 +333,21 @@ def user_line(stack_trace: str | None) -> str:
 
 
 def fake_inputs(metas, device=None, requires_grad=None) -> tuple[FakeTensorMode, list]:
-    """Fake tensors of the given (shape, dtype) pairs in one fake mode, on `device` (no memory,
-    and no GPU needed: the device only ends up in the recorded factory ops' arguments);
-    `requires_grad[i]` makes the i-th a leaf autograd fills the `.grad` of (a lifted parameter)."""
+    """Fake tensors of the given (shape, dtype) or (shape, dtype, strides) in one fake mode, on
+    `device` (no memory, and no GPU needed: the device only ends up in the recorded factory ops'
+    arguments); `requires_grad[i]` makes the i-th a leaf autograd fills the `.grad` of (a lifted
+    parameter). Strides (None: contiguous) are the real input's: whether `x.contiguous()` or
+    `x.reshape(...)` is a view or a copy decides whether a write into it reaches the input."""
     mode = FakeTensorMode()
     flags = requires_grad or [False] * len(metas)
     with mode:
-        return mode, [torch.empty(shape, dtype=dtype, device=device).requires_grad_(bool(rg))
-                      for (shape, dtype), rg in zip(metas, flags, strict=True)]
+        return mode, [_empty(*meta, device=device).requires_grad_(bool(rg)) for meta, rg in zip(metas, flags, strict=True)]
+
+
+def _empty(shape, dtype, strides=None, *, device=None) -> torch.Tensor:
+    if strides is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 @attrs.frozen(eq=False)

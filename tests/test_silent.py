@@ -65,8 +65,9 @@ def test_mixed_sum_and_avg_partials_read_back():
 
 @pytest.mark.parametrize("case", ["group_norm", "flatten", "chunk", "own_output"])
 def test_inputs_of_any_strides(case):
-    """The program was traced on contiguous stand-ins; it runs on views (hpfun's own blocks of
-    an input, a transposed argument, a previous call's transposed output) all the same."""
+    """The program runs on views (hpfun's own blocks of an input, a transposed argument, a
+    previous call's transposed output) all the same. It is traced on stand-ins with the
+    arguments' strides, so `.view` of a transposed argument fails as it does in eager."""
     if case == "group_norm":
         x = torch.randn(2, 4, 3)
         f = hpfun.shard(lambda x: F.group_norm(x, 2), mesh=MESH, in_specs=P(None, "a"), out_specs=P())
@@ -83,9 +84,34 @@ def test_inputs_of_any_strides(case):
         step = hpfun.shard(lambda w: (w * 2).T.reshape(w.shape), mesh=MESH, in_specs=P("a"), out_specs=None)
         w = torch.randn(4, 6)
         out = step(w)
-        again = hpfun.shard(lambda w: w.view(-1) * 2, mesh=MESH, in_specs=P(), out_specs=P())(out.full().T)
+        again = hpfun.shard(lambda w: w.reshape(-1) * 2, mesh=MESH, in_specs=P(), out_specs=P())(out.full().T)
         assert torch.equal(again.full(), out.full().T.reshape(-1) * 2)
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            out.full().T.view(-1)  # eager
+        with pytest.raises(hpfun.CaptureError, match="Cannot view a tensor with shape"):
+            hpfun.shard(lambda w: w.view(-1) * 2, mesh=MESH, in_specs=P(), out_specs=P())(out.full().T)
         assert torch.equal(step(out).full(), (out.full() * 2).T.reshape(4, 6))
+
+
+@pytest.mark.parametrize("copy", ["contiguous", "reshape"])
+def test_a_write_into_a_copy_of_a_transposed_argument_leaves_it_as_eager_does(copy):
+    """`x.contiguous()` and `x.reshape(-1)` are views of a contiguous argument and copies of a
+    transposed one: an in-place write into the result reaches the argument in the first case
+    only. The trace sees the argument's strides (it saw contiguous stand-ins and wrote into a
+    transposed argument, which eager leaves alone), and they key the cache: each kind of
+    argument gets its own program, and the caller's tensor ends as eager leaves it."""
+    def f(x, s):
+        v = x.contiguous() if copy == "contiguous" else x.reshape(-1)
+        v.mul_(s)
+        return v.sum(0)
+
+    step = hpfun.shard(f, mesh=MESH, in_specs=(P(None, "a"), P()), out_specs=P())
+    for x in (torch.randn(6, 4, dtype=torch.float64).T, torch.randn(4, 6, dtype=torch.float64)):
+        mine, theirs = (x.T.clone().T, x.T.clone().T) if not x.is_contiguous() else (x.clone(), x.clone())
+        assert torch.allclose(step(mine, torch.tensor(3.0, dtype=torch.float64)).full(),
+                              f(theirs, torch.tensor(3.0, dtype=torch.float64)), rtol=0, atol=1e-12)
+        assert torch.equal(mine, theirs) and mine.is_contiguous() == x.is_contiguous()
+    assert step.trace_count == 2
 
 
 def test_gathered_bool_stays_bool():
