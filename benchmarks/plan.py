@@ -20,7 +20,7 @@ Layouts:
   batch over dp; and the same with `gather_params` over both axes, so that FSDP's per-use
   gathers are among the plans priced.
 
-    python benchmarks/plan.py [--layers 32] [--meshes 2x4 8x8] [--budget-gb 80] [--donate-state] [--out benchmarks/RESULTS.md]
+    python benchmarks/plan.py [--layers 32] [--meshes 2x4 8x8] [--budget-gb 80] [--donate-state] [--stages] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -134,6 +134,33 @@ def table(rows: list[dict], budget: int) -> list[str]:
     return lines
 
 
+def _timed_stages() -> dict:
+    """Wrap the planning stages so each call adds its seconds to the returned dict (by stage)."""
+    import hpfun.api
+    import hpfun.auto
+    import hpfun.exact
+    import hpfun.propagate
+    import hpfun.solve
+
+    spent: dict = {}
+    stages = {"trace": (hpfun.api, "trace"), "greedy passes": (hpfun.propagate._Graph, "greedy"),
+              "exact candidates": (hpfun.exact, "_problem"), "MILP shrink": (hpfun.solve, "_prune"),
+              "MILP build": (hpfun.solve, "_build"), "HiGHS": (hpfun.solve, "_run"),
+              "AUTO choose (all)": (hpfun.auto, "choose"), "lower": (hpfun.api, "lower")}
+    for stage, (owner, name) in stages.items():
+        fn = getattr(owner, name)
+
+        def timed(*args, _fn=fn, _stage=stage, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_stage] = spent.get(_stage, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+    return spent
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
@@ -143,7 +170,11 @@ def main():
     parser.add_argument("--donate-state", action="store_true",
                         help="plan with donate_state=True: the updated state is freed at its last use")
     parser.add_argument("--out", default=None, help="append the tables to this markdown file")
+    parser.add_argument("--stages", action="store_true",
+                        help="also print where each plan's time went: tracing, the greedy passes, the exact "
+                             "stage's candidates, the MILP (shrinking, building, HiGHS), lowering")
     args = parser.parse_args()
+    spent = _timed_stages() if args.stages else None
     budget = int(args.budget_gb * 1e9)
     donating = " --donate-state" if args.donate_state else ""
     out = [f"## Planning a Llama-3-8B-sized step at full scale ({args.layers} layers, meta tensors)", "",
@@ -155,8 +186,12 @@ def main():
         for name, layout in layouts(budget).items():
             if args.only and name not in args.only:
                 continue
+            if spent is not None:
+                spent.clear()
             row = plan(name, layout, shape, args.layers, donate=args.donate_state)
             print({k: v for k, v in row.items() if k != "auto"}, flush=True)
+            if spent is not None:
+                print(f"  stages of {name} on {text} (s):", ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
             rows.append(row)
         out += [f"### dp x tp = {shape[0]} x {shape[1]} ({shape[0] * shape[1]} ranks)", "", *table(rows, budget), ""]
         for r in rows:
