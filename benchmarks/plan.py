@@ -191,7 +191,8 @@ def main():
             row = plan(name, layout, shape, args.layers, donate=args.donate_state)
             print({k: v for k, v in row.items() if k != "auto"}, flush=True)
             if spent is not None:
-                print(f"  stages of {name} on {text} (s):", ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
+                print(f"  stages of {name} on {text} (s):", ", ".join(f"{k} {v:.2f}" for k, v in spent.items()),
+                      flush=True)
             rows.append(row)
         out += [f"### dp x tp = {shape[0]} x {shape[1]} ({shape[0] * shape[1]} ranks)", "", *table(rows, budget), ""]
         for r in rows:

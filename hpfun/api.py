@@ -1284,9 +1284,9 @@ def _spend(tensors: list, spent: tuple, err: BaseException | None = None) -> Non
 def _flatten(tree, flat: list, key: list) -> bool:
     """`tree`'s leaves appended to `flat` in pytree order (Sharded values as leaves), and to
     `key` what the program cache keys on: the structure, each tensor's shape, dtype, device,
-    requires_grad and (when not contiguous) strides, each Sharded value's signature, other values as they are. Tuples, lists and
-    dicts only (False for another pytree node or a NumPy array: the general path takes those),
-    walked as `pytree.tree_flatten` walks them."""
+    requires_grad and (when not contiguous) strides, each Sharded value's signature, other
+    values as they are. Tuples, lists and dicts only (False for another pytree node or a NumPy
+    array: the general path takes those), walked as `pytree.tree_flatten` walks them."""
     kind = type(tree)
     if kind is tuple or kind is list:
         key.append((kind, len(tree)))

@@ -341,7 +341,8 @@ def fake_inputs(metas, device=None, requires_grad=None) -> tuple[FakeTensorMode,
     mode = FakeTensorMode()
     flags = requires_grad or [False] * len(metas)
     with mode:
-        return mode, [_empty(*meta, device=device).requires_grad_(bool(rg)) for meta, rg in zip(metas, flags, strict=True)]
+        return mode, [_empty(*meta, device=device).requires_grad_(bool(rg))
+                      for meta, rg in zip(metas, flags, strict=True)]
 
 
 def _empty(shape, dtype, strides=None, *, device=None) -> torch.Tensor:
