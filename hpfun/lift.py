@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR
-from hpfun.optimizers import PythonFloats, mark_float
+from hpfun.optimizers import PythonFloats, read_as_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
 from torch._subclasses.fake_tensor import FakeTensor
@@ -834,7 +834,7 @@ class _Float64Scalars(dict):
     def __setitem__(self, key, value):
         if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
             self.dtypes[key] = value.dtype
-            value = mark_float(value.to(torch.float64))
+            value = read_as_float(value)
         else:
             self.dtypes.pop(key, None)
         super().__setitem__(key, value)
