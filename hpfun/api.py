@@ -167,8 +167,10 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"registry must be a rule registry (an hpfun.rules.registry.Registry, or an object with "
                         f"lookup(op)), got {type(registry).__name__}", headline="bad option")
     if state_specs is not None and not isinstance(state_specs, dict):
-        raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}",
-                        headline="bad sharding spec")
+        hint = (f"; call it on the model: state_specs={state_specs.__name__}(model)"
+                if callable(state_specs) and getattr(state_specs, "__name__", "") == "tp_plan" else "")
+        raise SpecError(f"state_specs must be a dict of name patterns to P specs, got {type(state_specs).__name__}"
+                        f"{hint}", headline="bad sharding spec")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise SpecError(f"cost_model must be an hpfun.plan.CostModel, got {type(cost_model).__name__}",
                         headline="bad option")

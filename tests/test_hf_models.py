@@ -284,6 +284,9 @@ def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
     assert "lm_head.weight" not in hpfun.tp_plan(tied)  # one tensor, named as torch lists it first
     with pytest.raises(hpfun.SpecError, match="has no tensor-parallel plan"):
         hpfun.tp_plan(torch.nn.Linear(2, 2))
+    with pytest.raises(hpfun.SpecError, match=r"call it on the model: state_specs=tp_plan\(model\)"):
+        hpfun.shard(lambda ids: ids, mesh=LAYOUTS["dp-x-tp"][0], in_specs=(P("dp"),), out_specs=P("dp"),
+                    state_specs=hpfun.tp_plan)  # the function itself, not its plan
 
 
 def test_the_architecture_sweep_reports_ok_cases_and_what_it_kept_whole():
