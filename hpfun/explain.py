@@ -440,6 +440,11 @@ class Lowered:
         """The report's dict with its nodes and memory section (made at the first call)."""
         if self._data["nodes"] is None:
             self._data["nodes"] = node_dicts(self.program)
+        return self._with_memory()
+
+    def _with_memory(self) -> dict:
+        """The report's dict with its memory section (its nodes may still be to make: listing a
+        deep program's nodes takes longer than the estimate)."""
         if self._memory_pending:
             self._data["memory"] = memory.estimate(self.program, self._groups)
             self._memory_pending = False
@@ -449,7 +454,7 @@ class Lowered:
         """Estimated bytes per rank: what the inputs hold, by group, and the peak the program
         allocates on top, from its liveness (`hpfun.memory`); `print()` it, or show it in a
         notebook for a plot of live bytes over the program."""
-        if "memory" not in self._full():
+        if "memory" not in self._with_memory():
             raise HpfunError(Problem("report", f"is schema version {self._data['version']}, written before reports "
                                      "carried memory", "lower the function again"), headline="no memory estimate")
         return memory.Memory.from_dict(self._data["memory"])

@@ -302,9 +302,7 @@ class Layout:
     def placements_str(self) -> str:
         """The placements in the compact notation; an axis of a dim split in another order than
         the mesh's carries its position in that order, major first: `[S(0)[1], S(0)[0]]`."""
-        position = {a: i for group in self.order for i, a in enumerate(group)}
-        return "[" + ", ".join(f"{p}[{position[a]}]" if a in position else str(p)
-                               for a, p in enumerate(self.placements)) + "]"
+        return _placements_str(self)  # (a report of a deep program asks it for every node)
 
     def __str__(self) -> str:
         return f"{self.placements_str()} on {self.mesh}"
@@ -312,6 +310,13 @@ class Layout:
     def _repr_html_(self) -> str:
         """Notebooks show which rank holds which block (blocks numbered: a layout has no shape)."""
         return Visualization(self, None)._repr_html_()
+
+
+@functools.lru_cache(maxsize=4096)
+def _placements_str(layout: Layout) -> str:
+    position = {a: i for group in layout.order for i, a in enumerate(group)}
+    return "[" + ", ".join(f"{p}[{position[a]}]" if a in position else str(p)
+                           for a, p in enumerate(layout.placements)) + "]"
 
 
 @functools.lru_cache(maxsize=65536)
