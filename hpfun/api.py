@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import math
 import operator
 import re
 import sys
@@ -47,7 +48,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
           rng: str = "philox", fallback: str | None = None, reduce_dtype: str = "float32", registry=REGISTRY,
           cost_model: CostModel | None = None, solver: str = "greedy", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
           overlap: bool = True, gather_params=None, memory_budget: int | None = None, donate_state: bool = False,
-          donate_argnums=()):
+          donate_argnums=(), auto_time_limit: float = auto.AUTO_TIME_LIMIT):
     """Make a global-view function run sharded over `mesh`.
 
     `in_specs` is a pytree prefix of the positional arguments (a `P` or None per leaf or
@@ -124,7 +125,10 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     new_params, loss`) comes back in that argument's layout (with out_specs=None an output
     comes back as the plan leaves it, and a next call given it plans again for that layout);
     leaves of repeated layers (`layers.0.wq`, `layers.1.wq`) get the same layout. `lower()`
-    lists what was chosen; `lower().auto.explain()` adds each choice's runner-up.
+    lists what was chosen; `lower().auto.explain()` adds each choice's runner-up. AUTO's
+    integer programs take at most `auto_time_limit` seconds per compile, all together: past
+    it, a plan found that fits is used (the report says whether it was proven the cheapest),
+    and otherwise the error says what the last plan found needs.
 
     `donate_state=True` hands the lifted state a call updates (parameters, gradients, optimizer
     state: what eager would change in place) over to the program on a distributed mesh: each
@@ -153,7 +157,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
                                  compile=compile, rng=rng, fallback=fallback, reduce_dtype=reduce_dtype,
                                  registry=registry, cost_model=cost_model, solver=solver, bucket_bytes=bucket_bytes,
                                  overlap=overlap, gather_params=gather_params, memory_budget=memory_budget,
-                                 donate_state=donate_state, donate_argnums=donate_argnums)
+                                 donate_state=donate_state, donate_argnums=donate_argnums,
+                                 auto_time_limit=auto_time_limit)
     if not isinstance(mesh, Mesh):
         raise SpecError(f"mesh must be an hpfun.Mesh, got {type(mesh).__name__}", headline="bad mesh")
     if rng not in ("philox", "native"):
@@ -191,11 +196,15 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
                                       or memory_budget <= 0):
         raise SpecError(f"memory_budget must be None or an int > 0 (bytes per rank, e.g. 8 << 30), got "
                         f"{memory_budget!r}", headline="bad option")
+    if isinstance(auto_time_limit, bool) or not isinstance(auto_time_limit, (int, float)) or \
+            not 0 < auto_time_limit < math.inf:
+        raise SpecError(f"auto_time_limit must be a number of seconds > 0, got {auto_time_limit!r}",
+                        headline="bad option")
     options = Options(compile=bool(compile), rng=rng, fallback=fallback, reduce_dtype=reduce_dtype, registry=registry,
                       cost_model=cost_model or CostModel(), solver=solver, bucket_bytes=bucket_bytes,
                       overlap=bool(overlap), gather_params=fsdp.gather_axes(mesh, gather_params),
                       memory_budget=memory_budget, donate_state=donate_state,
-                      donate_argnums=tuple(sorted(set(argnums))))
+                      donate_argnums=tuple(sorted(set(argnums))), auto_time_limit=float(auto_time_limit))
     return ShardedFunction(f, mesh, in_specs, out_specs, options, state_specs=state_specs)
 
 
@@ -218,6 +227,7 @@ class Options:
     memory_budget: int | None = None  # bytes per rank the AUTO layouts must fit in (hpfun.auto)
     donate_state: bool = False  # lifted state the call updates is released to the program (freed at its last use)
     donate_argnums: tuple = ()  # positional arguments the call consumes: their Sharded values' shards are released
+    auto_time_limit: float = auto.AUTO_TIME_LIMIT  # seconds AUTO's MILPs may take per compile, together
 
 
 @attrs.frozen
@@ -636,16 +646,16 @@ class ShardedFunction:
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
         chosen = None
         if any(isinstance(l, Auto) for l in in_layouts + out_layouts) or AUTO in out_layouts:
-            if fitting is None and self.options.memory_budget is not None:
+            if fitting is None:  # (a Fitting when a budget is given, else only AUTO's deadline)
                 hint = "" if self.options.gather_params else (", or gather_params (FSDP's gathers per use of a split "
                                                                "parameter, freed after it)")
-                fitting = auto.Fitting(self.options.memory_budget, hint)
+                fitting = auto.Fitting(self.options.memory_budget, hint, auto.Deadline(self.options.auto_time_limit))
             try:
                 in_layouts, out_layouts, writes, chosen = self._choose(
                     call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes,
-                    fitting.planning if fitting else None)
+                    fitting.planning, fitting.deadline)
             except ShardingError as err:
-                if fitting is None or getattr(err, "least", None) is None:
+                if fitting.budget is None or getattr(err, "least", None) is None:
                     raise
                 fitting.infeasible(err)  # planned again at the least memory a plan needs, or raised
                 return self._compile_graph(call, leaves, fitting)
@@ -671,7 +681,7 @@ class ShardedFunction:
             updated = {w.input for w in writes if w.input is not None and names[w.input] in call.lifted}
             donated = updated if self.options.donate_state else set()
             program = attrs.evolve(program, donated=tuple(i for i, j in enumerate(fed) if j in donated | donated_args))
-        if chosen is not None and fitting is not None:  # the lowered program's estimate too
+        if chosen is not None and fitting.budget is not None:  # the lowered program's estimate too
             chosen = fitting.check(program, chosen)
             if chosen is None:  # over the budget: planned again with the excess taken off
                 return self._compile_graph(call, leaves, fitting)
@@ -683,7 +693,7 @@ class ShardedFunction:
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
 
-    def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget):
+    def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget, deadline):
         """AUTO layouts chosen (`hpfun.auto`) under `budget` and `gm` annotated: (input layouts,
         output layouts, write-backs in their layouts, the AutoPlan)."""
         auto.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)  # FSDP's pins, relative to AUTO
@@ -696,7 +706,7 @@ class ShardedFunction:
         o = self.options
         ins, outs, plan = auto.choose(gm, self.mesh, in_layouts, out_layouts, in_names, out_paths, registry=o.registry,
                                       fallback=o.fallback, reduce_dtype=o.reduce_dtype, cost_model=o.cost_model,
-                                      budget=budget)
+                                      budget=budget, deadline=deadline)
         writes = [attrs.evolve(w, layout=layout) for w, layout in zip(writes, outs[n:], strict=True)]
         return ins, outs, writes, plan
 

@@ -47,6 +47,7 @@ Each compile with AUTO leaves runs the exact stage, whatever `solver=` says.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -68,6 +69,10 @@ from hpfun.specs import AUTO, Auto
 # when alone; the 32-layer Llama-3-8B-sized step on 2 x 4 took 254 s on a loaded 2-core machine and
 # found no choice at all within 60 s (benchmarks/plan.py)
 TIME_LIMIT = 300.0
+# seconds AUTO's MILPs may take per compile, all together (`shard(auto_time_limit=)`):
+# under a tight memory budget each round of memory points makes the MILP harder, and a small
+# model's took 13 minutes in all before this bound
+AUTO_TIME_LIMIT = 120.0
 MAX_ROUNDS = 12  # rounds of memory points added before giving up on fitting the budget
 POINTS_PER_ROUND = 8
 # Seconds per byte held per rank by an AUTO leaf's layout: a tie-break only (1 GB costs 1e-9 s),
@@ -235,7 +240,9 @@ def auto_text(data: dict) -> str:
              f"{data['seconds']:.2f} s; plan {data['price'] * 1e6:.1f} us (all AUTO replicated: "
              f"{data['replicated_price'] * 1e6:.1f} us); peak about {data['memory']:.0f} B per rank"
              + (f", {data['lowered_memory']} B lowered" if data.get("lowered_memory") is not None else "")
-             + f" ({budget})"]
+             + f" ({budget})"
+             + ("; not proven the cheapest (its MILP ran out of time)"
+                if data.get("stats", {}).get("optimal") is False else "")]
     for c in data["chosen"]:
         first, *others = c["leaves"] or [c["group"]]
         notes = ([f"as {c['same_as']}"] if c["same_as"] else []) + ([f"also {', '.join(others)}"] if others else [])
@@ -448,6 +455,7 @@ class Fitting:
 
     budget: int
     hint: str = ""  # what else the error's fix may suggest
+    deadline: "Deadline | None" = None  # AUTO's time for the whole compile
     planning: int = attrs.field(default=None)
     peaks: list = attrs.field(factory=list)  # the lowered peak of each plan made
     least: float | None = None  # the least-memory plan's estimate, once the MILP has found it
@@ -467,6 +475,8 @@ class Fitting:
         # the lowered program holds `peak - plan.memory` more than the plan's estimate: plan the
         # next to leave that much room (and at least below this one's planning budget)
         tighter = math.floor(min(self.planning - (peak - self.budget), self.budget - (peak - plan.memory)))
+        if self.deadline is not None and self.deadline.passed():
+            raise self.error(out_of_time=True)
         if self.last or len(self.peaks) >= MAX_PLANS or tighter <= 0 and self.least is None:
             raise self.error()
         if self.least is not None and tighter < self.least:
@@ -479,11 +489,11 @@ class Fitting:
         """The MILP found no plan under the planning budget: the next plan is made at the least
         memory any plan needs (`err.least`), or the error is raised."""
         least = getattr(err, "least", None)
-        if least is None or self.last:
+        if least is None or self.last or self.deadline is not None and self.deadline.passed():
             raise self.error(least) from None
         self.least, self.planning, self.last = least, math.ceil(least), True
 
-    def error(self, least: float | None = None) -> ShardingError:
+    def error(self, least: float | None = None, out_of_time: bool = False) -> ShardingError:
         if self.peaks:
             need = min(self.peaks)
             what = (f"no plan fits {self.budget} B per rank: the least memory of the {len(self.peaks)} plan"
@@ -491,8 +501,36 @@ class Fitting:
         else:
             need = math.ceil(least if least is not None else self.least or 0)
             what = f"no plan fits {self.budget} B per rank: the least memory a plan needs is about {need} B per rank"
-        return ShardingError(Problem("memory_budget", what, f"give memory_budget >= {need}{self.hint}"),
-                             headline="no AUTO layout fits the memory budget")
+        fix = f"give memory_budget >= {need}{self.hint}"
+        if out_of_time:
+            what += f" (the search stopped when AUTO's {self.deadline.seconds:g} s ran out)"
+            fix += ", or more time (auto_time_limit=...)"
+        return ShardingError(Problem("memory_budget", what, fix), headline="no AUTO layout fits the memory budget")
+
+
+@attrs.define
+class Deadline:
+    """AUTO's solver time for one compile (`shard(auto_time_limit=)`), its integer programs'
+    wall time summed: each gets what is left (at most TIME_LIMIT, at least a second), and the
+    search for a plan within the budget stops once it is spent. Tracing and lowering again
+    between plans do not count."""
+
+    seconds: float
+    used: float = 0.0
+
+    def left(self) -> float:
+        return max(min(TIME_LIMIT, self.seconds - self.used), 1.0)
+
+    def passed(self) -> bool:
+        return self.used >= self.seconds
+
+    @contextlib.contextmanager
+    def timing(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.used += time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,13 +654,14 @@ class _Group:
 
 def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: list, in_names: list,
            out_names: list, *, registry, fallback, reduce_dtype: str, cost_model, budget: int | None,
-           time_limit: float = TIME_LIMIT):
+           deadline: Deadline | None = None):
     """Choose the AUTO layouts (`Auto` markers among `in_layouts` and `out_layouts`; an output
     marked `Auto(group)` comes back in that group's layout), annotate `gm` with the plan, and
     return (input layouts, output layouts, AutoPlan)."""
     from hpfun.propagate import propagate, tensor_inputs
 
     began = time.perf_counter()
+    deadline = deadline or Deadline(AUTO_TIME_LIMIT)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     results = tensor_inputs(next(n for n in reversed(gm.graph.nodes) if n.op == "output"))
     groups: dict[str, _Group] = {}
@@ -656,7 +695,7 @@ def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: 
 
     def refine_with(graph, best):
         found["replicated_price"] = best.price
-        return _solve(graph, best, groups, budget, time_limit, found, dict(zip(placeholders, in_names, strict=True)))
+        return _solve(graph, best, groups, budget, deadline, found, dict(zip(placeholders, in_names, strict=True)))
 
     annotation = propagate(gm, mesh, start_in, registry=_WithPins(registry), fallback=fallback, reduce_dtype=reduce_dtype,
                            outputs=start_out, cost_model=cost_model, refine_with=refine_with)
@@ -675,7 +714,7 @@ def choose(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, out_layouts: 
     return ins, outs, plan
 
 
-def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, names: dict) -> Annotation:
+def _solve(graph, best, groups: dict, budget, deadline: Deadline, found: dict, names: dict) -> Annotation:
     open_inputs = {node: g.candidates for g in groups.values() for node in g.inputs}
     tied = {k for g in groups.values() for k in g.sinks}
     built = exact._problem(graph, best, open_inputs, skip_sinks=tied)
@@ -718,20 +757,26 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
     problem = milp.with_sides(problem, ties=ties + layer_ties)
     memory = _Memory(memory_order(list(graph.nodes)), problem)
     points: list[int] = []  # none at first: the fastest plan often fits, and rows of memory slow HiGHS down
-    solution, rounds = None, 0
+    solution, rounds, last_peak = None, 0, None
     while True:
         rounds += 1
         posed = memory.posed(problem, points, budget)
         try:
-            solution = milp.solve(posed, start=start, time_limit=time_limit)
+            with deadline.timing():
+                solution = milp.solve(posed, start=start, time_limit=deadline.left())
         except milp.InfeasibleError:
             if budget is None:
                 raise
-            raise _over_budget(problem, memory, points, budget, groups, members, time_limit) from None
+            raise _over_budget(problem, memory, points, budget, groups, members, deadline) from None
+        except ShardingError as err:  # nothing found in the time left (no start to fall back on)
+            raise _out_of_time(deadline, budget, last_peak) from err
         profile = memory.profile(solution.choice)
         peak = max(range(len(profile)), key=profile.__getitem__)
+        last_peak = profile[peak]
         if budget is None or profile[peak] <= budget * (1 + 1e-9) or peak in points:
             break
+        if deadline.passed():
+            raise _out_of_time(deadline, budget, profile[peak])
         if rounds >= MAX_ROUNDS:
             raise ShardingError(Problem("memory_budget", f"the plan still peaks at {profile[peak]:.0f} B per rank after "
                                         f"{rounds} rounds of adding memory points", "raise memory_budget"),
@@ -746,7 +791,7 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
                       "tied_ops": sum(len(t) for t in layer_ties),
                       "rounds": rounds, "memory_points": len(points), "optimal": solution.optimal}
     final = memory.posed(problem, points, budget)
-    found["runner_ups"] = lambda only: _runner_ups(final, choice, groups, classes, members, time_limit, only)
+    found["runner_ups"] = lambda only: _runner_ups(final, choice, groups, classes, members, TIME_LIMIT, only)
     plans = dict(best.plans)
     for node, index in choice.items():
         if node in options:
@@ -761,6 +806,18 @@ def _solve(graph, best, groups: dict, budget, time_limit: float, found: dict, na
     return Annotation(plans, solution.price)
 
 
+def _out_of_time(deadline: Deadline, budget, peak: float | None) -> ShardingError:
+    """The error for a search that used AUTO's time before finding a plan within the budget."""
+    last = (f": the last plan it found peaks at about {math.ceil(peak)} B per rank, over memory_budget={budget}"
+            if peak is not None else " (its MILP found no plan in that time)")
+    fix = "give more time (auto_time_limit=...)"
+    if peak is not None:
+        fix += f", or a memory_budget of at least {math.ceil(peak)} (that plan's peak)"
+    return ShardingError(Problem("auto_time_limit", f"AUTO's solver used its {deadline.seconds:g} s before finding a "
+                                 f"plan{' within the memory budget' if budget is not None else ''}{last}", fix),
+                         headline="automatic sharding ran out of time")
+
+
 def _over(profile: list[float], limit: float, points: list, most: int = POINTS_PER_ROUND) -> list[int]:
     """The points to bound next: the `most` highest over `limit` not bounded yet. A plan kept
     under the bound at its peak tends to peak at a neighbouring point next (where the same
@@ -771,15 +828,16 @@ def _over(profile: list[float], limit: float, points: list, most: int = POINTS_P
     return sorted(over, key=profile.__getitem__, reverse=True)[:most]
 
 
-def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, time_limit) -> ShardingError:
-    """The error for a budget no plan fits, naming the peak of the least-memory plan found."""
+def _over_budget(problem, memory: _Memory, points: list, budget, groups, members, deadline: Deadline) -> ShardingError:
+    """The error for a budget no plan fits, naming the peak of the least-memory plan found (the
+    least found when AUTO's time runs out first)."""
     points = list(points)
     for _ in range(MAX_ROUNDS):
-        choice, least = milp.least_memory(memory.posed(problem, points, None),
-                                          time_limit=time_limit)
+        with deadline.timing():
+            choice, least = milp.least_memory(memory.posed(problem, points, None), time_limit=deadline.left())
         profile = memory.profile(choice)
         peak = max(range(len(profile)), key=profile.__getitem__)
-        if profile[peak] <= least * (1 + 1e-9) or peak in points:
+        if profile[peak] <= least * (1 + 1e-9) or peak in points or deadline.passed():
             break
         points += _over(profile, least, points)
     need = math.ceil(profile[peak])

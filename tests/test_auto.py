@@ -233,6 +233,37 @@ def test_a_bad_memory_budget_is_named(budget):
         hpfun.shard(chain, mesh=MESH, in_specs=(AUTO, AUTO, AUTO), memory_budget=budget)
 
 
+@pytest.mark.parametrize("limit", [0, -1, "60", True, float("inf")])
+def test_a_bad_auto_time_limit_is_named(limit):
+    with pytest.raises(hpfun.SpecError, match="auto_time_limit must be a number of seconds > 0"):
+        hpfun.shard(chain, mesh=MESH, in_specs=(AUTO, AUTO, AUTO), auto_time_limit=limit)
+
+
+def test_auto_stops_at_its_time_limit_and_says_what_the_last_plan_needs():
+    """Under a tight budget each round of memory points makes the MILP harder (a small model's
+    search took 13 minutes before the limit). Given no time, the search stops after its first
+    plan, which ignores the budget (no memory points yet) and does not fit: the error names that
+    plan's peak and the two fixes; given the time, the same budget is met (see the test above)."""
+    params, x, y = _weights_heavy()
+    free = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()))
+    plan = free.lower(params, x, y).auto
+    assert plan.stats["optimal"] and "not proven" not in str(plan)
+    timed_out = plan.to_dict()
+    timed_out["stats"]["optimal"] = False  # as a plan HiGHS found but did not prove in its time reads
+    assert "not proven the cheapest (its MILP ran out of time)" in hpfun.auto.auto_text(timed_out)
+    budget = int(plan.memory * 0.9)  # under the plan chosen without a budget
+    f = hpfun.shard(dict_step, mesh=DP4, in_specs=(AUTO, AUTO, AUTO), out_specs=(AUTO, P()), memory_budget=budget,
+                    auto_time_limit=1e-3)
+    with pytest.raises(hpfun.ShardingError, match="automatic sharding ran out of time") as err:
+        f.lower(params, x, y)
+    text = str(err.value)
+    peak = int(text.split("the last plan it found peaks at about ")[1].split(" ")[0])
+    assert peak > budget and "auto_time_limit=" in text and f"memory_budget of at least {peak}" in text
+    # without AUTO leaves the option changes nothing
+    plain = hpfun.shard(dict_step, mesh=DP4, in_specs=(P(), P("dp"), P("dp")), auto_time_limit=1e-3)
+    torch.testing.assert_close(plain(params, x, y)[1].full(), dict_step(params, x, y)[1])
+
+
 class _Block(torch.nn.Module):
     def __init__(self, d):
         super().__init__()
