@@ -450,10 +450,11 @@ class Fitting:
     budget, the next is planned leaving room for what that plan's lowered program held beyond
     its estimate (and below the last planning budget by the excess at least); where the MILP
     finds nothing under a planning budget, the last is planned at the least memory any plan
-    needs (by the estimate), the cheapest such. After `MAX_PLANS` plans, or that last one, the
-    error names the least lowered peak seen: the budget to give."""
+    needs (by the estimate), the cheapest such. After `MAX_PLANS` plans, or that last one, or
+    when AUTO's time (`deadline`) is spent, the error names the least lowered peak seen: the
+    budget to give. Without a budget (None) it only carries the deadline."""
 
-    budget: int
+    budget: int | None
     hint: str = ""  # what else the error's fix may suggest
     deadline: "Deadline | None" = None  # AUTO's time for the whole compile
     planning: int = attrs.field(default=None)
