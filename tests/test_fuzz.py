@@ -79,6 +79,25 @@ def test_oracle_catches_a_wrong_rule(monkeypatch):
         check_program(TANH_OF_PARTIAL)
 
 
+def test_auto_mode_hands_every_layout_to_automatic_sharding(monkeypatch):
+    """`run_program(..., auto=True)` (`python -m hpfun.testing.fuzz --auto`): the inputs go in
+    whole with the spec hpfun.AUTO and no out_specs, so AUTO's solver picks every layout, and the
+    same oracle judges the outputs."""
+    import hpfun.auto
+
+    chosen = []
+    real = hpfun.auto.choose
+
+    def spy(*args, **kwargs):
+        ins, outs, plan = real(*args, **kwargs)
+        chosen.append(plan)
+        return ins, outs, plan
+
+    monkeypatch.setattr(hpfun.auto, "choose", spy)
+    assert run_program(TANH_OF_PARTIAL, auto=True).kind == "ok"
+    assert [c[0] for c in chosen[0].chosen] == ["args[0]"]  # the one input, chosen by AUTO
+
+
 def test_oracle_classifies_crashes_and_refusals(monkeypatch):
     """An exception inside hpfun is `internal`; an hpfun error before the run is a user error."""
     refused = Program(

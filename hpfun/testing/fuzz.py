@@ -138,27 +138,32 @@ def _whole(x):
     return x.full() if isinstance(x, Sharded) else x
 
 
-def run_program(program: Program) -> Outcome:
+def run_program(program: Program, auto: bool = False) -> Outcome:
     """Run `program` unsharded and through `hpfun.shard` on its mesh and classify the result:
     every output, and every input after the call (ops in place write back), must match.
 
-    Random programs are compared with hpfun's own one-device run with the same seed."""
+    Random programs are compared with hpfun's own one-device run with the same seed. With
+    `auto`, the sharded run is given every input whole with the spec `hpfun.AUTO` and no
+    out_specs: automatic sharding chooses every layout."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # std of one element, fallbacks...: the outcome is what counts
         try:
-            return _run(program)
+            return _run(program, auto)
         except Exception as err:  # the reference itself, or the comparison, failed: never lose the program
             return _failed("harness", err)
 
 
-def _run(program: Program) -> Outcome:
+def _run(program: Program, auto: bool = False) -> Outcome:
     f = program.function()
     args, in_specs = program.arguments()
     whole = [_whole(a).clone() for a in args]  # clone: in-place ops must not touch the sharded run's inputs
     expected, failure = _reference(program, f, whole)
     if failure is not None:
         return failure
-    got, failure = _run_sharded(program, f, program.mesh_value(), args, in_specs, program.out_specs)
+    out_specs = program.out_specs
+    if auto:  # the inputs whole (a Partial one as its sum), every layout AUTO's to choose
+        args, in_specs, out_specs = [_whole(a).clone() for a in args], tuple(hpfun.AUTO for _ in args), None
+    got, failure = _run_sharded(program, f, program.mesh_value(), args, in_specs, out_specs)
     if failure is not None:
         return failure
     tolerance = TOLERANCE[torch.float32 if program.float32 else torch.float64]
@@ -221,8 +226,10 @@ def _gist(outcome: Outcome) -> str:
     return f"{outcome.error}: {first.split(', from <hpfun-fuzz')[0].split(' at <hpfun-fuzz')[0][:150]}"
 
 
-def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None = None, **strategy) -> FuzzReport:
-    """Run `examples` distinct random programs (`programs(**strategy)`) through `run_program`.
+def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None = None, auto: bool = False,
+         **strategy) -> FuzzReport:
+    """Run `examples` distinct random programs (`programs(**strategy)`) through `run_program`
+    (`auto`: with every input's layout `hpfun.AUTO`).
 
     `seed=None` draws the same programs every time (hypothesis derandomized); an int draws
     others. Nothing stops at a failure: every outcome is in the report (pass one in to see
@@ -245,7 +252,7 @@ def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None 
         key = (program.mesh, program.source())
         assume(key not in seen)
         seen.add(key)
-        report.add(program, run_program(program))
+        report.add(program, run_program(program, auto))
 
     (run if seed is None else seeded(seed)(run))()
     return report
@@ -308,11 +315,13 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=None, help="default: the derandomized programs the suite runs")
     parser.add_argument("--max-ops", type=int, default=12)
+    parser.add_argument("--auto", action="store_true",
+                        help="give every input whole with the spec hpfun.AUTO (automatic sharding picks the layouts)")
     parser.add_argument("--out", default=None, help="also write the report to this file")
     options = parser.parse_args(argv)
     report = FuzzReport(progress=sys.stderr)
     try:
-        fuzz(options.examples, options.seed, report, max_ops=options.max_ops)
+        fuzz(options.examples, options.seed, report, auto=options.auto, max_ops=options.max_ops)
     finally:
         summary = report.summary()
         print(summary, flush=True)
