@@ -226,12 +226,18 @@ def _gist(outcome: Outcome) -> str:
     return f"{outcome.error}: {first.split(', from <hpfun-fuzz')[0].split(' at <hpfun-fuzz')[0][:150]}"
 
 
+# The programs `fuzz(seed=None)` (the suite's bounded run) draws. A fixed seed, not hypothesis's
+# `derandomize`: that one hashes the test function's source, so any edit to `fuzz` drew another
+# set of programs (and once dropped a family from the suite's run).
+SUITE_SEED = 20261204
+
+
 def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None = None, auto: bool = False,
          **strategy) -> FuzzReport:
     """Run `examples` distinct random programs (`programs(**strategy)`) through `run_program`
     (`auto`: with every input's layout `hpfun.AUTO`).
 
-    `seed=None` draws the same programs every time (hypothesis derandomized); an int draws
+    `seed=None` draws the same programs every time (those of `SUITE_SEED`); an int draws
     others. Nothing stops at a failure: every outcome is in the report (pass one in to see
     the outcomes of a run that is interrupted).
 
@@ -244,7 +250,7 @@ def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None 
     report = FuzzReport() if report is None else report
     seen: set = set()
 
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate], derandomize=seed is None,
+    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate], derandomize=False,
               suppress_health_check=list(HealthCheck))
     @given(programs(**strategy))
     def run(program):
@@ -254,7 +260,7 @@ def fuzz(examples: int = 50, seed: int | None = None, report: FuzzReport | None 
         seen.add(key)
         report.add(program, run_program(program, auto))
 
-    (run if seed is None else seeded(seed)(run))()
+    seeded(SUITE_SEED if seed is None else seed)(run)()
     return report
 
 
@@ -313,7 +319,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hpfun.testing.fuzz", description=main.__doc__)
     parser.add_argument("--examples", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=None, help="default: the derandomized programs the suite runs")
+    parser.add_argument("--seed", type=int, default=None, help="default: the programs the suite runs (SUITE_SEED)")
     parser.add_argument("--max-ops", type=int, default=12)
     parser.add_argument("--auto", action="store_true",
                         help="give every input whole with the spec hpfun.AUTO (automatic sharding picks the layouts)")
