@@ -573,6 +573,8 @@ class ShardedFunction:
                     (name not in specs or pattern_matches(decided_by[name], follows)
                      and specificity(decided_by[follows]) > specificity(decided_by[name])):
                 spec = specs[follows]
+                # and its parameter's reason: a wildcard's spec the parameter cannot take keeps both whole
+                by_wildcard = only_wildcards(self.state_specs, follows)
                 if spec is AUTO and isinstance(x, torch.Tensor):  # takes its parameter's choice
                     out.append(Auto(follows, self.mesh))
                     continue

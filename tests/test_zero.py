@@ -449,6 +449,25 @@ def test_a_parameter_kept_out_of_the_wildcard_keeps_its_state_whole_too():
     assert layouts["model.0.weight"] == "[S(0)]" and layouts["opt.state.model.0.weight.exp_avg"] == "[R]"
 
 
+def test_state_a_wildcard_does_not_name_follows_its_parameter_kept_whole():
+    """`{"*.weight": P("dp")}` names the weights, not their AdamW state (`...weight.exp_avg`),
+    which follows its parameter. The 6-row head cannot split over 4 ranks and is kept whole: so
+    is its state, from the second call on too (once the first step made it), and the steps
+    equal eager's."""
+    (model, opt), (ref, ref_opt) = _module(classes=6), _module(classes=6)
+    x, y = torch.randn(32, 16), torch.randint(0, 6, (32,))
+    f = hpfun.shard(_stock_step(model, opt), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    state_specs={"*.weight": P("dp")})
+    with pytest.warns(hpfun.WildcardWarning, match=r"model.2.weight \(6, 64\): dim 0 of size 6"):
+        for _ in range(3):
+            assert torch.allclose(f(x, y).full(), _stock_step(ref, ref_opt)(x, y), atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):  # (float32 sums in another order,
+        assert torch.allclose(p, q, atol=1e-5)  # through Adam's g / sqrt(g^2): 2e-6 apart here)
+    layouts = {i["path"]: i["layout"] for i in f.lower(x, y).inputs}
+    assert layouts["model.0.weight"] == layouts["opt.state.model.0.weight.exp_avg"] == "[S(0)]"
+    assert layouts["model.2.weight"] == layouts["opt.state.model.2.weight.exp_avg_sq"] == "[R]"
+
+
 def test_a_wildcard_keeps_whole_only_what_its_spec_cannot_split():
     """`{"*": P(None, "dp")}` splits the weights' columns; the biases have no dim 1 and stay whole
     (one warning names them), and the step equals eager's. A wildcard naming a mesh axis that
