@@ -756,6 +756,8 @@ class ShardedFunction:
         moved = objects.changed()
         if moved:
             objects.restore()
+        if changed or moved:  # (the trace is refused below: it leaves the function's dicts and lists as they were)
+            objects.restore_containers()
         if leaked := objects.leaked():
             raise CaptureError([Problem(where, "holds a tensor the function made, in an object hpfun does not lift (it "
                                         "walks modules, optimizers, and tensors, dicts and lists closed over or global)"

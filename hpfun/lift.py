@@ -19,6 +19,7 @@ inputs instead (0-d float64 tensors while traced), so a scheduler stepping them 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import dis
@@ -107,14 +108,22 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             seen_objects.add(id(obj))
             roots.append(Root(unique(name, owner) if name else name, obj))
-        elif isinstance(obj, dict) and _holds_state(obj):
+        elif isinstance(obj, dict) and (_holds_state(obj) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
-            note(None)
+            if not _holds_state(obj):  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
+                opaque.append((name, obj))
+                guard_seen(obj)
+            else:
+                note(None)
             for k, v in list(obj.items()):
                 value(v, f"{name}.{k}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
-        elif isinstance(obj, (list, tuple)) and _holds_state(obj):
+        elif isinstance(obj, (list, tuple)) and (_holds_state(obj) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
-            note(None)
+            if not _holds_state(obj):
+                opaque.append((name, obj))
+                guard_seen(obj)
+            else:
+                note(None)
             for i, v in enumerate(obj):
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
@@ -181,6 +190,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
 
     note = guard.append if guard is not None else lambda _: None
+
+    def guard_seen(container) -> None:  # a plain dict or list: the walk holds while it holds the same
+        note(_Unchanged(container))
     if isinstance(fn, torch.nn.Module):
         roots.append(Root("", fn))
         seen_objects.add(id(fn))
@@ -352,11 +364,37 @@ except Exception:  # (a build or Python without it: every entry compared, as wri
 
 def _holds(guard: list) -> bool:
     """Every place a walk read still holds the object it held then."""
-    for holder, name, obj in guard:
+    for entry in guard:
+        if type(entry) is _Unchanged:
+            if not entry.holds():
+                return False
+            continue
+        holder, name, obj = entry
         now = holder.get(name, _MISSING) if type(holder) is dict else getattr(holder, name, _MISSING)
         if now is not obj:
             return False
     return True
+
+
+class _Unchanged:
+    """A guard on a plain dict or list a walk went into: it holds the same keys and objects (a
+    dict: the same version tag, so no write since)."""
+
+    __slots__ = ("container", "version", "ids")
+
+    def __init__(self, container):
+        self.container = container
+        self.version = _dict_version(container) if _dict_version is not None and type(container) is dict else None
+        self.ids = None if self.version is not None else self._ids()
+
+    def _ids(self) -> tuple:
+        c = self.container
+        return (tuple(map(id, c)), tuple(map(id, c.values()))) if isinstance(c, dict) else tuple(map(id, c))
+
+    def holds(self) -> bool:
+        if self.version is not None:
+            return _dict_version(self.container) == self.version
+        return self._ids() == self.ids
 
 
 def _is_library(filename: str) -> bool:
@@ -364,6 +402,13 @@ def _is_library(filename: str) -> bool:
 
 
 _SCALAR = object()  # a Root's value for a Python scalar: read anew (`Root.read`) whenever wanted
+
+# A dict or list the function reaches is walked when it holds state (tensors, modules...), or
+# when it is no longer than this: its numbers (a config `{"alpha": 0.5}`) key the cache as
+# globals do, and what it holds is watched for changes while the function is traced (a counter
+# it increments, a scheduler it steps). Longer ones (a vocabulary) are read as they are: walking
+# them at every call would cost more than the call.
+PLAIN_CONTAINER_ITEMS = 1024
 
 
 def _is_scalar(x) -> bool:
@@ -412,9 +457,12 @@ def _default_writer(fn, i: int):
 
 
 def _is_user_object(obj) -> bool:
-    """An instance of a class defined in the user's code (not a library's), with attributes."""
+    """An instance of a class defined in the user's code (not a library's), with attributes, or
+    a namespace of them (`argparse`'s parsed arguments, a `SimpleNamespace` config)."""
     if not isinstance(getattr(obj, "__dict__", None), dict) or isinstance(obj, (type, types.ModuleType)):
         return False
+    if type(obj) in (argparse.Namespace, types.SimpleNamespace):
+        return True
     module = sys.modules.get(type(obj).__module__)
     filename = getattr(module, "__file__", None)
     return module is not None and (filename is None or not _is_library(filename))
@@ -1365,6 +1413,15 @@ class ObjectValues:
             if type(held) is list:
                 held[:] = was
             vars(obj)[attr] = held
+
+    def restore_containers(self) -> None:
+        """Set back the contents of the plain dicts and lists the function reaches (a counter in
+        a dict it incremented), for a trace that is refused."""
+        for _, obj, _, containers in self.objects:
+            if obj is None:
+                (container, was), = containers.values()
+                container.clear()
+                container.update(was) if type(container) is dict else container.extend(was)
 
 
 def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:

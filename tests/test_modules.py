@@ -814,10 +814,67 @@ def test_tensor_in_an_object_hpfun_cannot_lift():
     instance of the user's own classes) is an error naming the object and where it holds it."""
     import types
 
-    holder = types.SimpleNamespace(table=torch.randn(4))
+    import string
+
+    holder = string.Template("")
+    holder.table = torch.randn(4)
     f = hpfun.shard(lambda x: x + holder.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
     text = _error(f, torch.randn(8, 4), error=hpfun.CaptureError)
-    assert "holder (a SimpleNamespace) holds tensors: holder.table" in text
+    assert "holder (a Template) holds tensors: holder.table" in text
+    # a namespace (a config, parsed arguments) is walked like the user's own objects: its tensor is lifted
+    spaced = types.SimpleNamespace(table=torch.randn(4))
+    g = hpfun.shard(lambda x: x + spaced.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.randn(8, 4)
+    assert torch.equal(g(x).full(), x + spaced.table)
+
+
+def test_numbers_in_a_config_dict_or_namespace_key_the_cache_and_changes_while_traced_are_errors():
+    """A Python number read from a dict, a list or an argparse/SimpleNamespace config is baked
+    into the program, so it keys the cache as a global number does: changed between calls, the
+    function is traced again (it had run the stale program silently). Changed by the function
+    itself (a counter in a dict), or a scheduler stepped through a dict, is the error a global's
+    change is: a traced program cannot repeat it."""
+    import argparse
+    import types
+
+    args, cfg, scales = argparse.Namespace(alpha=1.0), {"alpha": 1.0}, [1.0]
+    space = types.SimpleNamespace(beta=1.0)
+    f = hpfun.shard(lambda x: x.sum() * args.alpha * cfg["alpha"] * scales[0] * space.beta, mesh=DP,
+                    in_specs=P("dp"), out_specs=P())
+    x = torch.ones(4)
+    assert f(x).full().item() == 4.0
+    for holder, key, value, want in ((args, "alpha", 3.0, 12.0), (cfg, "alpha", 2.0, 24.0), (scales, 0, 0.5, 12.0),
+                                     (space, "beta", 2.0, 24.0)):
+        if isinstance(holder, (dict, list)):
+            holder[key] = value
+        else:
+            setattr(holder, key, value)
+        assert f(x).full().item() == want
+    assert f.trace_count == 5
+
+    counts = {"n": 0}
+
+    def counting(x):
+        counts["n"] += 1
+        return x.sum() * counts["n"]
+
+    text = _error(hpfun.shard(counting, mesh=DP, in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
+    assert "counts.n: changed from 0 to 1 while the function was traced" in text and counts == {"n": 0}
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held = {"schedule": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)}
+
+    def scheduled(x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        held["schedule"].step()
+
+    text = _error(hpfun.shard(scheduled, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=None), *batch(0),
+                  error=hpfun.CaptureError)
+    assert "held.schedule (a CosineAnnealingLR): changed last_epoch from 0 to 1" in text and "step the scheduler after the call" in text
+    assert held["schedule"].last_epoch == 0
 
 
 class CountingSGD(torch.optim.Optimizer):
