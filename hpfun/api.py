@@ -984,7 +984,9 @@ class _Entry:
                         zip(program.output_layouts[:n], program.output_shapes[:n], program.output_dtypes[:n], strict=True))
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
-        object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append" for w in self.writes))
+        object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
+                                                and not (w.place[0] == "part" and w.place[1][0] == "append")
+                                                for w in self.writes))
 
     def unflatten(self, results: list):
         if self.out_statics:

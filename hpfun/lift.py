@@ -1166,12 +1166,11 @@ class Substitution:
         for var, read, container, items in self._watched:
             if type(container) is list:
                 for i, v in enumerate(container[len(items):]):
-                    if isinstance(v, FakeTensor):
-                        out[f"{var}[+{i}]"] = (v, ("append", read))
+                    out.update(_created_items(f"{var}[+{i}]", v, ("append", read)))
             else:  # (only new keys: a tensor held before is lifted state, its assignment written back as such)
                 for key, v in container.items():
-                    if isinstance(v, FakeTensor) and key not in items:
-                        out[f"{var}[{key!r}]"] = (v, ("key", read, key))
+                    if key not in items:
+                        out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 
     def _take_back(self) -> None:
@@ -1199,7 +1198,7 @@ class Substitution:
                 del group[key]
         for _, _, container, items in self._watched:
             inside = container.values() if type(container) is dict else container
-            if any(isinstance(v, FakeTensor) for v in inside):
+            if any(_holds_fake(v) for v in inside):
                 container.clear()
                 container.update(items) if type(container) is dict else container.extend(items)
 
@@ -1312,8 +1311,51 @@ class Substitution:
             real_state[p][key] = v
 
 
+def _holds_fake(v) -> bool:
+    return isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and \
+        any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
+
+
+def _created_items(name: str, v, place: tuple) -> dict:
+    """A value the step put at `place` (appended to a list, under a new key): a tensor, or a
+    tuple, list or dict holding tensors (`acts.append((name, out.detach()))`), whose tensors are
+    each written back (`put`), the rest as the trace made it."""
+    if isinstance(v, FakeTensor):
+        return {name: (v, place)}
+    if not _holds_fake(v):
+        return {}
+    whole = _Assembly(v)
+    return {f"{name}{torch.utils._pytree.keystr(path)}": (leaf, ("part", place, whole, j))
+            for j, (path, leaf) in enumerate(torch.utils._pytree.tree_flatten_with_path(v)[0])
+            if isinstance(leaf, FakeTensor)}
+
+
+class _Assembly:
+    """A tuple, list or dict of tensors the step puts somewhere whole: each call's tensors are
+    gathered here (`put`) until it is complete, then put there as one value."""
+
+    def __init__(self, value):
+        self.leaves, self.spec = torch.utils._pytree.tree_flatten(value)
+        self.parts = sum(isinstance(leaf, FakeTensor) for leaf in self.leaves)
+        self.got: dict = {}
+
+    def add(self, j: int, value):
+        """The value, once its last part is in; else None."""
+        self.got[j] = value
+        if len(self.got) < self.parts:
+            return None
+        leaves = [self.got.get(i, leaf) for i, leaf in enumerate(self.leaves)]
+        self.got = {}
+        return torch.utils._pytree.tree_unflatten(leaves, self.spec)
+
+
 def put(state: State, place: tuple, value) -> None:
     """Write a tensor the step made at its `place` (`Substitution.created`) in this call's modules."""
+    if place[0] == "part":  # one tensor of a tuple, list or dict put whole
+        whole = place[2].add(place[3], value)
+        if whole is not None:
+            put(state, place[1], whole)
+        return
     if place[0] == "append":  # a list the function (or a hook) appended to: this call's value too
         place[1]().append(value)
         return

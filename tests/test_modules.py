@@ -1467,6 +1467,29 @@ def test_what_a_hook_appends_to_a_list_is_appended_by_every_call():
     torch.testing.assert_close(torch.stack(grads), torch.stack(ref_grads), rtol=0, atol=1e-12)
 
 
+def test_a_tuple_or_dict_of_tensors_appended_or_stored_is_written_back_whole():
+    """`acts.append((name, out.detach()))` in a hook, or a dict or list of tensors appended or
+    put under a new key: each call puts its own real tensors there, in the structure the
+    function built (the trace's stand-ins had been left in the list, and every later call
+    failed on them)."""
+    acts, logs = [], {}
+
+    def f(x):
+        acts.append(("mean", x.mean(), {"sum": x.sum(), "n": 3}, [x.amax()]))
+        logs["pair"] = (x.amin(), [x.sum()])
+        return x * 2
+
+    step = hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    for i in range(3):
+        x, _ = batch(i)
+        assert torch.equal(step(x).full(), x * 2)
+        name, mean, sums, (top,) = acts[-1]
+        assert name == "mean" and sums["n"] == 3 and len(acts) == i + 1
+        for got, want in ((mean, x.mean()), (sums["sum"], x.sum()), (top, x.amax()), (logs["pair"][0], x.amin()),
+                          (logs["pair"][1][0], x.sum())):
+            assert type(got) is torch.Tensor and torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
 def test_setting_data_of_a_parameter_is_written_back():
     """`p.data = p.data.clamp(...)` after the step (WGAN's weight clipping as often written) set
     the contents outside what a trace records: the write was lost, silently. Now it is the
