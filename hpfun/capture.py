@@ -263,7 +263,29 @@ def _foreach_loop(name: str, *args, **kwargs):
     return None if inplace else results
 
 
+def _rrelu_eval(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """RReLU in eval mode draws nothing: it is the leaky ReLU of the mean slope, as torch's
+    kernel computes it (training mode draws, and is refused as a random op hpfun has no draw for)."""
+    if training:
+        return NotImplemented
+    return aten.leaky_relu.default(x, (lower + upper) / 2)
+
+
+def _rrelu_eval_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    out = _rrelu_eval(x, noise, lower, upper, training, generator)
+    return out if out is NotImplemented else (out, noise)
+
+
+def _rrelu_eval_backward(grad, x, noise, lower, upper, training, self_is_result):
+    if training:
+        return NotImplemented
+    return aten.leaky_relu_backward.default(grad, x, (lower + upper) / 2, self_is_result)
+
+
 _OWN = {
+    aten.rrelu_with_noise.default: _rrelu_eval,
+    aten.rrelu_with_noise_functional.default: _rrelu_eval_functional,
+    aten.rrelu_with_noise_backward.default: _rrelu_eval_backward,
     aten.var_mean.correction: _var_mean,
     aten.var.correction: _var,
     aten._weight_norm_interface_backward.default: _weight_norm_backward,

@@ -386,3 +386,20 @@ def test_in_place_update_written_as_a_copy_is_no_copy_in_the_program():
     ops = collections.Counter(n.target for n in nodes)
     grouped = sum(len(n.meta["hpfun_foreach"]) for n in nodes if n.target is aten._foreach_addcdiv.Scalar)
     assert ops[aten.addcdiv.default] + grouped == 2 and aten.copy.default not in ops
+
+
+def test_rrelu_in_eval_mode_is_the_leaky_relu_of_its_mean_slope():
+    """`nn.RReLU().eval()` draws nothing (torch computes the leaky ReLU of slope (lower + upper) / 2):
+    its forward and backward shard as the leaky ReLU's, equal to eager. In training mode it draws,
+    and is refused as a random op."""
+    x = torch.randn(8, 6, dtype=torch.float64, generator=_GEN)
+
+    def f(x):
+        return torch.func.grad_and_value(lambda x: F.rrelu(x, 0.1, 0.3, training=False).square().sum())(x)
+
+    _check(f, (x,), (P("dp"),), (2,), ("dp",), tol=1e-12)
+    assert not any("rrelu" in str(op) for op in _ops(f, x))
+    train = hpfun.shard(lambda x: F.rrelu(x, training=True), mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=P("dp"),
+                        out_specs=P("dp"))
+    with pytest.raises(hpfun.MissingRuleError, match="hpfun draws random numbers itself"):
+        train(x)
