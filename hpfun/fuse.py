@@ -10,7 +10,7 @@ remembers the group of nodes it became (`hpfun.capture.split_fused`), propagatio
 layouts for the decomposed graph as before, and `rejoin` puts the fused op back wherever its
 group runs with no collective inside: the normalized dim whole, every node of the group on
 the layouts its producers have (or a block of them), and the op's own rule offering exactly
-those layouts. The embedding's backward is a scatter-add into a zero table: its pieces follow
+those layouts, or layouts they reach by a local move (a block cut from a replicated value). The embedding's backward is a scatter-add into a zero table: its pieces follow
 what the update needs (the table replicated, or split on the vocab), which a greedy walk
 offered the whole op could not see.
 """
@@ -21,7 +21,7 @@ import torch
 
 from hpfun.capture import FusedGroup
 from hpfun.plan import redistribute_cost
-from hpfun.propagate import op_call, tensor_inputs
+from hpfun.propagate import _Site, op_call, tensor_inputs
 from hpfun.rules import REGISTRY
 
 
@@ -45,8 +45,17 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
         # taken as it is: no move is planned for it
         want = tuple(needs.get(p, p.meta.get("hpfun_layout")) for p in tensor_inputs(out))
         rule = registry.lookup(group.target)
-        match = None if rule is None or None in want else next(
-            (s for s in rule.strategies(call) if s.inputs == want and s.outputs == (layout,)), None)
+        strategies = [] if rule is None or None in want else rule.strategies(call)
+        match = next((s for s in strategies if s.inputs == want and s.outputs == (layout,)), None)
+        inputs = tensor_inputs(out)
+        if match is None and strategies and all(p.meta["val"].shape == out.meta["val"].shape for p in inputs) \
+                and all(_local_move(p, w, layout) for p, w in zip(inputs, want, strict=True)):
+            # or every input cut locally to the output's layout (a replicated score cut into the
+            # heads its consumer splits), the fused kernel then run on the block
+            cut = (layout,) * len(inputs)
+            cut_call = _Site(out, None, mesh).call(cut)
+            match = next((s for s in rule.strategies(cut_call) if s.inputs == cut and s.outputs == (layout,)), None)
+            call = call if match is None else cut_call
         if match is None:
             out.target, out.args, out.kwargs = decomposed
             continue
@@ -57,6 +66,11 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
         done += 1
     gm.recompile()
     return done
+
+
+def _local_move(producer, src, dst) -> bool:
+    val = producer.meta["val"]
+    return src == dst or not redistribute_cost(src, dst, val.shape, val.dtype)[0]
 
 
 def _boundary_layouts(group: FusedGroup) -> dict | None:
@@ -76,6 +90,11 @@ def _boundary_layouts(group: FusedGroup) -> dict | None:
                 if redistribute_cost(producer.meta["hpfun_layout"], layout, val.shape, val.dtype)[0]:
                     return None
             elif needs.setdefault(producer, layout) != layout:
-                return None
+                # read in two layouts (max over the replicated scores, the rest on the heads'
+                # block): both local moves from the producer's own, which the fused op then reads
+                own = producer.meta["hpfun_layout"]
+                if not (_local_move(producer, own, layout) and _local_move(producer, own, needs[producer])):
+                    return None
+                needs[producer] = own
     return needs
 
