@@ -10,9 +10,10 @@ remembers the group of nodes it became (`hpfun.capture.split_fused`), propagatio
 layouts for the decomposed graph as before, and `rejoin` puts the fused op back wherever its
 group runs with no collective inside: the normalized dim whole, every node of the group on
 the layouts its producers have (or a block of them), and the op's own rule offering exactly
-those layouts, or layouts they reach by a local move (a block cut from a replicated value). The embedding's backward is a scatter-add into a zero table: its pieces follow
-what the update needs (the table replicated, or split on the vocab), which a greedy walk
-offered the whole op could not see.
+those layouts, or layouts they reach by a local move (a block cut from a replicated value).
+The embedding's backward is a scatter-add into a zero table: its pieces follow what the update
+needs (the table replicated, or split on the vocab), which a greedy walk offered the whole op
+could not see.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from hpfun.capture import FusedGroup
 from hpfun.plan import redistribute_cost
-from hpfun.propagate import _Site, op_call, tensor_inputs
+from hpfun.propagate import op_call, tensor_inputs
 from hpfun.rules import REGISTRY
 
 
@@ -53,7 +54,7 @@ def rejoin(gm: torch.fx.GraphModule, mesh, registry=REGISTRY) -> int:
             # or every input cut locally to the output's layout (a replicated score cut into the
             # heads its consumer splits), the fused kernel then run on the block
             cut = (layout,) * len(inputs)
-            cut_call = _Site(out, None, mesh).call(cut)
+            cut_call = op_call(out, mesh, cut)
             match = next((s for s in rule.strategies(cut_call) if s.inputs == cut and s.outputs == (layout,)), None)
             call = call if match is None else cut_call
         if match is None:

@@ -108,18 +108,18 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             seen_objects.add(id(obj))
             roots.append(Root(unique(name, owner) if name else name, obj))
-        elif isinstance(obj, dict) and (_holds_state(obj) or len(obj) <= PLAIN_CONTAINER_ITEMS):
+        elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
-            if not _holds_state(obj):  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
+            if not holds:  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
                 opaque.append((name, obj))
                 guard_seen(obj)
             else:
                 note(None)
             for k, v in list(obj.items()):
                 value(v, f"{name}.{k}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
-        elif isinstance(obj, (list, tuple)) and (_holds_state(obj) or len(obj) <= PLAIN_CONTAINER_ITEMS):
+        elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
-            if not _holds_state(obj):
+            if not holds:
                 opaque.append((name, obj))
                 guard_seen(obj)
             else:

@@ -54,10 +54,11 @@ def _outputs(node: torch.fx.Node) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(tuple(v.shape), v.dtype) for v in vals if isinstance(v, torch.Tensor))
 
 
-def op_call(node: torch.fx.Node, mesh: Mesh) -> OpCall:
-    """The OpCall a rule sees for `node`, from the layouts already in `node.meta`."""
+def op_call(node: torch.fx.Node, mesh: Mesh, layouts: tuple | None = None) -> OpCall:
+    """The OpCall a rule sees for `node`, from the layouts already in `node.meta` (or its
+    inputs in `layouts`)."""
     site = _Site(node, None, mesh)
-    return site.call(tuple(p.meta["hpfun_layout"] for p in site.producers))
+    return site.call(tuple(p.meta["hpfun_layout"] for p in site.producers) if layouts is None else layouts)
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
