@@ -1409,6 +1409,12 @@ def _describe(err: Exception) -> str:
             hint = (" — transformers' generate() decides in Python when every sequence has finished, from the "
                     "tokens the model chose (a read of computed values): shard the model's forward, one decoding "
                     "step, and run the generation loop outside the sharded function")
+        if any(os.sep + "transformers" + os.sep in f.filename and "expert" in (f.line or "")
+               and "nonzero" in (f.line or "") for f in stack):
+            hint = (" — transformers' eager mixture-of-experts loop finds the experts that have tokens with "
+                    "nonzero(), a shape read from the routing: build the model with its default experts "
+                    "implementation (grouped matrix multiplies: leave experts_implementation unset), which hpfun "
+                    "traces and shards")
         stepping = _optimizer_stepping(err)
         if stepping is not None:
             hint = (f" — {stepping}.step() reads tensor values into Python (a norm, the loss), which a trace "

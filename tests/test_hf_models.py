@@ -234,6 +234,20 @@ def test_mixtral_experts_split_over_tp_equal_eager():
     assert not gathered, gathered  # replicate-only, the expert weights would be gathered over tp for them
 
 
+def test_eager_experts_are_refused_naming_the_default_implementation():
+    """transformers' eager experts loop (`experts_implementation="eager"`) reads which experts
+    got tokens with nonzero(): refused, naming the line and the implementation that traces (the
+    default grouped matmuls)."""
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config)
+    step = hpfun.shard(lambda ids: model(ids, labels=ids).loss, mesh=hpfun.Mesh.simulated((2,), ("dp",)),
+                       in_specs=(P("dp"),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"nonzero\(\).*leave experts_implementation unset"):
+        step(tokens(0))
+
+
 def test_a_returned_model_output_keeps_its_tensors_and_drops_its_cache():
     """`return model(ids, labels=ids)`: the loss and logits come back sharded, equal to eager;
     the DynamicCache in it holds the trace's stand-ins, so it comes back as None with a warning
