@@ -11,8 +11,9 @@ lifted tensor holds its fake stand-in instead; what the function assigns there (
 an optimizer's first state, a reassigned attribute) is recorded and written back after each
 call, as eager PyTorch would have left it.
 
-Python values that decide the trace (a module's `training` flag, an optimizer's momentum) are
-read too: they join the cache key, so a change retraces instead of running a stale program. The
+Python values that decide the trace (a module's `training` flag, an optimizer's momentum, a
+number in a closed-over config dict, list or namespace) are read too: they join the cache key,
+so a change retraces instead of running a stale program. The
 hyperparameters a scheduler changes (a float learning rate, Adam's betas; `LIFTED_SCALARS`) are
 inputs instead (0-d float64 tensors while traced), so a scheduler stepping them does not retrace.
 """
