@@ -1,7 +1,7 @@
 """Per-step time of hpfun vs hand-written Megatron code vs DTensor, world size 2, gloo, CPU.
 
     python benchmarks/overhead.py [--workloads mlp mlp_gelu block gpt llama] [--reps 15] [--iters 20]
-                                  [--no-compile] [--no-compile-hf] [--out benchmarks/RESULTS.md]
+                                  [--no-compile] [--no-compile-hf] [--device cpu|cuda] [--out benchmarks/RESULTS.md]
 
 Two processes, one thread each, tensor parallel over both (Megatron's layout). Workloads: an MLP
 with ReLU (fwd+bwd), the same MLP with GELU and an MSE loss (fwd+bwd), a transformer block
@@ -15,6 +15,11 @@ timed in interleaved repetitions (a, b, c, ..., a, b, c, ...), each timing `iter
 barriers; the table reports medians. Also measured per workload: the cost of a cache-hit call
 of the hpfun step beyond running its program (us) and of its first call (trace + propagate +
 lower, ms). The whole run takes about 5 minutes on 2 cores (compiling: about 2 of them).
+
+`--device cuda` runs the same on the GPUs there are, one rank per GPU (at most two) over NCCL:
+every tensor is made on the rank's GPU, and each timing waits for the GPU. On one GPU the world
+is one rank, so the collectives are trivial and the ratios measure the per-rank program and its
+kernels against the hand-written ones; its table goes to a section of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +46,19 @@ from hpfun.runtime.distributed import runtime_for
 from hpfun.testing import models
 
 WORKLOADS = ("mlp", "mlp_gelu", "block", "gpt", "llama")
+DEVICE = torch.device("cpu")  # the rank's device: set by `worker`
+
+
+def _gen(seed: int) -> torch.Generator:
+    """A generator on the rank's device, seeded."""
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
+def _made_on_cpu(fn, *args, **kwargs):
+    """`fn`'s tensors (made with CPU generators, as hpfun.testing.models makes them), moved to the device."""
+    with torch.device("cpu"):
+        out = fn(*args, **kwargs)
+    return torch.utils._pytree.tree_map(lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _same(x):
@@ -155,7 +173,7 @@ MLP_SPECS = {"w1": P(None, "tp"), "w2": P("tp", None)}
 
 
 def mlp_params(d=256, ffn=1024, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = _gen(seed)
     return {"w1": torch.randn(d, ffn, generator=g) * d**-0.5, "w2": torch.randn(ffn, d, generator=g) * ffn**-0.5}
 
 
@@ -203,7 +221,7 @@ def _dtensor_grad_step(model, loss_of):
 
 
 def build_mlp(env: Env, gelu: bool) -> Workload:
-    g = torch.Generator().manual_seed(1)
+    g = _gen(1)
     x = torch.randn(8, 256, generator=g)
     y = torch.randn(8, 256, generator=g)
     loss_fn, data = (mlp_gelu_loss, (x, y)) if gelu else (mlp_loss, (x,))
@@ -233,7 +251,7 @@ BLOCK_SPECS = {"ln1": P(), "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(Non
 
 
 def block_params(d=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = _gen(seed)
 
     def w(*shape):
         return torch.randn(*shape, generator=g) * shape[0] ** -0.5
@@ -280,7 +298,7 @@ class BlockModule(torch.nn.Module):
 
 
 def build_block(env: Env) -> Workload:
-    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 16, 64, generator=_gen(1))
     params = block_params()
     held = _presharded(params, BLOCK_SPECS, env.mesh)
     notes = []
@@ -361,8 +379,8 @@ def _adamw_in_place(named: dict, state: dict) -> dict:
 def build_gpt(env: Env) -> Workload:
     from torch.distributed.tensor.experimental import implicit_replication
 
-    params = models.gpt_init(seed=0, **GPT)
-    idx, targets = models.gpt_data(GPT_BATCH, seed=1, **GPT)
+    params = _made_on_cpu(models.gpt_init, seed=0, **GPT)
+    idx, targets = _made_on_cpu(models.gpt_data, GPT_BATCH, seed=1, **GPT)
     specs = models.gpt_specs(params, tp="tp")
     state_specs = {"m": specs, "v": specs, "step": P()}
     zeros = models.adamw_init(params)
@@ -476,7 +494,7 @@ def _train_step(model, opt, ids):
 
 
 def build_llama(env: Env) -> Workload:
-    ids = torch.randint(0, LLAMA["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, LLAMA["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ), generator=_gen(1))
 
     def make(compile):
         model = _llama()
@@ -522,11 +540,18 @@ BUILDERS = {"mlp": lambda env: build_mlp(env, gelu=False), "mlp_gelu": lambda en
 # ---------------------------------------------------------------------------------------------
 
 
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def _time(fn, iters: int) -> float:
+    _sync()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    _sync()
     dist.barrier()
     return (time.perf_counter() - start) / iters
 
@@ -565,6 +590,7 @@ def call_cost(workload: Workload, reps: int, iters: int) -> float:
     try:
         costs = []
         for _ in range(reps):
+            _sync()
             dist.barrier()
             inner[0] = 0.0
             start = time.perf_counter()
@@ -587,12 +613,18 @@ def first_call(workload: Workload) -> float:
 
 
 def worker(rank: int, world: int, port: int, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    global DEVICE
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    if getattr(args, "device", "cpu") == "cuda":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+        torch.set_default_device(DEVICE)  # the workloads', models' and hpfun's tensors on the rank's GPU
     mesh = hpfun.Mesh.distributed((world,), ("tp",))
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    device_mesh = init_device_mesh(DEVICE.type, (world,), mesh_dim_names=("tp",))
     env = Env(rank, world, mesh, device_mesh, compile=not args.no_compile, compile_hf=not args.no_compile_hf)
     workloads, setup = {}, {}
     for name in args.workloads:
@@ -621,17 +653,19 @@ def worker(rank: int, world: int, port: int, args, queue):
 # ---------------------------------------------------------------------------------------------
 
 SECTION = "## Per-step overhead: hpfun vs hand-written vs DTensor"
+GPU_SECTION = "## Per-step overhead on a GPU: hpfun vs hand-written vs DTensor"
 
 
-def report(rows: dict, command: str) -> str:
+def report(rows: dict, command: str, where: str = "world size 2, gloo, CPU, one thread per rank",
+           section: str = SECTION) -> str:
     def cell(t, v, fmt="{:.3f}"):
         return fmt.format(t[v]) if v in t else "-"
 
     def ratio(t, a, b, fmt="{:.2f}"):
         return fmt.format(t[a] / t[b]) if a in t and b in t else "-"
 
-    lines = [SECTION, "",
-             f"Command: `{command}` (world size 2, gloo, CPU, one thread per rank, tensor parallel; medians of "
+    lines = [section, "",
+             f"Command: `{command}` ({where}, tensor parallel; medians of "
              "repetitions interleaved over every workload and version).", "",
              "| workload | hpfun (ms) | hpfun, compile=True (ms) | hand-written (ms) | DTensor (ms) | hpfun / hand "
              "| compiled / hand | DTensor / hpfun | cache hit beyond the program (us) | first call (ms) |",
@@ -660,14 +694,14 @@ def write_section(path: str, text: str, section: str = SECTION) -> None:
         f.write(new)
 
 
-def on_two_ranks(worker, args):
-    """`worker(rank, world, port, args, queue)` on two gloo ranks (a free local port); what
-    rank 0 puts in the queue."""
+def on_two_ranks(worker, args, world: int = 2):
+    """`worker(rank, world, port, args, queue)` on `world` ranks (two gloo ranks, unless GPUs
+    are the ranks; a free local port); what rank 0 puts in the queue."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(2, port, args, queue), nprocs=2)
+    mp.spawn(worker, args=(world, port, args, queue), nprocs=world)
     return queue.get()
 
 
@@ -679,12 +713,23 @@ def main():
     parser.add_argument("--no-compile", action="store_true", help="leave out hpfun's compile=True versions")
     parser.add_argument("--no-compile-hf", action="store_true",
                         help="leave out the HF Llama step's compile=True version (inductor takes 1-2 minutes on it)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one rank per GPU (at most two), NCCL")
     parser.add_argument("--out", default=None, help="write the table into this markdown file (its section only)")
     args = parser.parse_args()
-    text = report(on_two_ranks(worker, args), command="python " + " ".join(sys.argv))
+    command = "python " + " ".join(sys.argv)
+    if args.device == "cuda":
+        world = min(2, torch.cuda.device_count())
+        if world == 0:
+            parser.error("--device cuda: torch sees no GPU here")
+        where = (f"world size {world}, NCCL, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+                 "each timing waits for the GPU")
+        text = report(on_two_ranks(worker, args, world), command, where, GPU_SECTION)
+    else:
+        text = report(on_two_ranks(worker, args), command)
     print(text)
     if args.out:
-        write_section(args.out, text)
+        write_section(args.out, text, GPU_SECTION if args.device == "cuda" else SECTION)
 
 
 if __name__ == "__main__":
