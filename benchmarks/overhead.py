@@ -265,7 +265,7 @@ def attention(x, wq, wk, wv, wo, heads):
     b, s, _ = x.shape
     q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in (x @ wq, x @ wk, x @ wv))
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
     out = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
     return out.transpose(1, 2).reshape(b, s, -1) @ wo
 
@@ -291,7 +291,7 @@ class BlockModule(torch.nn.Module):
         y = F.layer_norm(x, (d,), self.ln1)
         q, k, v = (m(y).view(b, s, -1, self.head_dim).transpose(1, 2) for m in (self.wq, self.wk, self.wv))
         scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         att = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
         h = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
         return h + self.fc2(torch.relu(self.fc1(F.layer_norm(h, (d,), self.ln2))))
@@ -355,7 +355,7 @@ class GPTModule(torch.nn.Module):
         b, s = idx.shape
         hd = GPT["d"] // GPT["heads"]
         x = F.embedding(idx, self.params["wte"]) + self.params["wpe"]
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         for i in range(GPT["layers"]):
             y = self._ln(x, f"h{i}_ln1")
             q, k, v = (getattr(self, f"h{i}_{n}")(y).view(b, s, -1, hd).transpose(1, 2) for n in ("wq", "wk", "wv"))
@@ -518,8 +518,12 @@ def build_llama(env: Env) -> Workload:
     layers = range(LLAMA["num_hidden_layers"])
     model = _parallelized(_llama(), env.device_mesh, [f"model.layers.{i}.{m}" for i in layers for m in LLAMA_COLWISE],
                           [f"model.layers.{i}.{m}" for i in layers for m in LLAMA_ROWWISE])
-    versions["dtensor"] = _train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ids)
+    # its embedding and norms stay plain tensors beside the DTensor matrices: AdamW's foreach path
+    # (the default on a GPU) refuses the mix, so DTensor's step takes the per-parameter loop there
+    versions["dtensor"] = _train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False), ids)
     notes.append("the model and AdamW closed over (hpfun lifts and writes back their state), stock HF loss")
+    if DEVICE.type == "cuda":
+        notes.append("DTensor's AdamW runs its per-parameter loop (foreach refuses plain tensors beside DTensors)")
 
     def fresh():
         s = make(False)

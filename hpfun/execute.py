@@ -32,7 +32,9 @@ def run(program: Program, blocks: Callable[[tuple, torch.device | None], list], 
         seed = draw_seed() if program.uses_seed else NO_SEED
     if mesh.runtime == "simulated":
         per_rank = [blocks(mesh.coords(r), None) for r in range(mesh.size)]
-        outs = simulated.run(program.module, mesh, per_rank, seed, compile=compile)
+        if program.device.type != "cpu":
+            seed = seed.to(program.device)
+        outs = simulated.run(program.module, mesh, per_rank, seed, compile=compile, device=program.device)
         out = [tuple(outs[r][i] for r in range(mesh.size)) for i in range(len(program.output_layouts))]
     else:
         runtime = runtime_for(mesh)

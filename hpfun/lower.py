@@ -71,6 +71,7 @@ class Program:
     buckets: tuple = ()  # the hpfun.schedule.Bucket of each fused collective, in program order
     donated: tuple = ()  # inputs whose buffers a call hands over, freed after their last use (donate_state)
     seed: int | None = None  # the function's own torch.manual_seed(s): every call draws from s, and seeds torch with it
+    device: torch.device = torch.device("cpu")  # where its values live: the runtime puts `coords` and `seed` there
 
 
 _NAMES: dict = {}  # op -> the name fx gives its nodes (numbered apart by the graph)
@@ -79,8 +80,10 @@ _NAMES: dict = {}  # op -> the name fx gives its nodes (numbered apart by the gr
 class LowerContext:
     """What rules and redistribution steps use to write into the per-shard graph."""
 
-    def __init__(self, mesh: Mesh, rng: str = "philox", reduce_dtype: str = "float32"):
+    def __init__(self, mesh: Mesh, rng: str = "philox", reduce_dtype: str = "float32",
+                 device: torch.device = torch.device("cpu")):
         self.mesh, self.rng = mesh, rng
+        self.device = device  # where the program's values live: the tensors it makes are made there
         self.reduce_dtype = reduce_dtype  # "float32": low-precision sums reduced in float32; "compute": as they are
         self.graph = torch.fx.Graph()
         self.collectives: list[Collective] = []
@@ -111,13 +114,18 @@ class LowerContext:
             drawn.append(self._random_ops)
         return drawn[-1]
 
+    def made(self, dtype: torch.dtype) -> dict:
+        """The keyword arguments of a tensor the program makes (an index, a mask): `dtype`, on
+        the program's device (named only off the CPU, so CPU programs read as they always did)."""
+        return {"dtype": dtype} if self.device.type == "cpu" else {"dtype": dtype, "device": self.device}
+
     def global_index(self, layout: Layout, shape) -> torch.fx.Node:
         """Global row-major index of each element of this rank's block (int64, local shape)."""
 
         def make():
             local, total, stride = layout.local_shape(shape), None, 1
             for d in reversed(range(len(shape))):
-                idx = self.call(aten.arange.default, (local[d],), {"dtype": torch.int64})
+                idx = self.call(aten.arange.default, (local[d],), self.made(torch.int64))
                 if layout.shard_axes(d):
                     idx = self.call(aten.add.Tensor, (idx, self.shard_offset(layout, shape, d)))
                 if stride != 1:
@@ -127,7 +135,7 @@ class LowerContext:
                 idx = self.call(aten.view.default, (idx, view))
                 total = idx if total is None else self.call(aten.add.Tensor, (idx, total))
                 stride *= shape[d]
-            return total if total is not None else self.call(aten.zeros.default, ([],), {"dtype": torch.int64})
+            return total if total is not None else self.call(aten.zeros.default, ([],), self.made(torch.int64))
 
         return self._memo(("index", layout, tuple(shape)), make)
 
@@ -243,7 +251,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
     (`hpfun.schedule`). `op_by_op` (the program runs op by op, not under torch.compile, which
     does its own) simplifies it and runs independent same elementwise ops as one `_foreach_*`
     call (`hpfun.peephole`, `hpfun.foreach`)."""
-    ctx = LowerContext(mesh, rng, reduce_dtype)
+    ctx = LowerContext(mesh, rng, reduce_dtype, program_device(gm))
     ctx.redraws = redraws(gm, rng)  # hpfun.checkpoint's recomputed ops: which draws they repeat
     values: dict[torch.fx.Node, torch.fx.Node] = {}
     reached: dict[torch.fx.Node, dict[Layout, torch.fx.Node]] = {}  # per value: each layout it reached, locally
@@ -286,6 +294,18 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             names = output_names or [f"outputs[{i}]" for i in range(len(node.args[0]))]
             return _finish(ctx, gm, node, inputs, output_layouts, names, local, bucket_bytes, overlap, op_by_op)
     raise AssertionError("graph without output")
+
+
+def program_device(gm: torch.fx.GraphModule) -> torch.device:
+    """The device a captured function computes on: the first one other than the CPU that its
+    values live on (a GPU; meta when it is only planned), else the CPU. CPU scalars (a lifted
+    learning rate) may sit beside GPU values, as in eager PyTorch; what the program makes
+    itself (indices, masks, the rank's coordinates, the seed) is made on this device."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type != "cpu":
+            return val.device
+    return torch.device("cpu")
 
 
 def _remember(known: dict, layout: Layout, value) -> None:
@@ -393,4 +413,5 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
         collectives=tuple(ctx.collectives),
         uses_seed=bool(ctx.seed.users),
         buckets=buckets,
+        device=ctx.device,
     )

@@ -137,7 +137,7 @@ class Sharded:
         if mesh.runtime == "distributed":
             return redistribute(self, Layout.replicated(mesh)).shards[0]
         partial = layout.partial_axes
-        out = torch.empty(self.global_shape, dtype=self.dtype)
+        out = torch.empty(self.global_shape, dtype=self.dtype, device=self.shards[0].device)
         blocks: dict[tuple, list[torch.Tensor]] = {}
         for r, shard in enumerate(self.shards):
             coords = mesh.coords(r)
@@ -227,19 +227,21 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
     layout = layout.normalized(len(x.global_shape))
     if layout.mesh != x.layout.mesh:
         raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
-    program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype)
+    program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype, x.shards[0].device)
     (shards,) = run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])
     return Sharded(layout, x.global_shape, shards)
 
 
 @functools.lru_cache(maxsize=256)
-def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Program:
-    ctx = LowerContext(src.mesh)
+def _redistribute_program(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype,
+                          device: torch.device = torch.device("cpu")) -> Program:
+    ctx = LowerContext(src.mesh, device=device)
     (value,) = ctx.begin(1)
     ctx.consumer = ("redistribute", "redistribute", f"{src.placements_str()} -> {dst.placements_str()}")
     ctx.graph.output([ctx.redistribute(value, src, dst, shape, dtype)])
     module = torch.fx.GraphModule(torch.nn.Module(), ctx.graph)
-    return Program(src.mesh, module, (src,), (shape,), (dst,), (shape,), (dtype,), tuple(ctx.collectives))
+    return Program(src.mesh, module, (src,), (shape,), (dst,), (shape,), (dtype,), tuple(ctx.collectives),
+                   device=device)
 
 
 def _this_rank(mesh) -> int:

@@ -143,10 +143,10 @@ class Attention(Rule):
             return super().emit(ctx, call, strategy, args, kwargs)
         rows, keys = layout.local_shape(q.shape)[2], call.tensors[ins.index("kv")].shape[2]
         first = ctx.shard_offset(layout, q.shape, 2)
-        index = ctx.call(aten.add.Tensor, (ctx.call(aten.arange.default, (rows,), {"dtype": torch.int64}), first))
+        index = ctx.call(aten.add.Tensor, (ctx.call(aten.arange.default, (rows,), ctx.made(torch.int64)), first))
         seen = ctx.call(aten.ge.Tensor, (ctx.call(aten.view.default, (index, [rows, 1])),
-                                         ctx.call(aten.arange.default, (keys,), {"dtype": torch.int64})))
-        zeros = ctx.call(aten.zeros.default, ([rows, keys],), {"dtype": q.dtype})
+                                         ctx.call(aten.arange.default, (keys,), ctx.made(torch.int64))))
+        zeros = ctx.call(aten.zeros.default, ([rows, keys],), ctx.made(q.dtype))
         mask = ctx.call(aten.masked_fill.Scalar, (zeros, ctx.call(aten.logical_not.default, (seen,)), -math.inf))
         args, kwargs = list(args), {**kwargs, "attn_mask": mask}
         if self.causal_arg < len(args):

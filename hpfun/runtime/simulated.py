@@ -55,8 +55,9 @@ COLLECTIVES = {
 
 
 def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[torch.Tensor]], seed: torch.Tensor,
-        compile: bool = False) -> list[list]:
-    """Run the per-shard program on every rank; `inputs_per_rank[r]` excludes `coords` and `seed`.
+        compile: bool = False, device: torch.device | None = None) -> list[list]:
+    """Run the per-shard program on every rank; `inputs_per_rank[r]` excludes `coords` and `seed`
+    (each rank's `coords` is made on `device`, the program's).
 
     The program is cut at its collectives; each piece between them runs per rank as generated
     code (compiled with inductor when `compile`), each collective in lockstep over its groups.
@@ -64,7 +65,7 @@ def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[tor
     top = _segments(module, compile)
     ranks = range(mesh.size)
     envs: list[dict] = [{} for _ in ranks]
-    coords = [torch.tensor(mesh.coords(r), dtype=torch.int64) for r in ranks]
+    coords = [torch.tensor(mesh.coords(r), dtype=torch.int64, device=device) for r in ranks]
     feeds = [iter(list(inputs_per_rank[r]) + [coords[r], seed]) for r in ranks]
     for node in top.graph.nodes:
         if node.op == "placeholder":

@@ -118,7 +118,7 @@ def _attention(x, p, i, heads):
     b, s, d = x.shape
     q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in (x @ p[f"h{i}.wq"], x @ p[f"h{i}.wk"], x @ p[f"h{i}.wv"]))
     scores = (q @ k.transpose(-1, -2)) / (d // heads) ** 0.5
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
     att = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
     return att.transpose(1, 2).reshape(b, s, d) @ p[f"h{i}.wo"]
 
