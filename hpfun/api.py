@@ -301,6 +301,12 @@ class _Bound:
         return (_Bound, (None,))
 
 
+def _traced_on(device):
+    """The device a function whose tensors are on `device` is traced on: that one, except meta
+    (planning only, f.lower on meta tensors), traced as on the CPU, where constants are allowed."""
+    return None if device is not None and torch.device(device).type == "meta" else device
+
+
 class ShardedFunction:
     """A function traced once per input signature and run as one per-shard program."""
 
@@ -614,9 +620,7 @@ class ShardedFunction:
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
         traced = _Traced()
         gm_inputs = [(leaves[i].shape, leaves[i].dtype, leaves[i].strides) for i in tensor_pos]
-        device = next((leaves[i].device for i in tensor_pos), None)
-        if device is not None and torch.device(device).type == "meta":
-            device = None  # planning only (f.lower on meta tensors): trace as on CPU, where constants are allowed
+        device = _traced_on(next((leaves[i].device for i in tensor_pos), None))
         # values the trace may read: the arguments', and lifted state's that is not a parameter (a
         # counter buffer: AveragedModel's `n_averaged == 0`); a parameter's read would replay the
         # step's arithmetic on whole values at every call

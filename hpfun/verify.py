@@ -232,9 +232,11 @@ def fake_run(program) -> None:
     module, mesh = program.module, program.mesh
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     inputs = placeholders[: len(program.input_layouts)]
-    rank = [torch.zeros(mesh.ndim, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]  # coords, seed: real
+    device = program.device  # where its values are: coords and seed are handed over there
+    rank = [torch.zeros(mesh.ndim, dtype=torch.int64, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device)]  # coords, seed: real
     with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = [torch.empty(layout.local_shape(shape), dtype=n.meta["hpfun_global"][1])
+        fakes = [torch.empty(layout.local_shape(shape), dtype=n.meta["hpfun_global"][1], device=device)
                  for n, layout, shape in zip(inputs, program.input_layouts, program.input_shapes)]
         with torch.compiler.set_stance("force_eager"):  # compiled helpers (random-number kernels) run as Python
             FakeTensorProp(module, mode).propagate_dont_convert_inputs(*fakes, *rank)

@@ -6,12 +6,15 @@ themselves run on a GPU in `benchmarks/gpu.py`."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 import hpfun
-from hpfun import P
+from hpfun import P, api
 from hpfun.capture import trace
 from hpfun.lower import lower, program_device
 from hpfun.propagate import propagate
+from hpfun.testing import models as m
 
 aten = torch.ops.aten
 MADE = (aten.arange.default, aten.zeros.default)
@@ -50,3 +53,73 @@ def test_a_sharded_value_is_assembled_on_its_shards_device():
     value = hpfun.Sharded.from_global(x, P("m").to_layout(MESH, 2))
     assert value.full().device.type == "meta"
     assert hpfun.redistribute(value, P(None, "m").to_layout(MESH, 2)).shards[0].device.type == "meta"
+
+
+# Programs planned for a device other than the CPU, run where every op checks its devices: the
+# function traced on meta tensors as it would be on a GPU (not as planning-only meta, which is
+# traced on the CPU), its per-shard program run on fake meta tensors, which refuse a CPU tensor
+# beside them as CUDA does (a CPU scalar excepted).
+
+def _gpt_sharded():
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    params, (idx, tgt) = m.gpt_init(), m.gpt_data()
+    specs = m.gpt_specs(params, tp="tp")
+    state_specs = {"m": specs, "v": specs, "step": P()}
+    f = hpfun.shard(m.gpt_step, mesh=mesh, in_specs=(specs, state_specs, P("dp"), P("dp")),
+                    out_specs=(specs, state_specs, P()))
+    return f, (params, m.adamw_init(params), idx, tgt)
+
+
+def _context_parallel():
+    seq = P(None, None, "m")
+
+    def grads(q, k, v):
+        loss = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()  # noqa: E731
+        return torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q = torch.randn(2, 4, 24, 4)
+    return hpfun.shard(grads, mesh=MESH, in_specs=(seq,) * 3, out_specs=(seq,) * 3), (q, q, q)
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(ids):  # (the cache off: on meta tensors its empty start is not a constant, as on a device)
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model.to("meta")
+    f = hpfun.shard(step, mesh=hpfun.Mesh.simulated((2,), ("tp",)), in_specs=(P(),), out_specs=P(),
+                    state_specs=m.LLAMA_TP)
+    return f, (torch.zeros(4, 16, dtype=torch.long),)
+
+
+SHARDED = {
+    "gathered": lambda: (hpfun.shard(lambda x: x * 2, mesh=MESH, in_specs=(P("m"),), out_specs=P()),
+                         (torch.randn(8, 4),)),
+    "split": lambda: (hpfun.shard(lambda x: x * 2, mesh=MESH, in_specs=(P(),), out_specs=P("m")), (torch.randn(8, 4),)),
+    "dropout": lambda: (hpfun.shard(m.mlp_dropout_step, mesh=hpfun.Mesh.simulated((2, 2), ("dp", "tp")),
+                                    in_specs=(m.MEGATRON, P("dp"), P("dp"))), (m.mlp_init(), *m.mlp_data())),
+    "gpt_step": _gpt_sharded,
+    "context_parallel": _context_parallel,
+    "hf_llama_step": _hf_llama,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_a_program_for_another_device_makes_every_tensor_there(name, monkeypatch):
+    monkeypatch.setattr(api, "_traced_on", lambda device: device)  # meta traced as a device of its own
+    f, args = SHARDED[name]()
+    args = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, args)
+    assert f.lower(*args).program.device.type == "meta"
+    with hpfun.random_seed(0), FakeTensorMode(allow_non_fake_inputs=True):
+        out = f(*args)  # the program was made above: this call only runs it
+    assert all(s.device.type == "meta" for v in tree_leaves(out, is_leaf=lambda v: isinstance(v, hpfun.Sharded))
+               for s in (v.shards if isinstance(v, hpfun.Sharded) else [v]))
