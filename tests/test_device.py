@@ -123,3 +123,23 @@ def test_a_program_for_another_device_makes_every_tensor_there(name, monkeypatch
         out = f(*args)  # the program was made above: this call only runs it
     assert all(s.device.type == "meta" for v in tree_leaves(out, is_leaf=lambda v: isinstance(v, hpfun.Sharded))
                for s in (v.shards if isinstance(v, hpfun.Sharded) else [v]))
+
+
+def test_the_gpu_check_runs_its_cpu_cases(tmp_path):
+    """`benchmarks/gpu.py`, which a session lent a GPU runs as it is, stays runnable: its checks
+    that need no CUDA kernel pass on the CPU (the attention kernels and the compiled draws are
+    left to the GPU)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu.py"), "--device", "cpu", "--only",
+                          "attention_sdpa", "gpt", "llama", "memory", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    checks = json.loads(out.read_text())["checks"]
+    ran = ("attention_sdpa", "gpt", "llama", "memory")
+    assert {k: v["status"] for k, v in checks.items()} == dict.fromkeys(ran, "ok")
