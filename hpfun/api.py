@@ -183,6 +183,8 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
         raise SpecError(f"solver must be 'greedy' or 'exact', got {solver!r}", headline="bad option")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise SpecError(f"bucket_bytes must be an int >= 0 (0: no bucketing), got {bucket_bytes!r}", headline="bad option")
+    if not isinstance(compile, bool):  # compile="no" would read as True
+        raise SpecError(f"compile must be True or False, got {compile!r}", headline="bad option")
     if not isinstance(overlap, bool):  # overlap="no" would read as True
         raise SpecError(f"overlap must be True or False, got {overlap!r}", headline="bad option")
     if not isinstance(donate_state, bool):
@@ -365,6 +367,8 @@ class ShardedFunction:
         elif entry.reads:
             entry = self._for_reads(call, entry)
         flat = call.flat
+        if entry.written and (arguments := len(flat) - len(call.lifted)) and min(entry.written) < arguments:
+            _check_unaliased(call, entry, arguments)
         tensors = [flat[i] for i in entry.fed_flat] + entry.constants_list
         if not entry.program.donated:
             shards = execute(entry.program, tensors, self.options.compile)
@@ -537,10 +541,8 @@ class ShardedFunction:
                                        strict=True)]
         layouts += self._state_layouts(call, problems)
         problems += spec_tree_problems(self.out_specs, "outputs", self.mesh)
-        problems += [Problem(path, f"is {_short(x)}, which is not hashable: a value that is not a "
-                             "tensor is baked into the program and keys its cache",
-                             "pass a tensor, or a hashable value (a tuple, a frozenset)")
-                     for path, x in zip(call.paths(), call.flat, strict=True) if not _is_tensor(x) and not _hashable(x)]
+        problems += [_argument_problem(path, x) for path, x in zip(call.paths(), call.flat, strict=True)
+                     if not _is_tensor(x) and (not _hashable(x) and not lift.is_config(x) or _not_a_value(x))]
         if problems:
             raise SpecError(problems)
         grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
@@ -633,6 +635,7 @@ class ShardedFunction:
                              requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
         except UnliftedTensor as err:
             raise lift.unlifted_tensor_error(call.state, str(err)) from None
+        _check_configs_unchanged(call, leaves)
         gm = captured.gm
         if captured.reads and self.mesh.runtime == "distributed":  # every rank must have read the same
             runtime_for(self.mesh).check_same_program([f"the value read at{r.where}: {r.value!r}" for r in captured.reads])
@@ -977,6 +980,7 @@ class _Entry:
     outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
     _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
     creates: bool = attrs.field(init=False)  # writes state into a place that held none (a new key, attribute)
+    written: tuple = attrs.field(init=False)  # flat positions of the inputs the function writes in place
 
     def __attrs_post_init__(self):
         program, n = self.program, self.n_outputs
@@ -988,6 +992,7 @@ class _Entry:
                         zip(program.output_layouts[:n], program.output_shapes[:n], program.output_dtypes[:n], strict=True))
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
+        object.__setattr__(self, "written", tuple(tensor_pos[w.input] for w in self.writes if w.input is not None))
         object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
                                                 and not (w.place[0] == "part" and w.place[1][0] == "append")
                                                 for w in self.writes))
@@ -1336,6 +1341,8 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x) or \
             _is_container(x) and register_container(kind):
         return False  # a namedtuple, an OrderedDict, a registered class, a subclass, a BatchEncoding...
+    elif lift.is_config(x):  # its values, read into the program, key it
+        key.append(("config", kind, lift.object_key(x)))
     else:
         key.append(("static", kind, x))
     flat.append(x)
@@ -1375,6 +1382,72 @@ def _short(x, n: int = 60) -> str:
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
+def _check_unaliased(call: _Call, entry, arguments: int) -> None:
+    """An argument the function writes in place must not share memory with another input: the
+    program reads every input as it was at the call, so the other would miss the write that
+    eager PyTorch lets it see (`f(x, x)` with `x.mul_(2)`)."""
+    flat, paths, problems = call.flat, None, []
+    tensors = [(i, x) for i, x in enumerate(flat) if type(x) is not Sharded and isinstance(x, torch.Tensor)]
+    for i in entry.written:
+        x = flat[i]
+        if i >= arguments or type(x) is Sharded or not isinstance(x, torch.Tensor):
+            continue
+        storage = x.untyped_storage().data_ptr()
+        for j, y in tensors:
+            if j != i and y.untyped_storage().data_ptr() == storage:
+                paths = paths or call.paths()
+                problems.append(Problem(f"{paths[i]} and {paths[j]}", f"share memory, and the function writes "
+                                        f"{paths[i]} in place: the program reads each input as it was at the call, so "
+                                        f"{paths[j]} would not see the write as it does in eager PyTorch",
+                                        "pass tensors that do not share memory (`x.clone()` for one of them)"))
+    if problems:
+        raise SpecError(problems, headline="arguments share memory with an input written in place")
+
+
+def _check_configs_unchanged(call: _Call, leaves) -> None:
+    """A config object argument the trace changed (a counter it incremented) would change once,
+    not at every call: refused, as a changed global is."""
+    problems = []
+    for path, x, leaf in zip(call.paths(), call.flat, leaves, strict=False):
+        if not isinstance(leaf.value, _Config) or lift.object_key(x) == leaf.value.key:
+            continue
+        before, found = dict(leaf.value.key[1]), len(problems)
+        for name, now in lift.object_key(x)[1]:
+            if before.get(name, now) != now:
+                problems.append(Problem(f"{path}.{name}", f"changed from {_short(before[name])} to {_short(now)} while "
+                                        "the function was traced", "a traced program cannot repeat Python side "
+                                        "effects: make this change outside the sharded function, or pass the value "
+                                        "as a tensor and return its new value"))
+                if lift._is_scalar(before[name]):
+                    setattr(x, name, before[name])  # as it was: the call that changed it is refused
+        if len(problems) == found:  # an attribute added or removed
+            problems.append(Problem(path, "changed while the function was traced", "a traced program cannot repeat "
+                                    "Python side effects: make this change outside the sharded function"))
+    if problems:
+        raise CaptureError(problems, headline="the function changes Python state")
+
+
+def _not_a_value(x) -> bool:
+    """An argument hpfun cannot bake into a program: state (lifted only when the function
+    reaches it itself) or an iterator (the trace would consume it)."""
+    return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, collections.abc.Iterator))
+
+
+def _argument_problem(path: str, x) -> Problem:
+    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+        kind = "an nn.Module" if isinstance(x, torch.nn.Module) else "an optimizer"
+        return Problem(path, f"is {kind} ({type(x).__name__}) passed as an argument: hpfun lifts the modules and "
+                       "optimizers the function closes over or reads as globals, not arguments",
+                       "close over it instead: `@hpfun.shard(...) def step(x): loss = model(x) ...` with `model` "
+                       "defined outside (a factory: `def make_step(model, opt): @hpfun.shard(...) def step(x): ...`)")
+    if isinstance(x, collections.abc.Iterator):
+        return Problem(path, f"is an iterator ({type(x).__name__}): the trace would consume it, and later calls "
+                       "would not see its values", "pass a list or a tuple (or the tensors it yields)")
+    return Problem(path, f"is {_short(x)}, which is not hashable: a value that is not a "
+                   "tensor is baked into the program and keys its cache",
+                   "pass a tensor, or a hashable value (a tuple, a frozenset)")
+
+
 def _hashable(x) -> bool:
     try:
         hash(x)
@@ -1391,7 +1464,19 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
                      requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point,
                      strides=None if x.is_contiguous() else tuple(x.stride()))
-    return _Leaf("static", value=x)
+    return _Leaf("static", value=_Config(lift.object_key(x), repr(x)) if lift.is_config(x) else x)
+
+
+@attrs.frozen
+class _Config:
+    """A config object argument in a cache key: equal by the values it holds (`lift.object_key`),
+    which the program has read; shown as the object."""
+
+    key: object
+    text: str = attrs.field(eq=False)
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _run_device(mesh: Mesh, x: torch.Tensor) -> torch.device:

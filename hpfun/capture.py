@@ -1436,6 +1436,14 @@ def _describe(err: Exception) -> str:
                 "dense gradient)")
     if "saved tensor hooks" in str(err):  # torch.utils.checkpoint under torch.func.grad
         hint = " — for activation checkpointing inside a sharded function use hpfun.checkpoint(block)(x)"
+    if ".numpy() is not supported" in str(err):
+        hint = (" — hpfun traces on shapes only, so a tensor's values are not there to copy into NumPy: compute with "
+                "torch ops inside the function, or return the tensor and call .numpy() on the result after the call")
+    if "process group" in str(err).lower() and any(os.sep + "distributed" + os.sep in f.filename for f in
+                                                    traceback.extract_tb(err.__traceback__)):
+        hint = (" — a sharded function is written on whole tensors, and hpfun inserts the collectives its layouts "
+                "need: leave torch.distributed calls (all_reduce, broadcast...) out of it, and say where a value "
+                "should be split or summed with in_specs, out_specs or hpfun.constrain")
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if first.startswith("Could not run") and ". " in first:  # not the dispatcher's list of every backend
         first = first[:first.index(". ") + 1]

@@ -69,7 +69,7 @@ import torch
 from hpfun import memory
 from hpfun.collectives import wire_bytes
 from hpfun.drawing import lowered_html
-from hpfun.errors import HpfunError, Problem, op_name
+from hpfun.errors import HpfunError, Problem, SpecError, op_name
 from hpfun.layout import Layout, parse
 from hpfun.lower import Collective, Program
 from hpfun.mesh import Mesh
@@ -434,6 +434,9 @@ class Lowered:
         """Bytes per mesh axis group and estimated seconds under the alpha-beta `model`
         (`hpfun.plan.CostModel(alpha, beta, per_axis={"dp": (alpha, beta)})`); by default the
         model the plan was chosen by (`shard(cost_model=...)`)."""
+        if model is not None and not isinstance(model, CostModel):
+            raise SpecError(Problem("cost", f"takes an hpfun.plan.CostModel, got {type(model).__name__} {model!r}",
+                                    "pass CostModel(alpha, beta, per_axis={...}), or nothing for the plan's own model"))
         return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
     def _full(self) -> dict:

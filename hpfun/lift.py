@@ -101,6 +101,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
             return
+        if _is_numbers_array(obj):  # a NumPy array of numbers (a table of scales): its values key the cache,
+            if name and read is not None:  # read anew at every call, as a scalar is (it changes in place)
+                roots.append(Root(unique(name, owner), _SCALAR, _array_reader(read)))
+            return
         if isinstance(obj, (torch.Tensor, Sharded)):  # a root per place that holds it (`w` and `params = [w, b]`):
             roots.append(Root(unique(name, owner), obj, read, write))  # one input, its stand-in in every place
             return
@@ -417,6 +421,56 @@ def _is_scalar(x) -> bool:
     if isinstance(x, (tuple, frozenset)):
         return all(_is_scalar(v) for v in x)
     return x is None or isinstance(x, (bool, int, float, complex, str, bytes))
+
+
+def _is_numbers_array(x) -> bool:
+    """A NumPy array (or NumPy scalar) of numbers, of at most PLAIN_CONTAINER_ITEMS elements."""
+    np = sys.modules.get("numpy")
+    return (np is not None and isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "biufc"
+            and x.size <= PLAIN_CONTAINER_ITEMS)
+
+
+def _array_values(x):
+    """What keys the cache for a NumPy array a function reads: its shape, dtype and values."""
+    if _is_numbers_array(x):
+        return ("ndarray", x.shape, str(x.dtype), tuple(x.ravel().tolist()))
+    return x if _is_scalar(x) else ("object", type(x).__name__, id(x))
+
+
+def _array_reader(read):
+    return lambda: _array_values(read())
+
+
+def is_config(x) -> bool:
+    """An argument that is an object holding Python values (an instance of the user's class, an
+    argparse or SimpleNamespace config): what the trace reads from it is baked into the program,
+    so its values (`object_key`) key the cache."""
+    return _is_user_object(x) and not isinstance(x, (torch.nn.Module, torch.optim.Optimizer, Sharded)) \
+        and not callable(x)
+
+
+def object_key(x, depth: int = 4):
+    """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
+    NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
+    levels, containers to PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
+    other by identity. Equal snapshots: a trace reading it records the same program."""
+    if _is_scalar(x):
+        return x
+    if _is_numbers_array(x):
+        return _array_values(x)
+    if depth and isinstance(x, dict) and len(x) <= PLAIN_CONTAINER_ITEMS:
+        return ("dict", tuple((k, object_key(v, depth - 1)) for k, v in x.items()))
+    if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
+        return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
+    if depth and is_config(x):
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in vars(x).items()))
+    if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
+        return ("tensor", id(x))
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", type(x).__name__, id(x))
+    return x
 
 
 def _holds_state(container) -> bool:

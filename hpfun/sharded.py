@@ -69,7 +69,9 @@ class Sharded:
 
         On a distributed mesh every rank passes the same global tensor and keeps its own block.
         """
-        layout = layout.normalized(tensor.ndim)
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(Problem("tensor", f"is {type(tensor).__name__}, not a torch.Tensor", "pass the global tensor"))
+        layout = _a_layout(layout, tensor.ndim, "Sharded.from_global")
         mesh = layout.mesh
         ranks = range(mesh.size) if mesh.runtime == "simulated" else [_this_rank(mesh)]
         shards = [local_block(tensor, layout, mesh.coords(r), partial_zeros=True).contiguous() for r in ranks]
@@ -224,12 +226,31 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
     >>> hpfun.redistribute(x, hpfun.parse("[R] on {dp: 2}")).shards[1].tolist()
     [0.0, 1.0, 2.0, 3.0]
     """
-    layout = layout.normalized(len(x.global_shape))
+    if not isinstance(x, Sharded):
+        raise SpecError(Problem("x", f"is {type(x).__name__}, not a Sharded value",
+                                "make one with hpfun.Sharded.from_global(tensor, layout), or pass an output of a "
+                                "sharded function"))
+    layout = _a_layout(layout, len(x.global_shape), "redistribute")
     if layout.mesh != x.layout.mesh:
         raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
     program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype, x.shards[0].device)
     (shards,) = run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])
     return Sharded(layout, x.global_shape, shards)
+
+
+def _a_layout(layout, ndim: int, where: str) -> Layout:
+    """`layout` for a value of `ndim` dims: a Layout, or its text (`hpfun.parse`). A spec names
+    no mesh, and anything else is refused saying what to pass."""
+    from hpfun.layout import P, parse
+
+    if isinstance(layout, str):
+        layout = parse(layout)
+    if isinstance(layout, Layout):
+        return layout.normalized(ndim)
+    fix = "a Layout: `P(...).to_layout(mesh, ndim)`, or its text, e.g. hpfun.parse(\"[S(0)] on {dp: 2}\")"
+    if isinstance(layout, P):
+        raise SpecError(Problem(where, f"takes a Layout, got the spec {layout!r}, which names no mesh", f"pass {fix}"))
+    raise SpecError(Problem(where, f"takes a Layout, got {type(layout).__name__}", f"pass {fix}"))
 
 
 @functools.lru_cache(maxsize=256)

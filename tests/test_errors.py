@@ -383,3 +383,70 @@ def test_python_random_numbers_drawn_inside_are_refused():
         _, text = _raise(hpfun.shard(f, mesh=MESH, in_specs=P("dp"), out_specs=P("dp")), torch.randn(8, 4),
                          error=hpfun.CaptureError)
         assert f"{name} at " in text and "torch.rand(())" in text
+
+
+MESH_TP = hpfun.Mesh.simulated((2,), ("tp",))
+
+
+def test_an_argument_written_in_place_that_shares_memory_with_another_is_refused():
+    """`f(x, x)` (or `f(x, x[0])`) where the function writes `x` in place: eager's second argument
+    sees the write, the program's inputs are read as they were at the call. Refused, naming both;
+    the same tensor twice with no write runs."""
+    def scale_then_add(x, y):
+        x.mul_(2)
+        return x + y
+
+    f = hpfun.shard(scale_then_add, mesh=MESH_TP, in_specs=(P(), P()), out_specs=P())
+    x = torch.ones(4, 8)
+    for other in (x, x[0]):
+        _, text = _raise(f, x, other, error=hpfun.SpecError)
+        assert "args[0] and args[1]: share memory, and the function writes args[0] in place" in text
+        assert "x.clone()" in text
+    assert torch.equal(x, torch.ones(4, 8))  # refused before anything ran
+    y = torch.ones(4, 8)
+    torch.testing.assert_close(f(y, torch.ones(4, 8)).full(), torch.full((4, 8), 3.0))
+    add = hpfun.shard(lambda a, b: a + b, mesh=MESH_TP, in_specs=(P(), P()), out_specs=P())
+    torch.testing.assert_close(add(x, x).full(), 2 * x)
+
+
+def test_arguments_hpfun_cannot_bake_in_name_the_fix():
+    """A module or optimizer passed as an argument (hpfun lifts the ones the function reaches
+    itself), and an iterator (the trace would consume it)."""
+    model = torch.nn.Linear(4, 4)
+    f = hpfun.shard(lambda m, x: m(x), mesh=MESH_TP, in_specs=(None, P()), out_specs=P())
+    _, text = _raise(f, model, torch.ones(2, 4), error=hpfun.SpecError)
+    assert "args[0]: is an nn.Module (Linear) passed as an argument" in text and "close over it" in text
+    g = hpfun.shard(lambda xs, y: sum(xs) + y, mesh=MESH_TP, in_specs=(None, P()), out_specs=P())
+    _, text = _raise(g, iter([torch.ones(2)]), torch.ones(2), error=hpfun.SpecError)
+    assert "args[0]: is an iterator (list_iterator)" in text and "pass a list or a tuple" in text
+
+
+def test_layout_and_cost_model_arguments_of_the_wrong_type_say_what_to_pass():
+    x = torch.ones(4, 8)
+    for bad, said in ((P("tp"), "got the spec P(dims=('tp',)), which names no mesh"), (3, "got int")):
+        _, text = _raise(hpfun.Sharded.from_global, x, bad, error=hpfun.SpecError)
+        assert f"Sharded.from_global: takes a Layout, {said}" in text and "to_layout(mesh, ndim)" in text
+    value = hpfun.Sharded.from_global(x, "[S(0)] on {tp: 2}")  # a layout's text is read
+    _, text = _raise(hpfun.redistribute, value, P(None, "tp"), error=hpfun.SpecError)
+    assert "redistribute: takes a Layout, got the spec" in text
+    _, text = _raise(hpfun.redistribute, x, P(None, "tp").to_layout(MESH_TP, 2), error=hpfun.SpecError)
+    assert "x: is Tensor, not a Sharded value" in text
+    lowered = hpfun.shard(lambda a: a * 2, mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P()).lower(x)
+    _, text = _raise(lowered.cost, "fast", error=hpfun.SpecError)
+    assert "cost: takes an hpfun.plan.CostModel, got str 'fast'" in text
+    _, text = _raise(lambda: hpfun.shard(lambda a: a, mesh=MESH_TP, in_specs=(P(),), compile="no"), error=hpfun.SpecError)
+    assert "compile must be True or False, got 'no'" in text
+
+
+def test_numpy_and_collective_calls_inside_the_function_are_explained():
+    f = hpfun.shard(lambda x: torch.from_numpy(x.numpy() * 2), mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
+    _, text = _raise(f, torch.ones(4, 2), error=hpfun.CaptureError)
+    assert "call .numpy() on the result after the call" in text
+
+    def reduced(x):
+        torch.distributed.all_reduce(x)
+        return x
+
+    g = hpfun.shard(reduced, mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
+    _, text = _raise(g, torch.ones(4, 2), error=hpfun.CaptureError)
+    assert "leave torch.distributed calls (all_reduce, broadcast...) out of it" in text

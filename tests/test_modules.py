@@ -7,6 +7,7 @@ import functools
 import logging
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -890,6 +891,50 @@ class CountingSGD(torch.optim.Optimizer):
                 state = self.state[p]
                 state["step"] = state.get("step", 0) + 1
                 p.add_(p.grad, alpha=-group["lr"] / state["step"])
+
+
+class _StepConfig:  # a user's own config class (not a dataclass: read by its attributes)
+    def __init__(self, scale, inner):
+        self.scale, self.steps, self.inner = scale, 0, inner
+
+
+SCALES = np.array([1.0, 2.0])  # a NumPy table a step reads as a global
+
+
+def test_numbers_in_a_config_object_argument_or_a_numpy_global_key_the_cache():
+    """A config object passed as an argument (the user's class, a Namespace) and a NumPy array
+    read as a global are baked into the program as a dict's numbers are: changed between calls,
+    the function is traced again (both ran the stale program silently); changed by the function
+    itself, refused naming the attribute, and set back."""
+    import argparse
+    import types
+
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x = torch.ones(4, 2)
+    f = hpfun.shard(lambda x, cfg: x * cfg.scale * cfg.inner.t, mesh=mesh, in_specs=(P("tp"), None), out_specs=P())
+    cfg = _StepConfig(2.0, types.SimpleNamespace(t=3.0))
+    assert f(x, cfg).full()[0, 0].item() == 6.0
+    cfg.inner.t = 5.0  # two levels down
+    assert f(x, cfg).full()[0, 0].item() == 10.0
+    assert f(x, argparse.Namespace(scale=1.0, inner=types.SimpleNamespace(t=1.0))).full()[0, 0].item() == 1.0
+    assert f.trace_count == 3
+
+    def counts(x, cfg):
+        cfg.steps += 1
+        return x * cfg.steps
+
+    g = hpfun.shard(counts, mesh=mesh, in_specs=(P("tp"), None), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\]\.steps: changed from 0 to 1 while the function was traced"):
+        g(x, cfg)
+    assert cfg.steps == 0
+
+    h = hpfun.shard(lambda x: x * float(SCALES[1]), mesh=mesh, in_specs=(P("tp"),), out_specs=P())
+    assert h(x).full()[0, 0].item() == 2.0
+    SCALES[1] = 7.0
+    try:
+        assert h(x).full()[0, 0].item() == 7.0 and h.trace_count == 2
+    finally:
+        SCALES[1] = 2.0
 
 
 def test_optimizer_state_that_cannot_be_lifted():
