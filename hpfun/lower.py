@@ -26,7 +26,7 @@ from hpfun.layout import Layout
 from hpfun.mesh import Mesh
 from hpfun.collectives import local_dtype, moved_dtype
 from hpfun.plan import group_size, redistribute_plan, step_bytes
-from hpfun.propagate import _is_tensor_node
+from hpfun.propagate import _is_tensor_node, same_value
 from hpfun.schedule import DEFAULT_BUCKET_BYTES, schedule
 
 aten = torch.ops.aten
@@ -267,6 +267,7 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
             ctx.consumer = (*ctx.consumer[:2], f"{reason_for} needs {dst.placements_str()}, "
                             f"{labels.get(producer, producer.name)} is {src.placements_str()} (gather_params)")
             return ctx.redistribute(values[producer], src, dst, tuple(val.shape), val.dtype)
+        producer = same_value(producer)  # a gradient and its alias: moved once for both
         known = reached.setdefault(producer, {})
         if dst not in known:
             src, val = producer.meta["hpfun_layout"], producer.meta["val"]

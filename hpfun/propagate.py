@@ -300,6 +300,7 @@ class _Graph:
         plans: dict = {}
         materialized: set = set()
         requested: dict = {}
+        same: dict = {}  # an alias (or detach) in its input's layout -> that input: one value to move
         costs: list[float] = []  # summed with fsum: the same total in any order, so every rank plans alike
         sites = self.sites
         for node in self.nodes:
@@ -317,16 +318,18 @@ class _Graph:
                     missing.append(_missing(node, site.call(have)))
                     layout = placed(node, (replicated,) * max(len(site.outputs), 1))
                 else:
-                    strategy, call, work = self._choose(site, have, reached, resolve, wanted)
+                    strategy, call, work = self._choose(site, have, reached, resolve, wanted, same)
                     costs.append(work)
                     for producer, need, current in zip(site.producers, strategy.inputs, have, strict=True):
-                        pair = (producer, need)
+                        pair = (same.get(producer, producer), need)
                         reached.add(pair)
                         materialized.add(pair)
                         if need != current and producer.op == "call_function":
                             requested.setdefault(producer, set()).add(need)
                     layout = strategy.outputs[0] if site.single else placed(node, strategy.outputs)
                     plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
+                    if node.target in SAME_VALUE and have and have[0] == layout == strategy.inputs[0]:
+                        same[node] = same.get(site.producers[0], site.producers[0])
             else:
                 layout = None
                 if node.op == "output":
@@ -355,7 +358,7 @@ class _Graph:
                     requested.setdefault(value, set()).add(want)
         return costs
 
-    def _choose(self, site: _Site, have: tuple, reached, resolve, wanted) -> tuple[Strategy, OpCall, float]:
+    def _choose(self, site: _Site, have: tuple, reached, resolve, wanted, same=None) -> tuple[Strategy, OpCall, float]:
         """The cheapest strategy, the call its rule saw and its work price. Inputs in `resolve`
         must arrive without Partial on the axes listed there, when the rule offers such a
         strategy. With `wanted` (layouts the consumers asked for, per value), a strategy is also
@@ -385,7 +388,7 @@ class _Graph:
             index, (_, _, work, moves, pending) = item
             seconds, steps = work, 0
             for i, layout, s, n in moves:
-                if (producers[i], layout) not in reached:
+                if ((same or {}).get(producers[i], producers[i]), layout) not in reached:
                     seconds, steps = seconds + s, steps + n
             return seconds, steps, pending, index  # ties: fewer steps, then resolved outputs first
 
@@ -422,6 +425,21 @@ class _Graph:
                 found += [(s, asked.call, w, self._moves(call, s), pending) for s, w, _, pending in asked.strategies
                           if s.outputs[0] == want and s.inputs[i] == want]
         return found
+
+
+# Ops whose output is their input's value: an alias (a gradient read through `p.grad`) or a
+# detach in its input's layout is that value, and a layout either reached serves both.
+SAME_VALUE = frozenset({torch.ops.aten.alias.default, torch.ops.aten.detach.default})
+
+
+def same_value(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` is (its input, through aliases and detaches kept in their input's
+    layout, as propagation chose them), or `node` itself."""
+    while node.op == "call_function" and node.target in SAME_VALUE and node.args \
+            and isinstance(node.args[0], torch.fx.Node) and "hpfun_layout" in node.args[0].meta \
+            and node.meta.get("hpfun_layout") == node.args[0].meta["hpfun_layout"]:
+        node = node.args[0]
+    return node
 
 
 def _already_resolved(annotation: Annotation, resolve: dict) -> bool:
