@@ -204,10 +204,30 @@ class AutoPlan:
     def runner_ups(self, groups=None) -> list[dict]:
         """Per group of tied choices (those named in `groups`, default all): the cheapest plan
         that chooses another layout there (its spec and price), one MILP each, solved on demand."""
-        key = None if groups is None else tuple(groups)
+        key = None if groups is None else self._groups_named(groups)
         if key not in self._cache:
             self._cache[key] = self._runner_ups(key) if self._runner_ups else []
         return self._cache[key]
+
+    def _groups_named(self, names) -> tuple:
+        """The groups `names` pick: a group's name or one of its leaves', whole or as a tail
+        (`"up.weight"` for `model.up.weight`) or a pattern with `*`, as state_specs reads them."""
+        import fnmatch
+
+        if isinstance(names, str):
+            names = [names]
+        picked, problems = [], []
+        for name in names:
+            hits = [g for g, members, *_ in self.chosen
+                    if any(m == name or m.endswith("." + name) or fnmatch.fnmatchcase(m, name) for m in (g, *members))]
+            if not hits:
+                known = ", ".join(g for g, *_ in self.chosen[:8]) + (", ..." if len(self.chosen) > 8 else "")
+                problems.append(Problem(repr(name), "names no AUTO leaf of this plan",
+                                        f"name a leaf (whole, by its last parts, or with *) of those chosen: {known}"))
+            picked += hits
+        if problems:
+            raise SpecError(problems, headline="explain: unknown names")
+        return tuple(dict.fromkeys(picked))
 
     def to_dict(self) -> dict:
         return {"chosen": [{"group": g, "leaves": list(members), "shape": list(shape), "spec": spec, "layout": lay,
@@ -216,6 +236,14 @@ class AutoPlan:
                 "budget": self.budget, "lowered_memory": self.lowered_memory, "seconds": self.seconds,
                 "stats": dict(self.stats)}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "AutoPlan":
+        """The plan `to_dict` wrote (a loaded report's): its choices and figures, no runner-ups."""
+        chosen = tuple((c["group"], tuple(c["leaves"]), tuple(c["shape"]), c["spec"], c["layout"], c["same_as"])
+                       for c in data["chosen"])
+        return cls(chosen, data["price"], data["replicated_price"], data["memory"], data["budget"], data["seconds"],
+                   dict(data.get("stats", {})), lowered_memory=data.get("lowered_memory"))
+
     def __str__(self) -> str:
         return auto_text(self.to_dict())
 
@@ -223,6 +251,8 @@ class AutoPlan:
         """The chosen specs, then per choice (those in `groups`, default all) its runner-up and
         what it would cost more."""
         lines = [str(self), "runner-ups (the cheapest plan choosing otherwise, per choice):"]
+        if self._runner_ups is None:
+            lines.append("  not known: a report loaded from JSON keeps the choices, not the planner's problem")
         for r in self.runner_ups(groups):
             if r["spec"] is None:
                 lines.append(f"  {r['group']}: no other layout has a finite price{r['why']}")
@@ -471,8 +501,8 @@ class Fitting:
         set for the next plan (or the error raised when there is none to make)."""
         peak = lowered_peak(program)
         self.peaks.append(peak)
-        if peak <= self.budget:
-            return attrs.evolve(plan, lowered_memory=peak)
+        if peak <= self.budget:  # (the report names the budget given, not the last planning one)
+            return attrs.evolve(plan, lowered_memory=peak, budget=self.budget)
         # the lowered program holds `peak - plan.memory` more than the plan's estimate: plan the
         # next to leave that much room (and at least below this one's planning budget)
         tighter = math.floor(min(self.planning - (peak - self.budget), self.budget - (peak - plan.memory)))

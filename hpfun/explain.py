@@ -371,7 +371,12 @@ class Lowered:
         _check_schema(data)
         lowered = cls.__new__(cls)
         lowered.program, lowered._data = None, json.loads(json.dumps(data))
-        lowered._memory_pending, lowered.auto = False, None
+        lowered._memory_pending = False
+        lowered.auto = None
+        if "auto" in lowered._data:  # what AUTO chose (its runner-ups need the planner's problem: not kept)
+            from hpfun.auto import AutoPlan
+
+            lowered.auto = AutoPlan.from_dict(lowered._data["auto"])
         return lowered
 
     @classmethod

@@ -109,6 +109,7 @@ def test_large_weights_under_a_tight_budget_split_and_fit():
     lowered = f.lower(params, x, y)
     plan = lowered.auto
     assert plan.memory <= replicated_weights
+    assert plan.budget == replicated_weights and f"(memory_budget {replicated_weights} B)" in str(plan)  # the one given
     assert lowered.memory().peak <= replicated_weights  # hpfun.memory's estimate of the lowered program
     assert all(plan.specs()[f"args[0]['{k}']"] != "P()" for k in params)
     out, loss = f(params, x, y)
@@ -225,6 +226,12 @@ def test_runner_ups_and_the_report():
     again = hpfun.Lowered.from_json(lowered.to_json())
     assert again == lowered and again.to_dict()["auto"]["chosen"][1]["group"] == "args[2]"
     assert "auto: 2 AUTO layouts chosen" in str(again)
+    assert again.auto.specs() == plan.specs()  # a loaded report's plan: its choices, no planner to ask
+    assert "not known: a report loaded from JSON" in again.auto.explain()
+    assert [u["group"] for u in plan.runner_ups(["args[2]"])] == ["args[2]"]
+    with pytest.raises(hpfun.SpecError, match=r"'args\[7\]': names no AUTO leaf of this plan") as info:
+        plan.explain(["args[7]"])
+    assert "args[1], args[2]" in str(info.value)
 
 
 @pytest.mark.parametrize("budget", [-1, 0, 1.5, "8G", True])
