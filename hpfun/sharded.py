@@ -60,8 +60,13 @@ class Sharded:
             raise LayoutError(f"a Sharded value on {mesh} ({mesh.runtime}) needs {expected} shard(s), got {len(self.shards)}")
         local = self.layout.local_shape(self.global_shape)
         bad = [r for r, s in enumerate(self.shards) if tuple(s.shape) != local]
+        if bad and mesh.runtime == "distributed":  # the one shard is this rank's
+            raise LayoutError(f"this rank's shard has shape {tuple(self.shards[0].shape)}, not the local shape {local} "
+                              f"of {self.layout} for global shape {tuple(self.global_shape)} (rank "
+                              f"{_this_rank(mesh)}, coords {mesh.coords(_this_rank(mesh))})")
         if bad:
-            raise LayoutError(f"shards of ranks {bad} do not have the local shape {local} of {self.layout}")
+            raise LayoutError(f"shards of ranks {bad} ({[tuple(self.shards[r].shape) for r in bad]}) do not have the "
+                              f"local shape {local} of {self.layout}")
 
     @classmethod
     def from_global(cls, tensor: torch.Tensor, layout: Layout) -> "Sharded":

@@ -100,7 +100,10 @@ class DistributedRuntime:
         """Run this rank's part of `module`. `boxed`: `local_inputs` is emptied as the program
         starts, which then holds the only references to them (donated state)."""
         boxed = boxed and not compile
-        bound = self.bind(module, compile, boxed)
+        try:  # binding makes the program's process groups at its first run: every rank must take part
+            bound = self.bind(module, compile, boxed)
+        except RuntimeError as err:  # (a DistStoreError: a rank that never came)
+            raise _peer_failure(self, err) from err
         try:
             if uses_seed:  # every rank draws with rank 0's seed, whatever its own generator says
                 seed = seed.to(self.device)
