@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import hashlib
 import inspect
 import math
 import operator
@@ -316,6 +317,8 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs, self.options = fn, mesh, in_specs, out_specs, options
         self.state_specs = state_specs
         self._cache: dict = {}
+        self._argument_signatures: set = set()  # the argument leaves of each program compiled (distributed)
+        self._fingerprints: dict = {}  # id(entry) -> a hash of what the ranks compare for it
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
         self._patterns_seen: set = set()  # state_specs patterns that matched in an earlier call
         self._kept_whole: dict[str, str] = {}  # tensors a wildcard's spec did not fit, warned about once
@@ -366,6 +369,8 @@ class ShardedFunction:
             entry = self._program(call)[1]
         elif entry.reads:
             entry = self._for_reads(call, entry)
+        if len(self._argument_signatures) > 1:  # (distributed only) ranks could each hit another cached program
+            self._check_same_entry(call, entry)
         flat = call.flat
         if entry.written and (arguments := len(flat) - len(call.lifted)) and min(entry.written) < arguments:
             _check_unaliased(call, entry, arguments)
@@ -394,6 +399,17 @@ class ShardedFunction:
             _replay(entry.effects, call.state.statics)
         return entry.unflatten([unchecked(lay, shape, s, token) for (lay, shape, token), s in
                                 zip(entry.outputs, shards[:n], strict=True)])
+
+    def _check_same_entry(self, call: _Call, entry) -> None:
+        """A function compiled for arguments of several shapes (batches padded to a few lengths)
+        can find a program on each rank for different arguments, where no rank compiles and so
+        none compares: at every call the ranks compare a hash of what they run (8 bytes each),
+        and a difference is the error a first call's comparison gives."""
+        fingerprint = self._fingerprints.get(id(entry))
+        if fingerprint is None:
+            text = "\n".join(_describe(call, entry.leaves)).encode()
+            fingerprint = self._fingerprints[id(entry)] = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest())
+        runtime_for(self.mesh).check_same_entry(fingerprint, lambda: _describe(call, entry.leaves))
 
     @property
     def traced_function(self):
@@ -457,6 +473,7 @@ class ShardedFunction:
         if entry is None:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+                self._argument_signatures.add(tuple(leaves[:len(call.flat) - len(call.lifted)]))
             self._note_changed_statics(key)
             self._note_new_shapes(call, key)
             entry = self._compile(call, leaves)

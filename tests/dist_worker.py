@@ -209,6 +209,9 @@ def lifted_dp(out: Path):
     odd = hpfun.shard(lambda x: other(x).sum(), mesh=mesh, in_specs=P("dp"), out_specs=P())
     got["mismatch"] = _error(lambda: odd(x if RANK == 0 else x[:4]))
     got["after mismatch"] = step(x, y).full()  # the job goes on: the ranks failed together
+    padded = hpfun.shard(lambda x: x.mean(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    padded(x[:, :4]), padded(x[:, :6])  # both lengths compiled on every rank
+    got["cached mismatch"] = _error(lambda: padded(x[:, :4] if RANK == 0 else x[:, :6]))
     got["wrong size"] = _error(lambda: hpfun.Mesh.distributed((2, 2), ("dp", "tp")))
     picker = hpfun.shard(pick_columns, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank

@@ -269,6 +269,17 @@ def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
         assert "other.bias" in text and "TreeSpec" not in text, text
 
 
+def test_ranks_running_different_cached_programs_fail_naming_the_input(lifted_dp_job):
+    """A function compiled for two lengths on every rank, then called with one on rank 0 and the
+    other on rank 1: no rank compiles, so the ranks compare what they run at each call (the
+    function has programs for several argument shapes), and fail as at a first call."""
+    for got in lifted_dp_job:
+        text = got["cached mismatch"]
+        assert text.startswith("ShardingError") and "different arguments" in text, text
+        assert "args[0]: differs between ranks (mesh rank 0: float64[8, 4] [S(0)]; mesh rank 1: float64[8, 6] [S(0)])" \
+            in text, text
+
+
 def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
     """An op raising inside the per-shard program (an index out of range) is an hpfun error
     naming the op, the user's line and the layouts, with the op's own error as its cause."""

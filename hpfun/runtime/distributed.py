@@ -136,6 +136,18 @@ class DistributedRuntime:
                 raise
             raise _peer_failure(self, err) from err
 
+    def check_same_entry(self, fingerprint: int, description) -> None:
+        """The ranks compare the hash of the cached program each is about to run; where they
+        differ, every rank exchanges `description()` and fails as `check_same_program` does."""
+        mine = torch.tensor([fingerprint], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size)]
+        try:
+            dist.all_gather(gathered, mine, group=self.all_ranks_group())
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise _peer_failure(self, err) from err
+        if len({int(t) for t in gathered}) > 1:
+            self.check_same_program(description())
+
     def _check_same_program(self, description: list[str]) -> None:
         digest = hashlib.sha256("\n".join(description).encode()).hexdigest()
         gathered = [None] * self.mesh.size
