@@ -450,3 +450,12 @@ def test_numpy_and_collective_calls_inside_the_function_are_explained():
     g = hpfun.shard(reduced, mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
     _, text = _raise(g, torch.ones(4, 2), error=hpfun.CaptureError)
     assert "leave torch.distributed calls (all_reduce, broadcast...) out of it" in text
+
+
+def test_an_op_refusing_its_inputs_mixed_dtypes_says_to_cast_not_to_report_a_bug():
+    """`int64 @ float32` passes the trace (fake kernels do not check dtypes) and fails as the
+    program runs: the error names the dtypes and the cast, as the unsharded call would fail."""
+    f = hpfun.shard(lambda x, w: x @ w, mesh=MESH_TP, in_specs=(P("tp"), P()), out_specs=P())
+    _, text = _raise(f, torch.ones(4, 3, dtype=torch.int64), torch.ones(3, 2), error=hpfun.ExecutionError)
+    assert "its inputs are int64 and float32, a mix torch refuses for this op, unsharded too" in text
+    assert "bug in hpfun" not in text

@@ -61,7 +61,21 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException) 
                  f"{', '.join('-' if l is None else l.placements_str() for l in outs)}")
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
-    return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", _FIX))
+    return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", _mixed_dtypes(node, first) or _FIX))
+
+
+def _mixed_dtypes(node: torch.fx.Node, message: str) -> str | None:
+    """The fix for an op torch refused for its inputs' mixed dtypes (`int64 @ float32`): a mix
+    the unsharded function has too (the trace's fake kernels let it through), not hpfun's."""
+    if "dtype" not in message.lower() and "scalar type" not in message.lower():
+        return None
+    dtypes = [a.meta["hpfun_global"][1] for a in node.args
+              if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("hpfun_global"), tuple)]
+    if len(set(dtypes)) < 2:
+        return None
+    names = [str(d).replace("torch.", "") for d in dict.fromkeys(dtypes)]
+    return (f"its inputs are {', '.join(names[:-1])} and {names[-1]}, a mix torch refuses for this op, unsharded too: "
+            "cast them to one dtype in the function (e.g. `x.to(w.dtype)`, or `.float()` on an integer tensor)")
 
 
 _FIX = ("if the function runs unsharded on these inputs, this is a bug in hpfun: please report it with "
