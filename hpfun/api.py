@@ -615,6 +615,13 @@ class ShardedFunction:
         return out
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
+        grad_args = [path for path, x in zip(call.paths(), call.flat[:len(call.flat) - len(call.lifted)])
+                     if type(x) is not Sharded and isinstance(x, torch.Tensor) and x.requires_grad]
+        if grad_args:
+            warnings.warn(f"{', '.join(grad_args[:3])}{' ...' if len(grad_args) > 3 else ''} require grad, but a "
+                          "sharded function's outputs are not connected to autograd outside it (backward() on them "
+                          "fails): compute gradients inside the function (torch.func.grad, or loss.backward() on "
+                          "lifted parameters)", stacklevel=4)
         # graph modules write their Python code when first run or read, not at every pass's
         # recompile(): at 8 layers of a Llama each recompile costs 0.2-0.4 s, and planning runs none
         self._stage = "capturing"

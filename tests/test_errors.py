@@ -459,3 +459,9 @@ def test_an_op_refusing_its_inputs_mixed_dtypes_says_to_cast_not_to_report_a_bug
     _, text = _raise(f, torch.ones(4, 3, dtype=torch.int64), torch.ones(3, 2), error=hpfun.ExecutionError)
     assert "its inputs are int64 and float32, a mix torch refuses for this op, unsharded too" in text
     assert "bug in hpfun" not in text
+
+
+def test_arguments_requiring_grad_warn_that_outputs_are_not_differentiable_outside():
+    f = hpfun.shard(lambda x: (x * 2).sum(), mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
+    with pytest.warns(UserWarning, match=r"args\[0\] require grad, but a sharded function's outputs are not connected"):
+        f(torch.ones(4, 2, requires_grad=True))
