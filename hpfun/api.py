@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing
 from hpfun.collectives import REDUCE_DTYPES
+from hpfun.constrain import check_pins
 from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
@@ -664,6 +665,7 @@ class ShardedFunction:
         if captured.reads and self.mesh.runtime == "distributed":  # every rank must have read the same
             runtime_for(self.mesh).check_same_program([f"the value read at{r.where}: {r.value!r}" for r in captured.reads])
         self._stage = "planning the layouts"
+        check_pins(gm, self.mesh)  # every pin's problems together, at the user's lines
         fold_contractions(gm)
         paths = call.paths()
         names = [paths[i] for i in tensor_pos]

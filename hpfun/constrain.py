@@ -70,6 +70,30 @@ def constrain(x: torch.Tensor, spec: P, *, grad: P | None = None) -> torch.Tenso
     return _Constrain.apply(x, _encode(spec), _encode(spec if grad is None else grad))
 
 
+def check_pins(gm: torch.fx.GraphModule, mesh) -> None:
+    """Every `constrain` of a traced function checked against the mesh and its value's shape
+    before planning: all problems in one report, each at the user's line."""
+    from hpfun.capture import user_line
+    from hpfun.errors import Problem
+
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _constrain:
+            continue
+        val, spec = node.args[0].meta.get("val"), _decode(node.args[1])
+        if not isinstance(val, torch.Tensor):
+            continue
+        line = user_line(node.meta.get("stack_trace"))
+        where = f"hpfun.constrain({spec}) at {line}" if line else f"hpfun.constrain({spec}) ({node.name})"
+        found = spec.problems(mesh, val.ndim)
+        if not found:
+            found = [f"{p} (shape {tuple(val.shape)})" for p in spec.to_layout(mesh, val.ndim).problems(tuple(val.shape))]
+        problems += [Problem(where, p, "name the mesh's axes, on dims they divide (or pin another dim)")
+                     for p in found]
+    if problems:
+        raise SpecError(problems, headline="bad hpfun.constrain specs")
+
+
 @attrs.frozen(kw_only=True)
 class Constrain(Rule):
     """The rule of `hpfun::constrain`: input and output take the spec's layout."""

@@ -465,3 +465,22 @@ def test_arguments_requiring_grad_warn_that_outputs_are_not_differentiable_outsi
     f = hpfun.shard(lambda x: (x * 2).sum(), mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
     with pytest.warns(UserWarning, match=r"args\[0\] require grad, but a sharded function's outputs are not connected"):
         f(torch.ones(4, 2, requires_grad=True))
+
+
+def test_bad_constrain_specs_are_reported_together_at_their_lines():
+    """Two bad pins in one function (an axis the mesh lacks, too many dims) and a pin on a dim
+    its axis does not divide: one report per trace, each at the user's line."""
+    def pinned(x):
+        y = hpfun.constrain(x * 2, P(None, "dp"))
+        return hpfun.constrain(y + 1, P(None, None, "tp"))
+
+    _, text = _raise(hpfun.shard(pinned, mesh=MESH_TP, in_specs=(P(),), out_specs=P()), torch.ones(4, 8),
+                     error=hpfun.SpecError)
+    assert "bad hpfun.constrain specs (2 problems)" in text
+    assert """y = hpfun.constrain(x * 2, P(None, "dp")): P(None, 'dp') names mesh axis 'dp'""" in text
+    assert "P(None, None, 'tp') has 3 entries but the tensor has only 2 dims" in text
+    odd = hpfun.shard(lambda x: hpfun.constrain(x * 2, P(None, "tp")).sum(), mesh=MESH_TP, in_specs=(P(),),
+                      out_specs=P())
+    _, text = _raise(odd, torch.ones(4, 7), error=hpfun.SpecError)
+    assert "dim 1 of size 7 is not divisible by the mesh axes sharding it (tp=2) (shape (4, 7))" in text
+    assert "test_errors.py" in text  # the user's line
