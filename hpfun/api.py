@@ -373,7 +373,7 @@ class ShardedFunction:
         if len(self._argument_signatures) > 1:  # (distributed only) ranks could each hit another cached program
             self._check_same_entry(call, entry)
         flat = call.flat
-        if entry.written and (arguments := len(flat) - len(call.lifted)) and min(entry.written) < arguments:
+        if entry.written and entry.written[0] < (arguments := len(flat) - len(call.lifted)):
             _check_unaliased(call, entry, arguments)
         tensors = [flat[i] for i in entry.fed_flat] + entry.constants_list
         if not entry.program.donated:
@@ -1006,7 +1006,7 @@ class _Entry:
     outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
     _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
     creates: bool = attrs.field(init=False)  # writes state into a place that held none (a new key, attribute)
-    written: tuple = attrs.field(init=False)  # flat positions of the inputs the function writes in place
+    written: tuple = attrs.field(init=False)  # flat positions of the inputs the function writes in place, in order
 
     def __attrs_post_init__(self):
         program, n = self.program, self.n_outputs
@@ -1018,7 +1018,7 @@ class _Entry:
                         zip(program.output_layouts[:n], program.output_shapes[:n], program.output_dtypes[:n], strict=True))
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
-        object.__setattr__(self, "written", tuple(tensor_pos[w.input] for w in self.writes if w.input is not None))
+        object.__setattr__(self, "written", tuple(sorted(tensor_pos[w.input] for w in self.writes if w.input is not None)))
         object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
                                                 and not (w.place[0] == "part" and w.place[1][0] == "append")
                                                 for w in self.writes))
