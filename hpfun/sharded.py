@@ -140,6 +140,9 @@ class Sharded:
 
         On a distributed mesh this is a collective: every rank must call it.
         """
+        if not isinstance(self, Sharded):  # `Sharded.full(x)` called on the class with something else
+            raise SpecError(Problem("Sharded.full", f"was called on {type(self).__name__}, not a Sharded value",
+                                    "call it on a Sharded value: `value.full()`; a plain tensor is already whole"))
         mesh, layout = self.layout.mesh, self.layout
         if mesh.runtime == "distributed":
             return redistribute(self, Layout.replicated(mesh)).shards[0]

@@ -431,6 +431,8 @@ def test_layout_and_cost_model_arguments_of_the_wrong_type_say_what_to_pass():
     assert "redistribute: takes a Layout, got the spec" in text
     _, text = _raise(hpfun.redistribute, x, P(None, "tp").to_layout(MESH_TP, 2), error=hpfun.SpecError)
     assert "x: is Tensor, not a Sharded value" in text
+    _, text = _raise(hpfun.Sharded.full, x, error=hpfun.SpecError)  # called on the class with a tensor
+    assert "Sharded.full: was called on Tensor, not a Sharded value" in text
     lowered = hpfun.shard(lambda a: a * 2, mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P()).lower(x)
     _, text = _raise(lowered.cost, "fast", error=hpfun.SpecError)
     assert "cost: takes an hpfun.plan.CostModel, got str 'fast'" in text
