@@ -475,7 +475,7 @@ class ShardedFunction:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
                 self._argument_signatures.add(tuple(leaves[:len(call.flat) - len(call.lifted)]))
-            self._note_changed_statics(key)
+            self._note_changed_statics(call, key)
             self._note_new_shapes(call, key)
             entry = self._compile(call, leaves)
             self._cache[key] = entry
@@ -499,47 +499,56 @@ class ShardedFunction:
         for other in variants:
             if _all_hold(other.reads, [call.flat[i] for i in other.tensor_pos]):
                 return other
+        changed: dict = {}  # where -> (was, now) of its first read that changed: one count per compile
         for r in entry.reads:
             now = r.evaluate(inputs)
             if not same_value(now, r.value):
-                self._read_changes[r.where] = seen = self._read_changes.get(r.where, 0) + 1
-                if seen == RETRACE_WARNING_AFTER:
-                    fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-                    warnings.warn(
-                        f"hpfun.shard({fn}) compiled a new program {seen} times because a value the function reads "
-                        f"from its inputs changed (at{r.where}; last {r.value!r} -> {now!r}): the program is traced "
-                        "for the value read, and every new value compiles again (seconds each). Compute it outside "
-                        "the sharded function, or with tensor ops (torch.where) instead of Python.",
-                        RetraceWarning, stacklevel=4)
+                changed.setdefault(r.where, (r.value, now))
+        for where, (was, now) in changed.items():
+            self._read_changes[where] = seen = self._read_changes.get(where, 0) + 1
+            if seen == RETRACE_WARNING_AFTER:
+                fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+                warnings.warn(
+                    f"hpfun.shard({fn}) compiled a new program {seen} times because a value the function reads "
+                    f"from its inputs changed ({where.strip()}; last {was!r} -> {now!r}): the program is traced "
+                    "for the value read, and every new value compiles again (seconds each). Compute it outside "
+                    "the sharded function, or with tensor ops (torch.where) instead of Python.",
+                    RetraceWarning, stacklevel=4)
         if self.mesh.runtime == "distributed":
             runtime_for(self.mesh).check_same_program(_describe(call, leaves))
         new = self._compile(call, leaves)
         variants.append(new)
         return new
 
-    def _note_changed_statics(self, key) -> None:
+    def _note_changed_statics(self, call: _Call, key) -> None:
         """A compile whose signature differs from the last one of the same arguments only in
-        Python values the trace reads: count it per value, and warn once per value that keeps
-        changing (a scheduler stepping a hyperparameter hpfun does not lift compiles a program per step)."""
+        Python values (the trace's reads, or Python numbers passed as arguments): count it per
+        value, and warn once per value that keeps changing (a scheduler stepping a hyperparameter
+        hpfun does not lift, or a learning rate passed as a float, compiles a program per step)."""
         tree, leaves, statics, *rest = key
-        last = next((k for k in reversed(self._cache) if k[0] == tree and k[1] == leaves and list(k[3:]) == rest), None)
+        last = next((k for k in reversed(self._cache) if k[0] == tree and list(k[3:]) == rest
+                     and _same_but_static_values(k[1], leaves)), None)
         if last is None:
             return
         before = lift.expand_statics(dict(last[2]))
-        for name, value in lift.expand_statics(dict(statics)).items():
-            if name not in before or before[name] == value:
-                continue
+        changed = [(name, before[name], value) for name, value in lift.expand_statics(dict(statics)).items()
+                   if name in before and before[name] != value]
+        changed += [(path, was.value, now.value) for path, was, now in zip(call.paths(), last[1], leaves, strict=True)
+                    if now.kind == "static" and was != now]
+        for name, was, value in changed:
             self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
-                warnings.warn(_retrace_message(self, name, before[name], value, seen), RetraceWarning, stacklevel=4)
+                warnings.warn(_retrace_message(self, name, was, value, seen), RetraceWarning, stacklevel=4)
 
     def _note_new_shapes(self, call: _Call, key) -> None:
         """A compile for new shapes of the same arguments (each batch padded to its own length):
         warn once when the function has compiled RETRACE_SHAPES_WARNING_AFTER of them."""
         tree, leaves, *rest = key
         same = [k for k in self._cache if k[0] == tree and k[2:] == tuple(rest)
-                and all(a.kind == b.kind and a.dtype == b.dtype and a.layout == b.layout for a, b in zip(k[1], leaves))]
-        if len(same) + 1 != RETRACE_SHAPES_WARNING_AFTER or not same:
+                and all(a == b if b.kind == "static" else a.kind == b.kind and a.dtype == b.dtype and a.layout == b.layout
+                        for a, b in zip(k[1], leaves))
+                and any(a.kind == "tensor" and a.shape != b.shape for a, b in zip(k[1], leaves))]
+        if len(same) + 1 != RETRACE_SHAPES_WARNING_AFTER:
             return
         last = same[-1][1]
         changed = [f"{path} {list(now.shape)} (was {list(was.shape)})" for path, was, now in
@@ -792,9 +801,11 @@ class ShardedFunction:
         if changed or moved:  # (the trace is refused below: it leaves the function's dicts and lists as they were)
             objects.restore_containers()
         if leaked := objects.leaked():
+            scalers = [name + "." for name, obj, *_ in objects.objects if obj is not None and lift.is_grad_scaler(obj)]
             raise CaptureError([Problem(where, "holds a tensor the function made, in an object hpfun does not lift (it "
                                         "walks modules, optimizers, and tensors, dicts and lists closed over or global)"
                                         ": the program cannot put it there at every call",
+                                        lift.GRAD_SCALER_FIX if where.startswith(tuple(scalers)) else
                                         "keep it in a module (a buffer or attribute), an optimizer's state, or a dict "
                                         "the function closes over or reads as a global: hpfun writes those back after "
                                         "every call, and reads them at the next") for where in leaked],
@@ -857,6 +868,12 @@ class RetraceWarning(UserWarning):
     arguments keep coming in new shapes."""
 
 
+def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:
+    """Whether two signatures' leaves agree but for the values of Python numbers among them."""
+    return len(cached) == len(leaves) and all(
+        a == b or a.kind == b.kind == "static" for a, b in zip(cached, leaves))
+
+
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:
     fn = getattr(f.fn, "__qualname__", type(f.fn).__name__)
     head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
@@ -865,6 +882,10 @@ def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> 
     if re.search(r"param_groups\.\d+\.lr$", name):
         return head + (" A learning rate a scheduler changes every step belongs in a tensor, which hpfun reads at "
                        "every call: torch.optim.AdamW(params, lr=torch.tensor(1e-3)) (schedulers update it in place).")
+    if name.startswith(("args[", "kwargs[")):
+        return head + (f" A value that changes every call belongs in a tensor, which hpfun reads at every call "
+                       f"without compiling again: pass torch.tensor({now!r}) for {name} (a 0-d tensor, "
+                       "replicated).")
     return head + " If it changes every call, pass it as a tensor argument or keep it in a tensor."
 
 

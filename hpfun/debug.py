@@ -117,7 +117,9 @@ def _leaf_differences(path: str, cached, given) -> list[Difference]:
     if cached.kind == "static":
         return [Difference(path, "value", repr(cached.value), repr(given.value))] if cached != given else []
     shown = {"shape": lambda l: str(tuple(l.shape)), "dtype": lambda l: str(l.dtype).replace("torch.", ""),
-             "layout": lambda l: l.layout.placements_str()}
+             "layout": lambda l: l.layout.placements_str(), "requires_grad": lambda l: str(l.requires_grad),
+             "strides": lambda l: "contiguous" if l.strides is None else str(l.strides),
+             "device": lambda l: str(l.device)}
     return [Difference(path, field, show(cached), show(given)) for field, show in shown.items() if show(cached) != show(given)]
 
 

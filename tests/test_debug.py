@@ -159,5 +159,10 @@ def test_structure_values_and_closest_entry():
     g((torch.ones(2),))
     assert [d.field for d in hpfun.explain_cache_miss(g, [torch.ones(2)]).differences] == ["structure"]
     assert hpfun.explain_cache_miss(f, {"a": torch.ones(4)}, 5).cached == 2
+    w = torch.ones(2, requires_grad=True)  # lifted: a parameter frozen after the first call compiles again
+    h = hpfun.shard(lambda x: x * w, mesh=mesh, in_specs=P("dp"))
+    h(torch.ones(2))
+    w.requires_grad_(False)
+    assert [str(d) for d in hpfun.explain_cache_miss(h, torch.ones(2)).differences] == ["w: requires_grad False, cached True"]
     with pytest.raises(TypeError, match="made by hpfun.shard"):
         hpfun.explain_cache_miss(lambda x: x, torch.ones(2))

@@ -712,6 +712,15 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert g.trace_count == 10 and len(retraces) == 1
     assert "compiled 8 programs for the same arguments in new shapes (last: args[0] [4, 8] (was [4, 7]))" in retraces[0]
 
+    h = hpfun.shard(lambda x, lr: x * lr, mesh=DP, in_specs=(P("dp"), None), out_specs=P("dp"))  # a float argument
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(10):
+            assert torch.equal(h(torch.ones(4), 0.5 + i).full(), torch.full((4,), 0.5 + i))
+    retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+    assert h.trace_count == 10 and len(retraces) == 1, retraces  # the argument's, not a "new shapes" one
+    assert "because args[1] changed (last 2.5 -> 3.5)" in retraces[0] and "pass torch.tensor(3.5)" in retraces[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors: before anything runs, naming the path and the fix, no torch internals
@@ -1153,6 +1162,13 @@ def test_a_value_read_from_the_arguments_is_read_as_eager_reads_it():
     with pytest.raises(ValueError, match="a label out of range") as raised:  # the function's own error, as eager
         step(x, torch.tensor([1, 2, 3, 7] * 2))
     assert "raised while hpfun.shard traced the function" in raised.value.__notes__[0]
+
+    def one_line(x, labels):  # the check and the raise on one line reach the caller as they are, too
+        if labels.max() >= 5: raise ValueError("a label out of range")  # noqa: E701
+        return x.sum()
+
+    with pytest.raises(ValueError, match="a label out of range"):
+        hpfun.shard(one_line, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(x, torch.tensor([1, 2, 3, 7] * 2))
 
 
 def test_a_counter_buffer_is_read_as_eager_reads_it():
