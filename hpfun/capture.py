@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import os
 import sys
+import tokenize
 import traceback
 import warnings
 import weakref
@@ -847,6 +849,31 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 
 
+def _bincount(bincount, input, weights=None, minlength=0):  # noqa: A002 - torch.bincount's own name
+    """torch.bincount as the scatter-add it computes. Its length, max(minlength, largest + 1), is
+    read from the values: from the arguments' values that is a read checked at every call (as
+    F.one_hot's number of classes is), and labels within `minlength` always give the same length,
+    so they compile once. From values the program computes it is refused."""
+    if input.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) or input.ndim != 1 \
+            or (weights is not None and weights.dtype not in (torch.float32, torch.float64, torch.int64, torch.int32)):
+        return bincount(input, weights, minlength)  # torch's own error, or its own kernel
+    if input.numel() == 0:
+        length = minlength
+    else:
+        length = _read(torch.Tensor.__int__, torch.clamp_min(input.max() + 1, minlength))
+        if length is _UNREADABLE:
+            raise CaptureError(f"torch.bincount{_at_user_line()}: its length is the largest value + 1, read from "
+                               "values the program computes, which a trace on shapes cannot do; count into a fixed "
+                               "length instead: F.one_hot(values, num_classes).sum(0), or torch.zeros(num_classes, "
+                               "dtype=torch.int64).scatter_add_(0, values, torch.ones_like(values))")
+    index = input.long()
+    if weights is None:
+        counts = torch.ones_like(index)
+    else:
+        counts = weights if weights.is_floating_point() else weights.double()  # torch counts integer weights in float64
+    return torch.zeros(length, dtype=counts.dtype, device=input.device).scatter_add_(0, index, counts)
+
+
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                                "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
 
@@ -1004,6 +1031,8 @@ def _constant_value(t):
     mode = proxy_tensor.get_proxy_mode()
     if mode is None or not isinstance(t, torch.Tensor) or t._version:  # written in place since made
         return None
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):  # under torch.func.grad: the traced value inside
+        t = torch._C._functorch.get_unwrapped(t)
     slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
     if slot is None:
         return None
@@ -1161,6 +1190,8 @@ class _TensorScalars(TorchFunctionMode):
                 return result
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
+        if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):
+            return _bincount(func, *args, **kwargs)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \
@@ -1316,8 +1347,20 @@ def _raised_by_the_code(err: Exception) -> bool:
     frames = traceback.extract_tb(err.__traceback__)
     if not frames or not _is_user_frame(frames[-1].filename) or isinstance(err, torch._subclasses.fake_tensor.UnsupportedFakeTensorException):
         return False
-    line = (frames[-1].line or "").lstrip()
-    return line.startswith(("raise ", "assert ")) and type(err).__module__ == "builtins"
+    return _raises_or_asserts(frames[-1].line or "") and type(err).__module__ == "builtins"
+
+
+def _raises_or_asserts(line: str) -> bool:
+    """Whether a source line holds a `raise` or an `assert` statement, also after a colon
+    (`if x.max() > 100: raise ValueError(...)`); the words inside strings and comments do not count."""
+    names = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
+            if token.type == tokenize.NAME:
+                names.append(token.string)
+    except (tokenize.TokenError, SyntaxError, IndentationError):  # the first line of a statement over several
+        pass
+    return "raise" in names or "assert" in names
 
 
 def _user_where(err: Exception) -> str:

@@ -1521,6 +1521,16 @@ class ObjectValues:
                 container.update(was) if type(container) is dict else container.extend(was)
 
 
+GRAD_SCALER_FIX = ("a torch.amp.GradScaler keeps its scale in a tensor of its own, which hpfun does not lift: "
+                   "scale the loss with a tensor argument instead, and step the scaler outside: "
+                   "`scale = scaler.scale(torch.ones(()))` before the call, `(loss * scale).backward()` inside, "
+                   "`scaler.step(opt); scaler.update()` after it (or train in bfloat16, which needs no scaler)")
+
+
+def is_grad_scaler(obj) -> bool:
+    return isinstance(obj, torch.amp.GradScaler)
+
+
 def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:
     """A real tensor reached the trace through something hpfun does not walk: say what it could be."""
     suspects = []
@@ -1532,7 +1542,9 @@ def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:
            "closed-over or global tensor variable, or a dict/list of them: hpfun lifts those and reads them at every call")
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
                         "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)", fix)]
-    problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar") for s in suspects]
+    scalers = {name for name, obj in (state.opaque if state else ()) if is_grad_scaler(obj)}
+    problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar",
+                         GRAD_SCALER_FIX if s.split(" (a ")[0] in scalers else "") for s in suspects]
     return CaptureError(problems, headline="cannot capture the function")
 
 

@@ -177,6 +177,39 @@ def test_grad_scaler_is_named_with_the_fix():
     assert "scaler.step(opt)" in text and "GradScaler skips the optimizer's step" in text and "bfloat16" in text
 
 
+def test_a_grad_scaler_scaling_the_loss_inside_names_the_form_that_works():
+    """`scaler.scale(loss).backward()` inside, the scaler stepped outside (PyTorch's AMP recipe
+    split at the call): the scaler's own scale tensor cannot be lifted, and the error gives the
+    form that works, a scale passed as an argument; that form matches eager, inf steps skipped."""
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    inside = hpfun.shard(lambda x: scaler.scale(model(x).square().mean()).backward(), mesh=MESH, in_specs=P("dp"))
+    for _ in range(2):  # the scale made lazily by the trace, then the scale made before
+        _, text = _raise(inside, torch.randn(8, 4), error=hpfun.CaptureError)
+        assert "scaler._scale" in text and "`scale = scaler.scale(torch.ones(()))` before the call" in text
+        scaler.scale(torch.ones(()))
+
+    @hpfun.shard(mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    def forward_backward(x, scale):
+        loss = model(x).square().mean()
+        (loss * scale).backward()
+        return loss
+
+    for i in range(3):
+        x = torch.randn(8, 4)
+        x[0, 0] = float("inf") if i == 1 else x[0, 0]  # an overflowing step: skipped, the scale halved
+        forward_backward(x, scaler.scale(torch.ones(())))
+        scaler.step(opt), scaler.update(), opt.zero_grad()
+        ref_scaler.scale(ref(x).square().mean()).backward()
+        ref_scaler.step(ref_opt), ref_scaler.update(), ref_opt.zero_grad()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_an_optimizer_that_reads_values_is_named_and_its_fix_works():
     """LBFGS decides in Python (from the loss and gradient norms) how far to search and when to
     stop: stepped inside the sharded function, the error names it and says to step it outside,

@@ -414,6 +414,35 @@ def test_one_hot_without_num_classes_reads_the_arguments_or_is_a_clear_error():
         g(torch.tensor([0, 1, 2, 3]))
 
 
+def test_bincount_reads_its_length_from_the_arguments_or_is_a_clear_error():
+    """torch.bincount (class counts for a balanced loss) is the scatter-add it computes, over the
+    split labels: counts, and weighted counts under grad, equal eager's. Its length is read from
+    the labels' values at every call: within minlength it stays the same (one program); past it,
+    or without minlength, a new largest label compiles again. From computed values: the fix."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    f = hpfun.shard(lambda y: torch.bincount(y, minlength=5), mesh=mesh, in_specs=P("a"), out_specs=P())
+    for ids in ([0, 1, 1, 3], [4, 4, 0, 2], [0, 0, 0, 0], [1, 6, 2, 0]):
+        ids = torch.tensor(ids)
+        out = f(ids).full()
+        assert torch.equal(out, torch.bincount(ids, minlength=5)) and out.dtype == torch.int64
+    assert f.trace_count == 2  # the last batch's label 6 is past minlength
+
+    def balanced(w, x, y):  # class weights from the batch's own counts
+        counts = torch.bincount(y, weights=torch.ones_like(y, dtype=w.dtype), minlength=3)
+        return F.cross_entropy(x @ w, y, weight=counts.sum() / (counts + 1))
+
+    w, x, y = _rand(4, 3), _rand(8, 4), torch.tensor([0, 1, 1, 2, 2, 2, 0, 1])
+    g = hpfun.shard(torch.func.grad_and_value(balanced), mesh=mesh, in_specs=(P(), P("a"), P("a")),
+                    out_specs=(P(), P()))
+    grad, loss = g(w, x, y)
+    want_grad, want_loss = torch.func.grad_and_value(balanced)(w, x, y)
+    torch.testing.assert_close(loss.full(), want_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad.full(), want_grad, rtol=1e-12, atol=0)
+    h = hpfun.shard(lambda x: torch.bincount(torch.rand_like(x).argmax(-1)), mesh=mesh, in_specs=P("a"))  # drawn
+    with pytest.raises(hpfun.CaptureError, match=r"torch.bincount at .*test_rules_more.py:\d+.*F.one_hot\(values, num_classes\)"):
+        h(_rand(8, 4))
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_histc_over_a_fixed_range_adds_blocks_over_the_datas_range_gathers(mesh_shape):
     """histc (a mixture of experts' tokens per expert) over a fixed range: each block's
