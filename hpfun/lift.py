@@ -24,6 +24,7 @@ import argparse
 import collections
 import copy
 import dis
+import enum
 import functools
 import itertools
 import operator
@@ -101,6 +102,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
             return
+        if type(obj) is set and len(obj) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, obj)):
+            if name and read is not None:  # (`if k in NAMES`): its members key the cache, read anew at every call
+                roots.append(Root(unique(name, owner), _SCALAR, _frozen_reader(read)))
+            return
+        if name and read is not None and (token := _binding(obj)) is not None:
+            bound.append((name, token))  # which function or class a name holds: rebinding it compiles again
         if _is_numbers_array(obj):  # a NumPy array of numbers (a table of scales): its values key the cache,
             if name and read is not None:  # read anew at every call, as a scalar is (it changes in place)
                 roots.append(Root(unique(name, owner), _SCALAR, _array_reader(read)))
@@ -141,6 +148,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for k, v in list(vars(obj).items()):
                 value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
             function(obj, name)  # its __call__, if it has one
+        elif isinstance(obj, type) and _is_user_class(obj) and id(obj) not in seen_objects:
+            seen_objects.add(id(obj))  # a class of the user's used as a namespace (`Config.scale`)
+            for k, v in list(vars(obj).items()):  # its values, and sets, dicts and lists of them
+                if not k.startswith("__") and (_is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list)):
+                    note((obj, k, v))  # (an attribute set to another object: walked again)
+                    value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
 
@@ -195,6 +208,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
 
     note = guard.append if guard is not None else lambda _: None
+    bound: list = []  # (name, token) of the functions, classes and modules the walk read from a global or a cell
 
     def guard_seen(container) -> None:  # a plain dict or list: the walk holds while it holds the same
         note(_Unchanged(container))
@@ -205,7 +219,86 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         function(type(fn).forward.__get__(fn), "")
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
+    if bound:  # one static for all of them, made once per walk (every binding it read is in the guard)
+        roots.append(Root(BINDINGS, _SCALAR, _constant(Bindings(tuple(bound)))))
     return roots, opaque
+
+
+BINDINGS = "<functions and classes called>"  # the statics key of a walk's Bindings
+
+
+class _Same:
+    """An object compared by identity (a builtin function, a class, a module), shown by name."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        if isinstance(self.obj, types.CodeType):  # a Python function, by its code
+            return f"{self.obj.co_qualname} ({os.path.basename(self.obj.co_filename)}:{self.obj.co_firstlineno})"
+        module = getattr(self.obj, "__module__", None)
+        name = getattr(self.obj, "__qualname__", None) or getattr(self.obj, "__name__", None) or type(self.obj).__name__
+        if isinstance(self.obj, types.BuiltinFunctionType):  # torch.relu's qualname is _VariableFunctionsClass.relu
+            name = getattr(self.obj, "__name__", name)
+        return f"{module}.{name}" if module and module != "builtins" else str(name)
+
+
+def _binding(obj):
+    """What keys the cache for a function, class or module a name holds: a Python function by its
+    code (a lambda made anew at each call of its maker is the same trace; what its cells and
+    globals hold is walked and keyed on its own), a bound method by its function and object, a
+    partial by its function; a builtin, class, module or other callable by identity. None for
+    values keyed otherwise (state, scalars, containers, user objects)."""
+    if isinstance(obj, types.FunctionType):
+        return _Same(obj.__code__)
+    if isinstance(obj, types.MethodType):
+        return (_binding(obj.__func__), _Same(obj.__self__))
+    if isinstance(obj, functools.partial):
+        return ("partial", _binding(obj.func))
+    if isinstance(obj, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer)) or _is_user_object(obj):
+        return None
+    if isinstance(obj, (type, types.ModuleType)) or callable(obj):
+        return _Same(obj)
+    return None
+
+
+class Bindings:
+    """The functions, classes and modules a walk found its function reading from globals and
+    closure cells, by name (`act = torch.relu`, later `act = torch.tanh`): a trace calls what
+    they held, so they key the program cache. Hashed once, compared by value."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items: tuple):
+        self.items, self._hash = items, hash(items)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Bindings and self._hash == other._hash and self.items == other.items)
+
+    def __repr__(self) -> str:
+        return f"<{len(self.items)} functions and classes called>"
+
+
+def _frozen_reader(read):
+    return lambda: frozenset(read())
+
+
+def _is_user_class(cls: type) -> bool:
+    """A class defined in the user's code, not a library's (whose attributes are its own)."""
+    module = sys.modules.get(cls.__module__)
+    filename = getattr(module, "__file__", None)
+    return module is not None and cls.__module__ != "builtins" and (filename is None or not _is_library(filename))
 
 
 _MISSING = object()  # an empty closure cell, a global not (or no longer) defined
@@ -416,11 +509,18 @@ _SCALAR = object()  # a Root's value for a Python scalar: read anew (`Root.read`
 PLAIN_CONTAINER_ITEMS = 1024
 
 
+# Immutable values a trace reads as constants, keyed by value: Python's numbers, strings and
+# flags, torch's dtypes and devices (`x.to(DTYPE)` with a global DTYPE), and enum members.
+_SCALAR_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format,
+                 torch.layout, enum.Enum)
+
+
 def _is_scalar(x) -> bool:
-    """A Python number, string, bool or None, or a tuple or frozenset of them."""
+    """A Python number, string, bool or None, a torch dtype or device, an enum member, or a
+    tuple or frozenset of them."""
     if isinstance(x, (tuple, frozenset)):
         return all(_is_scalar(v) for v in x)
-    return x is None or isinstance(x, (bool, int, float, complex, str, bytes))
+    return x is None or isinstance(x, _SCALAR_TYPES)
 
 
 def _is_numbers_array(x) -> bool:
@@ -615,7 +715,7 @@ def statics(roots, known: dict | None = None) -> dict:
     Python values its modules hold (`ModuleValues`), each optimizer's hyperparameters (its
     learning rate, betas...). `known`: the statics of an earlier call whose module trees (and
     so their flags and values) are unchanged."""
-    out: dict[str, object] = {}
+    out: dict[str, object] = {GRAD_MODE: torch.is_grad_enabled()}  # (a step called under torch.no_grad traces another program)
     for root in roots:
         if root.value is _SCALAR:
             out[root.name] = root.read()
@@ -653,6 +753,9 @@ def _state_numbers(name: str, opt, known: dict | None) -> dict:
                 if not isinstance(v, torch.Tensor) and _is_scalar(v):
                     out[f"{prefix}{g}.{i}.{key}"] = _hashable(v)
     return out
+
+
+GRAD_MODE = "torch.is_grad_enabled()"  # the statics key of the caller's grad mode
 
 
 def training_key(root: str) -> str:
@@ -743,7 +846,7 @@ def expand_statics(statics: dict) -> dict:
     """`statics` with each ModuleValues spread into its values by name (for messages)."""
     out = {}
     for k, v in statics.items():
-        if type(v) is ModuleValues:
+        if type(v) in (ModuleValues, Bindings):
             out.update(v.items)
         else:
             out[k] = v

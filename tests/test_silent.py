@@ -154,6 +154,61 @@ def test_python_scalars_read_by_the_function_key_the_cache():
     assert torch.equal(h(w).full(), w * 3)
 
 
+DTYPE = torch.float64
+ACT = torch.relu
+
+
+class Config:  # a class used as a namespace of settings
+    scale = 2.0
+    names = {"a"}
+
+
+def _act(x):
+    return ACT(x) + 1
+
+
+def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
+    """What else a trace reads from Python and bakes in keys the cache too, each change compiling
+    again (explain_cache_miss names it): a global dtype, a class attribute, a set's members,
+    which function a global name holds (one a helper calls too), and the caller's grad mode.
+    A lambda made anew by the same code is the same function: no compile."""
+    global DTYPE, ACT
+    x = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    def fn(x):
+        return x.to(DTYPE) * Config.scale * (2.0 if "b" in Config.names else 1.0)
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    g = hpfun.shard(lambda x: _act(x) * 2 if torch.is_grad_enabled() else _act(x) * 3, mesh=MESH, in_specs=P("a"),
+                    out_specs=P("a"))
+    try:
+        assert torch.equal(f(x).full(), x * 2.0) and torch.equal(g(x).full(), (torch.relu(x) + 1) * 2)
+        DTYPE = torch.float32
+        assert "DTYPE: value torch.float32, cached torch.float64" in str(hpfun.explain_cache_miss(f, x))
+        assert f(x).full().dtype == torch.float32
+        Config.scale = 3.0
+        assert "Config.scale: value 3.0, cached 2.0" in str(hpfun.explain_cache_miss(f, x))
+        assert torch.equal(f(x).full(), fn(x))
+        Config.names.add("b")
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 4
+        ACT = torch.tanh
+        assert "ACT: value torch.tanh, cached torch.relu" in str(hpfun.explain_cache_miss(g, x))
+        assert torch.equal(g(x).full(), (torch.tanh(x) + 1) * 2)
+        with torch.no_grad():
+            assert "torch.is_grad_enabled(): value False, cached True" in str(hpfun.explain_cache_miss(g, x))
+            assert torch.equal(g(x).full(), (torch.tanh(x) + 1) * 3)
+        assert g.trace_count == 3
+        for _ in range(2):
+            scale = lambda x: x * 2  # noqa: E731 - made anew each time
+            h = hpfun.shard(lambda x: scale(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+            break
+        for _ in range(3):
+            scale = lambda x: x * 2  # noqa: E731
+            assert torch.equal(h(x).full(), x * 2)
+        assert h.trace_count == 1
+    finally:
+        DTYPE, ACT, Config.scale, Config.names = torch.float64, torch.relu, 2.0, {"a"}
+
+
 def test_a_value_redistributed_once_serves_every_consumer():
     """Two consumers of one argument in layouts one local step apart share one all-gather."""
 
