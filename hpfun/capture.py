@@ -874,6 +874,30 @@ def _bincount(bincount, input, weights=None, minlength=0):  # noqa: A002 - torch
     return torch.zeros(length, dtype=counts.dtype, device=input.device).scatter_add_(0, index, counts)
 
 
+def _cov(cov, input, correction=1, fweights=None, aweights=None):  # noqa: A002 - torch.cov's own names
+    """torch.cov without weights, as the arithmetic it computes. torch's own kernel compares the
+    weights' sum with the sample count through a read of values (`aten.equal`), which a trace
+    cannot do; with weights it is still called, and refused as such a read."""
+    if fweights is not None or aweights is not None or input.ndim > 2 or not input.is_floating_point():
+        return cov(input, correction=correction, fweights=fweights, aweights=aweights)
+    rows = input.reshape(1, -1) if input.ndim < 2 else input
+    centered = rows - rows.mean(dim=1, keepdim=True)
+    out = centered @ centered.transpose(0, 1) / max(rows.shape[1] - correction, 0)
+    return out.squeeze() if input.ndim < 2 else out
+
+
+def _corrcoef(corrcoef, input):  # noqa: A002
+    """torch.corrcoef of real values through `_cov`: the covariance over the outer product of
+    the standard deviations, clipped to [-1, 1] as torch clips it."""
+    if input.ndim > 2 or not input.is_floating_point():
+        return corrcoef(input)
+    c = _cov(torch.cov, input)
+    if c.ndim == 0:
+        return c / c
+    std = torch.sqrt(torch.diagonal(c))
+    return torch.clip(c / std[:, None] / std[None, :], -1, 1)
+
+
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                                "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
 
@@ -1192,6 +1216,10 @@ class _TensorScalars(TorchFunctionMode):
             return _one_hot(func, *args, **kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):
             return _bincount(func, *args, **kwargs)
+        if func in (torch.cov, torch.Tensor.cov) and isinstance(args[0], torch.Tensor):
+            return _cov(func, *args, **kwargs)
+        if func in (torch.corrcoef, torch.Tensor.corrcoef) and isinstance(args[0], torch.Tensor):
+            return _corrcoef(func, *args, **kwargs)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \

@@ -563,7 +563,8 @@ class FallbackWarning(UserWarning):
 def _missing(node, call: OpCall) -> Problem:
     layouts = ", ".join(t.layout.placements_str() for t in call.tensors) or "no tensor inputs"
     line = user_line(node.meta.get("stack_trace"))
-    fix = "add a YAML entry (see rules/README.md) or hpfun.rules.register(op, rule)"
+    fix = ("run it on gathered inputs with hpfun.shard(..., fallback=\"replicate\") (a warning names what it costs), "
+           "or give it a rule: a YAML entry (see rules/README.md) or hpfun.rules.register(op, rule)")
     if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):  # multinomial, poisson, gamma
         fix = ("hpfun draws random numbers itself, the same for every layout, and has no such draw for this op yet: "
                "draw the values outside the sharded function and pass them in")

@@ -443,6 +443,25 @@ def test_bincount_reads_its_length_from_the_arguments_or_is_a_clear_error():
         h(_rand(8, 4))
 
 
+@pytest.mark.parametrize("spec", [P("a"), P(None, "a")], ids=str)
+def test_cov_corrcoef_and_triangle_indices_equal_eager(spec):
+    """torch.cov and torch.corrcoef (whose kernels read values to check weights), over variables
+    or observations split, and under grad; tril_indices/triu_indices (factories) index a split
+    value. Weighted cov stays a read, refused as one."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    x = _rand(4, 8)
+    fns = {"cov": torch.cov, "cov0": lambda x: torch.cov(x, correction=0), "corrcoef": torch.corrcoef,
+           "one variable": lambda x: torch.cov(x[0]) + torch.corrcoef(x[1]),
+           "tril": lambda x: x[tuple(torch.tril_indices(4, 8, 1))], "triu": lambda x: x[tuple(torch.triu_indices(4, 8))],
+           "grad": torch.func.grad(lambda x: (torch.corrcoef(x) * torch.cov(x)).sum())}
+    for name, fn in fns.items():
+        got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
+        torch.testing.assert_close(got, fn(x), rtol=1e-12, atol=1e-14, msg=name)
+    weighted = hpfun.shard(lambda x: torch.cov(x, fweights=torch.ones(8, dtype=torch.int64)), mesh=mesh, in_specs=spec)
+    with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
+        weighted(x)
+
+
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_histc_over_a_fixed_range_adds_blocks_over_the_datas_range_gathers(mesh_shape):
     """histc (a mixture of experts' tokens per expert) over a fixed range: each block's
