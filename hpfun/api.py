@@ -328,6 +328,8 @@ class ShardedFunction:
         self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
         self._read_variants: dict = {}  # cache key -> the programs compiled for other values read from inputs
         self._read_changes: dict = {}  # where a value is read from the inputs -> compiles its changes caused
+        self._lifted_names: frozenset | None = None  # the lifted tensors' names at the last compile
+        self._state_growth: dict = {}  # a container of lifted tensors -> compiles it held new ones for
         self.trace_count = 0
         self._signature_obj = _signature(fn)
         self._arity = _plain_arity(self._signature_obj, len(in_specs) if isinstance(in_specs, tuple) else None)
@@ -477,6 +479,7 @@ class ShardedFunction:
                 self._argument_signatures.add(tuple(leaves[:len(call.flat) - len(call.lifted)]))
             self._note_changed_statics(call, key)
             self._note_new_shapes(call, key)
+            self._note_new_state(call)
             entry = self._compile(call, leaves)
             self._cache[key] = entry
             if entry.auto is not None:
@@ -539,6 +542,28 @@ class ShardedFunction:
             self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
                 warnings.warn(_retrace_message(self, name, was, value, seen), RetraceWarning, stacklevel=4)
+
+    def _note_new_state(self, call: _Call) -> None:
+        """A compile for lifted state holding tensors the last compile's did not, counted per
+        container: a list the function appends its losses to grows at every call, and each
+        tensor in it is an input. Warn once, when one container has grown for the third time."""
+        names, before = frozenset(call.lifted), self._lifted_names
+        self._lifted_names = names
+        if before is None:
+            return
+        added = sorted(names - before)
+        for container in dict.fromkeys(name.rpartition(".")[0] for name in added):
+            self._state_growth[container] = seen = self._state_growth.get(container, 0) + 1
+            if seen == RETRACE_WARNING_AFTER:
+                fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+                new = [name for name in added if name.rpartition(".")[0] == container]
+                warnings.warn(
+                    f"hpfun.shard({fn}) compiled a new program {seen} times because {container or 'the state'} "
+                    f"holds new tensors (last: {', '.join(new[:3])}): every tensor in a module, optimizer, or dict "
+                    "or list the function reaches is an input of the program, so a container the function adds "
+                    "tensors to at every call (a log of losses) makes a new program at every call. Keep such a log "
+                    "outside: return the tensor and append it after the call "
+                    "(`loss = step(x); history.append(loss)`).", RetraceWarning, stacklevel=4)
 
     def _note_new_shapes(self, call: _Call, key) -> None:
         """A compile for new shapes of the same arguments (each batch padded to its own length):

@@ -721,6 +721,21 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert h.trace_count == 10 and len(retraces) == 1, retraces  # the argument's, not a "new shapes" one
     assert "because args[1] changed (last 2.5 -> 3.5)" in retraces[0] and "pass torch.tensor(3.5)" in retraces[0]
 
+    history = []  # a log the step appends to: its tensors are state, so each call compiles anew; it warns once
+
+    def logged(x):
+        history.append(x.sum())
+        return x * 2
+
+    k = hpfun.shard(logged, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            assert torch.equal(k(torch.ones(4)).full(), torch.full((4,), 2.0))
+    retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+    assert k.trace_count == 6 and len(history) == 6 and len(retraces) == 1, retraces
+    assert "3 times because history holds new tensors (last: history.2)" in retraces[0] and "history.append(loss)" in retraces[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors: before anything runs, naming the path and the fix, no torch internals
