@@ -1003,6 +1003,12 @@ class InputRead:
     read_args: tuple
     value: object
     where: str
+    # whether a step writes in place (`x.add_(1)` before `if x.sum() > 0`): then it runs on copies
+    # of the inputs, never on the caller's tensors
+    copies: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "copies", any(_writes(op) for op, *_ in self.steps))
 
     def holds(self, inputs: list) -> bool:
         return same_value(self.evaluate(inputs), self.value)
@@ -1015,7 +1021,10 @@ class InputRead:
             if isinstance(a, _Made):
                 return made[a.k]
             if isinstance(a, _Input):
-                return _whole(inputs[a.i]).detach().to(cpu)
+                value = _whole(inputs[a.i]).detach().to(cpu)
+                return value.clone() if self.copies else value
+            if isinstance(a, torch.Tensor) and self.copies:  # a constant of the trace, written by a step
+                return a.clone()
             return cpu if isinstance(a, torch.device) else a
 
         with torch.no_grad():
@@ -1023,6 +1032,12 @@ class InputRead:
                 args, kwargs = pytree.tree_map(arg, (args, kwargs))
                 made.append(op(*args, **kwargs))
         return self.read(made[-1], *self.read_args)
+
+
+def _writes(op) -> bool:
+    """Whether an ATen op writes into one of its arguments (`add_`, `copy_`, `index_put_`)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _whole(x) -> torch.Tensor:
@@ -1106,14 +1121,17 @@ def _constant_value(t):
     def step_arg(a):
         return ref[a] if isinstance(a, torch.fx.Node) else a
 
+    copies = any(node.op == "call_function" and _writes(node.target) for node in made)  # (on copies, then)
     with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
         for node in sorted(made, key=order.__getitem__):
             if node.op == "get_attr":
                 real[node] = getattr(mode.tracer.root, node.target).to(cpu)
+                real[node] = real[node].clone() if copies else real[node]
                 ref[node] = real[node]
                 continue
             if node.op == "placeholder":
                 real[node] = _whole(readable[inputs[node]]).detach().to(cpu)
+                real[node] = real[node].clone() if copies else real[node]
                 ref[node] = _Input(inputs[node])
                 continue
             args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))

@@ -715,7 +715,7 @@ def statics(roots, known: dict | None = None) -> dict:
     Python values its modules hold (`ModuleValues`), each optimizer's hyperparameters (its
     learning rate, betas...). `known`: the statics of an earlier call whose module trees (and
     so their flags and values) are unchanged."""
-    out: dict[str, object] = {GRAD_MODE: torch.is_grad_enabled()}  # (a step called under torch.no_grad traces another program)
+    out: dict[str, object] = torch_state()  # (a step called under torch.no_grad or autocast traces another program)
     for root in roots:
         if root.value is _SCALAR:
             out[root.name] = root.read()
@@ -756,6 +756,17 @@ def _state_numbers(name: str, opt, known: dict | None) -> dict:
 
 
 GRAD_MODE = "torch.is_grad_enabled()"  # the statics key of the caller's grad mode
+
+
+def torch_state() -> dict:
+    """torch's global modes the caller sets around a call, which a trace bakes in: grad mode,
+    autocast (CPU and CUDA, on and its dtype), the default dtype (`torch.ones(3)`'s), and
+    deterministic algorithms (ops choose their kernels by it). A statics entry each."""
+    return {GRAD_MODE: torch.is_grad_enabled(),
+            "torch.is_autocast_enabled('cpu')": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+            "torch.is_autocast_enabled('cuda')": (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
+            "torch.get_default_dtype()": torch.get_default_dtype(),
+            "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled()}
 
 
 def training_key(root: str) -> str:

@@ -467,3 +467,47 @@ def test_group_norm_backward_of_a_channels_last_input():
     f = hpfun.shard(block, mesh=MESH, in_specs=(P("a"), P("a")), out_specs=P("a"), state_specs={"proj.*": P("a")})
     x, w = torch.randn(4, 16, 4, 4, dtype=torch.float64), torch.randn(4, 16, 4, 4, dtype=torch.float64)
     torch.testing.assert_close(f(x, w).full(), block(x.clone(), w), rtol=0, atol=1e-12)
+
+
+def test_a_read_after_an_in_place_write_never_writes_the_callers_tensors():
+    """`x.add_(1)` then `if x.sum() > 0`: the read is computed by replaying the ops that made it,
+    the write among them, on copies of the inputs (it ran on the caller's tensors, at the trace
+    and at every call's check: an argument ended at 3 where eager leaves 1, a global counter
+    went up by 4 a call)."""
+
+    def f(x):
+        x.add_(1)
+        return x * 2 if x.sum() > 0 else x - 1
+
+    xe, xs = torch.zeros(4), torch.zeros(4)
+    out = hpfun.shard(f, mesh=MESH, in_specs=P("a"), out_specs=P("a"))(xs)
+    assert torch.equal(out.full(), f(xe)) and torch.equal(xs, xe)
+    counter = torch.tensor(0.0)
+
+    def g(x):
+        counter.add_(1)
+        return x * 2 if counter > 1 else x
+
+    gs = hpfun.shard(g, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    for i in range(3):
+        assert torch.equal(gs(torch.ones(4)).full(), torch.full((4,), 2.0 if i else 1.0))
+        assert counter.item() == i + 1
+
+
+def test_autocast_and_the_default_dtype_around_the_call_key_the_cache():
+    """A program traced under the caller's `torch.autocast` (matmuls in bfloat16) or another
+    default dtype (`torch.ones(3)` in float64) is not reused outside it: each is traced anew."""
+    x = torch.ones(4, 4)
+    f = hpfun.shard(lambda x: x @ x, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert f(x).full().dtype == torch.bfloat16
+    assert f(x).full().dtype == torch.float32 and f.trace_count == 2
+    g = hpfun.shard(lambda x: x + torch.ones(4), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    assert g(torch.ones(4, 4, dtype=torch.float16)).full().dtype == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert g(torch.ones(4, 4, dtype=torch.float16)).full().dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert g.trace_count == 2
