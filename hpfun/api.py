@@ -481,6 +481,8 @@ class ShardedFunction:
             self._note_new_shapes(call, key)
             self._note_new_state(call)
             entry = self._compile(call, leaves)
+            if entry.written:
+                _check_written_state_unaliased(call, entry)
             self._cache[key] = entry
             if entry.auto is not None:
                 self._auto.append((key, entry))
@@ -1474,6 +1476,45 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                         "pass tensors that do not share memory (`x.clone()` for one of them)"))
     if problems:
         raise SpecError(problems, headline="arguments share memory with an input written in place")
+
+
+def _byte_range(x: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage a tensor's elements span: [first, last + 1)."""
+    if x.numel() == 0:
+        return None
+    start = x.storage_offset() * x.element_size()
+    return start, start + (sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True)) + 1) * x.element_size()
+
+
+def _check_written_state_unaliased(call: _Call, entry) -> None:
+    """At a program's first call: an input the function writes in place (lifted state too: a
+    global counter, a parameter an optimizer updates) must not overlap another input the program
+    reads (a view of it held in another global, `row = model.weight[0]`), which it would read
+    as it was at the call where eager sees the write. Checked by the bytes each spans of its
+    storage: parameters laid out side by side in one buffer do not overlap."""
+    flat, by_storage = call.flat, {}
+    for i in dict.fromkeys([*entry.fed_flat, *entry.written]):
+        x = flat[i]
+        if type(x) is Sharded or not isinstance(x, torch.Tensor) or x.device.type == "meta":
+            continue
+        span = _byte_range(x)
+        if span is not None:
+            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append((i, span))
+    fed, problems, paths = set(entry.fed_flat), [], None
+    for group in (g for g in by_storage.values() if len(g) > 1):
+        for i, (a0, a1) in group:
+            if i not in entry.written:
+                continue
+            for j, (b0, b1) in group:
+                if j != i and j in fed and a0 < b1 and b0 < a1:
+                    paths = paths or call.paths()
+                    problems.append(Problem(f"{paths[i]} and {paths[j]}", f"share memory, and the function writes "
+                                            f"{paths[i]} in place: the program reads each input as it was at the "
+                                            f"call, so {paths[j]} would not see the write as it does in eager PyTorch",
+                                            "read the written tensor itself inside the function (not a view of it "
+                                            "made outside), or keep a copy (`.clone()`)"))
+    if problems:
+        raise SpecError(problems, headline="inputs share memory with an input written in place")
 
 
 def _check_configs_unchanged(call: _Call, leaves) -> None:

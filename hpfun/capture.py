@@ -104,7 +104,12 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     """Two passes of reductions: over a split dim, each is a Partial sum (a small all-reduce)."""
     if x.is_complex():
         return NotImplemented
-    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else [d % x.ndim for d in dim]
+    if x.dtype in (torch.float16, torch.bfloat16):  # as torch's kernel: computed in float32, rounded once
+        var, mean = _var_mean(aten._to_copy.default(x, dtype=torch.float32), dim, correction=correction,
+                              keepdim=keepdim)
+        return aten._to_copy.default(var, dtype=x.dtype), aten._to_copy.default(mean, dtype=x.dtype)
+    # (a 0-d value's dim 0 or -1 is the value itself: one element)
+    dims = list(range(x.ndim)) if dim is None or len(dim) == 0 or x.ndim == 0 else [d % x.ndim for d in dim]
     count = 1
     for d in dims:
         count *= x.shape[d]

@@ -511,3 +511,68 @@ def test_autocast_and_the_default_dtype_around_the_call_key_the_cache():
     finally:
         torch.set_default_dtype(previous)
     assert g.trace_count == 2
+
+
+VIEWED = torch.zeros(4)
+VIEW = VIEWED[:2]
+
+
+def test_state_written_in_place_that_another_input_views_is_refused():
+    """A global written in place while another global (or an argument) is a view of it: the
+    program would read the view as it was at the call. Refused at the first call, naming both;
+    parameters side by side in one buffer do not overlap, and run."""
+
+    def step(x):
+        VIEWED.add_(1)
+        return x + VIEW.sum()
+
+    with pytest.raises(hpfun.SpecError, match=r"VIEWED and VIEW: share memory, and the function writes VIEWED"):
+        hpfun.shard(step, mesh=MESH, in_specs=P("a"), out_specs=P("a"))(torch.zeros(4))
+    flat = torch.zeros(8)
+    first, second = flat[:4], flat[4:]  # one buffer, two tensors that do not overlap
+
+    def update(x):
+        first.add_(x)
+        return second + 1
+
+    out = hpfun.shard(update, mesh=MESH, in_specs=P("a"), out_specs=P("a"))(torch.ones(4))
+    assert torch.equal(out.full(), torch.ones(4)) and torch.equal(flat, torch.tensor([1.0] * 4 + [0.0] * 4))
+
+
+def test_narrow_integer_and_narrowing_dtype_partial_sums_are_summed_first():
+    """A Partial sum of int8/int32 terms wraps around in its own type, so it is summed before a
+    cast to float (or a float op promoting it); a Partial passes sum/cumsum with `dtype=` only
+    into a type that holds its values exactly, and `copy_` only into its own dtype: each term
+    truncated to an integer, or overflowing float16, is not the whole value cast once."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 127, (2, 64), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 127, (64, 2), generator=g, dtype=torch.int8)
+    k_split = (P(None, "a"), P("a", None))
+    x = torch.full((4, 2), 0.5)
+    cases = [
+        (lambda a, b: (a @ b).float(), (a, b), k_split),
+        (lambda a, b: (a.int() @ b.int()) * 0.5, (a, b), k_split),
+        (lambda x: x.sum(0).sum(dtype=torch.int64), (x,), (P("a"),)),
+        (lambda x: x.sum(0).cumsum(0, dtype=torch.int64), (x,), (P("a"),)),
+        (lambda x: torch.zeros(2, dtype=torch.int64).copy_(x.sum(0)), (x,), (P("a"),)),
+        (lambda a, b: (a @ b).sum(dtype=torch.float16), (torch.tensor([[1e3, 1e3, -1e3, -1e3]]), torch.full((4, 1), 40.0)),
+         k_split),  # each rank's term, 80000, overflows float16; the whole value is 0
+    ]
+    for fn, args, specs in cases:
+        got = hpfun.shard(fn, mesh=MESH, in_specs=specs, out_specs=P())(*args).full()
+        want = fn(*args)
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_variance_is_computed_in_float32_as_torch_does(dtype):
+    """var and var_mean of float16/bfloat16 values (hpfun's own decomposition) compute in float32
+    and round once, as torch's kernel does: float16 squares overflowed to inf, bfloat16 ones lost
+    15x more; a 0-d value's variance is nan, not a ZeroDivisionError."""
+    x = (torch.arange(16, dtype=torch.float32).reshape(2, 8) * 40 + 100).to(dtype)
+    for spec in (P(), P(None, "a")):
+        f = hpfun.shard(lambda x: torch.var_mean(x, 1), mesh=MESH, in_specs=spec, out_specs=P())
+        for got, want in zip(f(x), torch.var_mean(x, 1), strict=True):
+            assert got.full().dtype == dtype and torch.equal(got.full(), want)
+    zero_d = hpfun.shard(lambda x: x.sum().var(0), mesh=MESH, in_specs=P("a"), out_specs=P())(torch.ones(4))
+    assert zero_d.full().isnan()

@@ -45,8 +45,10 @@ class Pointwise(Rule):
 
     def _follow_partial(self, call: OpCall, seed, placement):
         tensors = call.tensors
-        if self.linear_to_float_only and not _widens(seed.dtype, call.outputs[0].dtype):
-            return None
+        out = call.outputs[0].dtype
+        if (self.linear_to_float_only or out != seed.dtype) and not _widens(seed.dtype, out):
+            return None  # (a type promotion that changes the arithmetic: int8 terms summed as floats do not wrap)
+
         if not _finite_scalars(call):
             return None
         if seed.index in self.linear_each:
@@ -78,12 +80,15 @@ def _finite_scalars(call: OpCall) -> bool:
 
 
 def _widens(src, dst) -> bool:
-    """A cast from `src` to `dst` is exact: dst is floating or complex, and its components
-    hold every value of src's (integers are taken as exact, as casts of small counts are)."""
+    """A cast from `src` to `dst` is linear on sums: dst is floating or complex, and its
+    components hold every value of src's. A sum of narrow integers is not: it wraps around in
+    its type (int8 terms 100 + 100 sum to -56), so such terms are summed in their own type first.
+    int64 terms (counts: `(labels != -100).sum()`) are cast as they are: exact below 2**24 in
+    float32, and beyond that rounded as a float sum's terms are."""
     if not (dst.is_floating_point or dst.is_complex):
         return False
     if not (src.is_floating_point or src.is_complex):
-        return True
+        return src == torch.int64
     a, b = torch.finfo(src), torch.finfo(dst)
     return b.eps <= a.eps and b.max >= a.max and b.smallest_normal <= a.smallest_normal
 

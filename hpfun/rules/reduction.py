@@ -12,6 +12,15 @@ import attrs
 
 from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+from hpfun.rules.pointwise import _widens
+
+
+def _keeps_sums(x, call: OpCall) -> bool:
+    """A Partial input passes a reduction only in its own dtype or cast exactly wider:
+    `sum(dtype=torch.int64)` of terms truncates each term, and `dtype=torch.float16` rounds
+    (or overflows) each one, where the whole value is cast once."""
+    out = call.outputs[0].dtype
+    return out == x.dtype or _widens(x.dtype, out)
 
 _REDUCES = (None, "sum", "avg", "max", "min")
 
@@ -58,7 +67,7 @@ class Reduction(Rule):
                 option = ((p,) + (R,) * (n_in - 1), (Shard(self.out_dim(call, p.dim, reduced)),) * n_out)
             elif isinstance(p, Shard) and self.reduce is not None:
                 option = ((p,) + (R,) * (n_in - 1), (Partial(self.reduce),) * n_out)
-            elif isinstance(p, Partial) and p.reduce in self.pass_partials:
+            elif isinstance(p, Partial) and p.reduce in self.pass_partials and _keeps_sums(x, call):
                 option = ((p,) + (R,) * (n_in - 1), (p,) * n_out)
             per_axis.append([option, replicated_option(call)])
         return combine_axes(call, per_axis)
@@ -110,7 +119,7 @@ class Normalize(Rule):
             options = [replicated_option(call)]
             for t in call.tensors:
                 p = t.layout.placements[a]
-                passes = isinstance(p, Partial) and p.reduce in self.pass_partials
+                passes = isinstance(p, Partial) and p.reduce in self.pass_partials and _keeps_sums(t, call)
                 if (isinstance(p, Shard) and p.dim not in whole) or passes:
                     options.insert(0, ((p,) * n_in, (p,) * n_out))
             per_axis.append(options)
