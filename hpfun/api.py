@@ -1501,12 +1501,13 @@ def _check_written_state_unaliased(call: _Call, entry) -> None:
         if span is not None:
             by_storage.setdefault(x.untyped_storage().data_ptr(), []).append((i, span))
     fed, problems, paths = set(entry.fed_flat), [], None
+    arguments = len(flat) - len(call.lifted)  # (two arguments: checked at every call, `_check_unaliased`)
     for group in (g for g in by_storage.values() if len(g) > 1):
         for i, (a0, a1) in group:
             if i not in entry.written:
                 continue
             for j, (b0, b1) in group:
-                if j != i and j in fed and a0 < b1 and b0 < a1:
+                if j != i and j in fed and a0 < b1 and b0 < a1 and not (i < arguments and j < arguments):
                     paths = paths or call.paths()
                     problems.append(Problem(f"{paths[i]} and {paths[j]}", f"share memory, and the function writes "
                                             f"{paths[i]} in place: the program reads each input as it was at the "

@@ -35,6 +35,7 @@ import weakref
 
 import attrs
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR
 from hpfun.optimizers import PythonFloats, read_as_float
@@ -84,6 +85,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     seen_objects: set[int] = set()
     seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
     seen_places: set = set()  # (id of a cell or a globals dict, name): a variable two functions read is one root
+    seen_classes: set = set()  # the user's classes whose methods and values were walked
     names: set[str] = set()
 
     def unique(name: str, owner: str) -> str:
@@ -97,7 +99,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         names.add(name)
         return name
 
-    def value(obj, name: str, read, write, owner: str = "") -> None:
+    def value(obj, name: str, read, write, owner: str = "", attrs_read: frozenset = frozenset()) -> None:
         if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
@@ -120,6 +122,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             seen_objects.add(id(obj))
             roots.append(Root(unique(name, owner) if name else name, obj))
+            if isinstance(obj, torch.nn.Module):
+                module_code(obj)
         elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
@@ -140,22 +144,67 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
+        elif isinstance(getattr(obj, "__wrapped__", None), types.FunctionType) and callable(obj):
+            function(obj.__wrapped__, name)  # a decorated helper (functools.lru_cache, functools.wraps)
         elif isinstance(getattr(type(obj), "traced_function", None), property):  # a sharded function called
             value(obj.traced_function, name, _constant(obj.fn), None)  # inside this one: its code and state are ours
         elif _is_user_object(obj):  # an instance of the user's own class (a Trainer holding model and opt)
             seen_objects.add(id(obj))
             note(None)
-            for k, v in list(vars(obj).items()):
+            for k, v in list(attributes(obj).items()):
                 value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
-            function(obj, name)  # its __call__, if it has one
+            user_classes(type(obj), name, obj)  # its methods (`__call__` too) and class attributes
         elif isinstance(obj, type) and _is_user_class(obj) and id(obj) not in seen_objects:
             seen_objects.add(id(obj))  # a class of the user's used as a namespace (`Config.scale`)
-            for k, v in list(vars(obj).items()):  # its values, and sets, dicts and lists of them
-                if not k.startswith("__") and (_is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list)):
-                    note((obj, k, v))  # (an attribute set to another object: walked again)
-                    value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
+            user_classes(obj, name)
+        elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read:
+            module = vars(obj)  # a module of the user's read as a config (`import config; config.LR`)
+            note(_Unchanged(module))
+            for k in sorted(attrs_read & module.keys()):
+                v = module[k]
+                if _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list) or _is_user_object(v):
+                    value(v, _join(name, k), functools.partial(module.get, k), functools.partial(module.__setitem__, k))
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
+
+    def user_classes(cls: type, name: str, instance=None) -> None:
+        """The user's classes in `cls`'s method order: their methods are walked (the globals they
+        read key the cache as the function's own do), and their values (sets, dicts and lists of
+        them too) are read through the instance when given (an attribute it does not shadow)."""
+        for c in cls.__mro__:
+            if c in seen_classes or not _is_user_class(c) or c.__module__.startswith("torch."):
+                continue
+            seen_classes.add(c)
+            for k, v in list(vars(c).items()):
+                if k.startswith("__") and k != "__call__":
+                    continue
+                if isinstance(v, types.FunctionType):
+                    note((c, k, v))  # (a method patched on the class: walked again)
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                elif isinstance(v, property):
+                    v = v.fget
+                if isinstance(v, types.FunctionType):
+                    bound.append((f"{c.__qualname__}.{k}", _binding(v)))  # (patched on the class: compiled again)
+                    function(v, name)
+                elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
+                    note((c, k, v))  # (an attribute set to another object: walked again)
+                    holder = instance if instance is not None else c
+                    value(v, _join(name, k), functools.partial(getattr, holder, k), functools.partial(setattr, c, k))
+
+    def module_code(module: torch.nn.Module) -> None:
+        """A module tree's code: each module's own class (a user's `forward` reading a global)
+        and the hooks it holds, each bound by identity (a hook added or removed compiles
+        again); the walk is done again when a submodule or a hook is added, removed or replaced."""
+        note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
+        for mod_name, mod in module.named_modules(remove_duplicate=True):  # (a submodule replaced: `RootCache`)
+            user_classes(type(mod), "")
+            for kind in _HOOK_DICTS:
+                hooks = getattr(mod, kind, None)
+                if hooks:  # (one removed: walked again)
+                    note(_Unchanged(hooks))
+                    for h in list(hooks.values()):
+                        value(h, _join(mod_name, kind.lstrip("_")), _constant(h), None)
 
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
@@ -189,7 +238,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 continue
             seen_places.add((id(cell), var))
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
-                  functools.partial(setattr, cell, "cell_contents"), owner=name)
+                  functools.partial(setattr, cell, "cell_contents"), owner=name, attrs_read=_attribute_names(code))
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
         defaults = fn.__defaults__ or ()
         for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):
@@ -205,7 +254,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             note((g, var, g.get(var, _MISSING)))
             if var in g and (id(g), var) not in seen_places:
                 seen_places.add((id(g), var))
-                value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var))
+                value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var),
+                      attrs_read=_attribute_names(code))
 
     note = guard.append if guard is not None else lambda _: None
     bound: list = []  # (name, token) of the functions, classes and modules the walk read from a global or a cell
@@ -217,6 +267,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         seen_objects.add(id(fn))
         note((type(fn), "forward", type(fn).forward))
         function(type(fn).forward.__get__(fn), "")
+        module_code(fn)
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
     if bound:  # one static for all of them, made once per walk (every binding it read is in the guard)
@@ -290,6 +341,36 @@ class Bindings:
         return f"<{len(self.items)} functions and classes called>"
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_names(code: types.CodeType) -> frozenset:
+    """Names `code` (and the code inside it) loads as attributes (`config.LR` loads LR)."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _attribute_names(const)
+    return frozenset(names)
+
+
+def _is_user_module(module: types.ModuleType) -> bool:
+    """A Python module of the user's (a `config.py` beside the script), not a library's."""
+    filename = getattr(module, "__file__", None)
+    return filename is not None and filename.endswith(".py") and not _is_library(filename)
+
+
+def attributes(obj) -> dict:
+    """An object's attributes by name: its `__dict__`, and the `__slots__` its classes declare."""
+    out = dict(getattr(obj, "__dict__", None) or {})
+    for cls in type(obj).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for k in (slots,) if isinstance(slots, str) else slots:
+            if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
+                out[k] = getattr(obj, k)
+    return out
+
+
 def _frozen_reader(read):
     return lambda: frozenset(read())
 
@@ -333,13 +414,16 @@ class RootCache:
         """`collect` of the roots; the last State again while nothing it read has changed, with
         the statics (learning rates, scalars) read anew."""
         roots, opaque = self()
-        if self._state is not None and self._state[0] is roots and self._state[2].holds():
-            state = self._state[1]
-            now = statics(roots, state.statics)
-            if now != state.statics:
-                state = attrs.evolve(state, statics=now)
-                self._state = (roots, state, self._state[2])
-            return state
+        if self._state is not None and self._state[0] is roots:
+            if self._state[2].holds():
+                state = self._state[1]
+                now = statics(roots, state.statics)
+                if now != state.statics:
+                    state = attrs.evolve(state, statics=now)
+                    self._state = (roots, state, self._state[2])
+                return state
+            self._last = None  # (a submodule replaced: its class's code is walked too)
+            roots, opaque = self()
         snapshot = Snapshot()
         state = collect(roots, opaque, snapshot)
         self._state = (roots, state, snapshot)
@@ -563,7 +647,7 @@ def object_key(x, depth: int = 4):
     if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
     if depth and is_config(x):
-        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in vars(x).items()))
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in attributes(x).items()))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return ("tensor", id(x))
     try:
@@ -614,7 +698,10 @@ def _default_writer(fn, i: int):
 def _is_user_object(obj) -> bool:
     """An instance of a class defined in the user's code (not a library's), with attributes, or
     a namespace of them (`argparse`'s parsed arguments, a `SimpleNamespace` config)."""
-    if not isinstance(getattr(obj, "__dict__", None), dict) or isinstance(obj, (type, types.ModuleType)):
+    if isinstance(obj, (type, types.ModuleType)):
+        return False
+    if not isinstance(getattr(obj, "__dict__", None), dict) and not any("__slots__" in vars(c) and vars(c)["__slots__"]
+                                                                        for c in type(obj).__mro__[:-1]):
         return False
     if type(obj) in (argparse.Namespace, types.SimpleNamespace):
         return True
@@ -789,20 +876,23 @@ class ModuleValues:
     `objects` names where the values live (module FQN, or FQN.attribute for a held object), for
     writing a value back (`replay`)."""
 
-    __slots__ = ("items", "objects", "_hash")
+    __slots__ = ("items", "objects", "extra", "_hash")
 
-    def __init__(self, items: tuple, objects: dict):
-        self.items, self.objects = items, objects
-        self._hash = hash(items)
+    def __init__(self, items: tuple, objects: dict, extra: tuple = ()):
+        # `extra`: what else a module holds that a trace bakes in, compared but never written back:
+        # which function an attribute holds (`self.act = torch.relu`), lists, sets and nested dicts
+        # of numbers, NumPy arrays, a config's nested objects
+        self.items, self.objects, self.extra = items, objects, extra
+        self._hash = hash((items, extra))
 
     @classmethod
     def of(cls, prefix: str, module: torch.nn.Module) -> "ModuleValues":
-        items, objects, seen = [], {}, set()
+        items, objects, seen, extra = [], {}, set(), []
         for mod_name, mod in module.named_modules(remove_duplicate=True):
             base = _join(prefix, mod_name)
             objects[base] = mod
             for attr, v in vars(mod).items():
-                if attr == "training" or attr.startswith("__"):
+                if attr == "training" or attr.startswith("__") or attr in _MODULE_INTERNALS:
                     continue
                 if _is_scalar(v):
                     items.append((_join(base, attr), v))
@@ -814,15 +904,27 @@ class ModuleValues:
                 elif _is_plain_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
-                    items += [(_join(_join(base, attr), k), w) for k, w in vars(v).items()
-                              if _is_scalar(w) and not k.startswith("_")]  # (not its bookkeeping: a hash of itself)
-        return cls(tuple(items), objects)
+                    for k, w in vars(v).items():
+                        if k.startswith("_"):  # (not its bookkeeping: a hash of itself)
+                            continue
+                        if _is_scalar(w):
+                            items.append((_join(_join(base, attr), k), w))
+                        elif (key := _held_values(w)) is not None:
+                            extra.append((_join(_join(base, attr), k), key))
+                        elif _is_plain_object(w):  # a config's nested section (`config.text_config.hidden_size`)
+                            extra.append((_join(_join(base, attr), k), tuple(
+                                (n, u if _is_scalar(u) else _held_values(u)) for n, u in vars(w).items()
+                                if not n.startswith("_") and (_is_scalar(u) or _held_values(u) is not None))))
+                elif (key := _held_values(v)) is not None:
+                    extra.append((_join(base, attr), key))
+        return cls(tuple(items), objects, tuple(extra))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (type(other) is ModuleValues and self._hash == other._hash and self.items == other.items)
+        return self is other or (type(other) is ModuleValues and self._hash == other._hash and self.items == other.items
+                                 and self.extra == other.extra)
 
     def __repr__(self) -> str:
         return f"<{len(self.items)} Python values of modules>"
@@ -853,11 +955,57 @@ class ModuleValues:
             setattr(owner, attr, value)
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own bookkeeping in every module
+
+
+def _held_values(v):
+    """What keys the cache for a non-scalar value a module (or its config) holds: a function by
+    `_binding`, a list, tuple, set or dict of numbers (nested too) or a NumPy array by its values;
+    None for anything else (state, submodules, objects walked on their own)."""
+    if isinstance(v, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer)):
+        return None
+    if type(v) is set and len(v) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, v)):
+        return ("set", frozenset(v))
+    if type(v) in (list, tuple, dict) or _is_numbers_array(v):
+        key = object_key(v, 3)
+        return key if _plain(key) else None
+    if callable(v) and not _is_plain_object(v):
+        return _binding(v)
+    return None
+
+
+def _plain(key) -> bool:
+    """Whether an `object_key` holds values only (no object by identity, no tensor)."""
+    if isinstance(key, tuple):
+        if len(key) == 3 and key[0] in ("object", "tensor"):
+            return False
+        return all(_plain(k) for k in key)
+    return True
+
+
+def _watch_held(snapshot, v, depth: int = 3) -> None:
+    """A module's list or dict of numbers, watched (and the ones inside it) so that an edit in
+    place (`model.ks[0] = 3.0`) collects the module's values again."""
+    if type(v) is dict and len(v) <= PLAIN_CONTAINER_ITEMS:
+        snapshot.dict(v)
+        items = v.values()
+    elif type(v) is list and len(v) <= PLAIN_CONTAINER_ITEMS:
+        snapshot.list(v)
+        items = v
+    else:
+        return
+    for w in items if depth > 1 else ():
+        _watch_held(snapshot, w, depth - 1)
+
+
 def expand_statics(statics: dict) -> dict:
     """`statics` with each ModuleValues spread into its values by name (for messages)."""
     out = {}
     for k, v in statics.items():
-        if type(v) in (ModuleValues, Bindings):
+        if type(v) is ModuleValues:
+            out.update(v.items)
+            out.update(v.extra)
+        elif type(v) is Bindings:
             out.update(v.items)
         else:
             out[k] = v
@@ -900,10 +1048,18 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                                headline="cannot lift the state the function reads")
         for store in (vars(mod), mod._parameters, mod._buffers, mod._modules):
             snapshot.dict(store)
-        for v in vars(mod).values():  # a config's values key the cache too (`ModuleValues`)
+        for attr, v in vars(mod).items():  # a config's values key the cache too (`ModuleValues`)
             if _is_plain_object(v) and id(v) not in objects:
                 objects.add(id(v))
                 snapshot.dict(vars(v))
+                for w in vars(v).values():
+                    _watch_held(snapshot, w)
+                    if _is_plain_object(w) and id(w) not in objects:
+                        objects.add(id(w))
+                        snapshot.dict(vars(w))
+            elif attr not in _MODULE_INTERNALS and type(v) in (list, dict) and id(v) not in objects:
+                objects.add(id(v))
+                _watch_held(snapshot, v)
         for attr, p in list(mod._parameters.items()):
             if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
                                      functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):

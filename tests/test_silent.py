@@ -1,6 +1,7 @@
 """Nothing silently wrong: regression tests for whole programs that once gave a wrong answer,
 or failed inside the run, where every op's own rule check passed."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -576,3 +577,75 @@ def test_16_bit_variance_is_computed_in_float32_as_torch_does(dtype):
             assert got.full().dtype == dtype and torch.equal(got.full(), want)
     zero_d = hpfun.shard(lambda x: x.sum().var(0), mesh=MESH, in_specs=P("a"), out_specs=P())(torch.ones(4))
     assert zero_d.full().isnan()
+
+
+SCALE = 2.0
+
+
+class _Block(torch.nn.Module):
+    scale = 1.0  # a class-level constant read as self.scale
+
+    def __init__(self):
+        super().__init__()
+        self.act, self.ks, self.opts = torch.relu, [1.0], {"k": {"j": 1.0}}
+
+    def forward(self, x):
+        return self.act(x) * SCALE * self.scale * self.ks[0] * self.opts["k"]["j"]
+
+
+class _Helper:
+    def apply(self, x):
+        return x * SCALE
+
+
+@dataclasses.dataclass(slots=True)
+class _Slots:
+    alpha: float = 2.0
+
+
+def test_what_modules_objects_and_their_classes_hold_keys_the_cache(tmp_path, monkeypatch):
+    """Changed between calls, each of these compiles again (it was reused, stale): a global read
+    by a closed-over module's forward or an object's method; a module's function attribute, a
+    list or nested dict it holds edited in place, its class's constant; a hook added or removed;
+    a method patched on the class; a slots dataclass's field; an attribute of the user's own
+    config module. Every call equals eager."""
+    global SCALE
+    x = torch.linspace(-1, 1, 8)
+    block, helper, cfg, apply = _Block(), _Helper(), _Slots(), _Helper.apply
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hpfun_test_settings.py").write_text("LR = 0.1\n")
+    import hpfun_test_settings as settings
+
+    fns = [lambda x: block(x), lambda x: helper.apply(x), lambda x: x * cfg.alpha, lambda x: x * settings.LR]
+    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a")) for fn in fns]
+
+    def check():
+        for fn, f in zip(fns, sharded, strict=True):
+            torch.testing.assert_close(f(x).full(), fn(x), rtol=1e-6, atol=0)
+
+    changes = [lambda: globals().__setitem__("SCALE", 3.0), lambda: setattr(block, "act", torch.tanh),
+               lambda: block.ks.__setitem__(0, 2.0), lambda: block.opts["k"].__setitem__("j", 4.0),
+               lambda: setattr(_Block, "scale", 5.0), lambda: setattr(cfg, "alpha", 7.0),
+               lambda: setattr(settings, "LR", 0.5), lambda: setattr(_Helper, "apply", lambda self, x: x - SCALE)]
+    try:
+        check()
+        for change in changes:
+            change()
+            check()
+        handle = block.register_forward_hook(lambda m, i, o: o * 10)
+        check()
+        handle.remove()
+        check()
+    finally:
+        SCALE, _Block.scale, _Helper.apply = 2.0, 1.0, apply
+    assert sharded[0].trace_count == 7  # the first, a compile per change it sees; the hook removed: the first again
+
+
+def test_reading_the_clock_while_traced_is_refused():
+    """`time.time()` in the function would be the trace's reading, repeated at every call:
+    refused at the user's line (the logging module's own readings are not the user's)."""
+    import time
+
+    f = hpfun.shard(lambda x: x * (time.time() % 7), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    with pytest.raises(hpfun.CaptureError, match=r"time.time at .*test_silent.py:\d+.*reads the clock"):
+        f(torch.ones(4))
