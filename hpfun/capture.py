@@ -537,6 +537,8 @@ def _cumulative_batch_norm():
 
 _PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
               "normalvariate", "getrandbits", "betavariate", "expovariate", "triangular", "lognormvariate")
+_STDLIB = os.path.dirname(os.__file__) + os.sep  # (logging reads the clock for its records: not the user's reading)
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time")
 _NP_RANDOM = ("rand", "randn", "random", "random_sample", "randint", "uniform", "normal", "choice", "shuffle",
               "permutation", "binomial", "poisson", "beta", "exponential")
 
@@ -549,6 +551,7 @@ def _python_random_refused():
     augmentation `if random.random() < 0.5` applied always or never), silently."""
     import random
     import threading
+    import time
 
     tracing_thread = threading.get_ident()  # (another thread's draws are its own business)
 
@@ -565,7 +568,21 @@ def _python_random_refused():
             return original(*args, **kwargs)
         return draw
 
+    def clock(name: str, original):
+        def read(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if threading.get_ident() == tracing_thread and _is_user_frame(caller) and not caller.startswith(_STDLIB):
+                raise CaptureError(Problem(f"time.{name}{_at_user_line()}",
+                                           "reads the clock while hpfun traces the function: the program would "
+                                           "repeat the trace's reading at every call",
+                                           "time the call outside the sharded function (`start = time.perf_counter(); "
+                                           "loss = step(x); elapsed = time.perf_counter() - start`), or pass the "
+                                           "value in as an argument"))
+            return original(*args, **kwargs)
+        return read
+
     patches = [mock.patch.object(random, name, guard("random", name, getattr(random, name))) for name in _PY_RANDOM]
+    patches += [mock.patch.object(time, name, clock(name, getattr(time, name))) for name in _CLOCKS]
     np = sys.modules.get("numpy")
     if np is not None:
         patches += [mock.patch.object(np.random, name, guard("numpy.random", name, getattr(np.random, name)))
@@ -1538,6 +1555,12 @@ def _describe(err: Exception) -> str:
         hint = (" — a sharded function is written on whole tensors, and hpfun inserts the collectives its layouts "
                 "need: leave torch.distributed calls (all_reduce, broadcast...) out of it, and say where a value "
                 "should be split or summed with in_specs, out_specs or hpfun.constrain")
+    if "does not require grad and does not have a grad_fn" in str(err):
+        hint = (" — nothing it was computed from requires grad here. Arguments are traced as values, without "
+                "requires_grad (their .grad would be a write to the caller's tensor): to differentiate with respect "
+                "to one, use torch.func.grad "
+                "(`torch.func.grad(loss_fn)(x)`), or hold the tensor in a module as a parameter, whose gradient "
+                "hpfun writes back")
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if first.startswith("Could not run") and ". " in first:  # not the dispatcher's list of every backend
         first = first[:first.index(". ") + 1]

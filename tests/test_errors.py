@@ -519,3 +519,19 @@ def test_bad_constrain_specs_are_reported_together_at_their_lines():
     _, text = _raise(odd, torch.ones(4, 7), error=hpfun.SpecError)
     assert "dim 1 of size 7 is not divisible by the mesh axes sharding it (tp=2) (shape (4, 7))" in text
     assert "test_errors.py" in text  # the user's line
+
+
+def test_backward_to_an_argument_names_torch_func_grad():
+    """`loss.backward()` through an argument that requires grad, then `x.grad`: arguments are
+    traced as values, and the error says how to differentiate with respect to one."""
+    x = torch.ones(4, 2, requires_grad=True)
+
+    def f(x):
+        (x ** 2).sum().backward()
+        return x.grad
+
+    with pytest.warns(UserWarning, match="require grad"):
+        _, text = _raise(hpfun.shard(f, mesh=MESH, in_specs=P("dp"), out_specs=P("dp")), x, error=hpfun.CaptureError)
+    assert "does not require grad" in text and "torch.func.grad(loss_fn)(x)" in text
+    got = hpfun.shard(torch.func.grad(lambda x: (x ** 2).sum()), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))(x)
+    assert torch.equal(got.full(), 2 * x.detach())
