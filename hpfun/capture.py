@@ -1260,6 +1260,11 @@ class _TensorScalars(TorchFunctionMode):
             return _cov(func, *args, **kwargs)
         if func in (torch.corrcoef, torch.Tensor.corrcoef) and isinstance(args[0], torch.Tensor):
             return _corrcoef(func, *args, **kwargs)
+        if func is torch.Tensor.view and isinstance(args[0], torch.Tensor):
+            try:
+                return func(*args, **kwargs)
+            except ValueError as err:  # the trace's view check raises ValueError where eager raises
+                raise RuntimeError(str(err)) from err  # RuntimeError (`except RuntimeError: x.reshape(...)`)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \

@@ -649,3 +649,17 @@ def test_reading_the_clock_while_traced_is_refused():
     f = hpfun.shard(lambda x: x * (time.time() % 7), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
     with pytest.raises(hpfun.CaptureError, match=r"time.time at .*test_silent.py:\d+.*reads the clock"):
         f(torch.ones(4))
+
+
+def test_a_view_that_fails_raises_what_eager_raises():
+    """`x.view(-1)` of a transposed tensor raises RuntimeError in eager, and code falls back on
+    it (`except RuntimeError: x.reshape(-1)`); the trace raises the same type."""
+
+    def flat(x):
+        try:
+            return x.view(-1) * 2
+        except RuntimeError:
+            return x.reshape(-1) * 2
+
+    x = torch.arange(12.0).reshape(3, 4).t()
+    assert torch.equal(hpfun.shard(flat, mesh=MESH, in_specs=P(), out_specs=P())(x).full(), flat(x))
