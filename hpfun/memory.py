@@ -35,17 +35,15 @@ ops that allocate what they return), after a warm-up run, under `torch.profiler`
 
 from __future__ import annotations
 
-import contextlib
 import html
 import operator
-import os
-import sys
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from hpfun.layout import Layout
+from hpfun.quiet import silenced
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -412,19 +410,6 @@ def measure(f, *args, rank: int = 0, **kwargs) -> Measured:
         return Measured(held, _cpu_peak(run) - copies)
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _cpu_peak(fn) -> int:
     """The CPU allocator's peak above its level when `fn` starts, while `fn` runs (its result
     is kept until the end, as a caller keeps a program's outputs)."""
@@ -432,12 +417,12 @@ def _cpu_peak(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():  # the profiler's backend logs its start and stop on fd 2
+    with silenced(2):  # the profiler's backend logs its start and stop on fd 2
         prof.start()
     try:
         result = fn()
     finally:
-        with _quiet_stderr():
+        with silenced(2):
             prof.stop()
     del result
     events = []

@@ -58,13 +58,10 @@ left with one candidate is a constant. A node left with none is reported by name
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import itertools
 import math
 import numbers
-import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
@@ -75,6 +72,7 @@ import scipy.optimize
 import scipy.sparse
 
 from hpfun.errors import HpfunError, Problem as Issue, ShardingError
+from hpfun.quiet import silenced
 
 Node = Hashable
 Value = tuple[Hashable, int]  # (producer node, output index)
@@ -776,29 +774,10 @@ def _run(model: _Model, time_limit: float):
     start = time.perf_counter()
     result = milp(np.zeros_like(integral), time_limit)  # the LP relaxation first: often integral (see docstring)
     if not (result.status == 0 and _integral(result.x, integral)):
-        with _quiet_stdout():  # HiGHS's branch and bound prints a debug line of its own now and then
+        with silenced(1):  # HiGHS's branch and bound prints a debug line of its own now and then
             result = milp(integral, max(time_limit - (time.perf_counter() - start), 1.0))
     objective = None if result.x is None else math.fsum(model.offset) + float(costs @ result.x)
     return result, objective
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """File descriptor 1 sent to /dev/null while a solver's C code runs (Python's own output
-    flushed first, so nothing of the caller's is lost)."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no file descriptor 1 (an embedded interpreter): nothing to quiet
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _integral(values, integral, tolerance: float = 1e-9) -> bool:
