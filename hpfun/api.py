@@ -512,7 +512,7 @@ class ShardedFunction:
         for where, (was, now) in changed.items():
             self._read_changes[where] = seen = self._read_changes.get(where, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
-                fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+                fn = _name(self.fn)
                 warnings.warn(
                     f"hpfun.shard({fn}) compiled a new program {seen} times because a value the function reads "
                     f"from its inputs changed ({where.strip()}; last {was!r} -> {now!r}): the program is traced "
@@ -557,7 +557,7 @@ class ShardedFunction:
         for container in dict.fromkeys(name.rpartition(".")[0] for name in added):
             self._state_growth[container] = seen = self._state_growth.get(container, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
-                fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+                fn = _name(self.fn)
                 new = [name for name in added if name.rpartition(".")[0] == container]
                 warnings.warn(
                     f"hpfun.shard({fn}) compiled a new program {seen} times because {container or 'the state'} "
@@ -580,7 +580,7 @@ class ShardedFunction:
         last = same[-1][1]
         changed = [f"{path} {list(now.shape)} (was {list(was.shape)})" for path, was, now in
                    zip(call.paths(), last, leaves, strict=True) if now.kind == "tensor" and was.shape != now.shape]
-        fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        fn = _name(self.fn)
         warnings.warn(f"hpfun.shard({fn}) compiled {len(same) + 1} programs for the same arguments in new shapes "
                       f"(last: {', '.join(changed[:3])}): each shape is a program, traced and compiled once (seconds "
                       "each) and kept. Pad inputs to a few fixed shapes (batches bucketed by length).",
@@ -895,6 +895,11 @@ class RetraceWarning(UserWarning):
     arguments keep coming in new shapes."""
 
 
+def _name(fn) -> str:
+    """A sharded function's name for messages."""
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
 def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:
     """Whether two signatures' leaves agree but for the values of Python numbers among them."""
     return len(cached) == len(leaves) and all(
@@ -902,7 +907,7 @@ def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:
 
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:
-    fn = getattr(f.fn, "__qualname__", type(f.fn).__name__)
+    fn = _name(f.fn)
     head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
             f"(last {before!r} -> {now!r}): a Python number the trace reads is baked into the program, and "
             "every new value compiles again (seconds each, and every program stays cached).")

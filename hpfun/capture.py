@@ -1030,7 +1030,7 @@ class InputRead:
     copies: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self):
-        object.__setattr__(self, "copies", any(_writes(op) for op, *_ in self.steps))
+        object.__setattr__(self, "copies", any(writes(op) for op, *_ in self.steps))
 
     def holds(self, inputs: list) -> bool:
         return same_value(self.evaluate(inputs), self.value)
@@ -1056,7 +1056,8 @@ class InputRead:
         return self.read(made[-1], *self.read_args)
 
 
-def _writes(op) -> bool:
+@functools.cache
+def writes(op) -> bool:
     """Whether an ATen op writes into one of its arguments (`add_`, `copy_`, `index_put_`)."""
     schema = getattr(op, "_schema", None)
     return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
@@ -1143,7 +1144,7 @@ def _constant_value(t):
     def step_arg(a):
         return ref[a] if isinstance(a, torch.fx.Node) else a
 
-    copies = any(node.op == "call_function" and _writes(node.target) for node in made)  # (on copies, then)
+    copies = any(node.op == "call_function" and writes(node.target) for node in made)  # (on copies, then)
     with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
         for node in sorted(made, key=order.__getitem__):
             if node.op == "get_attr":
@@ -1207,7 +1208,7 @@ def _writes_into(node: torch.fx.Node) -> list | None:
             if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
                 return None
             schema = target._schema
-            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            if writes(target):
                 writers.append(user)
             if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are ours
                 stack.append(user)

@@ -17,7 +17,6 @@ every compile, and `HPFUN_DEBUG` (any level) or `HPFUN_VERIFY=1` turns them on f
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 
@@ -25,7 +24,7 @@ import torch
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from hpfun.capture import user_line
+from hpfun.capture import user_line, writes as _writes
 from hpfun.errors import HpfunError, LayoutError, Problem
 from hpfun.layout import Layout, Shard
 from hpfun.mesh import Mesh
@@ -292,11 +291,6 @@ def _meta_key(x):
     if isinstance(x, dict):
         return ("dict", tuple((k, _meta_key(v)) for k, v in x.items()))
     return (type(x), x)  # True, 1 and 1.0 hash alike: the type keeps them apart
-
-
-@functools.cache
-def _writes(target) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 # in-place ops that change a tensor's shape or strides
