@@ -19,10 +19,11 @@ import warnings
 import attrs
 import torch
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing
+from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
 from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
@@ -37,11 +38,11 @@ from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
-from hpfun.sharded import Sharded, rank_block, redistribute, signature, unchecked  # redistribute: hpfun.api's name too
+from hpfun.sharded import Sharded, rank_block, redistribute, signature, spent_error, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
     match_patterns, misfit, only_wildcards, pattern_matches, register_container, spec_tree_problems, specificity,
-    tensor_layout, warn_kept_whole, warn_kept_whole_unless,
+    split_scalars, tensor_layout, warn_kept_whole, warn_kept_whole_unless,
 )
 from hpfun.writeback import WriteBack
 
@@ -181,6 +182,9 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise SpecError(f"cost_model must be an hpfun.plan.CostModel, got {type(cost_model).__name__}",
                         headline="bad option")
+    if cost_model is not None and isinstance(mesh, Mesh) and (unknown := cost_model.unknown_axes(mesh)):
+        raise SpecError(f"cost_model's per_axis names {', '.join(map(repr, unknown))}, which the mesh {mesh} has no axis "
+                        f"of: name its axes {mesh.axis_names}", headline="bad option")
     if solver not in ("greedy", "exact"):
         raise SpecError(f"solver must be 'greedy' or 'exact', got {solver!r}", headline="bad option")
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
@@ -378,13 +382,23 @@ class ShardedFunction:
         if entry.written and entry.written[0] < (arguments := len(flat) - len(call.lifted)):
             _check_unaliased(call, entry, arguments)
         tensors = [flat[i] for i in entry.fed_flat] + entry.constants_list
-        if not entry.program.donated:
-            shards = execute(entry.program, tensors, self.options.compile)
+        if entry.on_meta:  # shapes only: what the program makes on the CPU it was traced on is made on meta
+            with _OnMeta():
+                shards = execute(entry.program, tensors)
+        elif not entry.program.donated:
+            try:
+                shards = execute(entry.program, tensors, self.options.compile)
+            except SpecError:
+                if spent := spent_error(tensors):  # (each value a call consumed, not only the first read)
+                    raise spent from None
+                raise
         else:
             released = []
             try:
                 shards = execute(entry.program, tensors, self.options.compile, released, entry.spent)
             except BaseException as err:
+                if isinstance(err, SpecError) and not released and (spent := spent_error(tensors)):
+                    raise spent from None  # (read before anything ran: nothing of this call is consumed)
                 writeback.lose(released, err)
                 _spend(tensors, entry.spent, err)
                 raise
@@ -614,13 +628,15 @@ class ShardedFunction:
         follow their parameter; a block a distributed call left keeps its layout."""
         names = list(call.lifted)
         may_miss = set(self._patterns_seen)
-        if _optimizer_state_pending(call.state):  # its state's names appear at its first step: checked from then on
-            may_miss.update(self.state_specs or {})
+        if pending := _pending_state_prefixes(call.state):  # its state's names appear at its first step:
+            may_miss.update(p for p in self.state_specs or {}  # a pattern that could name them is checked from then on
+                            if isinstance(p, str) and _may_name_state(p, pending))
         decided_by: dict[str, str] = {}
         kept_whole: dict[str, str] = {}
         specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss,
                                matched_by=decided_by)
-        self._patterns_seen.update(p for p in (self.state_specs or {}) if any(pattern_matches(p, n) for n in names))
+        self._patterns_seen.update(p for p in (self.state_specs or {})
+                                   if isinstance(p, str) and any(pattern_matches(p, n) for n in names))
         out = []
         for name, x in call.lifted.items():
             spec = specs.get(name)
@@ -731,6 +747,10 @@ class ShardedFunction:
                 fitting.infeasible(err)  # planned again at the least memory a plan needs, or raised
                 return self._compile_graph(call, leaves, fitting)
         else:
+            if self.options.memory_budget is not None:
+                warnings.warn(f"{_name(self.fn)}: memory_budget={self.options.memory_budget} bounds the layouts "
+                              "hpfun.AUTO chooses, and no spec of this call is AUTO: the plan is not held to it (give "
+                              "hpfun.AUTO specs, or see lower(...).memory() for this plan's estimate)", stacklevel=5)
             fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
                       reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
@@ -806,7 +826,7 @@ class ShardedFunction:
         objects = lift.ObjectValues(call.state.opaque)  # (a scheduler's counters: a change is an error)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
-                    else contextlib.nullcontext():
+                    else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque):
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
         finally:  # (also when the function raised: what it set in modules is set back, and that error stays)
@@ -1059,6 +1079,7 @@ class _Entry:
     outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
     _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
     creates: bool = attrs.field(init=False)  # writes state into a place that held none (a new key, attribute)
+    on_meta: bool = attrs.field(init=False)  # called with meta tensors: run on meta (`_OnMeta`)
     written: tuple = attrs.field(init=False)  # flat positions of the inputs the function writes in place, in order
 
     def __attrs_post_init__(self):
@@ -1072,6 +1093,8 @@ class _Entry:
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
         object.__setattr__(self, "written", tuple(sorted(tensor_pos[w.input] for w in self.writes if w.input is not None)))
+        object.__setattr__(self, "on_meta", any(leaf.device is not None and torch.device(leaf.device).type == "meta"
+                                                for leaf in self.leaves if leaf.kind != "static"))
         object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
                                                 and not (w.place[0] == "part" and w.place[1][0] == "append")
                                                 for w in self.writes))
@@ -1136,14 +1159,24 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
     return Layout.replicated(mesh)
 
 
-def _optimizer_state_pending(state: lift.State) -> bool:
-    """Whether an optimizer the function reaches has parameters without state yet (torch.optim
-    makes it at the first step): patterns for its state cannot match before then."""
+def _pending_state_prefixes(state: lift.State) -> list[str]:
+    """`<optimizer>.state.<parameter>` of each parameter an optimizer the function reaches has
+    no state for yet (torch.optim makes it at the first step): the names its state will have,
+    but for the key."""
+    out = []
     for root in state.roots:
         opt = root.value
-        if isinstance(opt, torch.optim.Optimizer) and any(p not in opt.state for g in opt.param_groups for p in g["params"]):
-            return True
-    return False
+        if isinstance(opt, torch.optim.Optimizer):
+            out += [f"{lift._join(root.name, 'state')}.{state.param_names[id(p)]}" for g in opt.param_groups
+                    for p in g["params"] if p not in opt.state and id(p) in state.param_names]
+    return out
+
+
+def _may_name_state(pattern: str, prefixes: list[str]) -> bool:
+    """Whether `pattern` could match some `<prefix>.<key>` (a state key not known yet): its last
+    dotted part stands for the key, what comes before it must match a prefix (or its tail)."""
+    head, dot, _ = pattern.rpartition(".")
+    return not dot or any(pattern_matches(head, prefix) or pattern_matches(pattern, prefix + ".x") for prefix in prefixes)
 
 
 def _group(path: str, state: lift.State, signature: inspect.Signature | None) -> str:
@@ -1216,6 +1249,8 @@ def _output_layouts(mesh: Mesh, out_specs, out_example, out_tensors) -> tuple[li
         return [None] * len(out_tensors), tensor_paths
     problems: list[Problem] = []
     kept: dict = {}
+    if isinstance(out_specs, (tuple, list)) and not bare:
+        problems += split_scalars(out_specs, out_example, root, "out_specs")
     per_leaf = broadcast_prefix(out_specs, out_example, problems, root=root, mesh=mesh, kept=kept)
     layouts = []
     for path, value, spec in zip(paths, flat, per_leaf, strict=True):
@@ -1325,6 +1360,21 @@ def _describe(call: _Call, leaves) -> list[str]:
     lines = [f"{path}: {leaf.describe()}" for path, leaf in zip(call.paths(), leaves, strict=True)]
     # (not the Python values modules hold: a rank's own number there is the user's business)
     return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items() if type(v) is not lift.ModuleValues]
+
+
+class _OnMeta(TorchDispatchMode):
+    """A program called with meta tensors runs on meta: it was traced as on the CPU (meta
+    tensors are planned there, `_traced_on`), so the tensors it makes (`torch.arange(n,
+    device=x.device)`) and the constants it holds are CPU tensors, moved to meta as each op
+    takes them (nothing is computed or allocated, as eager on meta)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = torch.device("meta")
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t if t.device.type == "meta" else t.to("meta"),
+                                            (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def execute(program: Program, tensors: list, compile: bool = False, released: list | None = None,
@@ -1469,7 +1519,16 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
     tensors = [(i, x) for i, x in enumerate(flat) if type(x) is not Sharded and isinstance(x, torch.Tensor)]
     for i in entry.written:
         x = flat[i]
-        if i >= arguments or type(x) is Sharded or not isinstance(x, torch.Tensor):
+        if i >= arguments or not isinstance(x, (torch.Tensor, Sharded)):
+            continue
+        if any(torch._debug_has_internal_overlap(t) == 1 for t in (x.shards if type(x) is Sharded else (x,))):
+            paths = paths or call.paths()
+            problems.append(Problem(paths[i], "has elements that share memory (an expand() or another stride-0 view), "
+                                    "and the function writes it in place: its new values cannot be written back "
+                                    "into it", "pass a tensor that owns its elements (`x.clone()` or "
+                                    "`x.contiguous()`)"))
+            continue
+        if type(x) is Sharded:
             continue
         storage = x.untyped_storage().data_ptr()
         for j, y in tensors:
@@ -1480,7 +1539,7 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                         f"{paths[j]} would not see the write as it does in eager PyTorch",
                                         "pass tensors that do not share memory (`x.clone()` for one of them)"))
     if problems:
-        raise SpecError(problems, headline="arguments share memory with an input written in place")
+        raise SpecError(problems, headline="an argument written in place shares memory")
 
 
 def _byte_range(x: torch.Tensor) -> tuple[int, int] | None:

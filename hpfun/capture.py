@@ -30,13 +30,17 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import io
 import logging
 import os
+import pickle
 import sys
+import threading
 import tokenize
 import traceback
+import types
 import warnings
 import weakref
 from unittest import mock
@@ -424,6 +428,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     if _mutates(gm) and (written := functionalize(gm)) is not None:
         mutated = written  # rewritten out of place where it is: no write is seen through a view
     elif _mutates(gm):
+        _refuse_input_metadata_writes(gm)
         _, plain = fake_inputs(metas, device)
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
@@ -536,11 +541,48 @@ def _cumulative_batch_norm():
 
 
 _PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
-              "normalvariate", "getrandbits", "betavariate", "expovariate", "triangular", "lognormvariate")
+              "normalvariate", "getrandbits", "betavariate", "expovariate", "triangular", "lognormvariate",
+              "vonmisesvariate", "gammavariate", "paretovariate", "weibullvariate", "randbytes", "binomialvariate")
 _STDLIB = os.path.dirname(os.__file__) + os.sep  # (logging reads the clock for its records: not the user's reading)
 _CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time")
-_NP_RANDOM = ("rand", "randn", "random", "random_sample", "randint", "uniform", "normal", "choice", "shuffle",
-              "permutation", "binomial", "poisson", "beta", "exponential")
+_NOT_DRAWS = frozenset({"seed", "get_state", "set_state", "RandomState", "Generator", "default_rng", "BitGenerator",
+                        "SeedSequence", "MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64", "get_bit_generator",
+                        "set_bit_generator", "bit_generator"})
+_REFUSED = contextvars.ContextVar("hpfun_refused_reads", default=None)  # the trace's refused draws, while one runs
+_DRAW_FIX = ("draw with torch instead (`torch.rand(()) < 0.5` with torch.where: hpfun draws anew at every call, the "
+             "same values on every layout), or draw outside the function and pass the result in")
+_CLOCK_FIX = ("time the call outside the sharded function (`start = time.perf_counter(); loss = step(x); "
+              "elapsed = time.perf_counter() - start`), or pass the value in as an argument")
+
+
+def _refuse(problem: Problem) -> None:
+    """Note a read the program could not repeat; the trace goes on, and all of them are
+    reported together when it ends (`_python_random_refused`)."""
+    found = _REFUSED.get()
+    if found is None:
+        raise CaptureError(problem)
+    if problem not in found:
+        found.append(problem)
+
+
+def _guard_draw(module: str, name: str, original, thread: int):
+    def draw(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if threading.get_ident() == thread and _is_user_frame(caller):
+            _refuse(Problem(f"{module}.{name}{_at_user_line()}", "draws a Python random number while hpfun traces "
+                            "the function: the program would repeat this one draw at every call", _DRAW_FIX))
+        return original(*args, **kwargs)
+    return draw
+
+
+def _guard_clock(name: str, original, thread: int):
+    def read(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if threading.get_ident() == thread and _is_user_frame(caller) and not caller.startswith(_STDLIB):
+            _refuse(Problem(f"time.{name}{_at_user_line()}", "reads the clock while hpfun traces the function: the "
+                            "program would repeat the trace's reading at every call", _CLOCK_FIX))
+        return original(*args, **kwargs)
+    return read
 
 
 @contextlib.contextmanager
@@ -548,49 +590,131 @@ def _python_random_refused():
     """Python's and NumPy's random functions, called while traced by code other than torch's and
     hpfun's (the user's, or a model library's: a LayerDrop decided with `random.uniform`), are
     refused: the trace would draw once and the program repeat that draw at every call (an
-    augmentation `if random.random() < 0.5` applied always or never), silently."""
+    augmentation `if random.random() < 0.5` applied always or never), silently. Reading the
+    clock likewise. Each is noted and the trace goes on, so that one error lists them all.
+    Draws these patches cannot see (a name imported from `random`, a generator object) are
+    found by their generators' states (`unguarded_draws`)."""
     import random
-    import threading
     import time
 
-    tracing_thread = threading.get_ident()  # (another thread's draws are its own business)
-
-    def guard(module: str, name: str, original):
-        def draw(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if threading.get_ident() == tracing_thread and _is_user_frame(caller):
-                raise CaptureError(Problem(f"{module}.{name}{_at_user_line()}",
-                                           "draws a Python random number while hpfun traces the function: the "
-                                           "program would repeat this one draw at every call",
-                                           "draw with torch instead (`torch.rand(()) < 0.5` with torch.where: hpfun "
-                                           "draws anew at every call, the same values on every layout), or draw "
-                                           "outside the function and pass the result in"))
-            return original(*args, **kwargs)
-        return draw
-
-    def clock(name: str, original):
-        def read(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if threading.get_ident() == tracing_thread and _is_user_frame(caller) and not caller.startswith(_STDLIB):
-                raise CaptureError(Problem(f"time.{name}{_at_user_line()}",
-                                           "reads the clock while hpfun traces the function: the program would "
-                                           "repeat the trace's reading at every call",
-                                           "time the call outside the sharded function (`start = time.perf_counter(); "
-                                           "loss = step(x); elapsed = time.perf_counter() - start`), or pass the "
-                                           "value in as an argument"))
-            return original(*args, **kwargs)
-        return read
-
-    patches = [mock.patch.object(random, name, guard("random", name, getattr(random, name))) for name in _PY_RANDOM]
-    patches += [mock.patch.object(time, name, clock(name, getattr(time, name))) for name in _CLOCKS]
+    thread = threading.get_ident()  # (another thread's draws are its own business)
+    patches = [mock.patch.object(random, name, _guard_draw("random", name, getattr(random, name), thread))
+               for name in _PY_RANDOM if hasattr(random, name)]
+    patches += [mock.patch.object(time, name, _guard_clock(name, getattr(time, name), thread)) for name in _CLOCKS]
     np = sys.modules.get("numpy")
     if np is not None:
-        patches += [mock.patch.object(np.random, name, guard("numpy.random", name, getattr(np.random, name)))
-                    for name in _NP_RANDOM if hasattr(np.random, name)]
+        patches += [mock.patch.object(np.random, name, _guard_draw("numpy.random", name, getattr(np.random, name), thread))
+                    for name in getattr(np.random, "__all__", ()) if name not in _NOT_DRAWS
+                    and callable(getattr(np.random, name, None)) and not isinstance(getattr(np.random, name), type)]
+    found: list = []
+    token = _REFUSED.set(found)
+    try:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            yield
+    except Exception as err:
+        if not found:
+            raise
+        raise CaptureError(found + list(getattr(err, "problems", ())),
+                           headline="the function reads what a program cannot repeat") from err
+    finally:
+        _REFUSED.reset(token)
+    if found:
+        raise CaptureError(found, headline="the function reads what a program cannot repeat")
+
+
+def _clock_name(obj) -> str | None:
+    """The name of the `time` function `obj` is (`perf_counter` imported by name), or None."""
+    import time
+
+    name = getattr(obj, "__name__", None)
+    return name if name in _CLOCKS and getattr(obj, "__module__", None) == "time" and \
+        isinstance(obj, types.BuiltinFunctionType) else None
+
+
+def _generator(obj):
+    """The random generator `obj` is, or whose method it is (`rng.random`), or None."""
+    import random
+
+    obj = getattr(obj, "__self__", obj)
+    if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
+        return obj
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState, np.random.BitGenerator)):
+        return obj
+    return None
+
+
+def _generator_state(gen):
+    import random
+
+    if isinstance(gen, random.Random):
+        return gen.getstate()
+    bits = gen if not hasattr(gen, "bit_generator") else gen.bit_generator
+    bits = getattr(gen, "_bit_generator", bits)  # (a RandomState's)
+    return pickle.dumps(bits.state)
+
+
+def _set_generator_state(gen, state) -> None:
+    import random
+
+    if isinstance(gen, random.Random):
+        gen.setstate(state)
+        return
+    bits = gen if not hasattr(gen, "bit_generator") else gen.bit_generator
+    bits = getattr(gen, "_bit_generator", bits)
+    bits.state = pickle.loads(state)
+
+
+@contextlib.contextmanager
+def unguarded_draws(fn, opaque=()):
+    """Around the traced call of `fn`: random draws and clock reads `_python_random_refused`'s
+    patches of the modules cannot see. Python's and NumPy's global generators and the generator
+    objects the function reads (`opaque`, as lift found them: `rng = random.Random(0)`,
+    `np.random.default_rng()`, a bound `rng.random`) are drawn from if their state moved: each is
+    refused by name, and set back. A clock function the function's own globals or cells hold
+    under another name (`from time import perf_counter`) is guarded there."""
+    import random
+    import time
+
+    sources = {id(random._inst): ("random (Python's module-level generator: its functions under any name, "
+                                  "`from random import random` too)", random._inst)}
+    np = sys.modules.get("numpy")
+    if np is not None and hasattr(np.random, "mtrand"):
+        glob = np.random.mtrand._rand
+        sources[id(glob)] = ("numpy.random (NumPy's global generator)", glob)
+    for name, obj in opaque:
+        gen = _generator(obj)
+        if gen is not None and id(gen) not in sources:
+            sources[id(gen)] = (name, gen)
+    before = {key: _generator_state(gen) for key, (_, gen) in sources.items()}
+    thread = threading.get_ident()
+    places = []
+    target = getattr(fn, "__func__", fn)
+    if isinstance(target, types.FunctionType):
+        g = target.__globals__
+        places += [(g, var) for var in target.__code__.co_names if _clock_name(g.get(var))]
+        places += [(cell, None) for cell in target.__closure__ or () if _clock_name(getattr(cell, "cell_contents", None))]
     with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch)
-        yield
+        for holder, var in places:
+            if var is not None:
+                original = holder[var]
+                stack.enter_context(mock.patch.dict(holder, {var: _guard_clock(_clock_name(original), original, thread)}))
+            else:
+                original = holder.cell_contents
+                holder.cell_contents = _guard_clock(_clock_name(original), original, thread)
+                stack.callback(setattr, holder, "cell_contents", original)
+        try:
+            yield
+        finally:
+            guarded = {p.where.split(".")[0] for p in _REFUSED.get() or ()}  # (a patched draw already named: once)
+            for key, (name, gen) in sources.items():
+                if _generator_state(gen) != before[key]:
+                    _set_generator_state(gen, before[key])
+                    if name.split(" ")[0].split(".")[0] not in guarded:
+                        _refuse(Problem(name, "was drawn from while hpfun traced the function: the program would "
+                                        "repeat the trace's draws at every call", _DRAW_FIX))
 
 
 @contextlib.contextmanager
@@ -1313,6 +1437,34 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
                and n.target.namespace != "profiler" for n in gm.graph.nodes)
 
 
+_RESHAPE_FIX = "make a new tensor instead (`y = x.t()`, `y = x.unsqueeze(0)`: not x.t_(), x.unsqueeze_(0), x.resize_(...))"
+
+
+def _refuse_input_metadata_writes(gm: torch.fx.GraphModule) -> None:
+    """An op changing an input's shape or strides in place (`x.t_()`, `x.unsqueeze_(0)` on an
+    argument or a parameter), named at the user's line: the program's results are new tensors,
+    and what is written back into an input is its values, never a new shape. (On a tensor the
+    function made, such an op is rewritten like any other.)"""
+    problems = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
+                torch.Tag.inplace_view in n.target.tags and _base(n.args[0]).op == "placeholder":
+            line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
+            problems.append(Problem(f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}",
+                                    "changes the shape or strides of an input (an argument or lifted state) in place, "
+                                    "which hpfun cannot write back into it", _RESHAPE_FIX))
+    if problems:
+        raise CaptureError(problems, headline="cannot capture the function")
+
+
+def _base(node):
+    """The tensor a chain of views starts from (a placeholder, for a view of an input)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and node.target.is_view and node.args:
+        node = node.args[0]
+    return node
+
+
 def _mutations_as_outputs(gm: torch.fx.GraphModule) -> list[int]:
     """Functionalization writes mutated inputs back with copy_ at the end: those values become
     outputs instead, and the caller writes them back after each call."""
@@ -1327,9 +1479,10 @@ def _mutations_as_outputs(gm: torch.fx.GraphModule) -> list[int]:
     bad = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
            and n.target._schema.is_mutable and n.target.namespace != "profiler"]
     if bad:
-        raise CaptureError([f"{n.target} changes a tensor's metadata in place"
-                            + (f" at {user_line(n.meta.get('stack_trace'))}" if n.meta.get("stack_trace") else "")
-                            for n in bad] + ["return new tensors instead (e.g. y = x.reshape(...), not x.resize_(...))"])
+        raise CaptureError([Problem(f"{n.target}" + (f" at {user_line(n.meta.get('stack_trace'))}"
+                                                     if n.meta.get("stack_trace") else ""),
+                                    "changes a tensor's shape or strides in place", _RESHAPE_FIX) for n in bad],
+                           headline="cannot capture the function")
     outs = list(output.args[0])
     output.args = (outs + list(written.values()),)
     return [inputs.index(node) for node in written]

@@ -382,7 +382,12 @@ class Lowered:
     @classmethod
     def from_json(cls, text: str) -> "Lowered":
         """A report from `to_json()`'s output (no runnable program)."""
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as err:
+            raise HpfunError(Problem("report", f"is not JSON ({err})", "pass the text Lowered.to_json() wrote"),
+                             headline="cannot read the lowered report") from None
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict:
         """The report as plain data (a copy), in the documented schema."""
@@ -442,6 +447,9 @@ class Lowered:
         if model is not None and not isinstance(model, CostModel):
             raise SpecError(Problem("cost", f"takes an hpfun.plan.CostModel, got {type(model).__name__} {model!r}",
                                     "pass CostModel(alpha, beta, per_axis={...}), or nothing for the plan's own model"))
+        if model is not None and (unknown := model.unknown_axes(self.mesh)):
+            raise SpecError(Problem("cost", f"the model's per_axis names {', '.join(map(repr, unknown))}, which the "
+                                    f"mesh {self.mesh} has no axis of", f"name its axes {self.mesh.axis_names}"))
         return price(self._data["collectives"], model or _model(self._data), self._data.get("buckets", []))
 
     def _full(self) -> dict:

@@ -65,6 +65,10 @@ class CostModel:
         if not self.flops > 0:
             raise ValueError(f"CostModel flops must be > 0 (local work per second per rank), got {self.flops!r}")
 
+    def unknown_axes(self, mesh) -> list[str]:
+        """The `per_axis` names `mesh` has no axis of (a typo: its link would silently not apply)."""
+        return [name for name, _ in self.per_axis if name not in mesh.axis_names]
+
     def link(self, axis_names) -> tuple[float, float]:
         """(alpha, beta) of a collective over these mesh axes: the slowest of each."""
         overrides = dict(self.per_axis)

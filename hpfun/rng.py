@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 
 import torch
+
+from hpfun.errors import Problem, SpecError
 
 MASK = 0xFFFFFFFF
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # Philox 4x32 multipliers
@@ -127,6 +130,11 @@ def random_seed(seed: int):
     >>> torch.equal(a, b)
     True
     """
+    whole = isinstance(seed, numbers.Integral) or isinstance(seed, torch.Tensor) and seed.numel() == 1 and \
+        not (seed.is_floating_point() or seed.is_complex())
+    if isinstance(seed, bool) or not whole:
+        raise SpecError(Problem("random_seed", f"takes an integer seed, got {type(seed).__name__} {seed!r}",
+                                "pass an int, e.g. hpfun.random_seed(7)"), headline="bad random seed")
     previous = getattr(_fixed, "seed", None)
     _fixed.seed = int(seed) & (2**63 - 1)
     try:

@@ -20,6 +20,15 @@ from hpfun.lower import LowerContext, Program
 from hpfun.runtime.distributed import runtime_for
 
 
+SPENT_HEADLINE = "a donated value read again"
+
+
+def spent_error(values) -> SpecError | None:
+    """One error naming every value in `values` a call consumed (`donate_argnums`), or None."""
+    problems = [x.shards.problem() for x in values if type(x) is Sharded and isinstance(x.shards, _Spent)]
+    return SpecError(problems, headline=SPENT_HEADLINE) if problems else None
+
+
 class _Spent(tuple):
     """The shards of a value a call consumed (`donate_argnums`): any read raises."""
 
@@ -28,10 +37,12 @@ class _Spent(tuple):
         out.path = path
         return out
 
+    def problem(self) -> Problem:
+        return Problem(self.path, "was donated to a call (donate_argnums), which consumed its shards",
+                       "use the value that call returned, or leave this argument out of donate_argnums")
+
     def _fail(self, *args):
-        raise SpecError(Problem(self.path, "was donated to a call (donate_argnums), which consumed its shards",
-                                "use the value that call returned, or leave this argument out of donate_argnums"),
-                        headline="a donated value read again")
+        raise SpecError(self.problem(), headline=SPENT_HEADLINE)
 
     __getitem__ = __iter__ = __len__ = _fail
 
@@ -58,6 +69,8 @@ class Sharded:
         expected = mesh.size if mesh.runtime == "simulated" else 1
         if len(self.shards) != expected:
             raise LayoutError(f"a Sharded value on {mesh} ({mesh.runtime}) needs {expected} shard(s), got {len(self.shards)}")
+        if len({s.dtype for s in self.shards}) > 1:
+            raise LayoutError(f"shards of one Sharded value have different dtypes: {[s.dtype for s in self.shards]}")
         local = self.layout.local_shape(self.global_shape)
         bad = [r for r, s in enumerate(self.shards) if tuple(s.shape) != local]
         if bad and mesh.runtime == "distributed":  # the one shard is this rank's

@@ -503,12 +503,28 @@ def input_layouts(mesh: Mesh, in_specs, args: tuple, problems: list) -> list[Lay
                                 f"passes {len(args)}", _ONE_PER_ARGUMENT))
         return [None] * n_leaves(args)
     kept: dict = {}
+    if isinstance(specs, (tuple, list)):
+        problems += split_scalars(specs, args, "args", "in_specs")
     per_leaf = broadcast_prefix(specs, args, problems, mesh=mesh, kept=kept)
     flat, _ = pytree.tree_flatten_with_path(args, is_leaf=is_sharded)
     layouts = [leaf_layout(mesh, "args" + pytree.keystr(path), x, spec, problems)
                for (path, x), spec in zip(flat, per_leaf, strict=True)]
     warn_kept_whole_unless(kept, problems)
     return layouts
+
+
+def split_scalars(specs, values, root: str, what: str) -> list[Problem]:
+    """A spec that splits, given for a Python number or string itself (`in_specs=(P("dp"), P("dp"))`
+    for `f(x, 0.5)`): a value that is not a tensor is baked into the program, whole on every rank,
+    so the split would be ignored. (A spec covering a container of tensors and numbers is not one.)"""
+    if not isinstance(values, (tuple, list)) or len(specs) != len(values):
+        return []
+    return [Problem(f"{root}[{i}]", f"is a Python {type(v).__name__}, not a tensor, but its {what} entry {spec} splits "
+                    "it: a value that is not a tensor is the same on every rank",
+                    f"give None (or P()) for it in {what}, or {'pass' if what == 'in_specs' else 'return'} it as a "
+                    "tensor (torch.tensor(...)) to split it")
+            for i, (spec, v) in enumerate(zip(specs, values)) if isinstance(spec, P) and
+            any(d is not None for d in spec.dims) and isinstance(v, (bool, int, float, complex, str))]
 
 
 def warn_kept_whole_unless(kept: dict, problems: list) -> None:

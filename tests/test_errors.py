@@ -1,5 +1,9 @@
 """Bad input raises clear errors before anything runs: what was wrong, where, and the fix."""
 
+import random
+import time
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -418,6 +422,40 @@ def test_python_random_numbers_drawn_inside_are_refused():
         assert f"{name} at " in text and "torch.rand(())" in text
 
 
+RNG = random.Random(0)
+RNG_NP = np.random.default_rng(0)
+from random import random as uniform01  # noqa: E402 - the names a user imports the draws under
+from time import perf_counter  # noqa: E402
+
+
+def test_draws_and_clock_reads_under_other_names_are_refused_all_in_one_report():
+    """Draws the module patches cannot see: a name imported from `random`, a `random.Random`
+    or NumPy generator the function reads, NumPy's global generator, a clock imported by name.
+    Each is refused by name, and a generator's state is set back. Several in one function are
+    listed in one report; a generator the function makes itself with a seed is its own constant."""
+    cases = {"random (Python's module-level generator": lambda a: a * uniform01(),
+             "RNG: was drawn from": lambda a: a * RNG.uniform(0, 1),
+             "RNG_NP: was drawn from": lambda a: a * float(RNG_NP.random()),
+             "numpy.random.standard_normal at": lambda a: a * np.random.standard_normal(),
+             "random.vonmisesvariate at": lambda a: a * random.vonmisesvariate(0, 1),
+             "time.perf_counter at": lambda a: a * perf_counter()}
+    for said, fn in cases.items():
+        before = (random.getstate(), RNG.getstate(), RNG_NP.bit_generator.state)
+        _, text = _raise(hpfun.shard(fn, mesh=MESH, in_specs=P("dp"), out_specs=P("dp")), torch.ones(4, 2),
+                         error=hpfun.CaptureError)
+        assert said in text and ("torch.rand(())" in text or "outside the sharded function" in text), said
+        assert (random.getstate(), RNG.getstate(), RNG_NP.bit_generator.state) == before, said
+
+    def two(a):
+        return a * random.random() * time.time()
+
+    _, text = _raise(hpfun.shard(two, mesh=MESH, in_specs=P("dp"), out_specs=P("dp")), torch.ones(4, 2),
+                     error=hpfun.CaptureError)
+    assert "(2 problems)" in text and "random.random at" in text and "time.time at" in text
+    seeded = hpfun.shard(lambda a: a * random.Random(3).random(), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    torch.testing.assert_close(seeded(torch.ones(4, 2)).full(), torch.full((4, 2), random.Random(3).random()))
+
+
 MESH_TP = hpfun.Mesh.simulated((2,), ("tp",))
 
 
@@ -536,3 +574,105 @@ def test_backward_to_an_argument_names_torch_func_grad():
     got = hpfun.shard(torch.func.grad(lambda x: (x ** 2).sum()), mesh=MESH, in_specs=P("dp"),
                       out_specs=P("dp"))(x.detach())
     assert torch.equal(got.full(), 2 * x.detach())
+
+
+def test_mistakes_that_ran_without_a_word_are_named():
+    """A state_specs typo while the optimizer has no state yet (SGD without momentum never makes
+    any), a split spec given for a Python number (argument or output), a cost model's per_axis
+    naming no mesh axis, shards of mixed dtypes, a key that is not a string: each is an error;
+    a memory_budget with no AUTO spec warns that nothing holds the plan to it."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    data = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    typo = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                       state_specs={"0.weihgt": P("tp", None), "*.momentum_buffer": P()})
+    _, text = _raise(typo, *data, error=hpfun.SpecError)
+    assert "state_specs['0.weihgt']: matches no name; closest: model.0.weight" in text
+    assert "momentum_buffer" not in text  # a pattern for state not made yet is checked once it is
+    _, text = _raise(hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={0: P()}),
+                     *data, error=hpfun.SpecError)
+    assert "state_specs[0]: pattern keys are strings, got int" in text
+    x = torch.randn(8, 4)
+    scaled = hpfun.shard(lambda a, s: (a * s, 3), mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P("dp"), P("tp")))
+    _, text = _raise(scaled, x, 2.0, error=hpfun.SpecError)
+    assert "args[1]: is a Python float, not a tensor, but its in_specs entry P('dp') splits it" in text
+    scaled = hpfun.shard(lambda a, s: (a * s, 3), mesh=mesh, in_specs=(P("dp"), None), out_specs=(P("dp"), P("tp")))
+    _, text = _raise(scaled, x, 2.0, error=hpfun.SpecError)
+    assert "outputs[1]: is a Python int, not a tensor, but its out_specs entry P('tp') splits it" in text
+    square = hpfun.shard(lambda a: (a @ a.T).sum(), mesh=mesh, in_specs=(P(),), out_specs=P(), memory_budget=16)
+    with pytest.warns(UserWarning, match="no spec of this call is AUTO"):
+        square(x)
+    slow = hpfun.CostModel(1e-5, 1e9, per_axis={"zz": (1e-2, 1e3)})
+    _, text = _raise(square.lower(x).cost, slow, error=hpfun.SpecError)
+    assert "per_axis names 'zz', which the mesh {dp: 2, tp: 2} has no axis of" in text
+    with pytest.raises(hpfun.SpecError, match="per_axis names 'zz'"):
+        hpfun.shard(lambda a: a, mesh=mesh, in_specs=P(), cost_model=slow)
+    with pytest.raises(hpfun.LayoutError, match="different dtypes"):
+        hpfun.Sharded(P("dp", "tp").to_layout(mesh, 2), (8, 4), [torch.randn(4, 2), torch.randn(4, 2).double()] * 2)
+    with pytest.raises(hpfun.HpfunError, match="is not JSON"):
+        hpfun.Lowered.from_json("hello")
+    with pytest.raises(hpfun.SpecError, match="takes an integer seed, got str"):
+        hpfun.random_seed("abc").__enter__()
+
+
+def test_every_donated_value_read_again_is_named_and_nothing_is_lost():
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def sgd(params, x):
+        g = torch.func.grad(lambda p: (x @ p["w"] + p["b"]).pow(2).sum())(params)
+        return {k: v - 0.1 * g[k] for k, v in params.items()}
+
+    f = hpfun.shard(sgd, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), donate_argnums=(0,))
+    x = torch.randn(8, 4)
+    first = f({"w": torch.randn(4, 2), "b": torch.zeros(2)}, x)
+    second = f(first, x)
+    _, text = _raise(f, first, x, error=hpfun.SpecError)
+    assert "args[0]['w']: was donated" in text and "args[0]['b']: was donated" in text
+    f(second, x)  # the value the last call returned still runs
+
+
+def test_writes_that_cannot_be_handed_back_are_named_at_the_users_line():
+    """An argument whose elements share memory (an expanded view) written in place is refused
+    before anything runs; an input's shape changed in place (`a.t_()`) is refused at its line
+    (on a tensor the function made, it runs)."""
+    mesh = hpfun.Mesh.simulated((2,), ("x",))
+
+    def scale(a, b):
+        b.add_(1.0)
+        a.mul_(2.0)
+        return a.sum()
+
+    f = hpfun.shard(scale, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+    a, b = torch.arange(4.0).unsqueeze(1).expand(4, 2), torch.zeros(4)
+    _, text = _raise(f, a, b)  # (at the trace, at the write's line)
+    assert "a.mul_(2.0): writes in place into a tensor whose elements share memory" in text
+    assert torch.equal(b, torch.zeros(4))  # refused before anything ran or was written back
+    expand = hpfun.shard(lambda x: x.unsqueeze(1).expand(4, 2), mesh=mesh, in_specs=(P("x"),), out_specs=None)
+    _, text = _raise(f, expand(torch.arange(4.0)), b, error=hpfun.SpecError)  # (a Sharded value's expanded shards)
+    assert "args[0]: has elements that share memory (an expand()" in text and "x.clone()" in text
+    assert torch.equal(b, torch.zeros(4))
+
+    def transposed(a):
+        a.t_()
+        return a * 2
+
+    _, text = _raise(hpfun.shard(transposed, mesh=mesh, in_specs=(P("x"),)), torch.randn(4, 6),
+                     error=hpfun.CaptureError)
+    assert "t_ at " in text and "a.t_()" in text and "changes the shape or strides of an input" in text
+
+    def made(a):
+        b = a * 2
+        b.t_()
+        return b
+
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(hpfun.shard(made, mesh=mesh, in_specs=(P("x"),))(x).full(), made(x))

@@ -76,3 +76,17 @@ def test_an_hf_training_step_on_the_meta_device():
     real = real_step.lower(real_ids, real_ids)
     assert _collectives(lowered) == _collectives(real)
     assert lowered.cost() == real.cost()
+
+
+def test_a_call_on_meta_tensors_runs_on_meta_as_eager_does():
+    """Calling (not only lowering) on meta tensors gives meta results, as eager does: tensors the
+    function makes (`torch.arange(n, device=x.device)`, a Llama's rotary positions) are made on
+    meta too, though the program was traced as on the CPU."""
+    f = hpfun.shard(lambda x: (x * torch.arange(16, device=x.device)).sum(-1), mesh=MESH, in_specs=(P("dp"),),
+                    out_specs=P("dp"))
+    out = f(torch.empty(4, 16, device="meta"))
+    assert out.shape == (4,) and all(s.is_meta for s in out.shards)
+    step, ids, model = _llama_step("meta")
+    loss = step(ids, ids)
+    assert loss.shape == () and all(s.is_meta for s in loss.shards)
+    assert all(p.is_meta for p in model.parameters())
