@@ -678,8 +678,9 @@ def unguarded_draws(fn, opaque=()):
     import random
     import time
 
-    sources = {id(random._inst): ("random (Python's module-level generator: its functions under any name, "
-                                  "`from random import random` too)", random._inst)}
+    sources = {id(random._inst): ("random (Python's module-level generator, drawn from by your code or a library's "
+                                  "under another name: `from random import random`, a layer-drop's `random()`)",
+                                  random._inst)}
     np = sys.modules.get("numpy")
     if np is not None and hasattr(np.random, "mtrand"):
         glob = np.random.mtrand._rand
