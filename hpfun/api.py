@@ -26,7 +26,9 @@ from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
-from hpfun.errors import CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError
+from hpfun.errors import (
+    CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError, op_name,
+)
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
@@ -495,6 +497,8 @@ class ShardedFunction:
             self._note_new_shapes(call, key)
             self._note_new_state(call)
             entry = self._compile(call, leaves)
+            if self.mesh.runtime == "distributed":
+                runtime_for(self.mesh).check_same_plan(_plan_digest(entry.program))
             if entry.written:
                 _check_written_state_unaliased(call, entry)
             self._cache[key] = entry
@@ -918,6 +922,19 @@ class RetraceWarning(UserWarning):
 def _name(fn) -> str:
     """A sharded function's name for messages."""
     return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _plan_digest(program: Program) -> int:
+    """A hash of what a program runs: each node's op and arguments, and the layouts at its ends
+    (ranks compare it after compiling: `check_same_plan`)."""
+    h = hashlib.blake2b(digest_size=7)
+    for node in program.module.graph.nodes:  # (an object's address differs between processes: left out)
+        h.update(_ADDRESS.sub("", f"{node.op} {op_name(node.target)} {node.args} {node.kwargs}\n").encode())
+    h.update(repr((program.input_layouts, program.output_layouts)).encode())
+    return int.from_bytes(h.digest())
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:

@@ -609,7 +609,9 @@ def _memory_rows(problem: Problem, alive: dict, x: dict, model: _Model) -> list[
                             terms[col] = terms.get(col, 0.0) + w
         for value, before, after, here in problem.kept_at[i] if problem.kept_at else ():
             joints = {slot: model.needs[slot][1] for slot in (*before, *after, *here) if slot in model.needs}
-            for S, L in {pair for slot in (*before, *after) if slot in joints for pair in joints[slot]}:
+            # (in the joints' order: a set of layout pairs iterates in the string-hash seed's order, which
+            # differs between processes, and so would the columns, and the plan HiGHS picks among equals)
+            for S, L in dict.fromkeys(pair for slot in (*before, *after) if slot in joints for pair in joints[slot]):
                 if S == L:
                     continue
                 z = None  # 1 when a reader before and one after need the copy, and none here made it

@@ -435,3 +435,48 @@ def test_each_round_bounds_the_highest_points_over_the_limit():
     assert _over(profile, 8.0, [], most=3) == [2, 3, 5]
     assert _over(profile, 8.0, [2], most=3) == [3, 5, 1]  # a bounded point is not added again
     assert _over(profile, 12.0, [], most=3) == []  # nothing over the limit
+
+
+_PLAN_SCRIPT = r'''
+import copy, hashlib, torch, torch.nn as nn, torch.nn.functional as F, hpfun
+from hpfun import P
+
+class Block(nn.Module):
+    def __init__(s, d):
+        super().__init__(); s.ln = nn.LayerNorm(d); s.fc1 = nn.Linear(d, 4 * d); s.fc2 = nn.Linear(4 * d, d)
+    def forward(s, x):
+        return x + s.fc2(F.gelu(s.fc1(s.ln(x))))
+
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 32), Block(32), Block(32), nn.Linear(32, 4))
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+F.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()  # AdamW's state made
+
+@hpfun.shard(mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"), P("dp")), out_specs=P(),
+             state_specs={"*.weight": hpfun.AUTO, "*.bias": hpfun.AUTO}, memory_budget=258000)
+def step(x, y):
+    loss = F.cross_entropy(m(x), y); loss.backward(); opt.step(); opt.zero_grad(); return loss
+
+program = step.lower(x, y).program
+print("plan", hashlib.sha256(str(program.module.graph).encode()).hexdigest())
+'''
+
+
+def test_a_plan_under_a_memory_budget_does_not_depend_on_the_string_hash_seed(tmp_path):
+    """Every rank plans for itself, each process with its own string-hash seed: a plan must not
+    depend on it (the memory rows once iterated a set of layouts, and two plans of equal price
+    came out in different processes, so under torchrun the ranks ran different programs)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "plan.py"
+    script.write_text(_PLAN_SCRIPT)
+    plans = set()
+    for seed in ("1", "5"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        plans.add(next(line for line in done.stdout.splitlines() if line.startswith("plan")))
+    assert len(plans) == 1

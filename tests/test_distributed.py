@@ -280,6 +280,16 @@ def test_ranks_running_different_cached_programs_fail_naming_the_input(lifted_dp
             in text, text
 
 
+def test_ranks_that_plan_different_programs_fail_before_running_them(lifted_dp_job):
+    """Ranks given different options (bucketing on one only) plan different programs for the
+    same call, whose collectives would pair wrongly: compared after compiling, they fail
+    together, naming the cause, before anything runs (and the job goes on)."""
+    for got in lifted_dp_job:
+        text = got["plan mismatch"]
+        assert text.startswith("InternalError") and "planned 2 different per-shard programs" in text, text
+        assert "give every rank the same options" in text and "PYTHONHASHSEED=0" in text, text
+
+
 def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
     """An op raising inside the per-shard program (an index out of range) is an hpfun error
     naming the op, the user's line and the layouts, with the op's own error as its cause."""

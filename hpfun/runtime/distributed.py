@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph import _BoxedCodeGen
 
-from hpfun.errors import Problem, ShardingError
+from hpfun.errors import InternalError, Problem, ShardingError
 from hpfun.mesh import Mesh
 from hpfun.runtime import failure, groups
 
@@ -147,6 +147,24 @@ class DistributedRuntime:
             raise _peer_failure(self, err) from err
         if len({int(t) for t in gathered}) > 1:
             self.check_same_program(description())
+
+    def check_same_plan(self, digest: int) -> None:
+        """After a compile, the ranks compare a hash of the program each planned for the call they
+        agreed on: a plan depends on the call alone, so a difference is hpfun's own failure, and
+        running the programs would pair different collectives (a silently wrong result)."""
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size)]
+        try:
+            dist.all_gather(gathered, mine, group=self.all_ranks_group())
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise _peer_failure(self, err) from err
+        if len(planned := {int(t) for t in gathered}) > 1:
+            raise InternalError(Problem("plan", f"the ranks planned {len(planned)} different per-shard programs for the "
+                                        "same call, whose collectives would not pair up",
+                                        "give every rank the same options (hpfun.shard's cost_model, bucket_bytes, "
+                                        "solver, registry...); if they are, this is a bug in hpfun (a plan must "
+                                        "depend on the call alone): report it, and export PYTHONHASHSEED=0 for every "
+                                        "rank to work around it"), headline="ranks planned different programs")
 
     def _check_same_program(self, description: list[str]) -> None:
         digest = hashlib.sha256("\n".join(description).encode()).hexdigest()
