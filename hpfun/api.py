@@ -1533,7 +1533,7 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
     program reads every input as it was at the call, so the other would miss the write that
     eager PyTorch lets it see (`f(x, x)` with `x.mul_(2)`)."""
     flat, paths, problems = call.flat, None, []
-    tensors = [(i, x) for i, x in enumerate(flat) if type(x) is not Sharded and isinstance(x, torch.Tensor)]
+    tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, (torch.Tensor, Sharded))]
     for i in entry.written:
         x = flat[i]
         if i >= arguments or not isinstance(x, (torch.Tensor, Sharded)):
@@ -1545,11 +1545,9 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                     "into it", "pass a tensor that owns its elements (`x.clone()` or "
                                     "`x.contiguous()`)"))
             continue
-        if type(x) is Sharded:
-            continue
-        storage = x.untyped_storage().data_ptr()
+        storage = _storage(x)
         for j, y in tensors:
-            if j != i and y.untyped_storage().data_ptr() == storage:
+            if j != i and _storage(y) == storage:
                 paths = paths or call.paths()
                 problems.append(Problem(f"{paths[i]} and {paths[j]}", f"share memory, and the function writes "
                                         f"{paths[i]} in place: the program reads each input as it was at the call, so "
@@ -1557,6 +1555,12 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                         "pass tensors that do not share memory (`x.clone()` for one of them)"))
     if problems:
         raise SpecError(problems, headline="an argument written in place shares memory")
+
+
+def _storage(x) -> int:
+    """Where a tensor's elements live (a Sharded value's: its first shard's, the same object
+    passed twice sharing it)."""
+    return (x.shards[0] if type(x) is Sharded else x).untyped_storage().data_ptr()
 
 
 def _byte_range(x: torch.Tensor) -> tuple[int, int] | None:

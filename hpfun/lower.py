@@ -325,6 +325,36 @@ def _communicates(src: Layout, dst: Layout, shape) -> bool:
     return any(isinstance(step, COMMUNICATING) for step in redistribute_plan(src, dst, shape))
 
 
+_ADDRESSES_STORAGE = {torch.ops.aten.as_strided.default: 3, torch.ops.aten.as_strided_scatter.default: 4}
+
+
+def _on_traced_storage(ctx: LowerContext, node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`as_strided` and `as_strided_scatter` (autograd's backward of a write into a view of a
+    value laid out transposed, `v = x.t() * 1.0; v[:, :1].copy_(...)`) address their input's
+    storage as it was traced. A rank's whole value (gathered, or computed from contiguous blocks)
+    can be laid out otherwise, and the addresses would pick other elements: it is first copied
+    into the strides traced, and the storage offset taken from there. Only for an input whose
+    elements fill their storage span (no gaps, no overlap): every address then names one of them."""
+    val = node.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous() and val.storage_offset() == 0:
+        return args, kwargs
+    span = sum((n - 1) * st for n, st in zip(val.shape, val.stride(), strict=True)) + 1
+    if val.numel() == 0 or span != val.numel() or min(val.stride(), default=1) < 0:
+        return args, kwargs
+    whole = Layout.replicated(ctx.mesh)
+    empty = ctx.call(torch.ops.aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                     {"dtype": val.dtype, "device": ctx.device})
+    annotate(empty, whole, val.shape, val.dtype)
+    laid_out = ctx.call(torch.ops.aten.copy.default, (empty, args[0]))
+    annotate(laid_out, whole, val.shape, val.dtype)
+    at = _ADDRESSES_STORAGE[node.target]
+    args, kwargs = list(args), dict(kwargs)
+    offset = args[at] if len(args) > at else kwargs.pop("storage_offset", None)
+    args += [None] * (at + 1 - len(args))
+    args[0], args[at] = laid_out, (val.storage_offset() if offset is None else offset) - val.storage_offset()
+    return tuple(args), kwargs
+
+
 def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     strategy, call = node.meta["hpfun_strategy"], node.meta["hpfun_call"]
     ctx.consumer = (node.name, str(node.target), "")
@@ -342,6 +372,8 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
 
     args, kwargs = map_arg((node.args, node.kwargs), take)
     taken = tuple(taken)
+    if node.target in _ADDRESSES_STORAGE:
+        args, kwargs = _on_traced_storage(ctx, node, args, kwargs)
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed

@@ -474,6 +474,9 @@ def test_an_argument_written_in_place_that_shares_memory_with_another_is_refused
         assert "args[0] and args[1]: share memory, and the function writes args[0] in place" in text
         assert "x.clone()" in text
     assert torch.equal(x, torch.ones(4, 8))  # refused before anything ran
+    held = hpfun.Sharded.from_global(torch.ones(4, 8), P().to_layout(MESH_TP, 2))  # the same Sharded value twice
+    _, text = _raise(f, held, held, error=hpfun.SpecError)
+    assert "args[0] and args[1]: share memory" in text
     y = torch.ones(4, 8)
     torch.testing.assert_close(f(y, torch.ones(4, 8)).full(), torch.full((4, 8), 3.0))
     add = hpfun.shard(lambda a, b: a + b, mesh=MESH_TP, in_specs=(P(), P()), out_specs=P())

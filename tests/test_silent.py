@@ -663,3 +663,28 @@ def test_a_view_that_fails_raises_what_eager_raises():
 
     x = torch.arange(12.0).reshape(3, 4).t()
     assert torch.equal(hpfun.shard(flat, mesh=MESH, in_specs=P(), out_specs=P())(x).full(), flat(x))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_write_into_a_view_of_a_transposed_value_has_eagers_gradient(mesh_shape):
+    """`v = x.t() * 1.0` keeps the transposed strides; writing a column of it makes autograd's
+    backward address v's storage with as_strided, as traced. A rank's whole copy of that value
+    (gathered when another input is split) is laid out contiguously: it is laid out as traced
+    first, so the addresses pick the same elements (the gradient was off by 6.8)."""
+    axes = ("x", "y")[:len(mesh_shape)]
+    mesh = hpfun.Mesh.simulated(mesh_shape, axes)
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+
+    def fwd(x, y):
+        v = x.t() * 1.0
+        v[:, :1].copy_(v[:, 1:2] * 3.0)
+        return v * y
+
+    def grad(x, y):
+        return torch.func.grad(lambda x: fwd(x, y).sum())(x)
+
+    for f in (fwd, grad):
+        for spec in (P(), P(axes[0])) + ((P("y", "x"),) if len(axes) == 2 else ()):
+            out = hpfun.shard(f, mesh=mesh, in_specs=(P(), spec), out_specs=P())(x, y).full()
+            torch.testing.assert_close(out, f(x, y), rtol=0, atol=1e-12)
