@@ -635,6 +635,9 @@ class ShardedFunction:
         if pending := _pending_state_prefixes(call.state):  # its state's names appear at its first step:
             may_miss.update(p for p in self.state_specs or {}  # a pattern that could name them is checked from then on
                             if isinstance(p, str) and _may_name_state(p, pending))
+        if gradless := _pending_gradients(call.state):  # likewise gradients, at the first backward
+            may_miss.update(p for p in self.state_specs or {}
+                            if isinstance(p, str) and any(pattern_matches(p, name) for name in gradless))
         decided_by: dict[str, str] = {}
         kept_whole: dict[str, str] = {}
         specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss,
@@ -1187,6 +1190,13 @@ def _pending_state_prefixes(state: lift.State) -> list[str]:
             out += [f"{lift._join(root.name, 'state')}.{state.param_names[id(p)]}" for g in opt.param_groups
                     for p in g["params"] if p not in opt.state and id(p) in state.param_names]
     return out
+
+
+def _pending_gradients(state: lift.State) -> list[str]:
+    """`<parameter>.grad` of each lifted parameter without a gradient yet (a first backward
+    makes it): names a pattern for gradients (`"*.grad"`) will match from then on."""
+    return [f"{name}.grad" for name, slot in state.slots.items() if slot.requires_grad
+            and getattr(slot.read(), "grad", None) is None]
 
 
 def _may_name_state(pattern: str, prefixes: list[str]) -> bool:

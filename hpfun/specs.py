@@ -461,7 +461,12 @@ def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | Non
     """The layout of one input leaf (a Sharded value keeps its own); problems appended."""
     if isinstance(x, Sharded):
         if x.layout.mesh != mesh:
-            problems.append(Problem(where, f"is a Sharded value on mesh {x.layout.mesh}, not {mesh}"))
+            other = x.layout.mesh
+            alike = str(other) == str(mesh) and other.runtime != mesh.runtime
+            problems.append(Problem(where, f"is a Sharded value on mesh {other}{f' ({other.runtime})' if alike else ''}, "
+                                    f"not {mesh}{f' ({mesh.runtime})' if alike else ''}",
+                                    "make it on this mesh (hpfun.parse(text, mesh=...), or P(...).to_layout(mesh, ndim))"
+                                    if alike else ""))
         return x.layout
     if not isinstance(x, torch.Tensor):
         return None

@@ -601,6 +601,11 @@ def test_mistakes_that_ran_without_a_word_are_named():
     _, text = _raise(typo, *data, error=hpfun.SpecError)
     assert "state_specs['0.weihgt']: matches no name; closest: model.0.weight" in text
     assert "momentum_buffer" not in text  # a pattern for state not made yet is checked once it is
+    grads = hpfun.shard(lambda x, y: F.cross_entropy(model(x), y).backward(), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                        state_specs={"*.grad": P("dp")})  # ZeRO-2 accumulation: no gradient before the first call
+    grads(*data)
+    grads(*data)
+    assert "global [64, 16] [S(0), R], local [32, 16] float32  (model.0.weight.grad)" in str(grads.lower(*data))
     _, text = _raise(hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={0: P()}),
                      *data, error=hpfun.SpecError)
     assert "state_specs[0]: pattern keys are strings, got int" in text
