@@ -688,3 +688,22 @@ def test_a_write_into_a_view_of_a_transposed_value_has_eagers_gradient(mesh_shap
         for spec in (P(), P(axes[0])) + ((P("y", "x"),) if len(axes) == 2 else ()):
             out = hpfun.shard(f, mesh=mesh, in_specs=(P(), spec), out_specs=P())(x, y).full()
             torch.testing.assert_close(out, f(x, y), rtol=0, atol=1e-12)
+
+
+def test_squeeze_keeps_a_dim_split_down_to_one_element_per_rank():
+    """squeeze drops the dims of size 1 it sees: a rank's block of a dim split to one element
+    per rank has size 1 there, though the global dim does not. It is a reshape to the block's
+    shape instead (a stock HF regression head, `logits.squeeze()` over a batch of 4 on 4 ranks,
+    lost the batch dim in its backward; `(x.squeeze() * v).mean(0)` was off by 3x)."""
+    mesh = hpfun.Mesh.simulated((4,), ("dp",))
+    torch.manual_seed(0)
+    x, v = torch.randn(4, 1, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    programs = {"squeeze()": lambda x: (x.squeeze() * v).mean(0).sum(),
+                "squeeze(1)": lambda x: (x.squeeze(1) * v).mean(0).sum(),
+                "squeeze((0, 1))": lambda x: (x[:, :, :1].squeeze((0, 1, 2)) * 2).sum(),
+                "grad": lambda x: torch.func.grad(lambda x: ((x.squeeze() - 1) ** 2).mean())(x).sum()}
+    for name, f in programs.items():
+        out = hpfun.shard(f, mesh=mesh, in_specs=(P("dp"),), out_specs=P())(x).full()
+        torch.testing.assert_close(out, f(x), rtol=0, atol=1e-12, msg=name)
+    kept = hpfun.shard(lambda x: x.squeeze(), mesh=mesh, in_specs=(P("dp"),), out_specs=None)(x[:, :, :1])
+    assert [tuple(s.shape) for s in kept.shards] == [(1,)] * 4 and torch.equal(kept.full(), x[:, 0, 0])

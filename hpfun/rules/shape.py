@@ -19,6 +19,7 @@ from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_op
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
+_SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 
 
 def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -89,6 +90,9 @@ class Reshape(Rule):
         is possible, a copy where not."""
         if call.op in _VIEWS:
             call = attrs.evolve(call, op=aten.reshape.default)
+        elif call.op in _SQUEEZES:  # it drops the dims of size 1 in the rank's block: a dim split down to one
+            # element per rank is not one of the global value's (it dropped it, and the block lost a dim)
+            return ctx.call(aten.reshape.default, (args[0], list(strategy.outputs[0].local_shape(call.outputs[0].shape))))
         return super().emit(ctx, call, strategy, args, kwargs)
 
 
