@@ -531,12 +531,16 @@ class ShardedFunction:
             self._read_changes[where] = seen = self._read_changes.get(where, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
                 fn = _name(self.fn)
+                shaped = isinstance(was, tuple) and bool(was) and (was[0] == "tensor" or isinstance(was[0], tuple))
+                fix = ("keep the shape and mask the values instead (F.cross_entropy(..., ignore_index=-100), "
+                       "torch.where(mask, x, 0), or a weighted sum divided by mask.sum())" if shaped else
+                       "compute it outside the sharded function, or with tensor ops (torch.where) instead of Python")
+                what = "the True positions of a mask (or a nonzero, unique)" if shaped else \
+                    f"a value ({_clipped(was)} -> {_clipped(now)})"
                 warnings.warn(
-                    f"hpfun.shard({fn}) compiled a new program {seen} times because a value the function reads "
-                    f"from its inputs changed ({where.strip()}; last {was!r} -> {now!r}): the program is traced "
-                    "for the value read, and every new value compiles again (seconds each). Compute it outside "
-                    "the sharded function, or with tensor ops (torch.where) instead of Python.",
-                    RetraceWarning, stacklevel=4)
+                    f"hpfun.shard({fn}) compiled a new program {seen} times because {what} the function reads "
+                    f"from its inputs changed ({where.strip()}): the program is traced for the value read, and "
+                    f"every new value compiles again (seconds each). Fix: {fix}.", RetraceWarning, stacklevel=4)
         if self.mesh.runtime == "distributed":
             runtime_for(self.mesh).check_same_program(_describe(call, leaves))
         new = self._compile(call, leaves)
@@ -925,6 +929,11 @@ class RetraceWarning(UserWarning):
 def _name(fn) -> str:
     """A sharded function's name for messages."""
     return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _clipped(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _plan_digest(program: Program) -> int:

@@ -1113,6 +1113,49 @@ _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int
                     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
 
 
+# Ops whose output's shape is its input's values (BART's `torch.unique_consecutive(eos_mask.sum(1))`,
+# `(ids == eos).nonzero()`): of a value made from constants or readable inputs, read like `.item()`
+# (an `InputRead`, the program right for the calls giving the same result), and made a constant.
+_SHAPE_READS = frozenset([torch.unique, torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive,
+                          torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere])
+
+
+def _listed(op, value, *args, **kwargs):
+    """`op`'s result as Python values (dtype, shape, elements per tensor), compared call to call."""
+    with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():  # (on the real value)
+        out = op(value, *args, **kwargs)
+    if isinstance(out, torch.Tensor):
+        return ("tensor", str(out.dtype).removeprefix("torch."), tuple(out.shape), out.tolist())
+    return tuple(_listed(lambda v: v, t) for t in out)
+
+
+def _mask_as_positions(index):
+    """`x[mask]` (BART's `hidden_states[eos_mask, :]`) with a boolean mask made from constants or
+    readable inputs: the same index as the positions of its True values, read like
+    `mask.nonzero()` (an `InputRead`), so the result's shape is known. None where no element of
+    the index is such a mask."""
+    parts = index if isinstance(index, tuple) else (index,)
+    out, changed = [], False
+    for part in parts:
+        if isinstance(part, torch.Tensor) and part.dtype == torch.bool:
+            where = _read(functools.partial(_listed, functools.partial(torch.nonzero, as_tuple=True)), part)
+            if where is _UNREADABLE:
+                return None
+            out += list(_unlisted(where))
+            changed = True
+        else:
+            out.append(part)
+    return tuple(out) if changed else None
+
+
+def _unlisted(listed):
+    """The tensors `_listed` described, made in the trace (constants of the program)."""
+    if listed and listed[0] == "tensor":
+        _, dtype, shape, values = listed
+        return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+    return tuple(_unlisted(x) for x in listed)
+
+
 _READABLE: list = [None]  # the real inputs a trace may read values of (`readable_inputs`), and its reads
 ON_META = object()  # an argument given as a meta tensor: its values cannot be read
 
@@ -1378,6 +1421,12 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
+            return func(args[0], index)
+        if func in _SHAPE_READS and args and isinstance(args[0], torch.Tensor):
+            result = _read(functools.partial(_listed, func), args[0], args[1:], kwargs)
+            if result is not _UNREADABLE:
+                return _unlisted(result)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):

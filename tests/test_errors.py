@@ -132,19 +132,43 @@ def test_a_torchscript_module_is_named_with_the_fix():
 
 
 def test_data_dependent_shape_is_a_capture_error():
-    """Ops whose output shape depends on data (nonzero, a boolean-mask index as loss code
-    writes it) fail at capture with the user's line and the shape-keeping rewrite."""
-    f = hpfun.shard(lambda x: torch.nonzero(x), mesh=MESH, in_specs=P("dp"))
+    """Ops whose output shape depends on data hpfun cannot read (a mask of computed values, as
+    loss code writes it) fail at capture with the user's line and the shape-keeping rewrite."""
+    w = torch.randn(4, 4, requires_grad=True)
+    f = hpfun.shard(lambda x: torch.nonzero(x @ w), mesh=MESH, in_specs=P("dp"))
     _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
     assert "nonzero" in text
 
     def masked_loss(logits, labels):
-        keep = labels != -100
+        keep = (logits @ w).argmax(-1) != labels  # (of a parameter's product: not read)
         return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
 
     f = hpfun.shard(masked_loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
-    _, text = _raise(f, torch.randn(8, 4), torch.tensor([1, -100, 2, 3, -100, 0, 1, 2]), error=hpfun.CaptureError)
+    _, text = _raise(f, torch.randn(8, 4), torch.tensor([1, 0, 2, 3, 0, 0, 1, 2]), error=hpfun.CaptureError)
     assert "logits[keep]" in text and "ignore_index=-100" in text
+
+
+def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
+    """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
+    eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
+    is traced for its True positions, a call with the same ones runs it, another compiles again,
+    and the third compile warns with the shape-keeping rewrite."""
+    def masked_loss(logits, labels):
+        keep = labels != -100
+        if torch.unique_consecutive(keep.sum(-1)).numel() > 8:
+            raise ValueError("never")
+        return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+
+    f = hpfun.shard(masked_loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    logits = torch.randn(8, 4)
+    labels = [torch.tensor([1, -100, 2, 3, -100, 0, 1, 2]).roll(k) for k in range(4)]
+    for y in (labels[0], labels[0].clone()):
+        torch.testing.assert_close(f(logits, y).full(), masked_loss(logits, y))
+    assert f.trace_count == 1
+    with pytest.warns(hpfun.RetraceWarning, match="ignore_index=-100"):
+        for y in labels[1:]:
+            torch.testing.assert_close(f(logits, y).full(), masked_loss(logits, y))
+    assert f.trace_count == 4
 
     def ctc(x):  # torch's CTC kernel sizes its work from the lengths' values: said plainly
         return torch.nn.functional.ctc_loss(x.log_softmax(-1).transpose(0, 1), torch.ones(8, 2, dtype=torch.long),

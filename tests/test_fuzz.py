@@ -100,13 +100,20 @@ def test_auto_mode_hands_every_layout_to_automatic_sharding(monkeypatch):
 
 def test_oracle_classifies_crashes_and_refusals(monkeypatch):
     """An exception inside hpfun is `internal`; an hpfun error before the run is a user error."""
-    refused = Program(
+    refused = Program(  # a split that does not divide the dim: refused before anything runs
+        mesh=((2,), ("a",)),
+        inputs=(Input("x0", (5, 6), "float64", "[S(0)]"),),
+        ops=(Op("v1", "tanh", "x0"),),
+        outputs=("v1",),
+    )
+    assert run_program(refused).kind == "user_error"
+    masked = Program(  # a mask given as an input is read: the program is traced for its True positions
         mesh=((2,), ("a",)),
         inputs=(Input("x0", (4, 6), "float64", "[S(0)]"), Input("x1", (4, 6), "bool", "[R]")),
         ops=(Op("v1", "masked_select", "x0", "x1"),),
         outputs=("v1",),
     )
-    assert run_program(refused).kind == "user_error"
+    assert run_program(masked).kind == "ok"
 
     def broken(op):
         raise RuntimeError("boom")

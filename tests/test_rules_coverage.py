@@ -867,7 +867,8 @@ def test_data_dependent_op_with_a_split_input_names_the_op_and_dim():
 
 def test_data_dependent_capture_names_the_op():
     """What users meet first: capture cannot trace a value-dependent shape, and says which op."""
-    f = hpfun.shard(torch.nonzero, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=hpfun.P("a"))
+    f = hpfun.shard(lambda x: torch.nonzero(torch.rand_like(x) > 0.5), mesh=hpfun.Mesh.simulated((2,), ("a",)),
+                    in_specs=hpfun.P("a"))  # (a mask of a random draw: not read, unlike one of the inputs)
     with pytest.raises(hpfun.CaptureError, match="aten.nonzero.default.*a boolean mask picks"):
         f(_rand(4))
 

@@ -593,7 +593,7 @@ def _indexing(b: _Builder) -> bool:
         return b.emit(kind, x, b.fresh((b.choose(b.sizes),), "int64", high=n), exact=ex, dim=dim)
     if kind == "index":
         return b.emit(kind, x, b.fresh(b.shape(1, 2), "int64", high=t.shape[0]), exact=ex)
-    if kind == "masked_select":  # a data-dependent shape: hpfun must refuse it clearly
+    if kind == "masked_select":  # a data-dependent shape: a mask given as an input is read (traced for its values)
         return b.emit(kind, x, b.fresh(tuple(t.shape), "bool"), exact=ex)
     if kind == "one_hot":
         ids = b.fresh(b.shape(1, 2), "int64", high=b.choose(b.sizes))
