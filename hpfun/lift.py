@@ -1628,6 +1628,11 @@ class Substitution:
             undo()
         self._undo.clear()
         self._take_back()
+        for root in self.state.roots:  # an RNN keeps a list of its weights (`_flat_weights`), set when
+            if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
+                for m in root.value.modules():
+                    if isinstance(m, torch.nn.RNNBase) and any(isinstance(w, FakeTensor) for w in m._flat_weights):
+                        m._init_flat_weights()
 
     def put_numbers(self) -> None:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's

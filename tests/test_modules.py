@@ -1722,3 +1722,34 @@ def test_a_module_given_as_a_default_argument_is_lifted():
     step = hpfun.shard(loss, mesh=DP, in_specs=(P("dp"),), out_specs=P())
     x, _ = batch(0)
     assert abs(step(x).full().item() - loss(x, ref).item()) < 1e-12
+
+
+@pytest.mark.parametrize("cls", [torch.nn.GRU, torch.nn.LSTM])
+def test_an_rnns_weight_list_is_left_real_and_later_calls_hit_the_cache(cls):
+    """An RNN keeps its weights in a list too (`_flat_weights`, set when a weight is assigned):
+    the trace's stand-ins were left there, so the next call keyed on them compiled again (Adam)
+    or failed inside torch (SGD). Three steps equal eager's, in at most two programs (the
+    second once Adam's state exists)."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    for opt_cls in (torch.optim.SGD, torch.optim.Adam):
+        torch.manual_seed(0)
+        rnn = cls(4, 4, batch_first=True).double()
+        ref = copy.deepcopy(rnn)
+        opt, ref_opt = opt_cls(rnn.parameters(), lr=0.01), opt_cls(ref.parameters(), lr=0.01)
+
+        def step(x, rnn=rnn, opt=opt):
+            loss = rnn(x)[0].square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        sharded = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+        x = torch.randn(4, 3, 4, dtype=torch.float64)
+        for _ in range(3):
+            got = sharded(x).full()
+            torch.testing.assert_close(got, step(x, ref, ref_opt), rtol=1e-12, atol=1e-12)
+        assert all(not isinstance(w, torch._subclasses.FakeTensor) for w in rnn._flat_weights)
+        assert sharded.trace_count <= 2, opt_cls
+        for a, b in zip(rnn.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
