@@ -139,32 +139,30 @@ class DistributedRuntime:
     def check_same_entry(self, fingerprint: int, description) -> None:
         """The ranks compare the hash of the cached program each is about to run; where they
         differ, every rank exchanges `description()` and fails as `check_same_program` does."""
-        mine = torch.tensor([fingerprint], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size)]
-        try:
-            dist.all_gather(gathered, mine, group=self.all_ranks_group())
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise _peer_failure(self, err) from err
-        if len({int(t) for t in gathered}) > 1:
+        if len(self._hashes(fingerprint)) > 1:
             self.check_same_program(description())
 
     def check_same_plan(self, digest: int) -> None:
         """After a compile, the ranks compare a hash of the program each planned for the call they
         agreed on: a plan depends on the call alone, so a difference is hpfun's own failure, and
         running the programs would pair different collectives (a silently wrong result)."""
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.size)]
-        try:
-            dist.all_gather(gathered, mine, group=self.all_ranks_group())
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise _peer_failure(self, err) from err
-        if len(planned := {int(t) for t in gathered}) > 1:
+        if len(planned := self._hashes(digest)) > 1:
             raise InternalError(Problem("plan", f"the ranks planned {len(planned)} different per-shard programs for the "
                                         "same call, whose collectives would not pair up",
                                         "give every rank the same options (hpfun.shard's cost_model, bucket_bytes, "
                                         "solver, registry...); if they are, this is a bug in hpfun (a plan must "
                                         "depend on the call alone): report it, and export PYTHONHASHSEED=0 for every "
                                         "rank to work around it"), headline="ranks planned different programs")
+
+    def _hashes(self, mine: int) -> set[int]:
+        """The distinct values of `mine` over every rank (one 8-byte all_gather)."""
+        value = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(value) for _ in range(self.mesh.size)]
+        try:
+            dist.all_gather(gathered, value, group=self.all_ranks_group())
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise _peer_failure(self, err) from err
+        return {int(t) for t in gathered}
 
     def _check_same_program(self, description: list[str]) -> None:
         digest = hashlib.sha256("\n".join(description).encode()).hexdigest()
