@@ -34,6 +34,7 @@ import contextvars
 import functools
 import io
 import logging
+import math
 import os
 import pickle
 import sys
@@ -422,8 +423,10 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     becomes extra outputs (`Captured.mutated`). `readable`: the real values of the inputs whose
     values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
+    generator = torch.default_generator.get_state()
     with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors():
         gm = _trace(flat_fn, fakes)
+    _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []
     if _mutates(gm) and (written := functionalize(gm)) is not None:
         mutated = written  # rewritten out of place where it is: no write is seen through a view
@@ -432,6 +435,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         _, plain = fake_inputs(metas, device)
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
+    _check_draws(gm)
     _drop_profiler_calls(gm)
     _drop_plain_copies(gm)
     gm.graph.eliminate_dead_code()
@@ -463,8 +467,20 @@ def _seeded_inside():
     from `s` at every call instead of a seed drawn from torch's generator, and seeds torch's
     generator with `s` after each call, so that every call draws the same numbers, as eager's
     do. A program's draws share one seed, so a call after the function has drawn is refused."""
-    seed: list = [None]
+    seed: list = [None, []]  # [s, the user lines that set torch's generator's state]
     original = torch.random.manual_seed
+    original_set = torch.random.set_rng_state
+
+    def set_rng_state(state):
+        if proxy_tensor.get_proxy_mode() is None or _called_from(_CHECKPOINT_FILE):  # checkpoint's replay: hpfun's own
+            return original_set(state)
+        frame = sys._getframe(1)  # the user's line, past torch's and the standard library's (fork_rng's exit)
+        while frame is not None and (not _is_user_frame(frame.f_code.co_filename) or
+                                     (frame.f_code.co_filename.startswith(_STDLIB)
+                                      and SITE_PACKAGES not in frame.f_code.co_filename)):
+            frame = frame.f_back
+        seed[1].append(f" at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else "")
+        return None  # not run: the program's draws are numbered by op, not by the generator's state
 
     def manual_seed(s):
         mode = proxy_tensor.get_proxy_mode()
@@ -482,8 +498,48 @@ def _seeded_inside():
         seed[0] = int(s) % 2**63
         return torch.default_generator
 
-    with mock.patch.object(torch.random, "manual_seed", manual_seed), mock.patch.object(torch, "manual_seed", manual_seed):
+    with mock.patch.object(torch.random, "manual_seed", manual_seed), mock.patch.object(torch, "manual_seed", manual_seed), \
+            mock.patch.object(torch.random, "set_rng_state", set_rng_state), \
+            mock.patch.object(torch, "set_rng_state", set_rng_state):
         yield seed
+
+
+_CHECKPOINT_FILE = os.path.join(TORCH_DIR, "utils", "checkpoint.py")
+
+
+def _called_from(filename: str) -> bool:
+    """Whether code in `filename` made this call (directly, or through torch: a checkpoint's
+    `fork_rng`), before any user frame."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename != filename:
+        if _is_user_frame(frame.f_code.co_filename) and not frame.f_code.co_filename.startswith(_STDLIB):
+            return False
+        frame = frame.f_back
+    return frame is not None
+
+
+def _refuse_generator_state(gm: torch.fx.GraphModule, lines: list, state_before: torch.Tensor) -> None:
+    """A program that draws, from a function that sets torch's generator's state itself
+    (`torch.set_rng_state`, which `torch.random.fork_rng` calls on leaving; the generator's
+    `manual_seed` or `set_state` called directly): eager's draws after it depend on that state
+    (a fork's draws repeat, or a replay equals the first draw), hpfun's are numbered by op and
+    would not, silently. Refused, at each line it could name."""
+    draws = next((n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                  and torch.Tag.nondeterministic_seeded in n.target.tags), None)
+    moved = not torch.equal(torch.default_generator.get_state(), state_before)
+    if moved:
+        torch.default_generator.set_state(state_before)  # (the function is refused or runs as a program: as before)
+    if draws is None or not (lines or moved):
+        return
+    fix = ("seed the whole call instead (`torch.manual_seed(s)` before the first draw, inside or before the call, or "
+           "`with hpfun.random_seed(s):` around it), or draw outside the sharded function and pass the values in")
+    why = "sets the state of torch's generator, which hpfun's draws (numbered by op, the same for every layout) do not follow"
+    problems = [Problem(f"torch.set_rng_state{line} (torch.random.fork_rng calls it on leaving)", why, fix)
+                for line in dict.fromkeys(lines)]
+    if moved:
+        problems.append(Problem("torch.default_generator", "was seeded or set while the function was traced "
+                                "(`torch.default_generator.manual_seed(s)` or `.set_state(...)`), and " + why, fix))
+    raise CaptureError(problems, headline="the function sets torch's random generator")
 
 
 def _compiled_code_runs_as_written():
@@ -1505,6 +1561,79 @@ def _refuse_input_metadata_writes(gm: torch.fx.GraphModule) -> None:
                                     "which hpfun cannot write back into it", _RESHAPE_FIX))
     if problems:
         raise CaptureError(problems, headline="cannot capture the function")
+
+
+def _draw_problem(target, args: dict, dtype) -> str | None:
+    """What torch's CPU kernel would refuse in a random op's arguments (its meta kernel, which
+    the trace runs, checks none of them), in torch's words, or None."""
+    name = target._schema.name.split("::")[-1]
+    real = dtype.to_real() if dtype is not None and dtype.is_complex else dtype
+    if name in ("exponential", "cauchy", "log_normal", "geometric") and dtype is not None and dtype.is_complex:
+        return f"{name} draws real numbers, but the tensor is {dtype}"
+    if name == "bernoulli" and "p" in args and not isinstance(args["p"], torch.fx.Node) and not 0 <= args["p"] <= 1:
+        return f"bernoulli expects p to be in [0, 1], but got p={args['p']}"
+    if name == "uniform":
+        low, high = args.get("from", 0.0), args.get("to", 1.0)
+        if not low <= high:
+            return f"uniform_ expects a [from, to) range, but got from={low} > to={high}"
+        if real is not None and real.is_floating_point and not high - low <= torch.finfo(real).max:
+            return f"uniform_'s range [{low}, {high}) is out of bounds for {dtype}"
+    if name in ("normal_functional", "normal") and not isinstance(args.get("std"), torch.fx.Node) and \
+            not args.get("std", 1.0) >= 0:
+        return f"normal expects std >= 0.0, but got std={args['std']}"
+    if name == "log_normal" and not args.get("std", 2.0) > 0:
+        return f"log_normal_ expects std > 0.0, but got std={args['std']}"
+    if name == "exponential" and not args.get("lambd", 1.0) > 0:
+        return f"exponential_ expects lambda > 0.0, but got lambda={args['lambd']}"
+    if name == "cauchy" and not args.get("sigma", 1.0) > 0:
+        return f"cauchy_ expects sigma > 0.0, but got sigma={args['sigma']}"
+    if name == "geometric" and not 0 < args["p"] < 1:
+        return f"geometric_ expects p to be in (0, 1), but got p={args['p']}"
+    if name in ("randint", "randint_like") and dtype is not None:
+        low, high = args.get("low", 0), args["high"]
+        if not low < high:
+            return f"randint expects low < high, but got low={low}, high={high}"
+        if high - low > 2**63:
+            return f"hpfun draws integers from ranges of at most 2^63, and [{low}, {high}) is wider"
+        if dtype is torch.bool:
+            bounds = (0, 1)
+        elif dtype.is_floating_point:
+            digits = 1 - round(math.log2(torch.finfo(dtype).eps))  # 11 for float16: whole numbers to 2^11 exact
+            bounds = (-2**digits, 2**digits)
+        else:
+            bounds = (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+        if low < bounds[0] or high - 1 > bounds[1]:
+            return (f"randint's range [{low}, {high}) does not fit {dtype}"
+                    + (" exactly (whole numbers beyond 2^(mantissa bits + 1) round)" if dtype.is_floating_point else ""))
+    if name == "randperm" and dtype is not None and dtype is not torch.bool:
+        top = 2 ** (1 - round(math.log2(torch.finfo(dtype).eps))) + 1 if dtype.is_floating_point \
+            else torch.iinfo(dtype).max + 1
+        if args["n"] > top:
+            return f"randperm's n={args['n']} is more than {dtype} holds exactly ({top})"
+    return None
+
+
+def _check_draws(gm: torch.fx.GraphModule) -> None:
+    """Random ops' arguments checked as torch's kernels check them (a probability above 1, an
+    empty uniform range...), every problem at its source line in one error: the trace's meta
+    kernels check none of them, and hpfun's own draws would give numbers from them silently."""
+    problems = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or \
+                torch.Tag.nondeterministic_seeded not in n.target.tags:
+            continue
+        schema = n.target._schema
+        args = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+        args.update({a.name: v for a, v in zip(schema.arguments, n.args)})
+        args.update(n.kwargs)
+        val = n.meta.get("val")
+        why = _draw_problem(n.target, args, val.dtype if isinstance(val, torch.Tensor) else None)
+        if why is not None:
+            line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
+            problems.append(Problem(f"{schema.name.split('::')[-1]}{f' at {line}' if line else ''}", why,
+                                    "give the draw arguments torch accepts (eager PyTorch raises here too)"))
+    if problems:
+        raise CaptureError(problems, headline="invalid arguments to random ops")
 
 
 def _base(node):

@@ -248,7 +248,9 @@ class _Graph:
         for node in self.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
                 rule = registry.lookup(node.target)
-                fell = rule is None and fallback == "replicate"
+                # (not a random op: each rank would draw its own numbers where the layout says one value)
+                fell = rule is None and fallback == "replicate" and \
+                    torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
                 site = self.sites[node] = _Site(node, _FALLBACK if fell else rule, mesh, fell)
                 site.kind = kinds.setdefault(site.key, len(kinds))  # hashing the key once, not per question
         out = next(n for n in reversed(self.nodes) if n.op == "output")
@@ -566,6 +568,7 @@ def _missing(node, call: OpCall) -> Problem:
     fix = ("run it on gathered inputs with hpfun.shard(..., fallback=\"replicate\") (a warning names what it costs), "
            "or give it a rule: a YAML entry (see rules/README.md) or hpfun.rules.register(op, rule)")
     if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):  # multinomial, poisson, gamma
-        fix = ("hpfun draws random numbers itself, the same for every layout, and has no such draw for this op yet: "
+        fix = ("hpfun draws random numbers itself, the same for every layout, and has no such draw for this op yet "
+               "(nor can fallback=\"replicate\" run it: each rank would draw other numbers): "
                "draw the values outside the sharded function and pass them in")
     return Problem(f"{node.target}", f"no sharding rule (inputs {layouts})" + (f", from {line}" if line else ""), fix)

@@ -100,8 +100,12 @@ def normal(w, dtype: torch.dtype) -> torch.Tensor:
 
 
 def below(w, n: int) -> torch.Tensor:
-    """Integers in [0, n) (n < 2^31) by multiply-shift on one word."""
-    return (w[0] * n) >> 32
+    """Integers in [0, n): multiply-shift on one word below 2^31 (the product fits in int64),
+    else a 63-bit integer of two words modulo n (as torch's generator takes a 64-bit one
+    modulo a range of 2^32 or more). n must be below 2^63."""
+    if n < 2**31:
+        return (w[0] * n) >> 32
+    return (((w[0] & 0x7FFFFFFF) << 32) | w[1]) % n
 
 
 def sort_keys(w) -> torch.Tensor:

@@ -45,6 +45,11 @@ RANDOM_OPS = {
     "log_normal_": lambda x: torch.empty_like(x).log_normal_(0.5, 0.3),
     "cauchy_": lambda x: torch.empty_like(x).cauchy_(1.0, 2.0),
     "geometric_": lambda x: torch.empty_like(x).geometric_(0.3),
+    "normal(tensor, float)": lambda x: torch.normal(x, 2.0),
+    "normal(float, tensor)": lambda x: torch.normal(1.0, x.abs() + 0.1),
+    "normal(float, float, size)": lambda x: torch.normal(1.0, 2.0, x.shape),
+    "randn_complex": lambda x: torch.randn(x.shape, dtype=torch.complex128).imag,
+    "randint_wide": lambda x: torch.randint(-2**40, 2**40, x.shape).double(),
 }
 MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
 
@@ -267,3 +272,92 @@ def test_a_random_op_without_a_draw_says_to_draw_outside():
                     out_specs=P("a"))
     with pytest.raises(hpfun.HpfunError, match="draw the values outside the sharded function"):
         f(torch.rand(4, 6))
+
+
+def test_randint_over_ranges_wider_than_32_bits_stays_in_range():
+    """A range of 2^31 or more (a multiply-shift on one word would overflow int64) draws a 63-bit
+    integer modulo the range: every value inside, spread evenly (chi-square over 16 bins)."""
+    for low, high in [(0, 2**31), (0, 2**40), (-2**40, 2**40), (5, 2**62 + 5)]:
+        r = _sample("randint", INDEX, SEED, 3, torch.int64, low, high)
+        assert r.min() >= low and r.max() < high, (low, high)
+        bins = torch.bincount(((r - low).double() / (high - low) * 16).long(), minlength=16).double()
+        assert ((bins - N / 16) ** 2 / (N / 16)).sum().item() < 30.58, (low, high)  # 15 dof, 1%
+
+
+def test_complex_draws_split_their_variance_between_independent_parts():
+    """randn in a complex dtype, as torch draws it: real and imaginary parts independent standard
+    normals of variance 1/2 each; rand: both parts uniform in [0, 1); normal_(mean, std): the mean
+    added to both parts."""
+    z = _sample("randn", INDEX, SEED, 4, torch.complex128, 0.0, 1.0)
+    assert z.dtype == torch.complex128
+    for part in (z.real, z.imag):
+        assert abs(part.mean().item()) < 4 * math.sqrt(0.5 / N) and abs(part.var().item() - 0.5) < 0.02
+    assert abs(torch.corrcoef(torch.stack([z.real, z.imag]))[0, 1].item()) < 4 / math.sqrt(N)
+    u = _sample("rand", INDEX, SEED, 5, torch.complex64, 0.0, 1.0)
+    assert u.real.min() >= 0 and u.imag.max() < 1 and abs(u.imag.mean().item() - 0.5) < 0.01
+    n = _sample("normal", INDEX, SEED, 6, torch.complex128, 1.0, 2.0)
+    assert abs(n.real.mean().item() - 1) < 0.02 and abs(n.imag.mean().item() - 1) < 0.02
+    assert abs(n.imag.var().item() - 2.0) < 0.08
+
+
+BAD_DRAWS = {  # each refused by eager PyTorch's CPU kernels, whose checks the trace's meta kernels skip
+    "bernoulli p > 1": lambda x: torch.bernoulli(x, 1.5),
+    "uniform_ from > to": lambda x: torch.empty_like(x).uniform_(2.0, 1.0),
+    "uniform_ to infinity": lambda x: torch.empty_like(x).uniform_(0.0, math.inf),
+    "randint beyond int8": lambda x: torch.randint(0, 300, x.shape, dtype=torch.int8),
+    "randperm beyond float16": lambda x: torch.randperm(3000, dtype=torch.float16),
+    "exponential_ of complex": lambda x: torch.empty(x.shape, dtype=torch.complex64).exponential_(),
+    "geometric_ p > 1": lambda x: torch.empty_like(x).geometric_(1.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_DRAWS))
+def test_draw_arguments_eager_refuses_are_refused_at_the_line(name):
+    """Bad draw arguments (which hpfun's own draws would otherwise turn into numbers silently)
+    raise before anything runs, naming the user's line, as eager raises."""
+    x = torch.rand(4)
+    with pytest.raises(RuntimeError):
+        BAD_DRAWS[name](x)
+    f = hpfun.shard(BAD_DRAWS[name], mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))
+    with pytest.raises(hpfun.HpfunError, match="test_rng.py"):
+        f(x)
+
+
+def test_setting_torchs_generator_inside_a_drawing_function_is_refused():
+    """torch.random.fork_rng (which sets the generator back on leaving) and seeding the generator
+    object directly change what eager's later draws are; hpfun's draws are numbered by op and
+    cannot follow, so a function that draws is refused, at the fork's line, and torch's generator
+    is left as it was. A fork in a function that draws nothing is fine."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+
+    def forked(x):
+        with torch.random.fork_rng():
+            torch.manual_seed(1)
+            fixed = torch.rand_like(x)
+        return fixed + torch.rand_like(x)
+
+    def reseeded(x):
+        torch.default_generator.manual_seed(7)
+        return torch.rand_like(x)
+
+    def quiet(x):
+        with torch.random.fork_rng():
+            return x * 2
+
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with pytest.raises(hpfun.HpfunError, match=r"set_rng_state at .*test_rng.py:\d+ in forked"):
+        hpfun.shard(forked, mesh=mesh, in_specs=P("a"))(torch.zeros(4))
+    with pytest.raises(hpfun.HpfunError, match="default_generator"):
+        hpfun.shard(reseeded, mesh=mesh, in_specs=P("a"))(torch.zeros(4))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(hpfun.shard(quiet, mesh=mesh, in_specs=P("a"))(torch.ones(4)).full(), torch.full((4,), 2.0))
+
+
+def test_fallback_does_not_run_a_random_op_without_a_draw():
+    """fallback="replicate" would run torch.poisson on every rank with torch's own generator, so
+    that a replicated value's copies differ: such an op is refused, fallback or not."""
+    f = hpfun.shard(lambda x: torch.poisson(x), mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"),
+                    out_specs=P(), fallback="replicate")
+    with pytest.raises(hpfun.HpfunError, match="nor can fallback"):
+        f(torch.rand(4) * 3)

@@ -17,7 +17,7 @@ from hpfun import rng
 from hpfun.layout import Layout, Partial, R
 from hpfun.rules.base import OpCall, Rule, Strategy
 
-KINDS = ("rand", "randn", "uniform", "normal", "bernoulli_p", "bernoulli", "randint", "randint_like", "randperm",
+KINDS = ("rand", "randn", "uniform", "normal", "normal_float", "normal_tensor", "bernoulli_p", "bernoulli", "randint", "randint_like", "randperm",
          "dropout", "exponential", "log_normal", "cauchy", "geometric")
 
 
@@ -42,6 +42,11 @@ class Random(Rule):
             return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
         src = call.tensors[0].layout
         out = _without_partial(src)
+        if self.kind == "normal_tensor":  # torch.normal(mean, std), one or both tensors: drawn where they are
+            if all(t.shape == call.outputs[0].shape for t in call.tensors):
+                return [Strategy((out,) * len(call.tensors), (out,))]
+            r = Layout.replicated(call.mesh)  # broadcast against each other: drawn whole
+            return [Strategy((r,) * len(call.tensors), (r,))]
         first = out if self.reads_input else src  # shape only: the input stays where it is
         return [Strategy((first,) + tuple(t.layout for t in call.tensors[1:]), (out,) * len(call.outputs))]
 
@@ -63,6 +68,8 @@ _PARAMS = {
     "randn": lambda a: (0.0, 1.0),
     "uniform": lambda a: (_arg(a, 1, 0.0), _arg(a, 2, 1.0)),
     "normal": lambda a: (_arg(a, 1, 0.0), _arg(a, 2, 1.0)),
+    "normal_float": lambda a: (_arg(a, 0, 0.0), _arg(a, 1, 1.0)),  # torch.normal(mean, std, size)
+    "normal_tensor": lambda a: (a[0], _arg(a, 1, 1.0)),  # torch.normal(mean, std): either may be a tensor
     "bernoulli_p": lambda a: (_arg(a, 1, 0.5),),
     "bernoulli": lambda a: (a[0],),
     "randint": lambda a: (a[0], a[1]) if len(a) > 2 and not isinstance(a[1], (list, tuple)) else (0, a[0]),
@@ -82,14 +89,24 @@ def _sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: 
 
 
 def _from_words(kind: str, w, dtype: torch.dtype, *params):
+    if dtype.is_complex and kind in ("rand", "uniform", "randn", "normal", "normal_float"):
+        # as torch draws them: real and imaginary parts independent, each from two of the four
+        # words; a normal's variance split evenly between them, its mean added to both
+        part = dtype.to_real()
+        if kind in ("randn", "normal", "normal_float"):
+            mean, std = params
+            params = (mean, std * math.sqrt(0.5))
+        return torch.complex(_from_words(kind, w[:2], part, *params), _from_words(kind, w[2:], part, *params))
     if kind in ("rand", "uniform"):
         low, high = params
         u = rng.uniform(w, dtype)
         return u if (low, high) == (0.0, 1.0) else u * (high - low) + low
-    if kind in ("randn", "normal"):
+    if kind in ("randn", "normal", "normal_float", "normal_tensor"):
         mean, std = params
         z = rng.normal(w, dtype)
-        return z if (mean, std) == (0.0, 1.0) else z * std + mean
+        if not isinstance(mean, torch.Tensor) and not isinstance(std, torch.Tensor) and (mean, std) == (0.0, 1.0):
+            return z
+        return z * std + mean
     if kind in ("bernoulli_p", "bernoulli"):
         p = params[0]
         return (rng.uniform(w, torch.float64 if _is_double(p) else torch.float32) < p).to(dtype)
@@ -125,7 +142,8 @@ def native_sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, d
     first = int(index.reshape(-1)[0]) if index.numel() else 0
     g = torch.Generator(device=index.device).manual_seed(hash((int(seed[0]), op, first)) & (2**63 - 1))
     shape = (params[0].shape if kind in ("bernoulli", "dropout") else index.shape)
-    w = [torch.randint(0, 2**32, shape, generator=g, dtype=torch.int64, device=index.device) for _ in range(2)]
+    w = [torch.randint(0, 2**32, shape, generator=g, dtype=torch.int64, device=index.device)
+         for _ in range(4 if dtype.is_complex else 2)]
     return _from_words(kind, w, dtype, *params)
 
 
