@@ -496,9 +496,7 @@ class ShardedFunction:
             self._note_changed_statics(call, key)
             self._note_new_shapes(call, key)
             self._note_new_state(call)
-            entry = self._compile(call, leaves)
-            if self.mesh.runtime == "distributed":
-                runtime_for(self.mesh).check_same_plan(_plan_digest(entry.program))
+            entry = self._compile_everywhere(call, leaves)
             if entry.written:
                 _check_written_state_unaliased(call, entry)
             self._cache[key] = entry
@@ -543,7 +541,7 @@ class ShardedFunction:
                     f"every new value compiles again (seconds each). Fix: {fix}.", RetraceWarning, stacklevel=4)
         if self.mesh.runtime == "distributed":
             runtime_for(self.mesh).check_same_program(_describe(call, leaves))
-        new = self._compile(call, leaves)
+        new = self._compile_everywhere(call, leaves)
         variants.append(new)
         return new
 
@@ -678,6 +676,23 @@ class ShardedFunction:
             warn_kept_whole("state_specs", fresh, state=True)
         return out
 
+    def _compile_everywhere(self, call: _Call, leaves) -> "_Entry":
+        """`_compile`, and on a distributed mesh one exchange after it, made by every rank whether
+        its compile succeeded or raised: the ranks compare what they read while tracing and what
+        they planned, and where one failed (an error its data alone gives), the others fail with it
+        instead of going on to collectives it will not join (which would pair each later call of
+        one rank with the next call of another)."""
+        if self.mesh.runtime != "distributed":
+            return self._compile(call, leaves)
+        try:
+            entry = self._compile(call, leaves)
+        except Exception:
+            runtime_for(self.mesh).agree_on_compile(None, [])
+            raise
+        runtime_for(self.mesh).agree_on_compile(_plan_digest(entry.program),
+                                                [f"the value read at{r.where}: {r.value!r}" for r in entry.reads])
+        return entry
+
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
         grad_args = [path for path, x in zip(call.paths(), call.flat[:len(call.flat) - len(call.lifted)])
                      if type(x) is not Sharded and isinstance(x, torch.Tensor) and x.requires_grad]
@@ -724,9 +739,7 @@ class ShardedFunction:
         except UnliftedTensor as err:
             raise lift.unlifted_tensor_error(call.state, str(err)) from None
         _check_configs_unchanged(call, leaves)
-        gm = captured.gm
-        if captured.reads and self.mesh.runtime == "distributed":  # every rank must have read the same
-            runtime_for(self.mesh).check_same_program([f"the value read at{r.where}: {r.value!r}" for r in captured.reads])
+        gm = captured.gm  # (on a distributed mesh, the ranks compare what they read after compiling)
         self._stage = "planning the layouts"
         check_pins(gm, self.mesh)  # every pin's problems together, at the user's lines
         fold_contractions(gm)
@@ -938,7 +951,7 @@ def _clipped(value, width: int = 60) -> str:
 
 def _plan_digest(program: Program) -> int:
     """A hash of what a program runs: each node's op and arguments, and the layouts at its ends
-    (ranks compare it after compiling: `check_same_plan`)."""
+    (ranks compare it after compiling: `agree_on_compile`)."""
     h = hashlib.blake2b(digest_size=7)
     for node in program.module.graph.nodes:  # (an object's address differs between processes: left out)
         h.update(_ADDRESS.sub("", f"{node.op} {op_name(node.target)} {node.args} {node.kwargs}\n").encode())

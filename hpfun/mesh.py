@@ -77,11 +77,13 @@ class Mesh:
         return mesh
 
     @classmethod
-    def from_device_mesh(cls, device_mesh) -> "Mesh":
-        """Adopt an existing `torch.distributed.DeviceMesh` (its axis names and groups)."""
+    def from_device_mesh(cls, device_mesh, *, timeout: float | None = None) -> "Mesh":
+        """Adopt an existing `torch.distributed.DeviceMesh` (its axis names and ranks). Without
+        `timeout`, hpfun's collectives run on its groups, with their timeouts (torch's default
+        is 30 minutes); with it, on groups of the same ranks that time out after `timeout` seconds."""
         names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
         mesh = cls(tuple(device_mesh.mesh.shape), names, runtime="distributed")
-        groups.adopt(mesh, device_mesh)
+        groups.adopt(mesh, device_mesh, timeout)
         return mesh
 
     @property

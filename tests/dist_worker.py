@@ -217,6 +217,15 @@ def lifted_dp(out: Path):
     grads = hpfun.shard(lambda x, ws: torch.func.grad(lambda ws: sum((x @ w).sum() for w in ws))(ws), mesh=mesh,
                         in_specs=(P("dp"), P()), out_specs=P(), bucket_bytes=0 if RANK else 1 << 20)
     got["plan mismatch"] = _error(lambda: grads(x, ws))
+
+    def refused_on_rank_1(x):  # an error only one rank's trace meets (its own data, a rank-local check)
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("rank 1 refuses")
+        return x.sum()
+
+    got["one rank raised"] = _error(lambda: hpfun.shard(refused_on_rank_1, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))
+    summed = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    got["after one rank raised"] = [summed(x * k).full() for k in (1.0, 10.0)]  # in step: each call pairs with its own
     picker = hpfun.shard(pick_columns, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)

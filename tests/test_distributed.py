@@ -290,6 +290,23 @@ def test_ranks_that_plan_different_programs_fail_before_running_them(lifted_dp_j
         assert "give every rank the same options" in text and "PYTHONHASHSEED=0" in text, text
 
 
+def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):
+    """The function raises while traced on rank 1 only, and the job catches it and goes on: rank
+    1 gets its own error, rank 0 an error naming rank 1, and the next calls pair each rank's
+    collectives with the same call's (rank 0 had gone on to compare a plan rank 1 never sent,
+    and every later call then mixed one rank's batch with the other's next one)."""
+    x, _ = _worker().lifted_data()
+    for rank, got in enumerate(lifted_dp_job):
+        text = got["one rank raised"]
+        if rank == 1:
+            assert text.startswith("ValueError: rank 1 refuses"), text
+        else:
+            assert text.startswith("ShardingError") and "another rank failed to compile" in text, text
+            assert "mesh rank 1: raised an error while compiling this call" in text, text
+        for k, value in zip((1.0, 10.0), got["after one rank raised"], strict=True):
+            _close(value, (x * k).sum(0), f"rank {rank}, batch x {k}")
+
+
 def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
     """An op raising inside the per-shard program (an index out of range) is an hpfun error
     naming the op, the user's line and the layouts, with the op's own error as its cause."""

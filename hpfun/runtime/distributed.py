@@ -70,8 +70,10 @@ class DistributedRuntime:
         return mine
 
     def all_ranks_group(self):
-        """The default group when the mesh spans the job (it carries the job's timeout)."""
-        if self._all is None and self.mesh.size != dist.get_world_size():
+        """A group of the mesh's ranks with the mesh's timeout; without one (an adopted
+        DeviceMesh), the default group when the mesh spans the job. (The default group carries
+        the timeout of whoever started the job: torch's 30 minutes if the user's script did.)"""
+        if self._all is None and (self.mesh.size != dist.get_world_size() or self.timeout is not None):
             self._all = self._new_group([list(range(self.mesh.size))])
         return self._all
 
@@ -142,11 +144,41 @@ class DistributedRuntime:
         if len(self._hashes(fingerprint)) > 1:
             self.check_same_program(description())
 
-    def check_same_plan(self, digest: int) -> None:
-        """After a compile, the ranks compare a hash of the program each planned for the call they
-        agreed on: a plan depends on the call alone, so a difference is hpfun's own failure, and
-        running the programs would pair different collectives (a silently wrong result)."""
-        if len(planned := self._hashes(digest)) > 1:
+    def agree_on_compile(self, digest: int | None, reads: list[str]) -> None:
+        """After each compile, every rank, whether its compile succeeded (`digest`: a hash of the
+        program it planned) or raised (None), exchanges 16 bytes: the plan's hash and a hash of
+        the values its trace read from its inputs. Every rank sees the same exchange, so all
+        take the same branch and the job's collectives stay paired:
+        - a rank failed: the others raise too (the failed ones re-raise their own error);
+        - the values read differ: every rank raises the differences (`check_same_program`);
+        - the plans differ for the same call and the same reads: hpfun's own failure, and running
+          them would pair different collectives (a silently wrong result)."""
+        read = int.from_bytes(hashlib.blake2b("\n".join(reads).encode(), digest_size=7).digest())
+        value = torch.tensor([-1 if digest is None else digest, read], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(value) for _ in range(self.mesh.size)]
+        try:
+            dist.all_gather(gathered, value, group=self.all_ranks_group())
+        except (RuntimeError, dist.DistBackendError) as err:
+            if digest is None:
+                return  # (raising its own error)
+            raise _peer_failure(self, err) from err
+        failed = [i for i, t in enumerate(gathered) if int(t[0]) == -1]
+        if failed:
+            if digest is None:
+                return
+            raise ShardingError(Problem(f"mesh rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))}",
+                                        "raised an error while compiling this call (that rank's own error says why)",
+                                        "make the call succeed on every rank: an error only some ranks' data give "
+                                        "(a value read, a rank-dependent branch) fails them all"),
+                                headline="another rank failed to compile the call")
+        if len({int(t[1]) for t in gathered}) > 1:
+            self.check_same_program(reads)
+        self.check_same_plan({int(t[0]) for t in gathered})
+
+    def check_same_plan(self, planned: set[int]) -> None:
+        """The distinct plan hashes of the ranks (`agree_on_compile`): more than one for the same
+        call is hpfun's own failure."""
+        if len(planned) > 1:
             raise InternalError(Problem("plan", f"the ranks planned {len(planned)} different per-shard programs for the "
                                         "same call, whose collectives would not pair up",
                                         "give every rank the same options (hpfun.shard's cost_model, bucket_bytes, "

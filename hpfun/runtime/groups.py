@@ -44,9 +44,10 @@ def start(mesh, timeout: float | None = None) -> None:
     _DEVICE_MESHES[mesh] = (device_mesh, datetime.timedelta(seconds=timeout))
 
 
-def adopt(mesh, device_mesh: DeviceMesh) -> None:
-    """Run `mesh` on an existing DeviceMesh (its groups, and their timeouts, are reused)."""
-    _DEVICE_MESHES[mesh] = (device_mesh, None)
+def adopt(mesh, device_mesh: DeviceMesh, timeout: float | None = None) -> None:
+    """Run `mesh` on an existing DeviceMesh: its groups, and their timeouts, are reused, unless
+    `timeout` (seconds) is given, for which hpfun makes its own groups of the same ranks."""
+    _DEVICE_MESHES[mesh] = (device_mesh, None if timeout is None else datetime.timedelta(seconds=timeout))
 
 
 def device_mesh(mesh) -> tuple[DeviceMesh, datetime.timedelta | None]:
