@@ -73,7 +73,23 @@ def schedule(graph: torch.fx.Graph, bucket_bytes: int = DEFAULT_BUCKET_BYTES, ov
     buckets = bucket(graph, bucket_bytes) if bucket_bytes > 0 else ()
     if overlap:
         spread(graph)
+    _items_next_to_their_op(graph)
     return buckets  # (that every node still follows what it reads is checked by hpfun.verify)
+
+
+def _items_next_to_their_op(graph: torch.fx.Graph) -> None:
+    """Each `getitem` of a multi-output op (a layer norm's backward: the input's gradient and the
+    weight's) right after the op. The program holds the op's result tuple, every output in it,
+    until its last getitem; moved with a collective it feeds (a weight gradient's bucket, many
+    ops on), that one getitem kept the input's gradient alive through the rest of the backward."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        anchor = node
+        for item in sorted((u for u in node.users if u.target is operator.getitem), key=pos.__getitem__):
+            anchor.append(item)
+            anchor = item
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +193,7 @@ def points(graph: torch.fx.Graph) -> dict[torch.fx.Node, Points]:
     out = {}
     for c in collectives:
         after = issues[c][0].prev
-        while after in issuing:
+        while after in issuing or after.target is operator.getitem:  # (an output taken from a tuple: its op)
             after = after.prev
         before = waits[c][-1].next
         while before in waiting:
