@@ -474,12 +474,7 @@ def _seeded_inside():
     def set_rng_state(state):
         if proxy_tensor.get_proxy_mode() is None or _called_from(_CHECKPOINT_FILE):  # checkpoint's replay: hpfun's own
             return original_set(state)
-        frame = sys._getframe(1)  # the user's line, past torch's and the standard library's (fork_rng's exit)
-        while frame is not None and (not _is_user_frame(frame.f_code.co_filename) or
-                                     (frame.f_code.co_filename.startswith(_STDLIB)
-                                      and SITE_PACKAGES not in frame.f_code.co_filename)):
-            frame = frame.f_back
-        seed[1].append(f" at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else "")
+        seed[1].append(user_line_past_stdlib())  # (fork_rng's exit runs in contextlib)
         return None  # not run: the program's draws are numbered by op, not by the generator's state
 
     def manual_seed(s):
@@ -505,6 +500,17 @@ def _seeded_inside():
 
 
 _CHECKPOINT_FILE = os.path.join(TORCH_DIR, "utils", "checkpoint.py")
+
+
+def user_line_past_stdlib() -> str:
+    """' at file:line in fn' of the innermost user frame calling now, past torch's, hpfun's and
+    the standard library's frames (a context manager's code runs in contextlib), or ''."""
+    frame = sys._getframe(1)
+    while frame is not None and (not _is_user_frame(frame.f_code.co_filename) or
+                                 (frame.f_code.co_filename.startswith(_STDLIB)
+                                  and SITE_PACKAGES not in frame.f_code.co_filename)):
+        frame = frame.f_back
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else ""
 
 
 def _called_from(filename: str) -> bool:
@@ -538,7 +544,10 @@ def _refuse_generator_state(gm: torch.fx.GraphModule, lines: list, state_before:
                 for line in dict.fromkeys(lines)]
     if moved:
         problems.append(Problem("torch.default_generator", "was seeded or set while the function was traced "
-                                "(`torch.default_generator.manual_seed(s)` or `.set_state(...)`), and " + why, fix))
+                                "(`torch.default_generator.manual_seed(s)` or `.set_state(...)`, or torch.manual_seed "
+                                "imported under another name: `from torch import manual_seed`), and " + why,
+                                "call it as `torch.manual_seed(s)` before the first draw (hpfun then draws from s at every "
+                                "call), or " + fix))
     raise CaptureError(problems, headline="the function sets torch's random generator")
 
 
@@ -1568,6 +1577,9 @@ def _draw_problem(target, args: dict, dtype) -> str | None:
     the trace runs, checks none of them), in torch's words, or None."""
     name = target._schema.name.split("::")[-1]
     real = dtype.to_real() if dtype is not None and dtype.is_complex else dtype
+    if name in ("rand", "randn", "rand_like", "randn_like", "uniform", "normal_functional", "normal") and \
+            dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        return f"{name} draws floating-point numbers, but the tensor is {dtype}"
     if name in ("exponential", "cauchy", "log_normal", "geometric") and dtype is not None and dtype.is_complex:
         return f"{name} draws real numbers, but the tensor is {dtype}"
     if name == "bernoulli" and "p" in args and not isinstance(args["p"], torch.fx.Node) and not 0 <= args["p"] <= 1:
@@ -1593,8 +1605,8 @@ def _draw_problem(target, args: dict, dtype) -> str | None:
         low, high = args.get("low", 0), args["high"]
         if not low < high:
             return f"randint expects low < high, but got low={low}, high={high}"
-        if high - low > 2**63:
-            return f"hpfun draws integers from ranges of at most 2^63, and [{low}, {high}) is wider"
+        if high - low >= 2**63:
+            return f"hpfun draws integers from ranges narrower than 2^63, and [{low}, {high}) is not"
         if dtype is torch.bool:
             bounds = (0, 1)
         elif dtype.is_floating_point:

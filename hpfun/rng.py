@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from hpfun.errors import Problem, SpecError
+from hpfun.errors import CaptureError, Problem, SpecError
 
 MASK = 0xFFFFFFFF
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # Philox 4x32 multipliers
@@ -73,7 +73,10 @@ def compiled(fn):
         with _lock:
             if fn not in _compiled:
                 _compiled[fn] = torch.compile(fn, dynamic=True)
-        return _compiled[fn](*args)
+        # each kind, dtype and parameter compiles its own kernel: past dynamo's limit of eight
+        # it would run the eager code instead, whose normals differ in the last bits
+        with torch._dynamo.config.patch(recompile_limit=1 << 16, accumulated_recompile_limit=1 << 16):
+            return _compiled[fn](*args)
 
     return run
 
@@ -101,11 +104,14 @@ def normal(w, dtype: torch.dtype) -> torch.Tensor:
 
 def below(w, n: int) -> torch.Tensor:
     """Integers in [0, n): multiply-shift on one word below 2^31 (the product fits in int64),
-    else a 63-bit integer of two words modulo n (as torch's generator takes a 64-bit one
-    modulo a range of 2^32 or more). n must be below 2^63."""
+    else the 64-bit integer of two words modulo n, as torch's generator draws a range of 2^32
+    or more. n must be below 2^63."""
     if n < 2**31:
         return (w[0] * n) >> 32
-    return (((w[0] & 0x7FFFFFFF) << 32) | w[1]) % n
+    r = (w[0] << 32) | w[1]  # the 64 bits, read as a signed int64: r + 2^64 where negative
+    low = torch.remainder(r, n)
+    shifted = low - (n - 2**64 % n)  # (low + 2^64 mod n) mod n, in int64 for n up to 2^63
+    return torch.where(r < 0, torch.where(shifted < 0, shifted + n, shifted), low)
 
 
 def sort_keys(w) -> torch.Tensor:
@@ -134,6 +140,13 @@ def random_seed(seed: int):
     >>> torch.equal(a, b)
     True
     """
+    from hpfun.capture import tracing, user_line_past_stdlib  # (capture imports this module)
+
+    if tracing():
+        raise CaptureError(Problem(f"hpfun.random_seed{user_line_past_stdlib()}", "is used inside a sharded function, where it would fix nothing "
+                                "(the program's seed is chosen when it is called)",
+                                "put `with hpfun.random_seed(s):` around the call, or call torch.manual_seed(s) "
+                                "inside the function before its first draw"))
     whole = isinstance(seed, numbers.Integral) or isinstance(seed, torch.Tensor) and seed.numel() == 1 and \
         not (seed.is_floating_point() or seed.is_complex())
     if isinstance(seed, bool) or not whole:

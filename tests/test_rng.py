@@ -50,6 +50,7 @@ RANDOM_OPS = {
     "normal(float, float, size)": lambda x: torch.normal(1.0, 2.0, x.shape),
     "randn_complex": lambda x: torch.randn(x.shape, dtype=torch.complex128).imag,
     "randint_wide": lambda x: torch.randint(-2**40, 2**40, x.shape).double(),
+    "bernoulli_(tensor)": lambda x: torch.empty_like(x).bernoulli_(torch.sigmoid(x)),
 }
 MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
 
@@ -276,8 +277,12 @@ def test_a_random_op_without_a_draw_says_to_draw_outside():
 
 def test_randint_over_ranges_wider_than_32_bits_stays_in_range():
     """A range of 2^31 or more (a multiply-shift on one word would overflow int64) draws a 63-bit
-    integer modulo the range: every value inside, spread evenly (chi-square over 16 bins)."""
-    for low, high in [(0, 2**31), (0, 2**40), (-2**40, 2**40), (5, 2**62 + 5)]:
+    integer modulo the range, as torch does: every value inside, spread evenly (chi-square over
+    16 bins). (A 64-bit integer modulo a range past 2^62 favours its low values, as torch's does:
+    3 * 2^61 is only checked for range.)"""
+    r = _sample("randint", INDEX, SEED, 3, torch.int64, 0, 3 * 2**61)
+    assert r.min() >= 0 and r.max() < 3 * 2**61
+    for low, high in [(0, 2**31), (0, 2**40), (-2**40, 2**40), (5, 2**62 + 5), (-2**62, 2**62 - 1)]:
         r = _sample("randint", INDEX, SEED, 3, torch.int64, low, high)
         assert r.min() >= low and r.max() < high, (low, high)
         bins = torch.bincount(((r - low).double() / (high - low) * 16).long(), minlength=16).double()
@@ -298,6 +303,10 @@ def test_complex_draws_split_their_variance_between_independent_parts():
     n = _sample("normal", INDEX, SEED, 6, torch.complex128, 1.0, 2.0)
     assert abs(n.real.mean().item() - 1) < 0.02 and abs(n.imag.mean().item() - 1) < 0.02
     assert abs(n.imag.var().item() - 2.0) < 0.08
+    mean = torch.complex(torch.ones(N, dtype=torch.float64), -torch.ones(N, dtype=torch.float64))
+    t = _sample("normal_tensor", INDEX, SEED, 7, torch.complex128, mean, 1.0)  # torch.normal(complex mean, std)
+    for part, centre in ((t.real, 1.0), (t.imag, -1.0)):
+        assert abs(part.mean().item() - centre) < 0.02 and abs(part.var().item() - 0.5) < 0.02
 
 
 BAD_DRAWS = {  # each refused by eager PyTorch's CPU kernels, whose checks the trace's meta kernels skip
@@ -308,6 +317,7 @@ BAD_DRAWS = {  # each refused by eager PyTorch's CPU kernels, whose checks the t
     "randperm beyond float16": lambda x: torch.randperm(3000, dtype=torch.float16),
     "exponential_ of complex": lambda x: torch.empty(x.shape, dtype=torch.complex64).exponential_(),
     "geometric_ p > 1": lambda x: torch.empty_like(x).geometric_(1.5),
+    "rand of int64": lambda x: torch.rand(x.shape, dtype=torch.int64),
 }
 
 
@@ -361,3 +371,14 @@ def test_fallback_does_not_run_a_random_op_without_a_draw():
                     out_specs=P(), fallback="replicate")
     with pytest.raises(hpfun.HpfunError, match="nor can fallback"):
         f(torch.rand(4) * 3)
+
+
+def test_random_seed_inside_a_sharded_function_is_refused():
+    """`with hpfun.random_seed(s):` inside the function would run once, at the trace, and fix
+    nothing: refused at its line, pointing outside the call."""
+    def f(x):
+        with hpfun.random_seed(3):
+            return torch.rand_like(x)
+
+    with pytest.raises(hpfun.HpfunError, match=r"random_seed at .*test_rng.py:\d+ in f"):
+        hpfun.shard(f, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))(torch.zeros(4))

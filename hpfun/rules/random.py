@@ -17,7 +17,7 @@ from hpfun import rng
 from hpfun.layout import Layout, Partial, R
 from hpfun.rules.base import OpCall, Rule, Strategy
 
-KINDS = ("rand", "randn", "uniform", "normal", "normal_float", "normal_tensor", "bernoulli_p", "bernoulli", "randint", "randint_like", "randperm",
+KINDS = ("rand", "randn", "uniform", "normal", "normal_float", "normal_tensor", "bernoulli_p", "bernoulli_tensor", "bernoulli", "randint", "randint_like", "randperm",
          "dropout", "exponential", "log_normal", "cauchy", "geometric")
 
 
@@ -42,7 +42,7 @@ class Random(Rule):
             return [Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))]
         src = call.tensors[0].layout
         out = _without_partial(src)
-        if self.kind == "normal_tensor":  # torch.normal(mean, std), one or both tensors: drawn where they are
+        if self.kind in ("normal_tensor", "bernoulli_tensor"):  # torch.normal(mean, std), x.bernoulli_(p): drawn where they are
             if all(t.shape == call.outputs[0].shape for t in call.tensors):
                 return [Strategy((out,) * len(call.tensors), (out,))]
             r = Layout.replicated(call.mesh)  # broadcast against each other: drawn whole
@@ -72,6 +72,7 @@ _PARAMS = {
     "normal_tensor": lambda a: (a[0], _arg(a, 1, 1.0)),  # torch.normal(mean, std): either may be a tensor
     "bernoulli_p": lambda a: (_arg(a, 1, 0.5),),
     "bernoulli": lambda a: (a[0],),
+    "bernoulli_tensor": lambda a: (a[1],),  # x.bernoulli_(p): p a tensor
     "randint": lambda a: (a[0], a[1]) if len(a) > 2 and not isinstance(a[1], (list, tuple)) else (0, a[0]),
     "randint_like": lambda a: (a[1], a[2]) if len(a) > 2 else (0, a[1]),  # (x, [low,] high)
     "randperm": lambda a: (),
@@ -89,11 +90,16 @@ def _sample(kind: str, index: torch.Tensor, seed: torch.Tensor, op: int, dtype: 
 
 
 def _from_words(kind: str, w, dtype: torch.dtype, *params):
-    if dtype.is_complex and kind in ("rand", "uniform", "randn", "normal", "normal_float"):
+    if dtype.is_complex and kind == "normal_tensor" and isinstance(params[0], torch.Tensor) and params[0].is_complex():
+        part = dtype.to_real()  # a complex mean: noise in both parts, the variance split evenly
+        mean, std = params
+        z = torch.complex(rng.normal(w[:2], part), rng.normal(w[2:], part))
+        return z * (std * math.sqrt(0.5)) + mean
+    if dtype.is_complex and kind in ("rand", "uniform", "randn", "normal", "normal_float", "normal_tensor"):
         # as torch draws them: real and imaginary parts independent, each from two of the four
         # words; a normal's variance split evenly between them, its mean added to both
         part = dtype.to_real()
-        if kind in ("randn", "normal", "normal_float"):
+        if kind in ("randn", "normal", "normal_float", "normal_tensor"):
             mean, std = params
             params = (mean, std * math.sqrt(0.5))
         return torch.complex(_from_words(kind, w[:2], part, *params), _from_words(kind, w[2:], part, *params))
@@ -107,7 +113,7 @@ def _from_words(kind: str, w, dtype: torch.dtype, *params):
         if not isinstance(mean, torch.Tensor) and not isinstance(std, torch.Tensor) and (mean, std) == (0.0, 1.0):
             return z
         return z * std + mean
-    if kind in ("bernoulli_p", "bernoulli"):
+    if kind in ("bernoulli_p", "bernoulli", "bernoulli_tensor"):
         p = params[0]
         return (rng.uniform(w, torch.float64 if _is_double(p) else torch.float32) < p).to(dtype)
     if kind in ("randint", "randint_like"):
