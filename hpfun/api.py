@@ -370,6 +370,8 @@ class ShardedFunction:
         if tracing():  # called inside another sharded function: its code is part of that program
             return self.fn(*args, **kwargs)
         call = self._prepare(args, kwargs)
+        if self.mesh.runtime == "distributed":  # (a rank whose last program failed while running is out of step)
+            runtime_for(self.mesh).check_usable()
         try:
             entry = self._fast.get(call.key)
         except TypeError:  # an unhashable argument: _signature names it

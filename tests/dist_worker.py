@@ -226,8 +226,10 @@ def lifted_dp(out: Path):
     got["one rank raised"] = _error(lambda: hpfun.shard(refused_on_rank_1, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))
     summed = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())
     got["after one rank raised"] = [summed(x * k).full() for k in (1.0, 10.0)]  # in step: each call pairs with its own
-    picker = hpfun.shard(pick_columns, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())
+    picker = hpfun.shard(pick_columns, mesh=hpfun.Mesh.distributed((2,), ("picks",), timeout=TIMEOUT),
+                         in_specs=(P("picks"), P()), out_specs=P())  # (its own mesh: a failed run retires it)
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank
+    got["after op error"] = _error(lambda: picker(x, torch.tensor([0, 1])))
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     got["kept"] = kept_by_the_forward(mesh)

@@ -307,6 +307,17 @@ def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(l
             _close(value, (x * k).sum(0), f"rank {rank}, batch x {k}")
 
 
+def test_a_rank_whose_program_failed_runs_nothing_more_on_that_mesh(lifted_dp_job):
+    """After a program failed while running on a rank (other ranks may have finished that call),
+    the rank refuses every later call on that mesh before any collective, saying why and to end
+    the job: going on would pair its collectives with the other ranks' next call."""
+    for got in lifted_dp_job:
+        text = got["after op error"]
+        assert text.startswith("ShardingError") and "the ranks are out of step" in text, text
+        assert "an earlier call failed on this rank while its program ran (IndexError" in text, text
+        assert "end the job" in text, text
+
+
 def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
     """An op raising inside the per-shard program (an index out of range) is an hpfun error
     naming the op, the user's line and the layouts, with the op's own error as its cause."""

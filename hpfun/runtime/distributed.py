@@ -46,6 +46,20 @@ class DistributedRuntime:
         self.coords_tensor = torch.tensor(self.coords, dtype=torch.int64, device=self.device)
         self._groups: dict[str, str] = {}
         self._all = None
+        self.broken: str | None = None  # why this rank's collectives may no longer pair with the others'
+
+    def check_usable(self) -> None:
+        """Refuse to start a call after one of this rank's programs failed while running: other
+        ranks may have finished that call, so this rank's next collectives would pair with their
+        next call's (each rank computing on the others' other batches, silently)."""
+        if self.broken is not None:
+            raise ShardingError(Problem(
+                f"mesh rank {self.index} {self.coords}",
+                f"an earlier call failed on this rank while its program ran ({self.broken}); other ranks may have "
+                "finished that call, so the ranks' collectives no longer pair up, and this mesh runs nothing more",
+                "end the job and start it again (a loop that catches the error and goes on cannot recover on a "
+                "distributed mesh); errors raised before a program runs (while compiling) leave the job usable"),
+                headline="the ranks are out of step")
 
     # -- groups ---------------------------------------------------------------------------------
 
@@ -121,6 +135,7 @@ class DistributedRuntime:
                     return list(call(args))
                 return list(call(*local_inputs, self.coords_tensor, seed))
         except Exception as err:
+            self.broken = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120] if str(err).strip() else ''}"
             node = failure.from_traceback(bound, err) if isinstance(bound, torch.fx.GraphModule) else None
             if node is not None and node.target not in _COLLECTIVES and node.target is not _WAIT:
                 raise failure.execution_error(node, f"mesh rank {self.index} {self.coords}", err) from err
