@@ -191,6 +191,15 @@ def lifted(out: Path):
         losses.append(step(x, y).full())  # and sharded again, from whole state: no new trace
         got |= {"final": hpfun.gather_state(model), "final traces": step.trace_count}
         results[name] = got
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    row = device_mesh.get_coordinate()[0]  # each dp row sums its own data over its tp pair
+    rows = hpfun.Mesh.from_device_mesh(device_mesh["tp"])
+    data = torch.arange(32, dtype=torch.float64).reshape(8, 4) + 1000 * row
+    summed = hpfun.shard(lambda x: x.sum(0), mesh=rows, in_specs=P("tp"), out_specs=P())
+    results["sub-mesh"] = {"got": summed(data).full(), "want": data.sum(0),
+                           "timeout": _error(lambda: hpfun.Mesh.from_device_mesh(device_mesh["tp"], timeout=5))}
     torch.save(results, out / f"lifted-rank{RANK}.pt")
 
 

@@ -178,6 +178,17 @@ def test_lifted_module_and_optimizer_on_dp_x_tp(lifted_job, optimizer):
         assert got["final traces"] == 2, "whole state reads into the same program"
 
 
+def test_an_adopted_sub_mesh_runs_on_its_own_rows_groups(lifted_job):
+    """Mesh.from_device_mesh of one dim of a 2 x 2 DeviceMesh (a tp pair per dp row): each row
+    computes on its own data over the DeviceMesh's groups (a group of one row's ranks made by that
+    row alone collided with the other row's, and hung); hpfun's own groups with a timeout cannot
+    be made for a sub-mesh, which is said."""
+    for got in lifted_job:
+        sub = got["sub-mesh"]
+        assert torch.equal(sub["got"], sub["want"]), sub
+        assert "cannot adopt the mesh" in sub["timeout"] and "leave timeout out" in sub["timeout"], sub["timeout"]
+
+
 def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
     """BatchNorm in train mode, batch split over dp: running statistics, the batch count and
     parameters equal eager's (the batch statistics are the global batch's)."""

@@ -87,7 +87,12 @@ class DistributedRuntime:
         """A group of the mesh's ranks with the mesh's timeout; without one (an adopted
         DeviceMesh), the default group when the mesh spans the job. (The default group carries
         the timeout of whoever started the job: torch's 30 minutes if the user's script did.)"""
-        if self._all is None and (self.mesh.size != dist.get_world_size() or self.timeout is not None):
+        if self._all is None and self.timeout is None and self.mesh.size != dist.get_world_size():
+            # an adopted sub-mesh (a tp row of a dp x tp DeviceMesh): its own groups, which every rank made
+            # for every row (a group of this row's ranks alone would collide with the other rows')
+            self._all = self.device_mesh.get_group(0) if self.device_mesh.ndim == 1 else \
+                self.device_mesh._flatten().get_group(0)
+        elif self._all is None and (self.mesh.size != dist.get_world_size() or self.timeout is not None):
             self._all = self._new_group([list(range(self.mesh.size))])
         return self._all
 

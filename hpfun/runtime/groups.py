@@ -47,6 +47,12 @@ def start(mesh, timeout: float | None = None) -> None:
 def adopt(mesh, device_mesh: DeviceMesh, timeout: float | None = None) -> None:
     """Run `mesh` on an existing DeviceMesh: its groups, and their timeouts, are reused, unless
     `timeout` (seconds) is given, for which hpfun makes its own groups of the same ranks."""
+    if timeout is not None and device_mesh.size() != dist.get_world_size():
+        raise ShardingError(Problem(
+            "Mesh.from_device_mesh(..., timeout=...)", f"adopts a DeviceMesh of {device_mesh.size()} of the job's "
+            f"{dist.get_world_size()} ranks: hpfun's own groups with a timeout must be made by every rank for every "
+            "such sub-mesh, which one rank cannot name", "leave timeout out (the DeviceMesh's groups and their "
+            "timeouts are used), or adopt the whole DeviceMesh"), headline="cannot adopt the mesh")
     _DEVICE_MESHES[mesh] = (device_mesh, None if timeout is None else datetime.timedelta(seconds=timeout))
 
 
