@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws
+from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws, user_line
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
 from hpfun.errors import (
@@ -692,7 +692,8 @@ class ShardedFunction:
             runtime_for(self.mesh).agree_on_compile(None, [])
             raise
         runtime_for(self.mesh).agree_on_compile(_plan_digest(entry.program),
-                                                [f"the value read at{r.where}: {r.value!r}" for r in entry.reads])
+                                                [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
+                                                lambda: _plan_lines(entry.program))
         return entry
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
@@ -962,6 +963,19 @@ def _plan_digest(program: Program) -> int:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _plan_lines(program: Program) -> list[str]:
+    """One line per step of a program, its op and the user's line (where ranks' plans differ)."""
+    lines = []
+    for node in program.module.graph.nodes:
+        if node.op == "call_function":
+            line = user_line(node.meta.get("stack_trace")) if node.meta.get("stack_trace") else ""
+            args = _ADDRESS.sub("", ", ".join([*map(str, node.args), *(f"{k}={v}" for k, v in node.kwargs.items())]))
+            args = args if len(args) <= 160 else args[:157] + "..."
+            lines.append(f"{op_name(node.target)}({args}){f' (from {line})' if line else ''}")
+    return lines + [f"inputs in {', '.join(map(str, program.input_layouts))}",
+                    f"outputs in {', '.join(map(str, program.output_layouts))}"]
 
 
 def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:

@@ -297,8 +297,9 @@ def test_ranks_that_plan_different_programs_fail_before_running_them(lifted_dp_j
     together, naming the cause, before anything runs (and the job goes on)."""
     for got in lifted_dp_job:
         text = got["plan mismatch"]
-        assert text.startswith("InternalError") and "planned 2 different per-shard programs" in text, text
-        assert "give every rank the same options" in text and "PYTHONHASHSEED=0" in text, text
+        assert text.startswith("ShardingError") and "planned 2 different per-shard programs" in text, text
+        assert "mesh rank 1: step" in text and "where mesh rank 0's is" in text, text  # where they part
+        assert "the same hpfun.shard options" in text and "PYTHONHASHSEED=0" in text, text
 
 
 def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph import _BoxedCodeGen
 
-from hpfun.errors import InternalError, Problem, ShardingError
+from hpfun.errors import Problem, ShardingError
 from hpfun.mesh import Mesh
 from hpfun.runtime import failure, groups
 
@@ -164,7 +164,7 @@ class DistributedRuntime:
         if len(self._hashes(fingerprint)) > 1:
             self.check_same_program(description())
 
-    def agree_on_compile(self, digest: int | None, reads: list[str]) -> None:
+    def agree_on_compile(self, digest: int | None, reads: list[str], plan=lambda: []) -> None:
         """After each compile, every rank, whether its compile succeeded (`digest`: a hash of the
         program it planned) or raised (None), exchanges 16 bytes: the plan's hash and a hash of
         the values its trace read from its inputs. Every rank sees the same exchange, so all
@@ -193,18 +193,32 @@ class DistributedRuntime:
                                 headline="another rank failed to compile the call")
         if len({int(t[1]) for t in gathered}) > 1:
             self.check_same_program(reads)
-        self.check_same_plan({int(t[0]) for t in gathered})
+        if len({int(t[0]) for t in gathered}) > 1:
+            plans = [None] * self.mesh.size  # (every rank is here: each saw the plans differ)
+            dist.all_gather_object(plans, plan(), group=self.all_ranks_group())
+            self.check_same_plan(plans)
 
-    def check_same_plan(self, planned: set[int]) -> None:
-        """The distinct plan hashes of the ranks (`agree_on_compile`): more than one for the same
-        call is hpfun's own failure."""
-        if len(planned) > 1:
-            raise InternalError(Problem("plan", f"the ranks planned {len(planned)} different per-shard programs for the "
-                                        "same call, whose collectives would not pair up",
-                                        "give every rank the same options (hpfun.shard's cost_model, bucket_bytes, "
-                                        "solver, registry...); if they are, this is a bug in hpfun (a plan must "
-                                        "depend on the call alone): report it, and export PYTHONHASHSEED=0 for every "
-                                        "rank to work around it"), headline="ranks planned different programs")
+    def check_same_plan(self, plans: list[list[str]]) -> None:
+        """The ranks' plans (`agree_on_compile`: one line per step of each program, its op and
+        the user's line), which differ: where they first part, for each rank unlike rank 0. The
+        same call and options plan the same program, so the cause is code that runs differently
+        on some ranks (a branch on the rank, a module attribute or option set per rank) or hpfun."""
+        where = []
+        for rank, lines in enumerate(plans[1:], 1):
+            if lines == plans[0]:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(plans[0], lines)) if a != b), min(len(plans[0]), len(lines)))
+            mine = plans[0][i] if i < len(plans[0]) else "(the program ends)"
+            theirs = lines[i] if i < len(lines) else "(the program ends)"
+            where.append(Problem(f"mesh rank {rank}", f"step {i} of its program is {theirs}, where mesh rank 0's is {mine}"))
+        distinct = len({tuple(lines) for lines in plans})
+        raise ShardingError(where + [Problem(
+            "the plans", f"the ranks planned {distinct} different per-shard programs for the same call, whose "
+            "collectives would not pair up", "make the function run alike on every rank: no branch on the rank, the "
+            "same module attributes and Python values, the same hpfun.shard options (out_specs, rng, bucket_bytes, "
+            "cost_model, solver...); if all of that is the same, it is a bug in hpfun (a plan must depend on the call "
+            "alone): report it, and export PYTHONHASHSEED=0 for every rank to work around it")],
+            headline="ranks planned different programs")
 
     def _hashes(self, mine: int) -> set[int]:
         """The distinct values of `mine` over every rank (one 8-byte all_gather)."""
