@@ -10,6 +10,7 @@ the einsum rule can keep any of them split.
 
 from __future__ import annotations
 
+import math
 import string
 
 import torch
@@ -68,35 +69,182 @@ _ROLES = {True: {"a": "pmk", "b": "pkn", "o": "pmn"}, False: {"a": "mk", "b": "k
 
 
 def fold_contractions(gm: torch.fx.GraphModule) -> int:
-    """Rewrite flattened mm/bmm chains of `gm` into einsums; returns how many were folded."""
+    """Rewrite flattened mm/bmm/addmm chains of `gm` into einsums; returns how many were folded."""
     count = 0
+    for node in list(gm.graph.nodes):
+        if _is_call(node, *_VIEWS) and _is_call(node.args[0], *_VIEWS):
+            _collapse(node)
     for node in list(gm.graph.nodes):
         if _is_call(node, aten.mm.default, aten.bmm.default) and _fold(gm.graph, node):
             count += 1
+        elif _is_call(node, aten.addmm.default) and not node.kwargs and len(node.args) == 3 and \
+                _bias_of_columns(node) and _fold(gm.graph, node, bias=node.args[0]):
+            count += 1
+        elif _is_call(node, aten.sum.dim_IntList, aten.mean.dim) and not node.kwargs and _fold_reduction(gm.graph, node):
+            count += 1
     if count:
+        for node in list(gm.graph.nodes):
+            if _is_call(node, *_VIEWS) and _is_call(node.args[0], *_VIEWS):
+                _collapse(node)
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
 
 
-def _fold(graph: torch.fx.Graph, node) -> bool:
+def _collapse(node) -> None:
+    """A view of a view is a view of the first one's input; one back to that input's shape is
+    the input itself (a linear layer's output merged to (b*s, e) and split again: the batch
+    split inside the merged dim no longer has to be gathered between)."""
+    base = node.args[0].args[0]
+    if not isinstance(base, torch.fx.Node) or "val" not in base.meta:
+        return
+    if _shape(base) == _shape(node) and node.meta["val"].dtype == base.meta["val"].dtype:
+        node.replace_all_uses_with(base)
+    else:
+        node.args = (base, *node.args[1:])
+
+
+def _fold_reduction(graph: torch.fx.Graph, node) -> bool:
+    """A sum or mean over dims a view merged (a linear layer's bias gradient: the (b*s, e)
+    gradient summed over its rows) taken over the dims they were: a batch split inside the merged
+    dim no longer has to be gathered to be summed."""
+    x, dims = node.args[0], node.args[1]
+    keepdim = len(node.args) > 2 and node.args[2]
+    if not _is_call(x, *_VIEWS) or dims is None or len(dims) == 0:
+        return False
+    base, groups = _unflatten(x, _shape(x))
+    dims = [d % len(_shape(x)) for d in dims]
+    if base is x or all(len(groups[d]) == 1 for d in dims):
+        return False
+    summed = sorted(b for d in dims for b in groups[d])
+    with graph.inserting_after(node):
+        folded = graph.call_function(node.target, (base, summed, keepdim))
+    folded.meta.update(val=_fake_reduce(node, base, summed, keepdim), stack_trace=node.meta.get("stack_trace"))
+    result = folded
+    if tuple(folded.meta["val"].shape) != _shape(node):  # kept dims a view had merged: merged again
+        with graph.inserting_after(folded):
+            result = graph.call_function(aten.view.default, (folded, list(_shape(node))))
+        result.meta.update(val=node.meta["val"], stack_trace=node.meta.get("stack_trace"))
+    node.replace_all_uses_with(result)
+    return True
+
+
+def _fake_reduce(node, base, dims, keepdim):
+    val = base.meta["val"]
+    op = torch.sum if node.target is aten.sum.dim_IntList else torch.mean
+    if getattr(val, "fake_mode", None) is None:
+        return op(val, dims, keepdim)
+    with val.fake_mode:
+        return op(val, dims, keepdim)
+
+
+def _bias_of_columns(node) -> bool:
+    """addmm's bias is one value per column (a linear layer's): added after the einsum, it
+    broadcasts along the output's last dim as it did along the matrix's columns."""
+    bias = node.args[0]
+    return isinstance(bias, torch.fx.Node) and len(_shape(bias)) == 1 and _shape(bias)[0] == _shape(node)[1]
+
+
+def _fold(graph: torch.fx.Graph, node, bias=None) -> bool:
     batched = node.target is aten.bmm.default
     swap = [0, 2, 1] if batched else [1, 0]
-    (a, ga), (b, gb) = _operand(node.args[0], swap), _operand(node.args[1], swap)
+    first = 1 if bias is not None else 0  # addmm(bias, a, b)
+    (a, ga), (b, gb) = _operand(node.args[first], swap), _operand(node.args[first + 1], swap)
     replaced, go, out_shape = _output(node)
     if all(len(g) == 1 for g in ga + gb + go):
         return False  # nothing was flattened: mm/bmm already say it all
-    groups = {"a": (ga, _shape(a)), "b": (gb, _shape(b)), "o": (go, out_shape)}
-    subscripts = _subscripts(_ROLES[batched], groups)
+    if bias is not None and len(go[-1]) != 1:
+        return False  # the columns unflattened: the bias no longer lies along one dim
+    roles = _ROLES[batched]
+    # a role one operand unflattens and the other keeps merged (MultiheadAttention's out_proj
+    # reads heads x head_dim as the embedding, whole in its weight): merged in both
+    merged = _merged(graph, roles, {"a": (ga, a), "b": (gb, b)}, go, out_shape)
+    if merged is None:
+        return False
+    (ga, a), (gb, b), (einsum_shape, go) = merged
+    if bias is not None and len(go[-1]) != 1:
+        return False  # the columns computed split: the bias no longer lies along one dim
+    groups = {"a": (ga, _shape(a)), "b": (gb, _shape(b)), "o": (go, tuple(einsum_shape))}
+    subscripts = _subscripts(roles, groups)
     if subscripts is None:
         return False
     equation = f"{subscripts['a']},{subscripts['b']}->{subscripts['o']}"
     with graph.inserting_after(node):
         einsum = graph.call_function(aten.einsum.default, (equation, [a, b]))
-    einsum.meta.update(val=replaced[0].meta["val"], stack_trace=node.meta.get("stack_trace"))
+    result = einsum
+    if bias is not None:
+        with graph.inserting_after(einsum):
+            result = graph.call_function(aten.add.Tensor, (einsum, bias))
+    val = replaced[0].meta["val"]
+    if tuple(einsum_shape) != tuple(out_shape):  # computed split finer than its users read it: viewed back
+        with graph.inserting_after(result):
+            shaped = graph.call_function(aten.view.default, (result, list(out_shape)))
+        shaped.meta.update(val=val, stack_trace=node.meta.get("stack_trace"))
+        val = _fake_view(val, einsum_shape)
+    einsum.meta.update(val=val, stack_trace=node.meta.get("stack_trace"))
+    result.meta.update(val=val, stack_trace=node.meta.get("stack_trace"))
+    if tuple(einsum_shape) != tuple(out_shape):
+        result = shaped
     for old in replaced:
-        old.replace_all_uses_with(einsum)
+        old.replace_all_uses_with(result)
     return True
+
+
+def _merged(graph, roles: dict, operands: dict, go, out_shape):
+    """Operands and output regrouped so that every role has the same dims everywhere: where one
+    place keeps a role as one dim that another splits into several (MultiheadAttention's out_proj
+    weight keeps the embedding whole, the attention output reads it as heads x head_dim; a
+    gradient used by several ops keeps the rows merged that its input splits into length and
+    batch), that place is split too, by a view of an operand's base, or for the output by
+    computing it split and viewing it back. ((groups, base) of a, of b, (shape, groups) the
+    einsum computes), or None where two places split a role differently."""
+    places = {"a": (operands["a"][0], _shape(operands["a"][1])), "b": (operands["b"][0], _shape(operands["b"][1])),
+              "o": (go, tuple(out_shape))}
+    refine: dict = {name: {} for name in places}  # name -> {role position: sizes to split it into}
+    for role in dict.fromkeys("".join(roles.values())):
+        where = [(n, i) for n, r in roles.items() for i, x in enumerate(r) if x == role]
+        sizes = {(n, i): tuple(places[n][1][d] for d in places[n][0][i]) for n, i in where}
+        finest = max(sizes.values(), key=len)
+        for (n, i), t in sizes.items():
+            if t == finest:
+                continue
+            if len(t) != 1 or math.prod(finest) != t[0]:
+                return None  # split differently in two places: no finer split they all share
+            refine[n][i] = finest
+    out = {}
+    for name in ("a", "b"):
+        groups, base = operands[name]
+        out[name] = (groups, base) if not refine[name] else _split(graph, base, groups, refine[name])
+    shape, groups = _split_shape(tuple(out_shape), go, refine["o"])
+    return out["a"], out["b"], (shape, groups)
+
+
+def _split_shape(shape, groups: list[list[int]], refine: dict):
+    """(shape, groups) with each one-dim group i in `refine` split into the sizes refine[i]."""
+    owner = {g[0]: i for i, g in enumerate(groups) if i in refine}
+    new_shape, renumber = [], {}
+    for d, size in enumerate(shape):
+        renumber[d] = len(new_shape)
+        new_shape.extend(refine[owner[d]] if d in owner else (size,))
+    new_groups = [list(range(renumber[g[0]], renumber[g[0]] + len(refine[i]))) if i in refine
+                  else [renumber[d] for d in g] for i, g in enumerate(groups)]
+    return new_shape, new_groups
+
+
+def _split(graph, base, groups: list[list[int]], refine: dict):
+    """(groups, view): a view of `base` with each one-dim group i in `refine` split as it says."""
+    shape, split = _split_shape(_shape(base), groups, refine)
+    with graph.inserting_after(base):
+        view = graph.call_function(aten.view.default, (base, shape))
+    view.meta.update(val=_fake_view(base.meta["val"], shape), stack_trace=base.meta.get("stack_trace"))
+    return split, view
+
+
+def _fake_view(val, shape):
+    if getattr(val, "fake_mode", None) is None:
+        return val.reshape(shape)
+    with val.fake_mode:
+        return val.reshape(shape)
 
 
 def _subscripts(roles: dict, groups: dict) -> dict | None:

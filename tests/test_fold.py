@@ -48,3 +48,38 @@ def test_unflattened_matmul_is_left_alone():
     """A plain 2-D mm has nothing to fold."""
     gm = capture(lambda a, b: [a @ b], [((4, 8), torch.float32), ((8, 3), torch.float32)])
     assert fold_contractions(gm) == 0
+
+
+def test_a_linear_layer_on_rows_merged_with_a_split_batch_keeps_the_batch_split():
+    """nn.MultiheadAttention's out_proj reads (L, B, E) merged to (L*B, E) with the embedding
+    from (heads, head_dim): under data parallelism B is split inside the merged dim, which no
+    block layout expresses. Folded (the addmm with its bias, the heads merged back into the
+    embedding its weight keeps whole, the bias gradient's sum over the merged rows summed over
+    L and B), the batch stays split: no activation is gathered, forward or backward, and the
+    step equals eager (float64, batch_first or not, and a TransformerEncoder)."""
+    torch.manual_seed(0)
+
+    class Attend(torch.nn.Module):
+        def __init__(self, batch_first):
+            super().__init__()
+            self.batch_first = batch_first
+            self.mha = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first, dtype=torch.float64)
+            self.out = torch.nn.Linear(16, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            x = x if self.batch_first else x.transpose(0, 1)
+            h, _ = self.mha(x, x, x, need_weights=False)
+            return self.out(x + h).mean(1 if self.batch_first else 0)
+
+    x, y = torch.randn(8, 6, 16, dtype=torch.float64), torch.randint(0, 4, (8,))
+    for batch_first in (True, False):
+        model = Attend(batch_first)
+        grads = torch.func.grad(lambda p, x, y: torch.nn.functional.cross_entropy(
+            torch.func.functional_call(model, p, (x,)), y))
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        f = hpfun.shard(grads, mesh=hpfun.Mesh.simulated((4,), ("dp",)), in_specs=(P(), P("dp"), P("dp")),
+                        out_specs=P())
+        assert [c.kind for c in f.lower(params, x, y).collectives if c.kind != "all_reduce"] == [], batch_first
+        want = grads(params, x, y)
+        for k, got in f(params, x, y).items():
+            torch.testing.assert_close(got.full(), want[k], rtol=1e-12, atol=1e-12, msg=k)
