@@ -1086,8 +1086,10 @@ class _Traced:
                 continue  # untouched (in-place updates come back through functionalization)
             if isinstance(value, torch.Tensor):
                 self.assigned.append((name, value))
-            elif value is None and before is not None:
-                self.cleared.append(name)
+            elif before is not None and (value is None or lift._is_scalar(value)):
+                # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
+                # resets `max_seq_len_cached` to an int): set so by every call
+                self.cleared.append((name, value))
         return self.out_tensors + [v for _, v in self.assigned]
 
 
@@ -1123,7 +1125,7 @@ class _Entry:
     out_statics: dict  # position among the output leaves -> a non-tensor output, as returned
     n_outputs: int  # the function's tensor outputs; the program's further outputs are written back
     writes: tuple
-    cleared: tuple  # slots the function emptied (zero_grad)
+    cleared: tuple  # (slot, None or a Python value) of slots the function emptied (zero_grad) or set to a number
     output_paths: tuple
     auto: object = None  # the hpfun.auto.AutoPlan of a program with AUTO leaves
     spent: tuple = ()  # (program input, path) of each donated argument leaf (donate_argnums)

@@ -905,8 +905,8 @@ class ModuleValues:
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
                     for k, w in vars(v).items():
-                        if k.startswith("_"):  # (not its bookkeeping: a hash of itself)
-                            continue
+                        if k.startswith("_") and "implementation" not in k:  # (not its bookkeeping: a hash of
+                            continue  # itself; but transformers keeps the attention's kind as _attn_implementation_internal)
                         if _is_scalar(w):
                             items.append((_join(_join(base, attr), k), w))
                         elif (key := _held_values(w)) is not None:

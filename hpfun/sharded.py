@@ -71,6 +71,11 @@ class Sharded:
             raise LayoutError(f"a Sharded value on {mesh} ({mesh.runtime}) needs {expected} shard(s), got {len(self.shards)}")
         if len({s.dtype for s in self.shards}) > 1:
             raise LayoutError(f"shards of one Sharded value have different dtypes: {[s.dtype for s in self.shards]}")
+        if any(isinstance(p, Partial) and p.reduce == "avg" for p in self.layout.placements) and self.shards and \
+                not (self.shards[0].is_floating_point() or self.shards[0].is_complex()):
+            raise LayoutError(f"a Partial(avg) placement of {self.shards[0].dtype} values: their mean is no "
+                              f"{self.shards[0].dtype} (programs would divide it out of the integers); give the "
+                              "blocks as Partial(sum) of the values divided beforehand, or cast them to a float dtype")
         local = self.layout.local_shape(self.global_shape)
         bad = [r for r, s in enumerate(self.shards) if tuple(s.shape) != local]
         if bad and mesh.runtime == "distributed":  # the one shard is this rank's

@@ -224,10 +224,11 @@ def _order(writes) -> tuple[list, frozenset]:
     return order, replicated
 
 
-def clear(names, state) -> None:
-    """Slots the function emptied (`zero_grad()` sets `.grad` to None)."""
-    for name in names:
-        state.slots[name].write(None)
+def clear(cleared, state) -> None:
+    """Slots the function emptied (`zero_grad()` sets `.grad` to None) or set to a Python number,
+    as (slot, value) pairs."""
+    for name, value in cleared:
+        state.slots[name].write(value)
 
 
 def _update(target, value: Sharded) -> None:

@@ -364,3 +364,30 @@ def test_generate_inside_names_the_loop_outside():
     for _ in range(2):
         tokens = torch.cat([tokens, step(tokens).full().argmax(-1, keepdim=True)], 1)
     assert torch.equal(tokens, model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0))
+
+
+def test_switching_the_attention_implementation_compiles_again():
+    """model.set_attn_implementation(...) between calls (transformers keeps it in the config's
+    private `_attn_implementation_internal`) runs the newly chosen attention: a custom one
+    registered with AttentionInterface, then sdpa again, each equal to eager."""
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def hot(module, q, k, v, mask, **kwargs):  # sdpa at temperature 2
+        kwargs["scaling"] = kwargs.get("scaling", module.scaling) / 2
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    AttentionInterface.register("hpfun_test_hot_sdpa", hot)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, attn_implementation="sdpa")).double().eval()
+    f = hpfun.shard(lambda ids: model(ids).logits, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"),),
+                    out_specs=P("dp"))
+    ids = torch.randint(0, 64, (4, 6))
+    for impl in ("sdpa", "hpfun_test_hot_sdpa", "sdpa"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            want = model(ids).logits
+        torch.testing.assert_close(f(ids).full(), want, rtol=1e-12, atol=1e-12, msg=impl)

@@ -707,3 +707,38 @@ def test_squeeze_keeps_a_dim_split_down_to_one_element_per_rank():
         torch.testing.assert_close(out, f(x), rtol=0, atol=1e-12, msg=name)
     kept = hpfun.shard(lambda x: x.squeeze(), mesh=mesh, in_specs=(P("dp"),), out_specs=None)(x[:, :, :1])
     assert [tuple(s.shape) for s in kept.shards] == [(1,)] * 4 and torch.equal(kept.full(), x[:, 0, 0])
+
+
+def test_an_integer_partial_sum_is_summed_before_an_average_pool():
+    """An integer average pool rounds each rank's term: a Partial sum of int64 values is summed
+    first (a float one passes through the pool, which is linear in it)."""
+    x = torch.tensor([[[1, 0, 1, 1]], [[0, 1, 0, 1]]]).reshape(1, 2, 4)
+    f = hpfun.shard(lambda x: F.avg_pool1d(x.sum(1, keepdim=True), 2), mesh=MESH, in_specs=P(None, "a"),
+                    out_specs=P())
+    assert torch.equal(f(x).full(), F.avg_pool1d(x.sum(1, keepdim=True), 2))
+
+
+def test_an_integer_partial_average_is_refused():
+    """Partial(avg) of integers has no integer mean to sum back to: refused when made."""
+    with pytest.raises(hpfun.LayoutError, match="Partial\\(avg\\) placement of torch.int64"):
+        hpfun.Sharded(hpfun.Layout(MESH, (hpfun.Partial("avg"),)), (4,), (torch.ones(4, dtype=torch.int64),) * 2)
+
+
+def test_a_tensor_attribute_the_function_sets_to_a_number_is_set_by_every_call():
+    """A module attribute holding a tensor that the forward sets to a Python number (HF's dynamic
+    rotary embedding resets max_seq_len_cached to an int after a long batch) is set so after the
+    call, as eager sets it; it was left holding the tensor, and the next calls read it."""
+    class Resets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+            self.cached = torch.tensor(16)
+
+        def forward(self, x):
+            self.cached = 8
+            return x * self.w
+
+    model = Resets()
+    f = hpfun.shard(lambda x: model(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    f(torch.ones(4, 4))
+    assert model.cached == 8 and type(model.cached) is int

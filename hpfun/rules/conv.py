@@ -40,7 +40,8 @@ class Pool(Rule):
                 p = t.layout.placements[a]
                 if isinstance(p, Shard) and p.dim < lead:
                     options.append(((p,) * n_in, (p,) * n_out))
-                elif isinstance(p, Partial) and p.reduce in ("sum", "avg") and t.index in self.linear:
+                elif isinstance(p, Partial) and p.reduce in ("sum", "avg") and t.index in self.linear and \
+                        (t.dtype.is_floating_point or t.dtype.is_complex):  # (an integer pool rounds each term)
                     options.append((tuple(p if u is t else R for u in call.tensors), (p,) * n_out))
             per_axis.append(options + [replicated_option(call)])
         return combine_axes(call, per_axis)
