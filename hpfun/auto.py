@@ -532,7 +532,9 @@ class Fitting:
         else:
             need = math.ceil(least if least is not None else self.least or 0)
             what = f"no plan fits {self.budget} B per rank: the least memory a plan needs is about {need} B per rank"
-        fix = f"give memory_budget >= {need}{self.hint}"
+        fix = (f"give memory_budget >= {need}, with some headroom: the search plans by an estimate and then checks "
+               f"the lowered program, so under exactly {need} B it may take another path and miss that plan"
+               f"{self.hint}") if self.peaks else f"give memory_budget >= {need}{self.hint}"
         if out_of_time:
             what += f" (the search stopped when AUTO's {self.deadline.seconds:g} s ran out)"
             fix += ", or more time (auto_time_limit=...)"
