@@ -874,6 +874,24 @@ class ShardedFunction:
             objects.restore()
         if changed or moved:  # (the trace is refused below: it leaves the function's dicts and lists as they were)
             objects.restore_containers()
+        deeper = [(name, obj, places) for name, obj, *_ in objects.objects if obj is not None
+                  if (places := lift.fakes_inside(obj, name, 1))]
+        for path, leaf in pytree.tree_flatten_with_path((call.args, call.kwonly))[0]:  # an object passed in
+            if not isinstance(leaf, (torch.Tensor, Sharded)) and not lift._is_scalar(leaf):
+                name = f"{'args' if path[0].idx == 0 else 'kwargs'}{pytree.keystr(path[1:])}"
+                if places := lift.fakes_inside(leaf, name):
+                    deeper.append((name, leaf, places))
+        if deeper:
+            raise CaptureError([Problem(f"{name} (a {type(obj).__name__})", "the function stored tensors it made inside "
+                                        f"it ({', '.join(p[len(name):] for p in places[:4])}"
+                                        f"{', ...' if len(places) > 4 else ''}), where hpfun cannot write them back: it "
+                                        "holds the trace's placeholders now, so make a new one",
+                                        ("pass use_cache=False, or return the cache's key and value tensors and pass "
+                                         "them to the next call" if type(obj).__name__.endswith("Cache") else
+                                         "return the tensors as outputs instead, or keep them in a module or a dict "
+                                         "the function closes over: hpfun writes those back after every call"))
+                                for name, obj, places in deeper],
+                               headline="the function stores tensors where hpfun cannot write them back")
         if leaked := objects.leaked():
             scalers = [name + "." for name, obj, *_ in objects.objects if obj is not None and lift.is_grad_scaler(obj)]
             raise CaptureError([Problem(where, "holds a tensor the function made, in an object hpfun does not lift (it "

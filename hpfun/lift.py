@@ -1838,3 +1838,31 @@ def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:
         elif depth > 1 and not isinstance(v, (type, types.ModuleType, types.FunctionType)):
             out += _tensor_attributes(v, f"{name}.{k}", depth - 1)
     return out
+
+
+def fakes_inside(value, name: str, skip: int = 0, limit: int = 4096) -> list[str]:
+    """The places inside `value` (through dicts, lists, tuples and objects' attributes, not
+    modules or optimizers, which hpfun lifts) that hold a tensor of the trace: what the function
+    stored in an object hpfun does not write back. `skip`: levels not to report (already checked
+    and set back by `ObjectValues.leaked`)."""
+    out, seen, stack = [], set(), [(value, name, 0)]
+    while stack and len(seen) < limit:
+        v, path, depth = stack.pop()
+        if isinstance(v, FakeTensor):
+            if depth > skip:
+                out.append(path)
+            continue
+        if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType,
+                          types.FunctionType)) or _is_scalar(v) or id(v) in seen or depth > 6:
+            continue
+        seen.add(id(v))
+        if type(v) is dict:
+            items = [(f"{path}[{k!r}]", w) for k, w in v.items()]
+        elif type(v) in (list, tuple):
+            items = [(f"{path}[{i}]", w) for i, w in enumerate(v)]
+        elif hasattr(v, "__dict__") and not callable(v):
+            items = [(f"{path}.{k}", w) for k, w in vars(v).items()]
+        else:
+            continue
+        stack += [(w, p, depth + 1) for p, w in items]
+    return sorted(out)

@@ -742,3 +742,29 @@ def test_a_tensor_attribute_the_function_sets_to_a_number_is_set_by_every_call()
     f = hpfun.shard(lambda x: model(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
     f(torch.ones(4, 4))
     assert model.cached == 8 and type(model.cached) is int
+
+
+def test_tensors_stored_deep_inside_an_object_are_named():
+    """A tensor the function stores inside an object hpfun does not lift, below its attributes (a
+    transformers cache's list of layers, each holding its keys), passed in or closed over: an
+    error naming the object and the places. They held the trace's placeholders silently, and the
+    next eager use of the object failed far from the cause."""
+    class Slot:
+        def __init__(self):
+            self.keys = None
+
+    class Holder:
+        def __init__(self):
+            self.layers = [Slot(), Slot()]
+
+    def store(x, holder):
+        holder.layers[1].keys = x * 2
+        return x + 1
+
+    f = hpfun.shard(store, mesh=MESH, in_specs=(P("a"), None), out_specs=P("a"))
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\] \(a Holder\): .*\(\.layers\[1\]\.keys\)"):
+        f(torch.ones(4), Holder())
+    closed = Holder()
+    g = hpfun.shard(lambda x: store(x, closed), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    with pytest.raises(hpfun.CaptureError, match=r"closed"):
+        g(torch.ones(4))
