@@ -1194,6 +1194,24 @@ def _listed(op, value, *args, **kwargs):
     return tuple(_listed(lambda v: v, t) for t in out)
 
 
+def _repeat_index(repeats, size: int):
+    return torch.repeat_interleave(torch.arange(size, device=repeats.device), repeats)
+
+
+def _repeated(x, repeats=None, dim=None, *, output_size=None):
+    """`torch.repeat_interleave(x, repeats)` with a tensor of repeats made from constants or
+    readable inputs: the positions it repeats read like `nonzero` (an `InputRead`), so the
+    result's shape is known, and the result taken with index_select. None for any other form."""
+    if not isinstance(x, torch.Tensor) or not isinstance(repeats, torch.Tensor):
+        return None
+    flat = x.reshape(-1) if dim is None else x
+    axis = 0 if dim is None else dim % max(x.ndim, 1)
+    where = _read(functools.partial(_listed, _repeat_index), repeats, (flat.shape[axis] if flat.ndim else 1,))
+    if where is _UNREADABLE:
+        return None
+    return flat.index_select(axis, _unlisted(where).to(x.device))
+
+
 def _mask_as_positions(index):
     """`x[mask]` (BART's `hidden_states[eos_mask, :]`) with a boolean mask made from constants or
     readable inputs: the same index as the positions of its True values, read like
@@ -1492,6 +1510,9 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(functools.partial(_listed, func), args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return _unlisted(result)
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and (out := _repeated(*args, **kwargs)) \
+                is not None:
+            return out
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):

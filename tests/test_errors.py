@@ -148,6 +148,25 @@ def test_data_dependent_shape_is_a_capture_error():
     assert "logits[keep]" in text and "ignore_index=-100" in text
 
 
+def test_repeat_interleave_by_counts_of_constants_or_inputs_is_read():
+    """torch.repeat_interleave with a tensor of counts made from constants or from the arguments
+    (a shape made from values) is read like a mask: traced for the positions it repeats, checked
+    at every call, compiled again for other counts; its gradient flows back to the repeated
+    values. Equal to eager."""
+    x = torch.randn(4, 4, dtype=torch.float64)
+
+    def by_argument(x, counts):
+        return torch.func.grad(lambda x: (torch.repeat_interleave(x, counts, dim=0) ** 2).sum())(x)
+
+    f = hpfun.shard(by_argument, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P(None, "dp"))
+    for counts in (torch.tensor([1, 0, 2, 1]), torch.tensor([1, 0, 2, 1]), torch.tensor([3, 1, 0, 0])):
+        torch.testing.assert_close(f(x, counts).full(), by_argument(x, counts))
+    assert f.trace_count == 2
+    flat = hpfun.shard(lambda x: torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)), mesh=MESH,
+                       in_specs=P("dp"), out_specs=P())  # (no dim: over the flattened values)
+    torch.testing.assert_close(flat(x).full(), torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)))
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
