@@ -9,7 +9,7 @@ import attrs
 from torch.utils import _pytree as pytree
 
 from hpfun import lift
-from hpfun.api import ShardedFunction, input_paths
+from hpfun.api import ShardedFunction, _chose, input_paths
 from hpfun.log import COLLECTIVES, LAYOUTS, PROGRAM, level, log_compile  # the log, importable from here as before
 
 
@@ -64,8 +64,9 @@ def explain_cache_miss(f, *args, **kwargs) -> CacheMiss:
         raise TypeError(f"explain_cache_miss takes a function made by hpfun.shard, got {type(f).__name__}")
     call = f._prepare(args, kwargs)
     leaves, key = f._signature(call)
-    if key in f._cache or not f._cache:
-        return CacheMiss(key in f._cache, len(f._cache))
+    if key in f._cache or not f._cache or any(_chose(k, e, key) for k, e in f._auto):
+        # (an AUTO program also serves the call handing its results back, in the layouts it chose)
+        return CacheMiss(bool(f._cache), len(f._cache))
     given = dict(zip(call.paths(), leaves, strict=True))
     candidates = []
     for tree, cached, statics, *_ in f._cache:

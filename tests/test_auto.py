@@ -144,6 +144,7 @@ def test_an_auto_step_equals_the_unsharded_step_and_feeds_the_next_call():
     torch.testing.assert_close(loss.full(), ref_loss)
     for k in ref:
         torch.testing.assert_close(out[k].full(), ref[k])
+    assert str(hpfun.explain_cache_miss(f, out, x, y)).startswith("cache hit")  # what the next call does
     out2, loss2 = f(out, x, y)  # the Sharded update, in the layout its parameter was chosen
     assert f.trace_count == 1  # the same program: the update came back as the AUTO plan laid it out
     ref2, ref_loss2 = dict_step(ref, x, y)
