@@ -261,9 +261,20 @@ def opinfo_index(samples: int = 3, cases_per_op: int = 8) -> Index:
         for info in opinfo_db():
             for case in _opinfo_calls(info, samples):
                 index.add(case, cases_per_op)
-        for case in library_calls():
+        for case in library_calls() + decomposition_calls():
             index.add(case, cases_per_op)
     return index
+
+
+def decomposition_calls() -> list[OpCase]:
+    """Cases for ops torch's decompositions write at dtypes OpInfo's samples do not trace
+    (renorm in float16 casts with prims.convert_element_type)."""
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for src, dst in ((torch.float16, torch.float32), (torch.float32, torch.float16), (torch.float64, torch.float32)):
+        x = torch.randn(4, 6, generator=g).to(src)
+        calls += _try_trace(torch.ops.prims.convert_element_type.default, [x, dst], "prims.convert_element_type")
+    return calls
 
 
 def library_calls() -> list[OpCase]:
