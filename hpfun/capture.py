@@ -1513,6 +1513,15 @@ class _TensorScalars(TorchFunctionMode):
         if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and (out := _repeated(*args, **kwargs)) \
                 is not None:
             return out
+        if func is torch.nn.functional.scaled_dot_product_attention and \
+                (kwargs.get("dropout_p") or (len(args) > 4 and args[4])) and args[0].device.type != "cpu":
+            # with dropout, CUDA's fused kernels draw from torch's generator, which no layout can
+            # reproduce (each rank would draw its own mask): the math path, whose dropout hpfun
+            # draws, as on the CPU (which takes it for dropout anyway)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return func(*args, **kwargs)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):

@@ -382,3 +382,21 @@ def test_random_seed_inside_a_sharded_function_is_refused():
 
     with pytest.raises(hpfun.HpfunError, match=r"random_seed at .*test_rng.py:\d+ in f"):
         hpfun.shard(f, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=P("a"))(torch.zeros(4))
+
+
+def test_attention_with_dropout_draws_hpfuns_numbers_on_any_device():
+    """scaled_dot_product_attention with dropout takes the math path on every device (CUDA's fused
+    kernels would draw from torch's generator, a mask per rank): planned on meta tensors, the
+    program draws with hpfun's rule, and on the CPU it equals the one-device run bitwise."""
+    attend = lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)  # noqa: E731
+    f = hpfun.shard(attend, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=P("dp"), out_specs=P("dp"))
+    lowered = f.lower(torch.empty(4, 2, 8, 16, device="meta"))
+    targets = [n.target for n in lowered.graph.nodes]
+    assert any(t in (_sample, sample) for t in targets)
+    assert not any("scaled_dot_product" in str(t) for t in targets)
+    q = torch.randn(4, 2, 8, 16)
+    one = hpfun.shard(attend, mesh=hpfun.Mesh.simulated((1,), ("dp",)), in_specs=P("dp"), out_specs=P("dp"))
+    with hpfun.random_seed(1):
+        want = one(q).full()
+    with hpfun.random_seed(1):
+        assert torch.equal(f(q).full(), want)

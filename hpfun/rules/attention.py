@@ -21,9 +21,9 @@ scores. Which splits keep that local, per mesh axis:
 Splitting the keys (dim 2 of k and v) needs the softmax across ranks (ring attention): no
 strategy offers it, so propagation gathers the keys first and prices that.
 
-With dropout the kernels draw from torch's generator, which no layout can reproduce, so they
-run replicated (on CPU, dropout takes the math path that capture decomposes, with hpfun's
-counter-based draws).
+With dropout the kernels draw from torch's generator, which no layout can reproduce: capture
+takes the math path for an attention with dropout on every device (the CPU takes it anyway),
+whose dropout hpfun draws; a fused kernel with dropout recorded all the same runs replicated.
 """
 
 from __future__ import annotations
