@@ -6,6 +6,11 @@ tensor split along h (heads) or s (sequence) cannot stay split once (b, h) is on
 rules would have to gather it. This pass rewrites such chains (transposes included, as the
 backward pass produces them) into one `aten.einsum` whose letters are the original dims, where
 the einsum rule can keep any of them split.
+
+The same for a linear layer's `addmm` (its bias added after), where one side keeps a dim whole
+that the other splits (MultiheadAttention's out_proj reads heads x head_dim as its embedding:
+the whole one is split by a view), for sums and means over merged dims (a bias gradient), and
+for chains of views (merged and split back: the input itself).
 """
 
 from __future__ import annotations
@@ -130,12 +135,8 @@ def _fold_reduction(graph: torch.fx.Graph, node) -> bool:
 
 
 def _fake_reduce(node, base, dims, keepdim):
-    val = base.meta["val"]
     op = torch.sum if node.target is aten.sum.dim_IntList else torch.mean
-    if getattr(val, "fake_mode", None) is None:
-        return op(val, dims, keepdim)
-    with val.fake_mode:
-        return op(val, dims, keepdim)
+    return _on_val(base.meta["val"], lambda v: op(v, dims, keepdim))
 
 
 def _bias_of_columns(node) -> bool:
@@ -241,10 +242,15 @@ def _split(graph, base, groups: list[list[int]], refine: dict):
 
 
 def _fake_view(val, shape):
+    return _on_val(val, lambda v: v.reshape(shape))
+
+
+def _on_val(val, fn):
+    """`fn(val)` for a node's meta value: in its fake mode where it is a fake tensor."""
     if getattr(val, "fake_mode", None) is None:
-        return val.reshape(shape)
+        return fn(val)
     with val.fake_mode:
-        return val.reshape(shape)
+        return fn(val)
 
 
 def _subscripts(roles: dict, groups: dict) -> dict | None:
