@@ -506,11 +506,15 @@ def user_line_past_stdlib() -> str:
     """' at file:line in fn' of the innermost user frame calling now, past torch's, hpfun's and
     the standard library's frames (a context manager's code runs in contextlib), or ''."""
     frame = sys._getframe(1)
-    while frame is not None and (not _is_user_frame(frame.f_code.co_filename) or
-                                 (frame.f_code.co_filename.startswith(_STDLIB)
-                                  and SITE_PACKAGES not in frame.f_code.co_filename)):
+    while frame is not None and not _is_user_code(frame.f_code.co_filename):
         frame = frame.f_back
     return f" at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame else ""
+
+
+def _is_user_code(filename: str) -> bool:
+    """A user's frame (`_is_user_frame`) that is not the standard library's (an installed
+    library's is the user's)."""
+    return _is_user_frame(filename) and not (filename.startswith(_STDLIB) and SITE_PACKAGES not in filename)
 
 
 def _called_from(filename: str) -> bool:
@@ -518,7 +522,7 @@ def _called_from(filename: str) -> bool:
     `fork_rng`), before any user frame."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename != filename:
-        if _is_user_frame(frame.f_code.co_filename) and not frame.f_code.co_filename.startswith(_STDLIB):
+        if _is_user_code(frame.f_code.co_filename):
             return False
         frame = frame.f_back
     return frame is not None

@@ -76,9 +76,7 @@ _ROLES = {True: {"a": "pmk", "b": "pkn", "o": "pmn"}, False: {"a": "mk", "b": "k
 def fold_contractions(gm: torch.fx.GraphModule) -> int:
     """Rewrite flattened mm/bmm/addmm chains of `gm` into einsums; returns how many were folded."""
     count = 0
-    for node in list(gm.graph.nodes):
-        if _is_call(node, *_VIEWS) and _is_call(node.args[0], *_VIEWS):
-            _collapse(node)
+    collapsed = _collapse_views(gm.graph)
     for node in list(gm.graph.nodes):
         if _is_call(node, aten.mm.default, aten.bmm.default) and _fold(gm.graph, node):
             count += 1
@@ -87,13 +85,19 @@ def fold_contractions(gm: torch.fx.GraphModule) -> int:
             count += 1
         elif _is_call(node, aten.sum.dim_IntList, aten.mean.dim) and not node.kwargs and _fold_reduction(gm.graph, node):
             count += 1
-    if count:
-        for node in list(gm.graph.nodes):
-            if _is_call(node, *_VIEWS) and _is_call(node.args[0], *_VIEWS):
-                _collapse(node)
+    if count or collapsed:
+        _collapse_views(gm.graph)  # (the folds' own views, and what they now read)
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
+
+
+def _collapse_views(graph: torch.fx.Graph) -> bool:
+    """`_collapse` every view of a view; whether any was."""
+    chains = [n for n in graph.nodes if _is_call(n, *_VIEWS) and _is_call(n.args[0], *_VIEWS)]
+    for node in chains:
+        _collapse(node)
+    return bool(chains)
 
 
 def _collapse(node) -> None:

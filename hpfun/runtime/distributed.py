@@ -171,18 +171,17 @@ class DistributedRuntime:
         take the same branch and the job's collectives stay paired:
         - a rank failed: the others raise too (the failed ones re-raise their own error);
         - the values read differ: every rank raises the differences (`check_same_program`);
-        - the plans differ for the same call and the same reads: hpfun's own failure, and running
-          them would pair different collectives (a silently wrong result)."""
+        - the plans differ for the same call and the same reads: running them would pair different
+          collectives (a silently wrong result), so every rank raises where they part (`plan()`:
+          the lines of its program, exchanged only then)."""
         read = int.from_bytes(hashlib.blake2b("\n".join(reads).encode(), digest_size=7).digest())
-        value = torch.tensor([-1 if digest is None else digest, read], dtype=torch.int64, device=self.device)
-        gathered = [torch.empty_like(value) for _ in range(self.mesh.size)]
         try:
-            dist.all_gather(gathered, value, group=self.all_ranks_group())
-        except (RuntimeError, dist.DistBackendError) as err:
+            gathered = self._gathered([-1 if digest is None else digest, read])
+        except ShardingError:
             if digest is None:
                 return  # (raising its own error)
-            raise _peer_failure(self, err) from err
-        failed = [i for i, t in enumerate(gathered) if int(t[0]) == -1]
+            raise
+        failed = [i for i, t in enumerate(gathered) if t[0] == -1]
         if failed:
             if digest is None:
                 return
@@ -191,11 +190,14 @@ class DistributedRuntime:
                                         "make the call succeed on every rank: an error only some ranks' data give "
                                         "(a value read, a rank-dependent branch) fails them all"),
                                 headline="another rank failed to compile the call")
-        if len({int(t[1]) for t in gathered}) > 1:
+        if len({t[1] for t in gathered}) > 1:
             self.check_same_program(reads)
-        if len({int(t[0]) for t in gathered}) > 1:
+        if len({t[0] for t in gathered}) > 1:
             plans = [None] * self.mesh.size  # (every rank is here: each saw the plans differ)
-            dist.all_gather_object(plans, plan(), group=self.all_ranks_group())
+            try:
+                dist.all_gather_object(plans, plan(), group=self.all_ranks_group())
+            except (RuntimeError, dist.DistBackendError) as err:
+                raise _peer_failure(self, err) from err
             self.check_same_plan(plans)
 
     def check_same_plan(self, plans: list[list[str]]) -> None:
@@ -222,13 +224,17 @@ class DistributedRuntime:
 
     def _hashes(self, mine: int) -> set[int]:
         """The distinct values of `mine` over every rank (one 8-byte all_gather)."""
-        value = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        return {row[0] for row in self._gathered([mine])}
+
+    def _gathered(self, mine: list[int]) -> list[tuple[int, ...]]:
+        """Every rank's `mine` (int64s, one all_gather), in mesh order; a peer failure raised as one."""
+        value = torch.tensor(mine, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(value) for _ in range(self.mesh.size)]
         try:
             dist.all_gather(gathered, value, group=self.all_ranks_group())
         except (RuntimeError, dist.DistBackendError) as err:
             raise _peer_failure(self, err) from err
-        return {int(t) for t in gathered}
+        return [tuple(int(v) for v in t) for t in gathered]
 
     def _check_same_program(self, description: list[str]) -> None:
         digest = hashlib.sha256("\n".join(description).encode()).hexdigest()
