@@ -94,10 +94,12 @@ def fold_contractions(gm: torch.fx.GraphModule) -> int:
 
 def _collapse_views(graph: torch.fx.Graph) -> bool:
     """`_collapse` every view of a view; whether any was."""
-    chains = [n for n in graph.nodes if _is_call(n, *_VIEWS) and _is_call(n.args[0], *_VIEWS)]
-    for node in chains:
-        _collapse(node)
-    return bool(chains)
+    collapsed = False
+    for node in list(graph.nodes):
+        if _is_call(node, *_VIEWS) and _is_call(node.args[0], *_VIEWS):  # (asked as it stands: an earlier
+            _collapse(node)  # collapse may have made its input the input of a view it replaced)
+            collapsed = True
+    return collapsed
 
 
 def _collapse(node) -> None:
