@@ -185,7 +185,11 @@ class LowerContext:
         waited = self.call(torch.ops._c10d_functional.wait_tensor.default, (node,))
         nbytes = step_bytes(step, self._step_layout, self._step_shape, self._step_dtype, self.reduce_dtype)
         name, op_name, reason = self.consumer
-        moved = str(self.reduce_in(step)[1]).removeprefix("torch.")
+        traced, moved = self.reduce_in(step)
+        wide = local_dtype(self._step_input, traced)
+        if moved == traced and wide != traced:  # a partial sum kept wide moves wide (and buckets so)
+            moved, nbytes = wide, nbytes // traced.itemsize * wide.itemsize
+        moved = str(moved).removeprefix("torch.")
         record = Collective(step.kind, axes, nbytes, name, op_name, reason, moved)
         node.meta["hpfun_collective"] = record
         if self.gather_for is not None:

@@ -115,3 +115,26 @@ def test_bucket_bytes_is_checked():
             hpfun.shard(lambda x: x, mesh=MESH, in_specs=(P("dp"),), bucket_bytes=bad)
     with pytest.raises(hpfun.SpecError, match="overlap must be True or False"):
         hpfun.shard(lambda x: x, mesh=MESH, in_specs=(P("dp"),), overlap="no")
+
+
+def test_a_partial_sum_kept_wide_buckets_apart_from_its_dtype():
+    """A bfloat16 partial sum that lowering keeps in float32 moves, and is priced, in float32: it
+    is not concatenated with bfloat16 values into one buffer, which gave a bfloat16 output back
+    as float32. (Split over an axis of size 1, the sum is gathered before it is reduced.)"""
+    mesh = hpfun.Mesh.simulated((4, 1), ("a", "b"))
+    g = torch.Generator().manual_seed(0)
+    x, w, y = (torch.randn(8, 4, generator=g).bfloat16(), torch.randn(4, 4, generator=g).bfloat16(),
+               torch.randn(8, 4, generator=g).bfloat16())
+
+    def f(x, w, y):
+        return x @ w, y * 2
+
+    step = hpfun.shard(f, mesh=mesh, in_specs=(P("a", "b"), P("b"), P("a")), out_specs=(P(), P()), overlap=False)
+    out = [o.full() for o in step(x, w, y)]
+    ref = f(x, w, y)
+    assert [o.dtype for o in out] == [torch.bfloat16] * 2
+    assert torch.equal(out[1], ref[1]) and torch.allclose(out[0].float(), ref[0].float(), rtol=1e-2)
+    lowered = step.lower(x, w, y)
+    assert [(c.kind, c.dtype, c.bytes) for c in lowered.collectives] == [("all_gather", "float32", 32),
+                                                                         ("all_gather", "bfloat16", 16)]
+    assert lowered.to_dict()["buckets"] == [] or all(len(b["members"]) == 1 for b in lowered.to_dict()["buckets"])
