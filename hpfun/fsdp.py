@@ -59,6 +59,14 @@ _CASTS = frozenset([aten._to_copy.default, aten.clone.default, prims.convert_ele
 # ops that read only the shape (or copy) of their input: they keep the shard
 _LIKE = frozenset([aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
                    aten.rand_like.default, aten.randn_like.default, aten.copy.default])
+# backward ops that read an operand's values only for one of their outputs: op -> (position of
+# its output_mask, {operand position: the output needing its values, or None: never (shape only)})
+_SHAPE_ONLY = {
+    aten.native_layer_norm_backward.default: (7, {5: 0, 6: None}),  # weight for grad_input; bias never
+    aten.native_group_norm_backward.default: (9, {4: 0}),
+    aten.native_batch_norm_backward.default: (9, {2: 0}),
+    aten.convolution_backward.default: (10, {2: 0}),  # weight for grad_input
+}
 
 
 def gather_axes(mesh: Mesh, gather_params) -> tuple[str, ...]:
@@ -120,6 +128,8 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
         for user in list(node.users):
             if _follows(user, node):
                 walk(user, chain + [user])
+            elif _shape_only(user, node):
+                _stand_in(graph, user, node, chain)
             elif user.op == "call_function" and not _keeps_shard(user, node, numel):
                 uses.append((user, node, chain))
 
@@ -150,6 +160,36 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
         if not view.users:  # every use of it now reads its own copy
             graph.erase_node(view)
     return len(gathered)
+
+
+def _shape_only(user: torch.fx.Node, operand: torch.fx.Node) -> bool:
+    """Whether `user` reads `operand` only for its shape and dtype: a norm's bias in its backward,
+    or a weight in a backward that makes no input gradient (a first layer's: the batch needs
+    none). Such a use gathers nothing (FSDP gathers a parameter only where its values are read)."""
+    entry = _SHAPE_ONLY.get(user.target)
+    if entry is None or user.kwargs:
+        return False
+    mask_at, positions = entry
+    mask = user.args[mask_at] if len(user.args) > mask_at else None
+    places = [i for i, a in enumerate(user.args) if a is operand]
+    return bool(places) and isinstance(mask, (list, tuple)) and all(
+        i in positions and (positions[i] is None or not mask[positions[i]]) for i in places)
+
+
+def _stand_in(graph: torch.fx.Graph, user: torch.fx.Node, operand: torch.fx.Node, chain: list) -> None:
+    """Hand `user` a zero of `operand`'s shape and dtype, expanded from one element (no bytes, no
+    gather), in place of `operand`; views and casts left unread are dropped."""
+    val = operand.meta["val"]
+    with graph.inserting_before(user):
+        zero = graph.call_function(aten.zeros.default, ([],), {"dtype": val.dtype, "device": val.device})
+        zero.meta.update(val=val.new_zeros(()), stack_trace=user.meta.get("stack_trace"))
+        stand_in = graph.call_function(aten.expand.default, (zero, list(val.shape)))
+        stand_in.meta.update(val=zero.meta["val"].expand(val.shape), stack_trace=user.meta.get("stack_trace"))
+    user.replace_input_with(operand, stand_in)
+    for view in reversed(chain):
+        if view.users:
+            break
+        graph.erase_node(view)
 
 
 def _pin_gradients(graph: torch.fx.Graph, updated: dict, per_op: bool) -> int:

@@ -270,9 +270,9 @@ def test_zero3_gpt_equals_the_unsharded_step(zero3, gpt_ref):
 def test_zero3_gpt_collectives_are_fsdp_schedule(zero3):
     """Every matmul weight gathered twice (its forward use, and its backward use for the input's
     gradient); the tied embedding three times (lookup, head forward, head backward); norm weights
-    and biases twice (the norm and its backward); biases added once (their backward needs no
-    weight); one reduce-scatter per gradient (counting bucket members); the only all-reduces
-    are the loss's two scalars; nothing moves activations."""
+    twice (the norm and its backward); norm biases and biases added once (their backward reads
+    only their shape); one reduce-scatter per gradient (counting bucket members); the only
+    all-reduces are the loss's two scalars; nothing moves activations."""
     low = zero3[1]
     gathers = _gathers(low)
     names = list(gpt_init(**GPT))
@@ -280,10 +280,9 @@ def test_zero3_gpt_collectives_are_fsdp_schedule(zero3):
     for k in names:
         if k == "wte":
             want[k] = 3
-        elif k.endswith((".wq", ".wk", ".wv", ".wo", ".w1", ".w2", ".w", ".b")) and "ln" in k or \
-                k.endswith((".wq", ".wk", ".wv", ".wo", ".w1", ".w2")):
+        elif k.endswith((".wq", ".wk", ".wv", ".wo", ".w1", ".w2", ".w")):
             want[k] = 2
-        else:  # wpe, the MLP biases
+        else:  # wpe, the norm and MLP biases
             want[k] = 1
     assert gathers == {f"args[0]['{k}']": n for k, n in want.items()}
     kinds = _kinds(low)
@@ -719,3 +718,52 @@ def _worker(out: Path) -> None:
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
     torch.distributed.destroy_process_group()  # gloo's threads joined before exit, not killed by it
+
+
+def test_zero3_gathers_nothing_for_backward_reads_of_shape_alone():
+    """A backward that reads a parameter only for its shape gathers nothing: the first conv's
+    weight (the batch needs no gradient) and the layer norm's bias are gathered once each, for
+    their forward; a weight whose input does need a gradient (the conv after a batch norm) is
+    gathered again for the backward. The steps equal eager's."""
+    import copy
+
+    import torch.nn as nn
+
+    def run(first_bn):
+        torch.manual_seed(0)
+        layers = [nn.BatchNorm2d(4)] if first_bn else []
+        model = nn.Sequential(*layers, nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LayerNorm(512),
+                              nn.Linear(512, 8)).double()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref))
+
+        @hpfun.shard(mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={"*": P("dp")},
+                     gather_params="dp")
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        for i in range(2):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 4, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 8, (8,), generator=g)
+            loss = step(x, y).full()
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+            for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=k)
+        gathers = collections.Counter()
+        for c in step.lower(x, y).program.collectives:
+            if c.kind == "all_gather":
+                gathers[getattr(re.search(r"(model\.\S+) is", c.reason), "group", lambda _: c.reason)(1)] += 1
+        return gathers
+
+    conv, norm = run(first_bn=False), run(first_bn=True)
+    assert conv == {"model.0.weight": 1, "model.0.bias": 1, "model.3.weight": 2, "model.3.bias": 1,
+                    "model.4.weight": 2, "model.4.bias": 1}
+    assert norm["model.1.weight"] == 2 and norm["model.4.bias"] == 1
