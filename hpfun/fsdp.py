@@ -11,6 +11,8 @@ are used, FSDP's way:
   reads a copy gathered over those axes just before it, freed after: one all-gather per use
   site, so the forward and the backward each gather (memory holds one gathered layer at a
   time, as FSDP frees the weight after the forward and gathers it again for the backward);
+  a backward that reads the parameter only for its shape (a norm's bias; a weight where no
+  input gradient is made, as in a first layer) gets a zero stand-in and gathers nothing;
 - a use by an elementwise op whose other operands have the parameter's shape (or are 0-d) —
   the optimizer update, weight decay, Adam's moments — keeps the shard: ZeRO's update runs on
   the shard, and the gradient, a Partial sum over the gather axes, is pinned to the shard's
