@@ -76,7 +76,8 @@ _ROLES = {True: {"a": "pmk", "b": "pkn", "o": "pmn"}, False: {"a": "mk", "b": "k
 def fold_contractions(gm: torch.fx.GraphModule) -> int:
     """Rewrite flattened mm/bmm/addmm chains of `gm` into einsums; returns how many were folded."""
     count = 0
-    collapsed = _collapse_views(gm.graph)
+    stacked = _stack_cats(gm.graph)
+    collapsed = _collapse_views(gm.graph) or stacked
     for node in list(gm.graph.nodes):
         if _is_call(node, aten.mm.default, aten.bmm.default) and _fold(gm.graph, node):
             count += 1
@@ -90,6 +91,39 @@ def fold_contractions(gm: torch.fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
+
+
+def _stack_cats(graph: torch.fx.Graph) -> bool:
+    """A cat of equal tensors that is only viewed (a recurrent layer's per-step outputs, (b, h)
+    each, joined to (t*b, h) and viewed as (t, b, h)) becomes a stack on a new dim, merged by a
+    view: the views then collapse into the stack, and a batch split stays split where the cat
+    had to gather it. Whether any was."""
+    stacked = False
+    for node in list(graph.nodes):
+        if not _is_call(node, aten.cat.default) or node.kwargs or not node.users or \
+                not all(_is_call(u, *_VIEWS) for u in node.users):
+            continue
+        xs, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        vals = [x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in xs]
+        out = node.meta.get("val")
+        if len(xs) < 2 or not isinstance(out, torch.Tensor) or out.ndim == 0 or \
+                not all(isinstance(v, torch.Tensor) and v.shape == vals[0].shape and v.dtype == out.dtype for v in vals):
+            continue
+        dim %= out.ndim
+        trace = node.meta.get("stack_trace")
+        with graph.inserting_before(node):
+            rows = []
+            for x, v in zip(xs, vals):
+                rows.append(graph.call_function(aten.unsqueeze.default, (x, dim)))
+                rows[-1].meta.update(val=v.unsqueeze(dim), stack_trace=trace)
+            joined = graph.call_function(aten.cat.default, (rows, dim))
+            joined.meta.update(val=out.new_empty([*vals[0].shape[:dim], len(xs), *vals[0].shape[dim:]]), stack_trace=trace)
+            merged = graph.call_function(aten.view.default, (joined, list(out.shape)))
+            merged.meta.update(val=out, stack_trace=trace)
+        node.replace_all_uses_with(merged)
+        graph.erase_node(node)
+        stacked = True
+    return stacked
 
 
 def _collapse_views(graph: torch.fx.Graph) -> bool:

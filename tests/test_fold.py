@@ -83,3 +83,47 @@ def test_a_linear_layer_on_rows_merged_with_a_split_batch_keeps_the_batch_split(
         want = grads(params, x, y)
         for k, got in f(params, x, y).items():
             torch.testing.assert_close(got.full(), want[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_recurrent_layers_under_data_parallelism_move_no_activations():
+    """A recurrent layer's per-step outputs, joined by a cat and viewed as (t, b, h), become a
+    stack: with the batch split, the forward and the weight gradients gather nothing (each
+    gradient is one all-reduce). LSTM, GRU and RNN steps equal eager's."""
+    import copy
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Model(nn.Module):
+        def __init__(self, cell):
+            super().__init__()
+            self.rnn, self.head = cell(4, 8, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    for cell in (nn.LSTM, nn.GRU, nn.RNN):
+        torch.manual_seed(0)
+        model = Model(cell).double()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+        @hpfun.shard(mesh=hpfun.Mesh.simulated((4,), ("dp",)), in_specs=(P("dp"), P("dp")), out_specs=P())
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 5, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+        loss = step(x, y).full()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        kinds = [c.kind for c in step.lower(x, y).collectives]
+        assert set(kinds) == {"all_reduce"} and len(kinds) == len(list(model.parameters())) + 2, (cell, kinds)
