@@ -94,10 +94,9 @@ def fold_contractions(gm: torch.fx.GraphModule) -> int:
 
 
 def _stack_cats(graph: torch.fx.Graph) -> bool:
-    """A cat of equal tensors that is only viewed (a recurrent layer's per-step outputs, (b, h)
-    each, joined to (t*b, h) and viewed as (t, b, h)) becomes a stack on a new dim, merged by a
-    view: the views then collapse into the stack, and a batch split stays split where the cat
-    had to gather it. Whether any was."""
+    """A cat of equal tensors only viewed back as their stack (a recurrent layer's per-step
+    outputs, (b, h) each, joined to (t*b, h) and viewed as (t, b, h)) becomes that stack: a
+    batch split stays split where the cat had to gather it. Whether any was."""
     stacked = False
     for node in list(graph.nodes):
         if not _is_call(node, aten.cat.default) or node.kwargs or not node.users or \
@@ -110,6 +109,9 @@ def _stack_cats(graph: torch.fx.Graph) -> bool:
                 not all(isinstance(v, torch.Tensor) and v.shape == vals[0].shape and v.dtype == out.dtype for v in vals):
             continue
         dim %= out.ndim
+        stacked_shape = [*vals[0].shape[:dim], len(xs), *vals[0].shape[dim:]]
+        if not all(list(_shape(u)) == stacked_shape for u in node.users):
+            continue  # (only a view back to the stack's shape spares a gather; any other keeps the cat)
         trace = node.meta.get("stack_trace")
         with graph.inserting_before(node):
             rows = []
@@ -117,7 +119,7 @@ def _stack_cats(graph: torch.fx.Graph) -> bool:
                 rows.append(graph.call_function(aten.unsqueeze.default, (x, dim)))
                 rows[-1].meta.update(val=v.unsqueeze(dim), stack_trace=trace)
             joined = graph.call_function(aten.cat.default, (rows, dim))
-            joined.meta.update(val=out.new_empty([*vals[0].shape[:dim], len(xs), *vals[0].shape[dim:]]), stack_trace=trace)
+            joined.meta.update(val=out.new_empty(stacked_shape), stack_trace=trace)
             merged = graph.call_function(aten.view.default, (joined, list(out.shape)))
             merged.meta.update(val=out, stack_trace=trace)
         node.replace_all_uses_with(merged)
