@@ -651,8 +651,7 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list, ax
         return count
     tokens = {_encode(spec): node for node, spec in updated.items()}
     before = set(graph.nodes)
-    for node, token in updated.items():  # fsdp's rewrite, with a token spec: its pins are made relative below
-        fsdp._rewrite(graph, node, token, node.meta["val"].numel())
+    fsdp.rewrite_uses(graph, updated)  # fsdp's rewrite, with a token spec: its pins are made relative below
     gathers = [n for n in graph.nodes if n not in before and n.target is _constrain]
     fsdp._pin_gradients(graph, updated, per_op=True)
     joined = ",".join(axes)

@@ -10,7 +10,10 @@ are used, FSDP's way:
 - each use of a parameter by a matmul, an embedding, a norm, a broadcasting add (a bias)...
   reads a copy gathered over those axes just before it, freed after: one all-gather per use
   site, so the forward and the backward each gather (memory holds one gathered layer at a
-  time, as FSDP frees the weight after the forward and gathers it again for the backward);
+  time, as FSDP frees the weight after the forward and gathers it again for the backward).
+  Successive uses share one copy where nothing between them gathers another parameter (the
+  last layer's forward and backward) or where what does recurs around them (the steps of an
+  unrolled loop: an LSTM gathers once per pass, not per time step: `_share`);
   a backward that reads the parameter only for its shape (a norm's bias; a weight where no
   input gradient is made, as in a first layer) gets a zero stand-in and gathers nothing;
 - a use by an elementwise op whose other operands have the parameter's shape (or are 0-d) —
@@ -41,6 +44,7 @@ tags its collective with that name; `hpfun.schedule` issues those gathers at mos
 
 from __future__ import annotations
 
+import bisect
 import operator
 
 import torch
@@ -111,7 +115,7 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
         if not split & wanted or not _updated(node, val.numel()):
             continue
         updated[node] = P.from_layout(layout, val.ndim)
-        inserted += _rewrite(graph, node, _without(updated[node], axes), val.numel())
+    inserted += rewrite_uses(graph, {param: _without(spec, axes) for param, spec in updated.items()})
     inserted += _pin_gradients(graph, updated, per_op=inserted > 0)
     if inserted:
         graph.lint()
@@ -123,8 +127,19 @@ def _without(spec: P, axes: tuple[str, ...]) -> P:
     return P(*[tuple(a for a in spec.axes(d) if a not in axes) or None for d in range(len(spec.dims))])
 
 
-def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -> int:
-    uses: list[tuple[torch.fx.Node, torch.fx.Node, list]] = []  # (consumer, operand it reads, chain of views)
+def rewrite_uses(graph: torch.fx.Graph, specs: dict) -> int:
+    """Give the gathering uses of each parameter in `specs` (param -> the spec it is gathered
+    to) a gathered copy, shared by successive uses where `_share` says; returns how many copies."""
+    uses = {param: _uses(graph, param, param.meta["val"].numel()) for param in specs}
+    groups = _share(graph, {param: [consumer for consumer, _, _ in u] for param, u in uses.items()})
+    return sum(_rewrite(graph, param, spec, uses[param], groups[param]) for param, spec in specs.items())
+
+
+def _uses(graph: torch.fx.Graph, param: torch.fx.Node, numel: int) -> list:
+    """The ops that read `param`'s values whole, each as (consumer, operand it reads, chain of
+    views from `param` to that operand), in graph order; a use reading only its shape is handed a
+    stand-in on the way (`_stand_in`)."""
+    uses: list[tuple[torch.fx.Node, torch.fx.Node, list]] = []
 
     def walk(node, chain):
         for user in list(node.users):
@@ -136,7 +151,46 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
                 uses.append((user, node, chain))
 
     walk(param, [])
-    gathered: dict = {}  # (consumer, base) -> its constrain node
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(uses, key=lambda use: order[use[0]])
+
+
+def _share(graph: torch.fx.Graph, consumers: dict) -> dict:
+    """Which uses of each parameter read one gathered copy: param -> {consumer: its first
+    consumer in the group}. Successive uses share a copy (it is held between them) when nothing
+    between them is another parameter's use, or when every parameter used between them is used
+    in a neighbouring gap too: the body of a loop unrolled by tracing (a recurrent layer's steps,
+    a layer applied again) gathers once per pass, as FSDP gathers once per module call, where
+    the forward and backward of distinct layers in between keep their own gathers."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    events = sorted((order[c], param) for param, cs in consumers.items() for c in set(cs))
+    at = [pos for pos, _ in events]
+    out = {}
+    for param, cs in consumers.items():
+        cs = sorted(set(cs), key=order.__getitem__)
+        gaps = []  # the other parameters used between successive uses
+        for a, b in zip(cs, cs[1:]):
+            lo, hi = bisect.bisect_right(at, order[a]), bisect.bisect_left(at, order[b])
+            gaps.append({q for _, q in events[lo:hi]} - {param})
+        group = {}
+        first = None
+        for i, c in enumerate(cs):
+            if i == 0 or not _joins(gaps, i - 1):
+                first = c
+            group[c] = first
+        out[param] = group
+    return out
+
+
+def _joins(gaps: list, i: int) -> bool:
+    """Whether the uses on either side of gap `i` share a copy (`_share`)."""
+    around = set().union(*gaps[max(i - 1, 0):i], *gaps[i + 1:i + 2])
+    return gaps[i] <= around
+
+
+def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, uses: list, group: dict) -> int:
+    gathered: dict = {}  # (first consumer of the group, base) -> its constrain node
+    order = {n: i for i, n in enumerate(graph.nodes)}
     done = set()
     for consumer, operand, chain in uses:
         if (consumer, operand) in done:
@@ -146,14 +200,18 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, numel: int) -
         while k < len(chain) and chain[k].target in _CASTS:
             k += 1
         base = chain[k - 1] if k else param
-        with graph.inserting_before(consumer):
-            if (consumer, base) not in gathered:
+        first = group[consumer]
+        if base is not param and order[base] > order[first]:  # a cast made later: gathered at its use
+            first = consumer
+        if (first, base) not in gathered:
+            with graph.inserting_before(first):
                 pin = graph.create_node("call_function", _constrain, (base, _encode(spec)),
-                                        name=f"gather_for_{consumer.name}")
-                pin.meta.update(val=base.meta["val"], stack_trace=consumer.meta.get("stack_trace"))
-                pin.meta[META] = consumer.name
-                gathered[(consumer, base)] = pin
-            value = gathered[(consumer, base)]
+                                        name=f"gather_for_{first.name}")
+            pin.meta.update(val=base.meta["val"], stack_trace=first.meta.get("stack_trace"))
+            pin.meta[META] = first.name
+            gathered[(first, base)] = pin
+        with graph.inserting_before(consumer):
+            value = gathered[(first, base)]
             for view in chain[k:]:
                 copy = graph.node_copy(view, lambda a, v=view, prev=value: prev if a is v.args[0] else a)
                 value = copy
