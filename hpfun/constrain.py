@@ -35,17 +35,33 @@ _constrain = torch.ops.hpfun.constrain.default
 
 
 class _Constrain(torch.autograd.Function):
+    """The pin as an autograd function composing with every transform: its backward is a pin
+    too (of the gradient, whose own gradient is pinned as the value: second derivatives, a
+    gradient penalty), its forward-mode tangent is pinned as the value (jvp, jacfwd, hessian),
+    and under vmap the batch dim is pinned whole."""
+
     @staticmethod
     def forward(x, spec, grad_spec):
         return _constrain(x, spec)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.grad_spec = inputs[2]
+        ctx.spec, ctx.grad_spec = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, grad):
-        return _constrain(grad, ctx.grad_spec), None, None
+        return _Constrain.apply(grad, ctx.grad_spec, ctx.spec), None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _Constrain.apply(tangent, ctx.spec, ctx.grad_spec)
+
+    @staticmethod
+    def vmap(info, in_dims, x, spec, grad_spec):
+        if in_dims[0] is None:
+            return _Constrain.apply(x, spec, grad_spec), None
+        batched = [_encode(P(None, *_decode(s).dims)) for s in (spec, grad_spec)]
+        return _Constrain.apply(x.movedim(in_dims[0], 0), *batched), 0
 
 
 def constrain(x: torch.Tensor, spec: P, *, grad: P | None = None) -> torch.Tensor:
