@@ -114,6 +114,14 @@ class _MarkOutput(torch.autograd.Function):
     def backward(ctx, grad):
         return grad
 
+    @staticmethod
+    def jvp(ctx, tangent):
+        return tangent
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return _MarkOutput.apply(x), in_dims[0]
+
 
 _regions = itertools.count(1)
 _active = threading.local()  # .inside: a checkpointed block is being traced on this thread
