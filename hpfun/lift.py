@@ -813,6 +813,8 @@ def statics(roots, known: dict | None = None) -> dict:
             out[name] = known[name] if known is not None else ModuleValues.of(root.name, root.value)
         elif isinstance(root.value, torch.optim.Optimizer):
             for g, group in enumerate(root.value.param_groups):
+                # which tensors the group updates (taken out of the optimizer, added to it)
+                out[_join(root.name, f"param_groups.{g}.params")] = _Identities(group["params"])
                 lifted = lifted_scalars(root.value, group)  # inputs, read at every call: their signs key the cache
                 for key, v in group.items():
                     if key != "params" and not isinstance(v, torch.Tensor) and key not in {k for k, _ in lifted.values()}:
@@ -824,6 +826,20 @@ def statics(roots, known: dict | None = None) -> dict:
                         out[_join(root.name, f"param_groups.{g}.{key}.sign")] = sign
             out.update(_state_numbers(root.name, root.value, known))
     return out
+
+
+class _Identities(tuple):
+    """The tensors a param group holds, compared by identity (a cache key's part); shown by
+    their shapes."""
+
+    def __new__(cls, tensors):
+        return super().__new__(cls, (id(t) for t in tensors))
+
+    def __init__(self, tensors):
+        self.shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
+
+    def __repr__(self):
+        return f"{len(self)} tensors {self.shapes}"
 
 
 def _state_numbers(name: str, opt, known: dict | None) -> dict:

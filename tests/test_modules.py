@@ -1753,3 +1753,37 @@ def test_an_rnns_weight_list_is_left_real_and_later_calls_hit_the_cache(cls):
         assert sharded.trace_count <= 2, opt_cls
         for a, b in zip(rnn.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_editing_a_param_groups_params_compiles_again():
+    """Which tensors a param group holds keys the cache: a parameter taken out of the optimizer
+    between calls stops being updated, one added starts, as eagerly (the old program kept
+    updating the one taken out)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD([m.weight], lr=0.1) for m in (model, ref))
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+    for i in range(4):
+        if i == 1:  # train the bias too
+            for o, m in ((opt, model), (ref_opt, ref)):
+                o.param_groups[0]["params"].append(m.bias)
+        if i == 3:  # stop training the weight
+            for o in (opt, ref_opt):
+                o.param_groups[0]["params"].pop(0)
+        step(x, y)
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"step {i}")
