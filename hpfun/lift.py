@@ -1093,11 +1093,11 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
-    # gradients after every parameter; a parameter held twice (tied weights) has one gradient
-    for name, mod, attr, p in params:
-        if p.requires_grad:
-            add(f"{name}.grad", functools.partial(_grad_of, mod, attr), functools.partial(_set_grad, mod, attr),
-                follows=name)
+    # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
+    # A frozen one's too: it may hold one from before it was frozen (the optimizer still steps
+    # it), or be unfrozen, or given one, inside the step (absent, its slot costs nothing)
+    for name, mod, attr, _ in params:
+        add(f"{name}.grad", functools.partial(_grad_of, mod, attr), functools.partial(_set_grad, mod, attr), follows=name)
 
 
 def _set_param(mod, attr, value):
@@ -1137,7 +1137,7 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 name = _join(prefix, f"params.{g}.{i}")
                 add(name, functools.partial(group["params"].__getitem__, i), functools.partial(_set_listed, group["params"], i),
                     requires_grad=p.requires_grad)
-                if p.requires_grad:
+                if isinstance(p, torch.Tensor):  # (frozen too: see _module_slots)
                     add(f"{name}.grad", functools.partial(getattr, p, "grad"), functools.partial(setattr, p, "grad"),
                         follows=name)
         for key, v in group.items():

@@ -1787,3 +1787,41 @@ def test_editing_a_param_groups_params_compiles_again():
         ref_opt.zero_grad()
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"step {i}")
+
+
+def test_a_frozen_parameters_gradient_is_state_too():
+    """A parameter frozen between calls that still holds its .grad is zeroed and stepped as
+    eagerly (AdamW's weight decay and moments go on); one unfrozen inside the step gets its
+    gradient back after the call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4)).double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+
+    def train(model, opt, x, y, unfreeze):
+        opt.zero_grad(set_to_none=False)
+        if unfreeze:
+            model[1].weight.requires_grad_(True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = hpfun.shard(lambda x, y, unfreeze: train(model, opt, x, y, unfreeze), mesh=DP,
+                       in_specs=(P("dp"), P("dp"), None), out_specs=P())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)
+    for i in range(5):
+        if i == 2:  # freeze the first layer's weight, its .grad kept
+            for m in (model, ref):
+                m[0].weight.requires_grad_(False)
+        if i == 3:  # and the second's, unfrozen again inside the next call
+            for m in (model, ref):
+                m[1].weight.requires_grad_(False)
+        step(x, y, i == 4)
+        train(ref, ref_opt, x, y, i == 4)
+        for (k, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"step {i}: {k}")
+            assert (a.grad is None) == (b.grad is None), (i, k)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=f"step {i}: {k}.grad")
