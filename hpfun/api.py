@@ -366,6 +366,10 @@ class ShardedFunction:
             self.__dict__.setdefault("_bound_without_dict", {})[id(obj)] = _Bound(bound)
         return bound
 
+    # Hidden from torch.compile: a compiled function calling this one (`torch.compile(step)`)
+    # runs it as it is, not its capture, rank exchange and seed draw traced by dynamo
+    # (`compile=True` compiles the per-shard program instead).
+    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         if tracing():  # called inside another sharded function: its code is part of that program
             return self.fn(*args, **kwargs)

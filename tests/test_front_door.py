@@ -297,3 +297,17 @@ def test_loading_a_bad_table_fails_every_sharded_call_until_fixed(tmp_path, rest
     with pytest.raises(hpfun.RuleFileError, match="does not exist"):
         hpfun.rules.load(tmp_path / "missing.yaml")
     assert hpfun.rules.lookup(aten.mm.default) is not None  # a path that does not exist is not kept
+
+
+def test_torch_compile_around_a_sharded_function_runs_it_as_it_is():
+    """`torch.compile(step)` of a sharded function: dynamo leaves hpfun's call alone (capture,
+    seed draw), so the first call, a new shape and the seed all behave as without the wrapper."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    f = hpfun.shard(lambda x: torch.sin(x) * 2 + torch.rand_like(x), mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+    g = torch.compile(f)
+    for shape in ((4, 3), (8, 3)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(11)
+        compiled = g(x).full()
+        torch.manual_seed(11)
+        assert torch.equal(compiled, f(x).full())
