@@ -187,3 +187,17 @@ def test_the_index_crosses_processes_as_it_is():
     for op, cases in index.cases.items():
         assert [(c.signature(), c.source) for c in again.cases[op]] == [(c.signature(), c.source) for c in cases]
         assert all(torch.equal(a, b) for c, d in zip(cases, again.cases[op]) for a, b in zip(c.tensors, d.tensors))
+
+
+def test_oracle_compares_python_outputs_and_names_a_bare_argument():
+    """Numbers and None a function returns are compared as values; a bare tensor for `args` is
+    a TypeError saying to pass a tuple."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    x = torch.randn(4, 3)
+    P = hpfun.P
+    assert_sharded_equal(lambda x: (x * 2, 3, None), (x,), mesh, (P("dp"),))
+    with pytest.raises(ShardedMismatch, match="got 4, expected 3"):
+        calls = iter([3, 4])
+        assert_sharded_equal(lambda x: (x, next(calls)), (x,), mesh, (P("dp"),))
+    with pytest.raises(TypeError, match=r"pass \(x,\)"):
+        assert_sharded_equal(lambda x: x, x, mesh, (P("dp"),))

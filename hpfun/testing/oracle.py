@@ -45,6 +45,9 @@ def assert_sharded_equal(f, args, mesh: Mesh, in_specs, *, out_specs=None, rtol=
     >>> total = hpfun.Sharded.from_global(x, hpfun.parse("[P(sum), R] on {dp: 2, tp: 2}"))
     >>> assert_sharded_equal(lambda a: a.t() * 1, (total,), mesh, None, exact=True)
     """
+    if isinstance(args, (torch.Tensor, Sharded)) or not isinstance(args, (tuple, list)):
+        raise TypeError(f"assert_sharded_equal takes the arguments as a tuple, got {type(args).__name__}: "
+                        f"pass (x,) for a function of one argument")
     args = tuple(args)
     expected = f(*pytree.tree_map(_whole, args, is_leaf=_is_sharded))
     sharded = api.shard(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -59,6 +62,10 @@ def assert_sharded_equal(f, args, mesh: Mesh, in_specs, *, out_specs=None, rtol=
         raise ShardedMismatch(mesh, inputs, "outputs", f"output structure {got_tree} differs from {expected_tree}")
     tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": rtol, "atol": atol}
     for i, (want, have) in enumerate(zip(expected_flat, got_flat, strict=True)):
+        if not isinstance(have, Sharded):  # a Python value the function returns (a number, None)
+            if not (have == want or have != have and want != want):
+                raise ShardedMismatch(mesh, inputs, f"outputs[{i}]", f"got {have!r}, expected {want!r}")
+            continue
         where = f"outputs[{i}] " + _describe("", have.layout, have.global_shape, have.dtype)
         _compare(want, have.full(), tolerance, lambda detail, where=where: ShardedMismatch(mesh, inputs, where, detail))
 
