@@ -97,7 +97,10 @@ class Sharded:
         layout = _a_layout(layout, tensor.ndim, "Sharded.from_global")
         mesh = layout.mesh
         ranks = range(mesh.size) if mesh.runtime == "simulated" else [_this_rank(mesh)]
-        shards = [local_block(tensor, layout, mesh.coords(r), partial_zeros=True).contiguous() for r in ranks]
+        # copies: the value is its own, as a sharded function's result is (never the caller's tensor,
+        # whatever the layout: writing one must not write the other)
+        shards = [local_block(tensor, layout, mesh.coords(r), partial_zeros=True).clone(memory_format=torch.contiguous_format)
+                  for r in ranks]
         return cls(layout, tuple(tensor.shape), tuple(shards))
 
     @classmethod
@@ -259,6 +262,10 @@ def redistribute(x: Sharded, layout: Layout) -> Sharded:
     layout = _a_layout(layout, len(x.global_shape), "redistribute")
     if layout.mesh != x.layout.mesh:
         raise SpecError(f"cannot redistribute from mesh {x.layout.mesh} to mesh {layout.mesh}")
+    found = layout.problems(x.global_shape)
+    if found:
+        raise LayoutError([Problem(f"hpfun.redistribute to {layout}", f"{p} (global shape {tuple(x.global_shape)})",
+                                   "split dims the mesh axes divide, or pad the tensor") for p in found])
     program = _redistribute_program(x.layout, layout, tuple(x.global_shape), x.dtype, x.shards[0].device)
     (shards,) = run(program, lambda coords, device: [rank_block(x, x.layout, coords, device)])
     return Sharded(layout, x.global_shape, shards)

@@ -417,3 +417,19 @@ def test_bad_constructor_arguments_raise_layout_error(make):
     """Wrong argument types and off-mesh coordinates raise LayoutError naming the value."""
     with pytest.raises(LayoutError, match="."):
         make()
+
+
+def test_from_global_copies_and_redistribute_checks_the_target():
+    """A Sharded value never shares memory with the tensor it was made from, whatever the
+    layout (writing one does not write the other); redistributing to a split the shape does not
+    divide is a LayoutError naming the dim."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    for spec in (hpfun.P(), hpfun.P("dp"), hpfun.P(None, "tp"), hpfun.P("dp", "tp")):
+        x = torch.arange(16.0).reshape(4, 4)
+        value = hpfun.Sharded.from_global(x, spec.to_layout(mesh, 2))
+        x.zero_()
+        assert value.full().sum() == 120, spec
+        assert len({s.data_ptr() for s in value.shards}) == 4, spec
+    value = hpfun.Sharded.from_global(torch.randn(8, 3), hpfun.parse("[S(0), R] on {dp: 2, tp: 2}"))
+    with pytest.raises(hpfun.LayoutError, match="dim 1 of size 3 is not divisible"):
+        hpfun.redistribute(value, hpfun.parse("[S(1), R] on {dp: 2, tp: 2}"))
