@@ -27,7 +27,7 @@ from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, u
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
 from hpfun.errors import (
-    CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError, op_name,
+    CaptureError, ExecutionError, HpfunError, InternalError, Problem, ShardingError, SpecError, op_name, user_stacklevel,
 )
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
@@ -544,7 +544,7 @@ class ShardedFunction:
                 warnings.warn(
                     f"hpfun.shard({fn}) compiled a new program {seen} times because {what} the function reads "
                     f"from its inputs changed ({where.strip()}): the program is traced for the value read, and "
-                    f"every new value compiles again (seconds each). Fix: {fix}.", RetraceWarning, stacklevel=4)
+                    f"every new value compiles again (seconds each). Fix: {fix}.", RetraceWarning, stacklevel=user_stacklevel())
         if self.mesh.runtime == "distributed":
             runtime_for(self.mesh).check_same_program(_describe(call, leaves))
         new = self._compile_everywhere(call, leaves)
@@ -569,7 +569,7 @@ class ShardedFunction:
         for name, was, value in changed:
             self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
             if seen == RETRACE_WARNING_AFTER:
-                warnings.warn(_retrace_message(self, name, was, value, seen), RetraceWarning, stacklevel=4)
+                warnings.warn(_retrace_message(self, name, was, value, seen), RetraceWarning, stacklevel=user_stacklevel())
 
     def _note_new_state(self, call: _Call) -> None:
         """A compile for lifted state holding tensors the last compile's did not, counted per
@@ -591,7 +591,7 @@ class ShardedFunction:
                     "or list the function reaches is an input of the program, so a container the function adds "
                     "tensors to at every call (a log of losses) makes a new program at every call. Keep such a log "
                     "outside: return the tensor and append it after the call "
-                    "(`loss = step(x); history.append(loss)`).", RetraceWarning, stacklevel=4)
+                    "(`loss = step(x); history.append(loss)`).", RetraceWarning, stacklevel=user_stacklevel())
 
     def _note_new_shapes(self, call: _Call, key) -> None:
         """A compile for new shapes of the same arguments (each batch padded to its own length):
@@ -610,7 +610,7 @@ class ShardedFunction:
         warnings.warn(f"hpfun.shard({fn}) compiled {len(same) + 1} programs for the same arguments in new shapes "
                       f"(last: {', '.join(changed[:3])}): each shape is a program, traced and compiled once (seconds "
                       "each) and kept. Pad inputs to a few fixed shapes (batches bucketed by length).",
-                      RetraceWarning, stacklevel=4)
+                      RetraceWarning, stacklevel=user_stacklevel())
 
     def _signature(self, call: _Call):
         problems: list[Problem] = []
@@ -707,7 +707,7 @@ class ShardedFunction:
             warnings.warn(f"{', '.join(grad_args[:3])}{' ...' if len(grad_args) > 3 else ''} require grad, but a "
                           "sharded function's outputs are not connected to autograd outside it (backward() on them "
                           "fails): compute gradients inside the function (torch.func.grad, or loss.backward() on "
-                          "lifted parameters)", stacklevel=4)
+                          "lifted parameters)", stacklevel=user_stacklevel())
         # graph modules write their Python code when first run or read, not at every pass's
         # recompile(): at 8 layers of a Llama each recompile costs 0.2-0.4 s, and planning runs none
         self._stage = "capturing"
@@ -781,7 +781,7 @@ class ShardedFunction:
             if self.options.memory_budget is not None:
                 warnings.warn(f"{_name(self.fn)}: memory_budget={self.options.memory_budget} bounds the layouts "
                               "hpfun.AUTO chooses, and no spec of this call is AUTO: the plan is not held to it (give "
-                              "hpfun.AUTO specs, or see lower(...).memory() for this plan's estimate)", stacklevel=5)
+                              "hpfun.AUTO specs, or see lower(...).memory() for this plan's estimate)", stacklevel=user_stacklevel())
             fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
                       reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
@@ -860,6 +860,9 @@ class ShardedFunction:
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque):
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
+        except BaseException:  # what it set in the objects it reads (a GradScaler's lazy scale) is set back too
+            objects.undo()
+            raise
         finally:  # (also when the function raised: what it set in modules is set back, and that error stays)
             substitution.restore()
             try:

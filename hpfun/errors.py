@@ -6,9 +6,12 @@ Every error lists *all* problems found in one pass, each with what was wrong and
 from __future__ import annotations
 
 import operator
+import os
+import sys
 import types
 
 import attrs
+import torch
 
 
 @attrs.frozen
@@ -112,3 +115,16 @@ def op_name(target) -> str:
     if isinstance(target, types.FunctionType):  # a helper of hpfun's rules (rules.norm.group_norm_backward)
         return f"{target.__module__.removeprefix('hpfun.rules.')}.{target.__qualname__}"
     return str(target)
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning raised by the calling function name the user's
+    line: the first frame up the stack outside hpfun and torch (torch.compile's wrapper around
+    a sharded function's call, for one, sits between)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level

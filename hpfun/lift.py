@@ -1759,7 +1759,7 @@ class ObjectValues:
                 if _is_scalar(v) or type(v) is list and all(map(_is_scalar, v)):
                     self.held.append((name, obj, attr, v, copy.copy(v)))
             self.objects.append((name, obj, dict(d), {a: (v, copy.copy(v)) for a, v in d.items()
-                                                      if type(v) in (dict, list)}))
+                                                      if isinstance(v, (dict, list))}))
 
     def leaked(self) -> list[str]:
         """Where the trace left a tensor it made in these objects (`self.stats["step"] = t` in
@@ -1779,8 +1779,7 @@ class ObjectValues:
                 fresh = [k for k, v in inside if isinstance(v, FakeTensor)]
                 if fresh:
                     out += [f"{name}{'' if attr is None else '.' + attr}[{k!r}]" for k in fresh]
-                    container.clear()
-                    container.update(was) if type(container) is dict else container.extend(was)
+                    _refill(container, was)
         return out
 
     def changed(self) -> list[tuple[str, object, list]]:
@@ -1808,8 +1807,26 @@ class ObjectValues:
         for _, obj, _, containers in self.objects:
             if obj is None:
                 (container, was), = containers.values()
-                container.clear()
-                container.update(was) if type(container) is dict else container.extend(was)
+                _refill(container, was)
+
+    def undo(self) -> None:
+        """Set every object back as it was before a trace that raised: its attributes (added ones
+        removed), the contents of its dicts and lists (a GradScaler's per-optimizer state), and
+        the plain containers: the eager code after the error finds no stand-in in them."""
+        for _, obj, before, containers in self.objects:
+            for container, was in containers.values():
+                _refill(container, was)
+            if obj is not None:
+                d = vars(obj)
+                for attr in [a for a in d if a not in before]:
+                    del d[attr]
+                d.update(before)
+        self.restore()
+
+
+def _refill(container, was) -> None:
+    container.clear()
+    container.update(was) if isinstance(container, dict) else container.extend(was)
 
 
 GRAD_SCALER_FIX = ("a torch.amp.GradScaler keeps its scale in a tensor of its own, which hpfun does not lift: "

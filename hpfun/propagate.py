@@ -37,7 +37,7 @@ from torch.fx.node import map_arg
 from hpfun.annotation import Annotation, NodePlan, placed
 from hpfun.capture import user_line
 from hpfun.exact import refine
-from hpfun.errors import MissingRuleError, Problem, ShardingError
+from hpfun.errors import MissingRuleError, Problem, ShardingError, user_stacklevel
 from hpfun.layout import Layout, Partial, R
 from hpfun.mesh import Mesh
 from hpfun.plan import CostModel, redistribute_cost, redistribute_seconds
@@ -555,7 +555,7 @@ def _warn_fallbacks(gm: torch.fx.GraphModule) -> None:
             lines.append(f"  {node.target}: gathers {cost:.0f} B per rank" + (f" ({line})" if line else ""))
     if lines:
         warnings.warn("ops without a sharding rule run replicated (fallback='replicate'):\n" + "\n".join(lines),
-                      FallbackWarning, stacklevel=4)
+                      FallbackWarning, stacklevel=user_stacklevel())
 
 
 class FallbackWarning(UserWarning):

@@ -25,16 +25,14 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
-import os
 import re
-import sys
 import warnings
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from hpfun.errors import Problem, SpecError
+from hpfun.errors import Problem, SpecError, user_stacklevel
 from hpfun.layout import Layout, P, Partial, Replicate, Shard
 from hpfun.mesh import Mesh
 from hpfun.sharded import Sharded
@@ -421,17 +419,12 @@ def warn_kept_whole(where: str, kept: dict, state: bool = False) -> None:
     """One WildcardWarning listing the tensors (name -> shape and why) a wildcard left whole,
     attributed to the user's call."""
     example = ".".join(next(iter(kept)).split(".")[-2:])
-    level, frame = 2, sys._getframe(1)  # stacklevel 2 is our caller
-    while frame is not None and frame.f_code.co_filename.startswith(_HPFUN_DIR):
-        level, frame = level + 1, frame.f_back
+    level = user_stacklevel()
     warnings.warn(f"{where}: {len(kept)} tensor(s) matched only by wildcard patterns cannot take their spec and are "
                   "kept whole (replicated) on every rank" + (", with their gradients and optimizer state" * state) +
                   ":\n" + "\n".join(f"  {n} {why}" for n, why in kept.items()) +
                   f"\nname them with a more specific pattern to choose their layout (e.g. '*.{example}': P() beside "
                   "the wildcard keeps that one whole and silences this), or pad them", WildcardWarning, stacklevel=level)
-
-
-_HPFUN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def specificity(pattern: str) -> int:

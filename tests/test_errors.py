@@ -222,6 +222,12 @@ def test_grad_scaler_is_named_with_the_fix():
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
     assert "scaler.step(opt)" in text and "GradScaler skips the optimizer's step" in text and "bfloat16" in text
+    # the refused trace left the scaler as it was: the fix, stepping it eagerly, runs
+    assert scaler._scale is None and not scaler._per_optimizer_states
+    x = torch.randn(8, 4)
+    scaler.scale(model(x).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
 
 
 def test_a_grad_scaler_scaling_the_loss_inside_names_the_form_that_works():
