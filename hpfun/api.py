@@ -1178,8 +1178,9 @@ class _Entry:
         object.__setattr__(self, "outputs", outputs)
         object.__setattr__(self, "_build", _builder(self.out_tree))
         object.__setattr__(self, "written", tuple(sorted(tensor_pos[w.input] for w in self.writes if w.input is not None)))
-        object.__setattr__(self, "on_meta", any(leaf.device is not None and torch.device(leaf.device).type == "meta"
-                                                for leaf in self.leaves if leaf.kind != "static"))
+        # (read by the program: a meta skeleton's own parameters, replaced by functional_call, are not)
+        object.__setattr__(self, "on_meta", any(self.leaves[i].device is not None and
+                                                torch.device(self.leaves[i].device).type == "meta" for i in self.fed_flat))
         object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
                                                 and not (w.place[0] == "part" and w.place[1][0] == "append")
                                                 for w in self.writes))

@@ -90,3 +90,24 @@ def test_a_call_on_meta_tensors_runs_on_meta_as_eager_does():
     loss = step(ids, ids)
     assert loss.shape == () and all(s.is_meta for s in loss.shards)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_meta_skeleton_called_with_real_parameters_runs_on_them():
+    """functional_call on a module kept on the meta device, real parameters passed in (torch's
+    ensembling recipe): the skeleton's own meta parameters are not read, so the program runs on
+    the real ones and returns values, not meta tensors."""
+    import torch.func as tf
+
+    base = torch.nn.Linear(4, 2, dtype=torch.float64, device="meta")
+    g = torch.Generator().manual_seed(0)
+    params = {"weight": torch.randn(2, 4, generator=g, dtype=torch.float64),
+              "bias": torch.randn(2, generator=g, dtype=torch.float64)}
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+    def f(p, x):
+        return tf.functional_call(base, p, (x,))
+
+    out = hpfun.shard(f, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=(hpfun.P(), hpfun.P("a")),
+                      out_specs=hpfun.P("a"))(params, x).full()
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, f(params, x), rtol=1e-12, atol=1e-12)
