@@ -227,7 +227,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 return
         code = fn.__code__
         key = (code, tuple(map(id, fn.__closure__ or ())))
-        if key in seen_functions or not given and _is_library(code.co_filename):
+        if key in seen_functions:
+            return
+        if not given and _is_library(code.co_filename):
+            wrapped = getattr(fn, "__wrapped__", None)  # a helper under a library's decorator (torch.no_grad(),
+            if wrapped is not None and wrapped is not fn:  # hpfun.checkpoint, torch.compiler.disable): its code
+                seen_functions.add(key)
+                function(wrapped, name)
             return
         seen_functions.add(key)
         note((fn, "__code__", code))

@@ -1825,3 +1825,44 @@ def test_a_frozen_parameters_gradient_is_state_too():
             assert (a.grad is None) == (b.grad is None), (i, k)
             if a.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=f"step {i}: {k}.grad")
+
+
+def test_state_read_only_by_a_helper_under_a_library_decorator_is_lifted():
+    """An EMA update written as a `@torch.no_grad()` helper (or under hpfun.checkpoint) is the
+    only place the EMA model is read: the walk follows the decorator's `__wrapped__` to the
+    helper's code, and the EMA is lifted and written back as eagerly."""
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 2).double()
+        ema = copy.deepcopy(model)
+
+        @torch.no_grad()
+        def ema_update():
+            for pe, pm in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(pm, 0.5)
+
+        @hpfun.checkpoint
+        def forward(x):
+            return model(x)
+
+        def step(x, y):
+            loss = F.mse_loss(forward(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+            ema_update()
+            return loss
+        return model, ema, step
+
+    model, ema, step = make(0)
+    ref_model, ref_ema, ref_step = make(0)
+    sharded = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(sharded(x, y).full(), ref_step(x, y), rtol=1e-12, atol=1e-12)
+    for a, b in zip([*model.parameters(), *ema.parameters()], [*ref_model.parameters(), *ref_ema.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
