@@ -373,6 +373,12 @@ class ShardedFunction:
     def __call__(self, *args, **kwargs):
         if tracing():  # called inside another sharded function: its code is part of that program
             return self.fn(*args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise SpecError(Problem(f"hpfun.shard({_name(self.fn)})", "was called inside a torch.func transform "
+                                    "(grad, vmap, jvp...) applied from outside it: a sharded function's outputs are "
+                                    "Sharded values, not tensors those transforms can follow",
+                                    "apply the transform inside: shard the function that calls torch.func.grad "
+                                    "(hpfun.shard(torch.func.grad(loss), ...))"), headline="bad call")
         call = self._prepare(args, kwargs)
         if self.mesh.runtime == "distributed":  # (a rank whose last program failed while running is out of step)
             runtime_for(self.mesh).check_usable()

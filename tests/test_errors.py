@@ -733,3 +733,15 @@ def test_writes_that_cannot_be_handed_back_are_named_at_the_users_line():
 
     x = torch.randn(4, 6)
     torch.testing.assert_close(hpfun.shard(made, mesh=mesh, in_specs=(P("x"),))(x).full(), made(x))
+
+
+def test_a_sharded_function_under_an_outer_transform_says_to_put_it_inside():
+    """torch.func.grad or vmap applied around a sharded function is a SpecError with the fix
+    (the transform goes inside), not an internal error."""
+    import torch.func as tf
+
+    f = hpfun.shard(lambda w, x: (x @ w).sum(), mesh=MESH, in_specs=(P(), P("dp")), out_specs=P())
+    w, x = torch.randn(4, 4), torch.randn(8, 4)
+    for outer in (lambda: tf.grad(lambda w: f(w, x).full())(w), lambda: tf.vmap(lambda w: f(w, x).full())(w[None])):
+        with pytest.raises(hpfun.SpecError, match="inside a torch.func transform"):
+            outer()
