@@ -27,6 +27,7 @@ import dis
 import enum
 import functools
 import itertools
+import numbers
 import operator
 import os
 import sys
@@ -1197,9 +1198,9 @@ def lifted_scalars(opt, group: dict) -> dict[str, tuple]:
     out = {}
     for key in LIFTED_SCALARS.get(type(opt), ()):
         v = group.get(key)
-        if type(v) in (float, int):
+        if _real(v):
             out[key] = (key, None)
-        elif type(v) is tuple and v and all(type(x) in (float, int) for x in v) and not _half(group):
+        elif type(v) is tuple and v and all(map(_real, v)) and not _half(group):
             out.update({f"{key}.{i}": (key, i) for i in range(len(v))})
     return out
 
@@ -1247,8 +1248,13 @@ def _half(group: dict) -> bool:
     return bool(params) and params[0].dtype in (torch.bfloat16, torch.float16)
 
 
+def _real(v) -> bool:
+    """A real number a hyperparameter may be (a NumPy float from a schedule too), not a flag."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, torch.Tensor)) and type(v).__name__ != "bool_"
+
+
 def _sign(v) -> int:
-    return (v > 0) - (v < 0)
+    return int(v > 0) - int(v < 0)
 
 
 def _tensor_sign(v: torch.Tensor) -> int | None:
@@ -1335,7 +1341,8 @@ def _scalar_of(group: dict, key: str, index: int | None):
 
 def _set_scalar(group: dict, key: str, index: int | None, value) -> None:
     old = group[key] if index is None else group[key][index]
-    value = value.item() if isinstance(value, torch.Tensor) and not isinstance(old, torch.Tensor) else value
+    if isinstance(value, torch.Tensor) and not isinstance(old, torch.Tensor):
+        value = value.item() if type(old) in (float, int) else type(old)(value.item())  # (a NumPy float stays one)
     if index is None:
         group[key] = value
     else:

@@ -1866,3 +1866,34 @@ def test_state_read_only_by_a_helper_under_a_library_decorator_is_lifted():
         torch.testing.assert_close(sharded(x, y).full(), ref_step(x, y), rtol=1e-12, atol=1e-12)
     for a, b in zip([*model.parameters(), *ema.parameters()], [*ref_model.parameters(), *ref_ema.parameters()]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_numpy_learning_rate_is_an_input_like_a_float():
+    """A schedule giving NumPy floats (LambdaLR returning np.float64) keys nothing: the learning
+    rate is read at every call, so the steps compile twice (before and after the optimizer has
+    state), not once per step, and equal eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (model, ref)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float64(0.5) ** s) for o in opts]
+
+    def train(m, opt, x, y):
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = hpfun.shard(lambda x, y: train(model, opts[0], x, y), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64)
+        step(x, y)
+        train(ref, opts[1], x, y)
+        for s in scheds:
+            s.step()
+    assert step.trace_count == 2
+    assert isinstance(opts[0].param_groups[0]["lr"], np.float64)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
