@@ -785,7 +785,9 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
         if isinstance(root.value, torch.nn.Module):
             _module_slots(root.name, root.value, add, snapshot)
     opaque = list(opaque)
-    for root in roots:
+    # tensors the function names itself before the optimizers holding them: `W` keeps its name
+    # (and its state_specs entry), not `opt.params.0.0`, whichever the function mentions first
+    for root in sorted(roots, key=lambda r: isinstance(r.value, torch.optim.Optimizer)):
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems, snapshot, opaque)
         elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:

@@ -1897,3 +1897,25 @@ def test_a_numpy_learning_rate_is_an_input_like_a_float():
     assert isinstance(opts[0].param_groups[0]["lr"], np.float64)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+W_GLOBAL = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+OPT_GLOBAL = torch.optim.SGD([W_GLOBAL], lr=0.1)
+
+
+def test_a_tensor_the_function_names_keeps_its_name_before_the_optimizer_holding_it():
+    """A global weight an optimizer also holds is named by its variable whether the function
+    mentions the optimizer first or not, so its state_specs entry applies."""
+
+    def zero_grad_first(x, y):
+        OPT_GLOBAL.zero_grad()
+        loss = F.mse_loss(x @ W_GLOBAL, y)
+        loss.backward()
+        OPT_GLOBAL.step()
+        return loss
+
+    step = hpfun.shard(zero_grad_first, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                       state_specs={"W_GLOBAL": P("dp")})
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    inputs = {i["path"]: i["layout"] for i in step.lower(x, y).to_dict()["inputs"]}
+    assert inputs["W_GLOBAL"] == "[S(0)]", inputs
