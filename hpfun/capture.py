@@ -544,7 +544,9 @@ def _refuse_generator_state(gm: torch.fx.GraphModule, lines: list, state_before:
     fix = ("seed the whole call instead (`torch.manual_seed(s)` before the first draw, inside or before the call, or "
            "`with hpfun.random_seed(s):` around it), or draw outside the sharded function and pass the values in")
     why = "sets the state of torch's generator, which hpfun's draws (numbered by op, the same for every layout) do not follow"
-    problems = [Problem(f"torch.set_rng_state{line} (torch.random.fork_rng calls it on leaving)", why, fix)
+    problems = [Problem(f"torch.set_rng_state{line} (torch.random.fork_rng calls it on leaving, and so does "
+                        "torch.func.vmap with chunk_size for each chunk)", why,
+                        fix + "; under vmap with chunk_size, drop chunk_size (the program runs the whole batch at once)")
                 for line in dict.fromkeys(lines)]
     if moved:
         problems.append(Problem("torch.default_generator", "was seeded or set while the function was traced "

@@ -105,7 +105,7 @@ def _stack_cats(graph: torch.fx.Graph) -> bool:
         xs, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
         vals = [x.meta.get("val") if isinstance(x, torch.fx.Node) else None for x in xs]
         out = node.meta.get("val")
-        if len(xs) < 2 or not isinstance(out, torch.Tensor) or out.ndim == 0 or \
+        if not xs or not isinstance(out, torch.Tensor) or out.ndim == 0 or \
                 not all(isinstance(v, torch.Tensor) and v.shape == vals[0].shape and v.dtype == out.dtype for v in vals):
             continue
         dim %= out.ndim

@@ -100,7 +100,9 @@ def test_recurrent_layers_under_data_parallelism_move_no_activations():
             self.rnn, self.head = cell(4, 8, batch_first=True), nn.Linear(8, 3)
 
         def forward(self, x):
-            return self.head(self.rnn(x)[0][:, -1])
+            out, h = self.rnn(x)  # (the final state too: one step's output, joined alone)
+            h = h[0] if isinstance(h, tuple) else h
+            return self.head(out[:, -1] + h[-1])
 
     for cell in (nn.LSTM, nn.GRU, nn.RNN):
         torch.manual_seed(0)
