@@ -189,7 +189,7 @@ def _joins(gaps: list, i: int) -> bool:
 
 
 def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, uses: list, group: dict) -> int:
-    gathered: dict = {}  # (first consumer of the group, base) -> its constrain node
+    gathered: dict = {}  # (first consumer of the group, the casts before it) -> its constrain node
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = set()
     for consumer, operand, chain in uses:
@@ -200,18 +200,21 @@ def _rewrite(graph: torch.fx.Graph, param: torch.fx.Node, spec: P, uses: list, g
         while k < len(chain) and chain[k].target in _CASTS:
             k += 1
         base = chain[k - 1] if k else param
+        # uses casting alike (autocast casts the weight again at every step of a loop) share the
+        # copy gathered after the first one's casts
+        casts = tuple((c.target, c.meta["val"].dtype) for c in chain[:k])
         first = group[consumer]
-        if base is not param and order[base] > order[first]:  # a cast made later: gathered at its use
-            first = consumer
-        if (first, base) not in gathered:
+        if (first, casts) not in gathered and base is not param and order[base] > order[first]:
+            first = consumer  # a cast made later: gathered at its use
+        if (first, casts) not in gathered:
             with graph.inserting_before(first):
                 pin = graph.create_node("call_function", _constrain, (base, _encode(spec)),
                                         name=f"gather_for_{first.name}")
             pin.meta.update(val=base.meta["val"], stack_trace=first.meta.get("stack_trace"))
             pin.meta[META] = first.name
-            gathered[(first, base)] = pin
+            gathered[(first, casts)] = pin
         with graph.inserting_before(consumer):
-            value = gathered[(first, base)]
+            value = gathered[(first, casts)]
             for view in chain[k:]:
                 copy = graph.node_copy(view, lambda a, v=view, prev=value: prev if a is v.args[0] else a)
                 value = copy
