@@ -16,6 +16,7 @@ for chains of views (merged and split back: the input itself).
 from __future__ import annotations
 
 import math
+import operator
 import string
 
 import torch
@@ -77,6 +78,7 @@ def fold_contractions(gm: torch.fx.GraphModule) -> int:
     """Rewrite flattened mm/bmm/addmm chains of `gm` into einsums; returns how many were folded."""
     count = 0
     stacked = _stack_cats(gm.graph)
+    stacked = _unstack_slices(gm.graph) or stacked
     collapsed = _collapse_views(gm.graph) or stacked
     for node in list(gm.graph.nodes):
         if _is_call(node, aten.mm.default, aten.bmm.default) and _fold(gm.graph, node):
@@ -126,6 +128,60 @@ def _stack_cats(graph: torch.fx.Graph) -> bool:
         graph.erase_node(node)
         stacked = True
     return stacked
+
+
+def _unstack_slices(graph: torch.fx.Graph) -> bool:
+    """The other way (a cat's backward): a tensor (.., n, m, ..) viewed as (.., n*m, ..) and only
+    cut back into its n rows of m (slices, or a split into equal parts) is read by `select`s of
+    the tensor itself: the batch split inside the merged dim no longer has to be gathered to be
+    cut. Whether any was."""
+    changed = False
+    for node in list(graph.nodes):
+        if not _is_call(node, *_VIEWS) or not node.users or "val" not in node.meta:
+            continue
+        base = node.args[0]
+        if not isinstance(base, torch.fx.Node) or not isinstance(base.meta.get("val"), torch.Tensor):
+            continue
+        src, dst = _shape(base), _shape(node)
+        if len(src) != len(dst) + 1:
+            continue
+        d = next((i for i in range(len(dst)) if src[i] != dst[i]), len(dst))
+        if d >= len(dst) or src[:d] + (src[d] * src[d + 1],) + src[d + 2:] != dst:
+            continue
+        n, m = src[d], src[d + 1]
+        picks = [_rows(u, d, n, m) for u in node.users]
+        if any(p is None for p in picks):
+            continue
+        for user, rows in zip(list(node.users), picks):
+            for reader, t in rows:
+                with graph.inserting_before(reader):
+                    pick = graph.call_function(aten.select.int, (base, d, t))
+                pick.meta.update(val=base.meta["val"].select(d, t), stack_trace=reader.meta.get("stack_trace"))
+                reader.replace_all_uses_with(pick)
+        changed = True
+    if changed:
+        graph.eliminate_dead_code()
+    return changed
+
+
+def _rows(user, d: int, n: int, m: int):
+    """[(node reading row t, t)] when `user` cuts dim `d` of an (n*m)-long view into whole rows
+    of m (a slice of one row, or a split into n parts of m), else None."""
+    if _is_call(user, aten.slice.Tensor) and not user.kwargs and user.args[0] is not None:
+        args = list(user.args) + [None] * (5 - len(user.args))
+        dim, start, end, step = (args[1] or 0), (args[2] or 0), args[3], (args[4] or 1)
+        end = n * m if end is None else min(end, n * m)
+        if dim == d and step == 1 and start % m == 0 and end - start == m:
+            return [(user, start // m)]
+        return None
+    if _is_call(user, aten.split_with_sizes.default, aten.split.Tensor) and not user.kwargs and len(user.args) >= 3 \
+            and user.args[2] == d:
+        sizes = user.args[1]
+        parts = [m] * n if sizes == m else list(sizes) if isinstance(sizes, (list, tuple)) else None
+        if parts != [m] * n or not all(_is_call(g, operator.getitem) for g in user.users):
+            return None
+        return [(g, g.args[1]) for g in user.users]
+    return None
 
 
 def _collapse_views(graph: torch.fx.Graph) -> bool:

@@ -129,3 +129,24 @@ def test_recurrent_layers_under_data_parallelism_move_no_activations():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         kinds = [c.kind for c in step.lower(x, y).collectives]
         assert set(kinds) == {"all_reduce"} and len(kinds) == len(list(model.parameters())) + 2, (cell, kinds)
+
+
+def test_a_cat_viewed_as_its_stack_keeps_the_batch_split_in_its_backward_too():
+    """A hand-written recurrence joining its steps with cat and viewing them as (t, b, h): the
+    forward is a stack, and the backward, which views the gradient flat and cuts it per step,
+    reads rows of the gradient itself: no all-gather either way; gradients equal eager's."""
+
+    def f(x, w):
+        h, outs = torch.zeros(x.shape[1], w.shape[1], dtype=x.dtype), []
+        for t in range(x.shape[0]):
+            h = torch.tanh(x[t] @ w + h)
+            outs.append(h)
+        return (torch.cat(outs, 0).view(len(outs), *h.shape) ** 3).sum()
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)
+    grad = hpfun.shard(torch.func.grad(f, argnums=(0, 1)), mesh=hpfun.Mesh.simulated((2,), ("dp",)),
+                       in_specs=(P(None, "dp"), P()), out_specs=(P(None, "dp"), P()))
+    for got, want in zip(grad(x, w), torch.func.grad(f, argnums=(0, 1))(x, w)):
+        torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+    assert {c.kind for c in grad.lower(x, w).collectives} == {"all_reduce"}
