@@ -107,6 +107,8 @@ class Mesh:
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinates of a rank (row-major, the last axis varies fastest)."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.size:
+            raise LayoutError(f"mesh {self} has ranks 0 to {self.size - 1}, not {rank!r}", headline="bad rank")
         out = []
         for size in reversed(self.shape):
             out.append(rank % size)
@@ -114,6 +116,12 @@ class Mesh:
         return tuple(reversed(out))
 
     def rank(self, coords) -> int:
+        """The rank at mesh coordinates `coords` (one per axis, each within its axis)."""
+        coords = tuple(coords)
+        if len(coords) != len(self.shape) or not all(isinstance(c, int) and 0 <= c < n
+                                                     for c, n in zip(coords, self.shape)):
+            raise LayoutError(f"mesh {self} has coordinates of {len(self.shape)} entries, each within its axis "
+                              f"{tuple(self.shape)}, not {coords!r}", headline="bad mesh coordinates")
         r = 0
         for c, size in zip(coords, self.shape, strict=True):
             r = r * size + c

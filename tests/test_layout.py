@@ -433,3 +433,13 @@ def test_from_global_copies_and_redistribute_checks_the_target():
     value = hpfun.Sharded.from_global(torch.randn(8, 3), hpfun.parse("[S(0), R] on {dp: 2, tp: 2}"))
     with pytest.raises(hpfun.LayoutError, match="dim 1 of size 3 is not divisible"):
         hpfun.redistribute(value, hpfun.parse("[S(1), R] on {dp: 2, tp: 2}"))
+
+
+def test_mesh_coords_and_rank_refuse_what_is_off_the_mesh():
+    """A rank past the mesh or negative, and coordinates of the wrong length or off an axis, are
+    LayoutErrors (they wrapped around silently)."""
+    mesh = Mesh.simulated((2, 2), ("a", "b"))
+    assert mesh.coords(3) == (1, 1) and mesh.rank((1, 0)) == 2
+    for bad in (lambda: mesh.coords(4), lambda: mesh.coords(-1), lambda: mesh.rank((2, 0)), lambda: mesh.rank((0,))):
+        with pytest.raises(LayoutError, match="mesh {a: 2, b: 2} has"):
+            bad()
