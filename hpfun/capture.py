@@ -1912,6 +1912,11 @@ def _describe(err: Exception) -> str:
                     "nonzero(), a shape read from the routing: build the model with its default experts "
                     "implementation (grouped matrix multiplies: leave experts_implementation unset), which hpfun "
                     "traces and shards")
+        if any(f.filename.endswith(os.path.join("nn", "utils", "clip_grad.py")) for f in stack):
+            hint = (" — clip_grad_norm_(..., error_if_nonfinite=True) raises in Python when the norm is inf or NaN, "
+                    "a read of the gradients' values: pass error_if_nonfinite=False (the default; the clipping runs "
+                    "in the step as written), return the norm it gives, and check it after the call "
+                    "(`torch.isfinite(norm.full())`)")
         stepping = _optimizer_stepping(err)
         if stepping is not None:
             hint = (f" — {stepping}.step() reads tensor values into Python (a norm, the loss), which a trace "

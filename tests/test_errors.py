@@ -745,3 +745,17 @@ def test_a_sharded_function_under_an_outer_transform_says_to_put_it_inside():
     for outer in (lambda: tf.grad(lambda w: f(w, x).full())(w), lambda: tf.vmap(lambda w: f(w, x).full())(w[None])):
         with pytest.raises(hpfun.SpecError, match="inside a torch.func transform"):
             outer()
+
+
+def test_clip_grad_norm_error_if_nonfinite_names_the_argument():
+    """clip_grad_norm_(error_if_nonfinite=True) reads the norm in Python: the error names the
+    argument and says to check the returned norm after the call."""
+    model = torch.nn.Linear(4, 2)
+
+    def step(x):
+        model(x).square().mean().backward()
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                     error=hpfun.CaptureError)
+    assert "error_if_nonfinite=False" in text and "torch.isfinite(norm.full())" in text
