@@ -180,6 +180,25 @@ class Sharded:
             out[index] = value
         return out
 
+    def item(self):
+        """The value of a one-element Sharded value as a Python number (`loss.item()`): `full()`
+        then `.item()`, so on a distributed mesh every rank calls it."""
+        if math.prod(self.global_shape) != 1:
+            raise SpecError(Problem("Sharded.item", f"needs one element, this value has shape {tuple(self.global_shape)}",
+                                    "call .full() for the tensor"))
+        return self.full().item()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __format__(self, spec: str) -> str:  # f"{loss:.3f}" formats the number, f"{x}" the record
+        return format(self.item(), spec) if spec else repr(self)
+
+    def backward(self, *args, **kwargs):
+        raise SpecError(Problem("Sharded.backward", "a sharded function's outputs are not connected to autograd "
+                                "outside it", "compute gradients inside the function: loss.backward() there (on "
+                                "lifted parameters), or torch.func.grad of the loss"))
+
     def __repr__(self) -> str:
         return f"Sharded({self.layout}, global_shape={self.global_shape}, dtype={self.dtype})"
 
