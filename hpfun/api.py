@@ -877,6 +877,11 @@ class ShardedFunction:
                 statics_after = None
             if statics_after is not None:
                 traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots)
+        # a lifted tensor frozen or unfrozen inside (`p.requires_grad_(False)`): set by every call, as eager's
+        flags = [(None, real, fake.requires_grad) for i, fake in zip(tensor_pos, fakes, strict=True)
+                 if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded and real.is_leaf
+                 and fake.is_leaf and fake.requires_grad != real.requires_grad]
+        traced.effects = (*traced.effects, *flags)
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
@@ -1091,6 +1096,8 @@ def _replay(effects: tuple, statics: dict) -> None:
     for key, name, value in effects:
         if isinstance(name, torch.nn.Module):
             _set_flags(name, value)
+        elif isinstance(name, torch.Tensor):  # a lifted tensor's requires_grad the function set
+            name.requires_grad_(value)
         else:
             statics[key].set(name, value)
 

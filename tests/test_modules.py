@@ -1919,3 +1919,32 @@ def test_a_tensor_the_function_names_keeps_its_name_before_the_optimizer_holding
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     inputs = {i["path"]: i["layout"] for i in step.lower(x, y).to_dict()["inputs"]}
     assert inputs["W_GLOBAL"] == "[S(0)]", inputs
+
+
+def test_freezing_a_parameter_inside_the_step_is_kept_after_the_call():
+    """`p.requires_grad_(False)` on a lifted parameter inside the step leaves it frozen after the
+    call, as eagerly, and the next calls train the rest as eager does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    ref = copy.deepcopy(model)
+
+    def train(m, x, y):
+        m[0].weight.requires_grad_(False)
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        return loss
+
+    step = hpfun.shard(lambda x, y: train(model, x, y), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64)
+        step(x, y)
+        train(ref, x, y)
+        assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in ref.parameters()]
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
