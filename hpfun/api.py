@@ -882,6 +882,16 @@ class ShardedFunction:
                  if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded and real.is_leaf
                  and fake.is_leaf and fake.requires_grad != real.requires_grad]
         traced.effects = (*traced.effects, *flags)
+        hooked = [path for path, i, fake in zip([call.paths()[i] for i in tensor_pos], tensor_pos, fakes, strict=True)
+                  if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded
+                  and any(len(getattr(fake, k, None) or {}) > len(getattr(real, k, None) or {})
+                          for k in ("_backward_hooks", "_post_accumulate_grad_hooks"))]
+        if hooked:
+            raise CaptureError([Problem(path, "gets a gradient hook registered inside the sharded function: the "
+                                        "program runs it, but cannot keep it on the tensor, where eager's calls add "
+                                        "one more each time", "register the hook once, outside the sharded function "
+                                        "(the trace runs the tensor's hooks), or transform the gradient inside")
+                                for path in hooked], headline="hooks registered inside the function")
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v

@@ -759,3 +759,18 @@ def test_clip_grad_norm_error_if_nonfinite_names_the_argument():
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
     assert "error_if_nonfinite=False" in text and "torch.isfinite(norm.full())" in text
+
+
+def test_a_hook_registered_on_a_parameter_inside_the_step_is_refused():
+    """A gradient hook registered on a lifted parameter inside the step cannot be kept on it (eager
+    adds one per call): refused, naming the parameter and saying to register it once, outside."""
+    model = torch.nn.Linear(4, 2)
+
+    def step(x):
+        model.weight.register_hook(lambda g: g * 3)
+        model(x).square().mean().backward()
+        return model.weight.grad
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                     error=hpfun.CaptureError)
+    assert "model.weight" in text and "register the hook once, outside" in text
