@@ -882,7 +882,8 @@ class ShardedFunction:
                  if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded and real.is_leaf
                  and fake.is_leaf and fake.requires_grad != real.requires_grad]
         traced.effects = (*traced.effects, *flags)
-        hooked = [path for path, i, fake in zip([call.paths()[i] for i in tensor_pos], tensor_pos, fakes, strict=True)
+        paths = call.paths()
+        hooked = [paths[i] for i, fake in zip(tensor_pos, fakes, strict=True)
                   if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded
                   and any(len(getattr(fake, k, None) or {}) > len(getattr(real, k, None) or {})
                           for k in ("_backward_hooks", "_post_accumulate_grad_hooks"))]
