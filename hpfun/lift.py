@@ -1418,6 +1418,7 @@ class Substitution:
         self._groups: list = []  # (optimizer's name, index, param group, its keys) before the trace
         self.new_numbers: list = []  # (optimizer state, parameter, key, value) of numbers the step put in its state
         self._real_params: dict = {}  # id(an optimizer's parameter as the trace sees it) -> the parameter
+        self._fused: set = set()  # ids of the parameters (as the trace sees them) of groups traced unfused
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
@@ -1566,6 +1567,7 @@ class Substitution:
                 # path, the same arithmetic per tensor (as foreach, capture splits it per tensor)
                 self._set(functools.partial(group.__setitem__, "fused"), group["fused"], False)
                 self.set_aside.add(_join(prefix, f"param_groups.{g}.fused"))
+                self._fused.update(id(self.swap.get(id(p), p)) for p in group["params"])
             for kind, key, value in ((TRACED_CAPTURABLE, "capturable", True), (TRACED_FOR_LOOP, "foreach", False)):
                 if type(opt) in kind and group.get(key, value) != value:
                     self._set(functools.partial(group.__setitem__, key), group[key], value)
@@ -1639,6 +1641,8 @@ class Substitution:
                     if owner is None or not isinstance(v, torch.Tensor):
                         continue
                     name = f"{_join(prefix, 'state')}.{owner}.{key}"
+                    if name not in self.state.slots and key == "step" and id(p) in self._fused and v.dim() == 0:
+                        v = v.to(torch.float32)  # as the fused kernel's state makes it (the loop's is the default dtype)
                     out[name] = v
                     seen.add(name)
                     if name not in self.state.slots:

@@ -280,12 +280,23 @@ def test_parametrized_modules_equal_eager(kind):
     ) < 1e-12
 
 
+@pytest.fixture
+def default_dtype(request):
+    """torch's default dtype set for the test, and set back after it (the loop path of an
+    optimizer makes `step` in it; the fused kernel in float32 always)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(request.param)
+    yield request.param
+    torch.set_default_dtype(before)
+
+
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
 ], ids=["sgd", "adam", "adamw"])
-def test_fused_optimizers_equal_eager(make):
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64], indirect=True)
+def test_fused_optimizers_equal_eager(make, default_dtype):
     """fused=True (one kernel per step, which fake tensors cannot run) is traced as the
     for-loop path, the same arithmetic per tensor: Megatron-split on dp x tp, equal to eager's
     fused kernels."""
@@ -297,6 +308,9 @@ def test_fused_optimizers_equal_eager(make):
         assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
     assert max_diff(model, ref) < 1e-12 and step.trace_count == 2
     assert opt.param_groups[0]["fused"] is True
+    # the state each kept in the dtypes eager's fused kernel makes it (`step` float32 in a float64 model)
+    assert [v.dtype for s in opt.state.values() for v in s.values()] == \
+        [v.dtype for s in ref_opt.state.values() for v in s.values()]
 
 
 def test_megatron_plan_lays_out_lifted_state_and_names_it():
