@@ -484,7 +484,7 @@ class Snapshot:
 
     def group(self, group: dict) -> None:
         """Its parameter list and tensors by identity; its numbers are statics, read anew."""
-        held = {k: v for k, v in group.items() if isinstance(v, (torch.Tensor, list))}
+        held = {k: v for k, v in group.items() if isinstance(v, (torch.Tensor, list)) or _tensors_in(v)}
         self.groups.append((group, tuple(group), {k: id(v) for k, v in held.items()}))
         self._seen(held.values())
 
@@ -827,12 +827,15 @@ def statics(roots, known: dict | None = None) -> dict:
                 lifted = lifted_scalars(root.value, group)  # inputs, read at every call: their signs key the cache
                 for key, v in group.items():
                     if key != "params" and not isinstance(v, torch.Tensor) and key not in {k for k, _ in lifted.values()}:
-                        out[_join(root.name, f"param_groups.{g}.{key}")] = _hashable(v)
+                        out[_join(root.name, f"param_groups.{g}.{key}")] = \
+                            _hashable(tuple(_TENSOR_HELD if isinstance(x, torch.Tensor) else x for x in v)
+                                      if _tensors_in(v) else v)
                 for name, (key, index) in lifted.items():
                     out[_join(root.name, f"param_groups.{g}.{name}.sign")] = _sign(group[key] if index is None else group[key][index])
                 for key, v in group.items():  # a hyperparameter kept in a tensor: an input, its sign keys the cache
-                    if isinstance(v, torch.Tensor) and (sign := _tensor_sign(v)) is not None:
-                        out[_join(root.name, f"param_groups.{g}.{key}.sign")] = sign
+                    for i, x in _group_tensors(key, v):
+                        if (sign := _tensor_sign(x)) is not None:
+                            out[_join(root.name, f"param_groups.{g}.{key}{'' if i is None else f'.{i}'}.sign")] = sign
             out.update(_state_numbers(root.name, root.value, known))
     return out
 
@@ -1152,9 +1155,13 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
         for key, v in group.items():
             if key == "params":
                 continue
-            if isinstance(v, torch.Tensor):  # a learning rate kept in a tensor: an input like any state
-                add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
-                    functools.partial(group.__setitem__, key))
+            for i, _ in _group_tensors(key, v):  # a learning rate (or Adam's betas) kept in tensors: inputs like any state
+                if i is None:
+                    add(_join(prefix, f"param_groups.{g}.{key}"), functools.partial(group.get, key),
+                        functools.partial(group.__setitem__, key))
+                else:
+                    add(_join(prefix, f"param_groups.{g}.{key}.{i}"), functools.partial(_scalar_of, group, key, i),
+                        functools.partial(_set_scalar, group, key, i))
         for name, (key, index) in lifted_scalars(opt, group).items():
             add(_join(prefix, f"param_groups.{g}.{name}"), functools.partial(_scalar_of, group, key, index),
                 functools.partial(_set_scalar, group, key, index), scalar=True)
@@ -1386,6 +1393,23 @@ def _set_state(opt, p, key, value):
         opt.state[p][key] = value
 
 
+_TENSOR_HELD = "<tensor>"  # a tensor's place in a tuple of hyperparameters that keys the cache (it is an input)
+
+
+def _tensors_in(v) -> bool:
+    """Whether `v` is a tuple of hyperparameters holding tensors (Adam's betas as tensors)."""
+    return type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v)
+
+
+def _group_tensors(key: str, v) -> list:
+    """The tensors an optimizer group's `key` holds, as (index in its tuple or None, tensor)."""
+    if key == "params":
+        return []
+    if isinstance(v, torch.Tensor):
+        return [(None, v)]
+    return [(i, x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)] if _tensors_in(v) else []
+
+
 def _hashable(v):
     try:
         hash(v)
@@ -1591,10 +1615,13 @@ class Substitution:
                 self._set(functools.partial(group.__setitem__, "foreach"), group["foreach"], False)
                 self.set_aside.add(_join(prefix, f"param_groups.{g}.foreach"))
             for key, v in list(group.items()):
-                if isinstance(v, torch.Tensor) and id(v) in self.swap:
-                    if (sign := _tensor_sign(v)) is not None:
-                        self.signs[id(self.swap[id(v)])] = sign
-                    self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)])
+                held = _group_tensors(key, v)
+                for _, x in held:
+                    if id(x) in self.swap and (sign := _tensor_sign(x)) is not None:
+                        self.signs[id(self.swap[id(x)])] = sign
+                if any(id(x) in self.swap for _, x in held):
+                    self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)] if held[0][0] is None else
+                              tuple(self.swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in v))
             params = group["params"]
             for i, p in enumerate(params):
                 self._real_params[id(self.swap.get(id(p), p))] = p

@@ -225,6 +225,30 @@ def test_a_float32_tensor_learning_rate_steps_as_eager_bit_for_bit(make, dtype):
     assert max_diff(model, ref) == 0
 
 
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
+def test_betas_kept_in_tensors_are_inputs(make):
+    """Adam's betas as 0-d tensors (documented, and what a beta schedule changes in place): each
+    is an input named `opt.param_groups.0.betas.<i>`, its value read at every call, equal to
+    eager on dp x tp; a new tuple of tensors is read too, and a float beta beside a tensor one
+    is a static."""
+    def betas():
+        return (torch.tensor(0.9, dtype=torch.float64), torch.tensor(0.999, dtype=torch.float64))
+    model, ref = mlp(), mlp()
+    opt, ref_opt = (make(m.parameters(), lr=1e-2, betas=betas()) for m in (model, ref))
+    step = stock_step(model, opt, DP_TP, MEGATRON)
+    for i in range(4):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        for o in (opt, ref_opt):
+            if i == 0:
+                o.param_groups[0]["betas"][0].sub_(0.1)  # a schedule moving beta1 in place
+            elif i == 1:
+                o.param_groups[0]["betas"] = (torch.tensor(0.85, dtype=torch.float64), 0.99)
+    assert max_diff(model, ref) < 1e-12 and step.trace_count == 3
+    assert all(isinstance(b, torch.Tensor) for b in opt.param_groups[0]["betas"][:1])
+    assert "opt.param_groups.0.betas.0" in str(step.lower(*batch(0)))
+
+
 def test_a_hyperparameter_kept_in_a_tensor_is_an_input():
     """Weight decay in a tensor, decayed in place between calls: AdamW's `if weight_decay != 0`
     is answered from its sign (which keys the cache), its value read at every call."""
