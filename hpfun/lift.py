@@ -1694,13 +1694,31 @@ class Substitution:
             if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
                 for m in root.value.modules():
                     if isinstance(m, torch.nn.RNNBase) and any(isinstance(w, FakeTensor) for w in m._flat_weights):
-                        m._init_flat_weights()
+                        _reset_flat_weights(m)
 
     def put_numbers(self) -> None:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's
         Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""
         for real_state, p, key, v in self.new_numbers:
             real_state[p][key] = v
+
+
+def _reset_flat_weights(rnn: torch.nn.RNNBase) -> None:
+    """Take the trace's stand-ins out of an RNN's list of its weights. A parametrized weight
+    (weight_norm, orthogonal) is not computed here (this runs inside the trace, and computing it
+    would read the real tensors there): its entry is emptied and its reference kept, which no
+    longer names the weight, so the next forward computes it, as eager's does."""
+    from torch.nn.utils import parametrize
+    if not parametrize.is_parametrized(rnn):
+        rnn._init_flat_weights()
+        return
+    for i, name in enumerate(rnn._flat_weights_names):
+        if not parametrize.is_parametrized(rnn, name):
+            w = getattr(rnn, name, None)
+            rnn._flat_weights[i] = w
+            rnn._flat_weight_refs[i] = weakref.ref(w) if w is not None else None
+        else:
+            rnn._flat_weights[i] = None
 
 
 def _holds_fake(v) -> bool:

@@ -1793,6 +1793,34 @@ def test_an_rnns_weight_list_is_left_real_and_later_calls_hit_the_cache(cls):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal"])
+def test_a_parametrized_rnn_weight_equals_eager(kind):
+    """A parametrization on an RNN's recurrent weight: setting the RNN's weight list back after
+    the trace computed the parametrization on the real tensors inside it, and the trace was
+    refused. Three Adam steps equal eager's, and the module still runs eagerly after them."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    torch.manual_seed(0)
+    rnn = getattr(torch.nn.utils.parametrizations, kind)(torch.nn.GRU(4, 4, batch_first=True).double(),
+                                                          name="weight_hh_l0")
+    ref = copy.deepcopy(rnn)
+    opt, ref_opt = torch.optim.Adam(rnn.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
+
+    def step(x, rnn=rnn, opt=opt):
+        loss = rnn(x)[0].square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    sharded = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    for _ in range(3):
+        torch.testing.assert_close(sharded(x).full(), step(x, ref, ref_opt), rtol=1e-12, atol=1e-12)
+    assert all(not isinstance(w, torch._subclasses.FakeTensor) for w in rnn._flat_weights)
+    torch.testing.assert_close(rnn(x)[0], ref(x)[0], rtol=1e-12, atol=1e-12)
+    assert sharded.trace_count <= 2
+
+
 def test_editing_a_param_groups_params_compiles_again():
     """Which tensors a param group holds keys the cache: a parameter taken out of the optimizer
     between calls stops being updated, one added starts, as eagerly (the old program kept
