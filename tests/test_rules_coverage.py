@@ -257,9 +257,16 @@ def test_atan2_out():
 @settings(max_examples=10)
 @given(data=st.data())
 def test_factories(data):
-    """arange gives a replicated output; fill takes its input's split."""
+    """arange gives a replicated output; fill takes its input's split; forward-mode AD's zeros
+    take the splits of the shapes they are made from."""
     check_op(data.draw, aten.arange.start_step, lambda x: (aten.arange.start_step(2, 14, 3), x * 1), (_rand(4),))
     check_op(data.draw, aten.fill.Scalar, lambda x: aten.fill.Scalar(x, 1.5), (_rand(4, 6),), partial=(0,))
+    # forward-mode AD's tangent maker: zeros of shape a.shape[:k] + b.shape (b added: its split shows)
+    same = aten._new_zeros_with_same_feature_meta.default
+    check_op(data.draw, same, lambda a, b: same(a, b) + b, (_rand(4, 2), _rand(4, 6)), partial=(0, 1))
+    check_op(data.draw, same, lambda a, b: same(a, b, self_num_batch_dims=1) + b, (_rand(4, 8), _rand(2, 4)),
+             partial=(0, 1))
+    check_op(data.draw, same, lambda a, b: same(a, b, self_num_batch_dims=2) + b, (_rand(2, 4, 8), _rand(4)))
 
 
 def test_empty_strided_is_replicated():

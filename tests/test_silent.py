@@ -364,6 +364,7 @@ _TRANSFORMS = {
         lambda t: (t.sin() * t.cumsum(0)).sum())))(x),
     "vmap(jvp)": lambda x: torch.func.vmap(lambda t: torch.func.jvp(torch.sin, (t,), (torch.ones_like(t),))[1])(x),
     "hessian": lambda x: torch.func.hessian(lambda t: (t.sin() * t.cumsum(0)).sum())(x[0]),
+    "linearize": lambda x: (lambda out, jfn: out + jfn(x.cos()))(*torch.func.linearize(lambda t: t.tanh() * t, x)),
 }
 
 

@@ -120,6 +120,36 @@ class Like(Rule):
 
 
 @attrs.frozen(kw_only=True)
+class SameFeatureMeta(Rule):
+    """`_new_zeros_with_same_feature_meta(self, other, self_num_batch_dims=k)` (how forward-mode
+    AD makes a tangent: `linearize`, `jvp` under `vmap`): zeros of shape `self.shape[:k] +
+    other.shape`, so only shapes matter. The output takes the splits of `other`'s dims (moved
+    by k) and of `self`'s first k dims; a mesh axis that splits both keeps `other`'s split, and
+    `self` is gathered on it. Partial inputs give a replicated output."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        k = call.arg(None, "self_num_batch_dims", 0) or 0
+        a, b = call.tensors[0].layout, call.tensors[1].layout
+        need, out = [], []
+        for pa, pb in zip(a.placements, b.placements):
+            batch = isinstance(pa, Shard) and pa.dim < k
+            if isinstance(pb, Shard):
+                out.append(Shard(pb.dim + k))
+                need.append(R if batch else pa)
+            else:
+                out.append(pa if batch else R)
+                need.append(pa)
+        kept = {i for i, p in enumerate(out) if isinstance(p, Shard) and p.dim < k}
+
+        def within(groups, axes):  # an order's groups, less the axes no longer splitting their dim
+            return tuple(g for g in (tuple(i for i in group if i in axes) for group in groups) if len(g) > 1)
+
+        a_need = Layout(a.mesh, tuple(need), within(a.order, {i for i, p in enumerate(need) if isinstance(p, Shard)}))
+        order = within(a.order, kept) + tuple(b.order)
+        return [Strategy((a_need, b), (Layout(a.mesh, tuple(out), order),))]
+
+
+@attrs.frozen(kw_only=True)
 class Factory(Rule):
     """Ops that make a tensor from a shape (`full`, `zeros`, `new_empty_strided`): replicated
     output. A tensor input gives only dtype and device, so it stays where it is."""

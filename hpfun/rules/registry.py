@@ -30,13 +30,14 @@ from hpfun.rules.linalg import Batched
 from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
-from hpfun.rules.pointwise import Factory, Like, Pointwise
+from hpfun.rules.pointwise import Factory, Like, Pointwise, SameFeatureMeta
 from hpfun.rules.reduction import Normalize, Pad, Reduction
 from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
 
 FAMILIES: dict[str, type[Rule]] = {
     "pointwise": Pointwise,
     "like": Like,
+    "same_feature_meta": SameFeatureMeta,
     "factory": Factory,
     "reduction": Reduction,
     "normalize": Normalize,
