@@ -1903,13 +1903,26 @@ def is_grad_scaler(obj) -> bool:
     return isinstance(obj, torch.amp.GradScaler)
 
 
-def unlifted_tensor_error(state: State | None, where: str) -> CaptureError:
-    """A real tensor reached the trace through something hpfun does not walk: say what it could be."""
+def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()) -> CaptureError:
+    """A real tensor reached the trace through something hpfun does not walk: say what it could
+    be. `arguments`: (path, value) of the call's arguments, whose own objects' tensors are not
+    flattened (only a pytree's: tuples, lists, dicts, dataclasses)."""
     suspects = []
     for name, obj in (state.opaque if state else ()):
         found = _tensor_attributes(obj, name)
         if found:
             suspects.append(f"{name} (a {type(obj).__name__}) holds tensors: {', '.join(found[:4])}")
+    held = []
+    for path, obj in arguments:
+        if _is_user_object(obj) and (found := _tensor_attributes(obj, path)):
+            cls = type(obj).__name__
+            held.append(Problem(path, f"is an argument of a class hpfun does not flatten (a {cls}) and holds tensors: "
+                                f"{', '.join(found[:4])}; only its numbers, strings and flags are read (they key the cache)"
+                                + (f"; a tensor read at {where}" if where else ""),
+                                f"make {cls} a dataclass (its tensors are then inputs, given specs like any argument), pass "
+                                "the tensors as arguments, or close over the object (hpfun lifts the tensors it holds)"))
+    if held:
+        return CaptureError(held, headline="cannot capture the function")
     fix = ("pass the tensor as an argument, or hold it in an nn.Module (parameter, buffer or attribute), a "
            "closed-over or global tensor variable, or a dict/list of them: hpfun lifts those and reads them at every call")
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "

@@ -774,3 +774,25 @@ def test_a_hook_registered_on_a_parameter_inside_the_step_is_refused():
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
     assert "model.weight" in text and "register the hook once, outside" in text
+
+
+def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
+    """A config object of the user's class passed as an argument is read for its numbers, strings
+    and flags; a tensor it holds is not flattened. The error names the object's tensors and the
+    three ways out (a dataclass, the tensor as an argument, closing over the object); closed
+    over, it runs."""
+    class Cfg:
+        def __init__(self):
+            self.alpha, self.bias = 2.0, torch.ones(3)
+
+    def f(c, x):
+        return x * c.alpha + c.bias
+
+    x = torch.randn(4, 3)
+    _, text = _raise(hpfun.shard(f, mesh=MESH, in_specs=(None, P("dp")), out_specs=P()), Cfg(), x,
+                     error=hpfun.CaptureError)
+    assert "args[0]" in text and "args[0].bias" in text and "make Cfg a dataclass" in text
+    assert "test_errors.py" in text  # the line that read it
+    cfg = Cfg()
+    closed = hpfun.shard(lambda x: f(cfg, x), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    assert torch.equal(closed(x).full(), x * 2 + 1)
