@@ -472,7 +472,13 @@ class ShardedFunction:
         else:  # all parameters given by position: binding changes nothing
             kwonly = {}
         flat, key = [], []
-        if not _flatten((args, kwonly), flat, key):  # NumPy arrays, or pytree nodes of other types
+        try:
+            flattened = _flatten((args, kwonly), flat, key)
+        except RuntimeError:  # a tensor that has no shape or strides to key on (nested, sparse CSR)
+            _refuse_not_dense(leaf_paths(args) + leaf_paths(kwonly, "kwargs"),
+                              pytree.tree_leaves((args, kwonly), is_leaf=is_sharded))
+            raise
+        if not flattened:  # NumPy arrays, or pytree nodes of other types
             args, kwonly = _from_numpy(args, kwonly)
             flat, key = pytree.tree_leaves((args, kwonly), is_leaf=is_sharded), None
         state = self._roots.state()
@@ -487,7 +493,11 @@ class ShardedFunction:
                         "load the values again (model.load_state_dict, optimizer.load_state_dict, or a "
                         "checkpoint), then call again"), headline="donated state lost")
             if key is not None:
-                _flatten(lifted, flat, key)
+                try:
+                    _flatten(lifted, flat, key)
+                except RuntimeError:
+                    _refuse_not_dense(list(lifted), list(lifted.values()))
+                    raise
             else:
                 flat += lifted.values()
         if key is not None:
@@ -505,6 +515,7 @@ class ShardedFunction:
             if self.mesh.runtime == "distributed":
                 runtime_for(self.mesh).check_same_program(_describe(call, leaves))
                 self._argument_signatures.add(tuple(leaves[:len(call.flat) - len(call.lifted)]))
+            _refuse_not_dense(call.paths(), call.flat)
             self._note_changed_statics(call, key)
             self._note_new_shapes(call, key)
             self._note_new_state(call)
@@ -1732,6 +1743,20 @@ def _not_a_value(x) -> bool:
     """An argument hpfun cannot bake into a program: state (lifted only when the function
     reaches it itself) or an iterator (the trace would consume it)."""
     return isinstance(x, (torch.nn.Module, torch.optim.Optimizer, collections.abc.Iterator))
+
+
+def _refuse_not_dense(paths: list, leaves: list) -> None:
+    """A SpecError naming every sparse, nested or other non-strided tensor among the inputs:
+    hpfun splits dense tensors (checked where a call compiles, and where one cannot be keyed)."""
+    problems = []
+    for path, x in zip(paths, leaves):
+        if isinstance(x, torch.Tensor) and (x.is_nested or x.layout is not torch.strided):
+            kind = "a nested" if x.is_nested else f"a {str(x.layout).removeprefix('torch.')}"
+            fix = ("pad it into a dense tensor (torch.nested.to_padded_tensor) and pass a mask" if x.is_nested else
+                   "use a dense tensor instead (`.to_dense()`)")
+            problems.append(Problem(path, f"is {kind} tensor: hpfun splits dense (strided) tensors only", fix))
+    if problems:
+        raise SpecError(problems)
 
 
 def _argument_problem(path: str, x) -> Problem:

@@ -796,3 +796,22 @@ def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
     cfg = Cfg()
     closed = hpfun.shard(lambda x: f(cfg, x), mesh=MESH, in_specs=P("dp"), out_specs=P())
     assert torch.equal(closed(x).full(), x * 2 + 1)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")  # torch's, eager too
+def test_sparse_and_nested_tensors_are_refused_by_path():
+    """Sparse (COO, CSR) and nested tensors, as arguments or as a module's buffer, are refused by
+    path with the dense form to use, also after a dense call of the same shape compiled (a sparse
+    COO tensor keys apart from a dense one); before, torch failed inside hpfun's slicing."""
+    f = hpfun.shard(lambda x: x * 2, mesh=MESH, in_specs=P(), out_specs=P())
+    f(torch.randn(4, 3))
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(3, 3)], layout=torch.jagged)
+    for x, kind in [(torch.randn(4, 3).to_sparse(), "sparse_coo"), (torch.randn(4, 3).to_sparse_csr(), "sparse_csr"),
+                    (nested, "nested")]:
+        _, text = _raise(f, x, error=hpfun.SpecError)
+        assert f"args[0]: is a {kind} tensor" in text and ("to_dense()" in text or "to_padded_tensor" in text)
+    holder = torch.nn.Module()
+    holder.register_buffer("adj", torch.eye(4).to_sparse())
+    g = hpfun.shard(lambda x: torch.sparse.mm(holder.adj, x), mesh=MESH, in_specs=P(), out_specs=P())
+    _, text = _raise(g, torch.randn(4, 3), error=hpfun.SpecError)
+    assert "holder.adj: is a sparse_coo tensor" in text
