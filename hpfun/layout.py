@@ -163,6 +163,9 @@ class Layout:
 
     def __attrs_post_init__(self):
         object.__setattr__(self, "_partial", tuple(a for a, p in enumerate(self.placements) if isinstance(p, Partial)))
+        if not isinstance(self.mesh, Mesh):
+            raise LayoutError(f"a Layout's first argument is an hpfun.Mesh, got {type(self.mesh).__name__} "
+                              f"{self.mesh!r} (make one with hpfun.Mesh.simulated(shape, names))")
         if len(self.placements) != self.mesh.ndim:
             raise LayoutError(
                 f"a layout on mesh {self.mesh} needs {self.mesh.ndim} placements, got {len(self.placements)}"
@@ -383,6 +386,9 @@ class P:
 
     def to_layout(self, mesh: Mesh, ndim: int) -> Layout:
         """The layout this spec gives a `ndim`-dim tensor on `mesh`."""
+        if not isinstance(mesh, Mesh) or not isinstance(ndim, int) or isinstance(ndim, bool):
+            raise SpecError(f"to_layout(mesh, ndim) takes an hpfun.Mesh and the tensor's number of dims, got "
+                            f"{type(mesh).__name__} and {type(ndim).__name__}")
         problems = self.problems(mesh, ndim)
         if problems:
             raise SpecError(problems)
@@ -480,6 +486,9 @@ def parse(text: str, mesh: Mesh | None = None):
     >>> parse("[S(0)[1], S(0)[0]] on {dp: 2, tp: 2}").shard_axes(0)
     (1, 0)
     """
+    if not isinstance(text, str):
+        raise LayoutError(f"hpfun.parse reads a string in the notation layouts print in, such as '[S(0), R] on "
+                          f"{{dp: 2, tp: 2}}', got {type(text).__name__} {text!r}")
     text = text.strip()
     if text.startswith("{"):
         return _parse_mesh(text)

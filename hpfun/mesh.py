@@ -81,6 +81,10 @@ class Mesh:
         """Adopt an existing `torch.distributed.DeviceMesh` (its axis names and ranks). Without
         `timeout`, hpfun's collectives run on its groups, with their timeouts (torch's default
         is 30 minutes); with it, on groups of the same ranks that time out after `timeout` seconds."""
+        if not hasattr(device_mesh, "mesh_dim_names"):
+            raise LayoutError(f"Mesh.from_device_mesh adopts a torch.distributed.DeviceMesh (init_device_mesh), got "
+                              f"{type(device_mesh).__name__}" + (": it is a mesh already" if isinstance(device_mesh, Mesh) else ""),
+                              headline="not a DeviceMesh")
         names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
         mesh = cls(tuple(device_mesh.mesh.shape), names, runtime="distributed")
         groups.adopt(mesh, device_mesh, timeout)

@@ -41,7 +41,8 @@ def _frozen_axes(per_axis) -> tuple:
 
 
 def _check_link(where: str, alpha: float, beta: float) -> None:
-    if not (alpha >= 0 and beta > 0):  # also refuses nan
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, beta)) or \
+            not (alpha >= 0 and beta > 0):  # also refuses nan
         raise ValueError(f"CostModel {where}: alpha must be >= 0 seconds and beta > 0 bytes per second, "
                          f"got alpha={alpha!r}, beta={beta!r}")
 
@@ -62,7 +63,7 @@ class CostModel:
 
     def __attrs_post_init__(self):
         _check_link("link", self.alpha, self.beta)
-        if not self.flops > 0:
+        if not isinstance(self.flops, (int, float)) or isinstance(self.flops, bool) or not self.flops > 0:
             raise ValueError(f"CostModel flops must be > 0 (local work per second per rank), got {self.flops!r}")
 
     def unknown_axes(self, mesh) -> list[str]:

@@ -65,12 +65,20 @@ class Sharded:
     token: int | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self):
+        if not isinstance(self.layout, Layout) or not all(isinstance(s, torch.Tensor) for s in self.shards):
+            raise LayoutError(f"Sharded(layout, global_shape, shards) takes a Layout and one tensor per rank, got "
+                              f"{type(self.layout).__name__} and {sorted({type(s).__name__ for s in self.shards})} "
+                              "(Sharded.from_global(tensor, layout) splits a global tensor)")
         mesh = self.layout.mesh
         expected = mesh.size if mesh.runtime == "simulated" else 1
         if len(self.shards) != expected:
             raise LayoutError(f"a Sharded value on {mesh} ({mesh.runtime}) needs {expected} shard(s), got {len(self.shards)}")
         if len({s.dtype for s in self.shards}) > 1:
             raise LayoutError(f"shards of one Sharded value have different dtypes: {[s.dtype for s in self.shards]}")
+        if any(isinstance(p, Partial) and p.reduce in ("max", "min") for p in self.layout.placements) and \
+                self.shards and self.shards[0].is_complex():
+            raise LayoutError(f"a Partial(max/min) placement of {self.shards[0].dtype} values: complex numbers have "
+                              "no order; give them as Partial(sum) or replicated")
         if any(isinstance(p, Partial) and p.reduce == "avg" for p in self.layout.placements) and self.shards and \
                 not (self.shards[0].is_floating_point() or self.shards[0].is_complex()):
             raise LayoutError(f"a Partial(avg) placement of {self.shards[0].dtype} values: their mean is no "

@@ -51,6 +51,10 @@ class _AutoSpec:
     def __repr__(self) -> str:
         return "AUTO"
 
+    def to_layout(self, mesh, ndim):
+        raise SpecError("hpfun.AUTO has no layout of its own: it is a spec the planner decides, in hpfun.shard's "
+                        "in_specs or state_specs (the choice is listed by f.lower(...))")
+
     def __reduce__(self):
         return (_AutoSpec, ())
 

@@ -51,6 +51,9 @@ def visualize(x, shape=None) -> "Visualization":
     if not isinstance(x, Layout):
         raise LayoutError(f"visualize takes a Layout (with a global shape), a Sharded value or a Memory, got {type(x).__name__}")
     if shape is not None:
+        if not isinstance(shape, (tuple, list)) or \
+                not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise LayoutError(f"visualize's shape is the global shape, a tuple of ints such as (8, 4), got {shape!r}")
         layout = x.normalized(len(shape))
         problems = layout.problems(tuple(shape))
         if problems:

@@ -815,3 +815,27 @@ def test_sparse_and_nested_tensors_are_refused_by_path():
     g = hpfun.shard(lambda x: torch.sparse.mm(holder.adj, x), mesh=MESH, in_specs=P(), out_specs=P())
     _, text = _raise(g, torch.randn(4, 3), error=hpfun.SpecError)
     assert "holder.adj: is a sparse_coo tensor" in text
+
+
+_MESH2 = hpfun.Mesh.simulated((2,), ("dp",))
+_WRONG_TYPES = {
+    "to_layout": (lambda: P("dp").to_layout("mesh", 2), "takes an hpfun.Mesh"),
+    "Layout": (lambda: hpfun.Layout("m", (hpfun.Replicate(),)), "first argument is an hpfun.Mesh"),
+    "parse": (lambda: hpfun.parse(3), "reads a string"),
+    "Sharded layout": (lambda: hpfun.Sharded("x", (8,), (torch.zeros(4), torch.zeros(4))), "takes a Layout"),
+    "Sharded shards": (lambda: hpfun.Sharded(P("dp").to_layout(_MESH2, 1), (2,), ([1], [2])), "one tensor per rank"),
+    "visualize shape": (lambda: hpfun.visualize(P("dp").to_layout(_MESH2, 2), 4), "a tuple of ints"),
+    "from_device_mesh": (lambda: hpfun.Mesh.from_device_mesh(_MESH2), "it is a mesh already"),
+    "AUTO.to_layout": (lambda: hpfun.AUTO.to_layout(_MESH2, 2), "the planner decides"),
+    "complex max": (lambda: hpfun.Sharded(hpfun.Layout(_MESH2, (hpfun.Partial("max"),)), (3,),
+                                          (torch.zeros(3, dtype=torch.complex128),) * 2), "no order"),
+}
+
+
+@pytest.mark.parametrize("case", _WRONG_TYPES)
+def test_public_constructors_given_a_wrong_type_say_what_to_pass(case):
+    """The public constructors and helpers given a value of the wrong type raise hpfun's errors
+    saying what they take, where they raised AttributeError or TypeError from inside."""
+    fn, phrase = _WRONG_TYPES[case]
+    _, text = _raise(fn)
+    assert phrase in text
