@@ -301,6 +301,8 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     if dataclasses.is_dataclass(specs) and type(specs) is type(tree):  # a Batch of specs for a Batch
         specs = {f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)}
         tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    elif isinstance(specs, dict) and dataclasses.is_dataclass(tree) and not isinstance(tree, type):  # by field name
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
     if isinstance(specs, dict) and isinstance(tree, collections.abc.Mapping):
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,
@@ -326,6 +328,11 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
         problems.append(Problem(where, f"spec {spec_text(specs)} does not fit {_describe(tree)}",
                                 "specs are a prefix of the values: a P (or None) per tensor, or one for a whole "
                                 "subtree; a dict or tuple of specs only where the value is one"))
+    elif dataclasses.is_dataclass(tree) or isinstance(tree, collections.abc.Mapping):
+        problems.append(Problem(where, f"spec {spec_text(specs)} does not fit {_describe(tree)}",
+                                f"give one P for the whole {type(tree).__name__}, a dict of specs by its "
+                                f"{'field names' if dataclasses.is_dataclass(tree) else 'keys'}, or the same "
+                                f"{type(tree).__name__} holding specs"))
     else:
         problems.append(Problem(where, f"spec {spec_text(specs)} does not fit {_describe(tree)}",
                                 "give None (or P()) for a value that is not a tensor"))

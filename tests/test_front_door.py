@@ -133,10 +133,15 @@ def test_dataclasses_and_mappings_in_and_out_are_containers():
 
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     for batch, spec in [(Batch(x, y), P("dp")), (Batch(x, y), Batch(P("dp"), P())), (Encoding(x=x, y=y), P("dp")),
-                        (Encoding(x=x, y=y), {"x": P("dp"), "y": P("dp")})]:
-        out = hpfun.shard(step, mesh=MESH, in_specs=(spec,), out_specs=Out(P(), None))(batch)
+                        (Encoding(x=x, y=y), {"x": P("dp"), "y": P("dp")}), (Batch(x, y), {"y": P("dp"), "x": P()})]:
+        f = hpfun.shard(step, mesh=MESH, in_specs=(spec,), out_specs=Out(P(), None))
+        out = f(batch)
         assert isinstance(out, Out) and out.n == 1
         torch.testing.assert_close(out.total.full(), (x * y).sum())
+        if isinstance(spec, dict) and isinstance(batch, Batch):  # a dataclass's specs by field name
+            assert "[S(0), R], local [4, 4] float32  (args[0].y)" in str(f.lower(batch))
+    err, text = _error(hpfun.shard(step, mesh=MESH, in_specs=([P("dp"), P()],)), Batch(x, y))
+    assert "a dict of specs by its field names" in text and "the same Batch holding specs" in text
 
 
 def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
