@@ -575,7 +575,7 @@ class ShardedFunction:
         hpfun does not lift, or a learning rate passed as a float, compiles a program per step)."""
         tree, leaves, statics, *rest = key
         last = next((k for k in reversed(self._cache) if k[0] == tree and list(k[3:]) == rest
-                     and _same_but_static_values(k[1], leaves)), None)
+                     and _same_but_values(k[1], leaves)), None)
         if last is None:
             return
         before = lift.expand_statics(dict(last[2]))
@@ -614,9 +614,7 @@ class ShardedFunction:
         """A compile for new shapes of the same arguments (each batch padded to its own length):
         warn once when the function has compiled RETRACE_SHAPES_WARNING_AFTER of them."""
         tree, leaves, *rest = key
-        same = [k for k in self._cache if k[0] == tree and k[2:] == tuple(rest)
-                and all(a == b if b.kind == "static" else a.kind == b.kind and a.dtype == b.dtype and a.layout == b.layout
-                        for a, b in zip(k[1], leaves))
+        same = [k for k in self._cache if k[0] == tree and k[3:] == tuple(rest[1:]) and _same_but_values(k[1], leaves)
                 and any(a.kind == "tensor" and a.shape != b.shape for a, b in zip(k[1], leaves))]
         if len(same) + 1 != RETRACE_SHAPES_WARNING_AFTER:
             return
@@ -1038,10 +1036,13 @@ def _plan_lines(program: Program) -> list[str]:
                     f"outputs in {', '.join(map(str, program.output_layouts))}"]
 
 
-def _same_but_static_values(cached: tuple, leaves: tuple) -> bool:
-    """Whether two signatures' leaves agree but for the values of Python numbers among them."""
+def _same_but_values(cached: tuple, leaves: tuple) -> bool:
+    """Whether two signatures' leaves agree but for the values of Python numbers among them and
+    the shapes of tensors (the same arguments: a decode loop changes both, a position and a
+    cache's length, and each counts toward its warning)."""
     return len(cached) == len(leaves) and all(
-        a == b or a.kind == b.kind == "static" for a, b in zip(cached, leaves))
+        a == b or a.kind == b.kind == "static" or a.kind == b.kind == "tensor" and a.dtype == b.dtype
+        and a.layout == b.layout for a, b in zip(cached, leaves))
 
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:

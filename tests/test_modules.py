@@ -759,6 +759,17 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert h.trace_count == 10 and len(retraces) == 1, retraces  # the argument's, not a "new shapes" one
     assert "because args[1] changed (last 2.5 -> 3.5)" in retraces[0] and "pass torch.tensor(3.5)" in retraces[0]
 
+    grow = hpfun.shard(lambda cache, k, pos: torch.cat([cache, k * pos], 1), mesh=DP, in_specs=(P("dp"), P("dp"), None),
+                       out_specs=P("dp"))  # a decode loop: a cache grown by cat, and a Python position
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = torch.zeros(4, 0)
+        for pos in range(10):
+            cache = grow(cache, torch.ones(4, 1), pos).full()
+    retraces = [str(w.message) for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+    assert grow.trace_count == 10 and len(retraces) == 2, retraces  # each kind counts, though both change at once
+    assert "because args[2] changed (last 2 -> 3)" in retraces[0] and "compiled 8 programs" in retraces[1]
+
     history = []  # a log the step appends to: its tensors are state, so each call compiles anew; it warns once
 
     def logged(x):
