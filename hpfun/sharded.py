@@ -199,6 +199,9 @@ class Sharded:
     def __float__(self) -> float:
         return float(self.item())
 
+    def __int__(self) -> int:  # int(n_tokens), as of a one-element tensor (a float one truncated)
+        return int(self.item())
+
     def __format__(self, spec: str) -> str:  # f"{loss:.3f}" formats the number, f"{x}" the record
         return format(self.item(), spec) if spec else repr(self)
 
