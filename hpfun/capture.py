@@ -1818,9 +1818,18 @@ def _raises_or_asserts(line: str) -> bool:
 
 
 def _user_where(err: Exception) -> str:
-    """'file:line: code' of the innermost user frame in the error's traceback, or ''."""
+    """'file:line: code' of the innermost user frame in the error's traceback, or ''. Where that
+    frame is an installed library's (transformers), the innermost of the user's own code comes
+    first, the library's line after it."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_frame(f.filename)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    if not frames:
+        return ""
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
+    own = [f for f in frames if SITE_PACKAGES not in f.filename]
+    if own and SITE_PACKAGES in frames[-1].filename:
+        library = frames[-1].filename.rpartition(SITE_PACKAGES)[2]
+        return f"{own[-1].filename}:{own[-1].lineno}: {own[-1].line} (in {library}:{frames[-1].lineno})"
+    return where
 
 
 def _public_torch_file(filename: str) -> bool:

@@ -1914,13 +1914,19 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
             suspects.append(f"{name} (a {type(obj).__name__}) holds tensors: {', '.join(found[:4])}")
     held = []
     for path, obj in arguments:
-        if _is_user_object(obj) and (found := _tensor_attributes(obj, path)):
-            cls = type(obj).__name__
-            held.append(Problem(path, f"is an argument of a class hpfun does not flatten (a {cls}) and holds tensors: "
-                                f"{', '.join(found[:4])}; only its numbers, strings and flags are read (they key the cache)"
-                                + (f"; a tensor read at {where}" if where else ""),
-                                f"make {cls} a dataclass (its tensors are then inputs, given specs like any argument), pass "
-                                "the tensors as arguments, or close over the object (hpfun lifts the tensors it holds)"))
+        if isinstance(obj, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType)) or \
+                not (found := _tensor_attributes(obj, path, depth=3)):
+            continue
+        cls = type(obj).__name__
+        if _is_user_object(obj):
+            fix = (f"make {cls} a dataclass (its tensors are then inputs, given specs like any argument), pass the "
+                   "tensors as arguments, or close over the object (hpfun lifts the tensors it holds)")
+        else:  # a library's object (a transformers cache): its tensors, passed themselves, rebuild it inside
+            fix = (f"pass the tensors it holds as arguments (a tuple or list of them) and build the {cls} from them "
+                   "inside the function (and return its tensors, where the function returns one)")
+        held.append(Problem(path, f"is an argument of a class hpfun does not flatten (a {cls}) and holds tensors: "
+                            f"{', '.join(found[:4])}; only its numbers, strings and flags are read (they key the cache)"
+                            + (f"; a tensor read at {where}" if where else ""), fix))
     if held:
         return CaptureError(held, headline="cannot capture the function")
     fix = ("pass the tensor as an argument, or hold it in an nn.Module (parameter, buffer or attribute), a "
@@ -1935,8 +1941,11 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
 
 def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:
     if type(obj) in (list, tuple, dict):
-        items = obj.items() if type(obj) is dict else enumerate(obj)
-        return [f"{name}[{k!r}]" for k, v in items if isinstance(v, torch.Tensor)][:1]
+        items = list(obj.items() if type(obj) is dict else enumerate(obj))
+        found = [f"{name}[{k!r}]" for k, v in items if isinstance(v, torch.Tensor)][:1]
+        if not found and depth > 1 and items:  # a list of objects holding tensors (a cache's layers): the first
+            found = _tensor_attributes(items[0][1], f"{name}[{items[0][0]!r}]", depth - 1)
+        return found
     try:
         items = vars(obj).items()
     except TypeError:

@@ -356,8 +356,9 @@ def test_generate_inside_names_the_loop_outside():
     ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
     generate = hpfun.shard(lambda ids: model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
                            mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
-    with pytest.raises(hpfun.CaptureError, match="run the generation loop outside the sharded function"):
+    with pytest.raises(hpfun.CaptureError, match="run the generation loop outside the sharded function") as info:
         generate(ids)
+    assert f"{__file__}:" in str(info.value) and "(in transformers/generation/" in str(info.value)  # the user's line first
     step = hpfun.shard(lambda ids: model(ids, use_cache=False).logits[:, -1], mesh=mesh, in_specs=P("dp"),
                        out_specs=P("dp"))
     tokens = ids
@@ -391,3 +392,31 @@ def test_switching_the_attention_implementation_compiles_again():
         with torch.no_grad():
             want = model(ids).logits
         torch.testing.assert_close(f(ids).full(), want, rtol=1e-12, atol=1e-12, msg=impl)
+
+
+def test_a_cache_passed_as_an_argument_names_its_tensors_and_the_way_out():
+    """A DynamicCache passed to a decode step is not flattened: the error names the cache's
+    tensors and the user's line, and says to pass the tensors and build the cache inside, which
+    gives eager's logits."""
+    model = build("llama", "sdpa").eval()
+    mesh, _, _ = LAYOUTS["dp"]
+    ids = tokens(0)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+    decode = hpfun.shard(lambda tok, cache: model(tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1],
+                         mesh=mesh, in_specs=(P("dp"), P("dp")))
+    with pytest.raises(hpfun.CaptureError) as info, torch.no_grad():
+        decode(nxt, cache)
+    text = str(info.value)
+    assert "args[1]: is an argument of a class hpfun does not flatten (a DynamicCache)" in text
+    assert "args[1].layers[0].keys" in text and f"{__file__}:" in text and "build the DynamicCache" in text
+    kv = tuple((layer.keys, layer.values) for layer in cache.layers)
+
+    def rebuilt(tok, kv):
+        return model(tok[:, None], past_key_values=transformers.DynamicCache(kv), use_cache=True).logits[:, -1]
+
+    with torch.no_grad():
+        got = hpfun.shard(rebuilt, mesh=mesh, in_specs=(P("dp"), P("dp")))(nxt, kv)
+        want = model(nxt[:, None], past_key_values=transformers.DynamicCache(kv), use_cache=True).logits[:, -1]
+    torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
