@@ -279,11 +279,20 @@ class _Graph:
         if found is None:
             call = site.call(layouts)
             strategies = keep_orders(call, site.rule.strategies(call))  # rules list mesh order; inputs keep theirs
-            found = _Options(call, tuple((s, self.model.work(local_work(site.rule, call, s)), self._moves(call, s),
+            found = _Options(call, tuple((s, self.model.work(local_work(site.rule, call, s)) + self._inner(site.rule, call, s),
+                                          self._moves(call, s),
                                           sum(len(layout.partial_axes) for layout in s.outputs))
                                          for s in strategies))
             self._answers[key] = found
         return found
+
+    def _inner(self, rule, call: OpCall, strategy: Strategy) -> float:
+        """Seconds of the collectives a strategy makes inside its op (`inner_moves`: a split
+        argmax's all-gather of the blocks' winners), priced as any redistribution."""
+        if not hasattr(rule, "inner_moves"):
+            return 0.0
+        return math.fsum(redistribute_seconds(src, dst, shape, dtype, self.model, self.reduce_dtype)[0]
+                         for src, dst, shape, dtype in rule.inner_moves(call, strategy))
 
     def _moves(self, call: OpCall, strategy: Strategy) -> tuple:
         """What `strategy` moves of `call`'s inputs: (input, layout, seconds, steps) each."""

@@ -311,6 +311,13 @@ def test_random_ops_draw_the_same_values_on_every_layout(op):
 # ---------------------------------------------------------------------------------------------
 
 ALONG = {
+    # a split reduced dim: each block's winner, gathered (ties: rounded values, the first index wins)
+    "argmax": (aten.argmax.default, lambda x: aten.argmax.default(x, 1), ()),
+    "argmax_ties": (aten.argmax.default, lambda x: aten.argmax.default(x.round(), 0, True), ()),
+    "argmax_all": (aten.argmax.default, lambda x: aten.argmax.default(x), ()),
+    "argmin_ties": (aten.argmin.default, lambda x: aten.argmin.default(x.round(), -1), ()),
+    "max_dim": (aten.max.dim, lambda x: aten.max.dim(x.round(), 1), ()),
+    "min_dim_keepdim": (aten.min.dim, lambda x: aten.min.dim(x, 2, True), ()),
     "any": (aten.any.default, lambda x: aten.any.default(x > 0.5), ()),
     "any_dim": (aten.any.dim, lambda x: aten.any.dim(x > 0.5, 1), ()),
     "any_dims": (aten.any.dims, lambda x: aten.any.dims(x > 0.5, [0, 2], True), ()),

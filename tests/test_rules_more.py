@@ -500,3 +500,23 @@ def test_batched_linear_algebra_splits_the_batch():
     assert torch.allclose(grad.full(), ref_grad, rtol=0, atol=TOL) and abs(loss.full() - ref_loss) < TOL
     gathered = [c for c in f.lower(L_raw, x).collectives if c.kind in ("all_gather", "all_to_all")]
     assert gathered and all(c.op == "aten._linalg_check_errors.default" and c.dtype == "int32" for c in gathered)
+
+
+def test_greedy_decoding_over_a_vocabulary_split_head_gathers_winners_not_logits():
+    """argmax / max over a split vocabulary: each rank's winner (value and global index) is
+    gathered, B x tp pairs, where the whole logits were (B x V); equal to eager, ties and NaN
+    included (the first index wins, a NaN is the max)."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    h, w = torch.randn(8, 16, dtype=torch.float64), torch.randn(4096, 16, dtype=torch.float64)
+    for fn in (lambda h, w: (h @ w.t()).argmax(-1), lambda h, w: (h @ w.t()).round().max(-1)):
+        f = hpfun.shard(fn, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P())
+        got, want = f(h, w), fn(h, w)
+        for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(g.full(), e)
+        moved = f.lower(h, w).collectives
+        assert [c.kind for c in moved] == ["all_gather"] * 2 and sum(c.bytes for c in moved) == 8 * 2 * (8 + 8) // 2
+    x = torch.randn(4, 8, dtype=torch.float64)
+    x[1, 5] = x[2, 2] = x[2, 6] = float("nan")
+    x[3] = 1.0
+    f = hpfun.shard(lambda x: x.argmax(1), mesh=mesh, in_specs=P(None, "tp"), out_specs=P())
+    assert torch.equal(f(x).full(), x.argmax(1))

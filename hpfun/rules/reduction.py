@@ -8,11 +8,16 @@ sum(x1 + x2) = sum(x1) + sum(x2), max(max(x1), max(x2)) = max over everything.
 
 from __future__ import annotations
 
-import attrs
+import operator
 
-from hpfun.layout import Partial, R, Shard
+import attrs
+import torch
+
+from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
 from hpfun.rules.pointwise import _widens
+
+aten = torch.ops.aten
 
 
 def _keeps_sums(x, call: OpCall) -> bool:
@@ -71,6 +76,86 @@ class Reduction(Rule):
                 option = ((p,) + (R,) * (n_in - 1), (p,) * n_out)
             per_axis.append([option, replicated_option(call)])
         return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
+class ArgReduction(Reduction):
+    """`max.dim`, `min.dim` (values and indices), `argmax`, `argmin` over one dim. Besides the
+    reduced dim whole, a split one: each rank reduces its block, its indices moved to global
+    ones, and the blocks' (value, index) pairs, one per block and row, are all-gathered along
+    the split (a tensor 1/block-size of the input's), where the winner is taken: the first
+    block holding the extreme, as the op takes the first index (a NaN is the max, and the min,
+    as in torch). Greedy decoding over a vocabulary-split head moves B x tp pairs, not B x V
+    logits. The all-gathers are the strategy's `inner_moves`, priced with the rest."""
+
+    def _split(self, call: OpCall):
+        """(dim, the axes splitting it, keepdim) where the op reduces one split dim, else None."""
+        x = call.tensors[0]
+        dim = call.arg(self.dim_arg, "dim", None)
+        if dim is None or x.ndim == 0 or x.dtype.is_complex:
+            return None
+        dim %= x.ndim
+        axes = x.layout.shard_axes(dim)
+        keepdim = bool(call.arg(self.keepdim_arg, "keepdim", False))
+        return (dim, axes, keepdim) if axes else None
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        out = super().strategies(call)
+        split = self._split(call)
+        if split is None:
+            return out
+        dim, axes, keepdim = split
+        x = call.tensors[0].layout
+        placements = [p if a in axes else R if isinstance(p, Partial) else p for a, p in enumerate(x.placements)]
+        src = Layout(x.mesh, tuple(placements), x.order)
+        result = [R if a in axes or not isinstance(p, Shard) else Shard(p.dim if keepdim or p.dim < dim else p.dim - 1)
+                  for a, p in enumerate(placements)]
+        order = tuple(g for g in x.order if not set(g) & set(axes))  # (groups name axes, not dims)
+        outputs = (Layout(x.mesh, tuple(result), order),) * len(call.outputs)
+        return [Strategy((src,), outputs, note="split"), *out]
+
+    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
+        """The all-gathers the split strategy makes: (from, to, global shape, dtype) each."""
+        if strategy.note != "split":
+            return []
+        dim, axes, _ = self._split(call)
+        src, x = strategy.inputs[0], call.tensors[0]
+        pairs = list(x.shape)
+        pairs[dim] = src.shard_factor(dim)
+        dst = Layout(src.mesh, tuple(R if a in axes else p for a, p in enumerate(src.placements)),
+                     tuple(g for g in src.order if not set(g) & set(axes)))
+        return [(src, dst, tuple(pairs), x.dtype), (src, dst, tuple(pairs), torch.int64)]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        if strategy.note != "split":
+            return super().emit(ctx, call, strategy, args, kwargs)
+        from hpfun.lower import annotate  # (lowering calls this; rules are imported before it)
+        dim, _, keepdim = self._split(call)
+        largest = call.op in (aten.max.dim, aten.argmax.default)
+        local = ctx.call(aten.max.dim if largest else aten.min.dim, (args[0], dim, True))
+        values, index = ctx.call(operator.getitem, (local, 0)), ctx.call(operator.getitem, (local, 1))
+        x = call.tensors[0]
+        index = ctx.call(aten.add.Tensor, (index, ctx.shard_offset(strategy.inputs[0], x.shape, dim)))
+        gathered = []
+        ctx.consumer = (*ctx.consumer[:2], f"{call.op} over split dim {dim}: each block's winner, gathered")
+        for value, (src, dst, shape, dtype) in zip((values, index), self.inner_moves(call, strategy), strict=True):
+            annotate(value, src, shape, dtype)
+            gathered.append(ctx.redistribute(value, src, dst, shape, dtype))
+        values, index = gathered
+        winner = ctx.call(aten.argmax.default if largest else aten.argmin.default, (values, dim, True))
+        index = ctx.call(aten.gather.default, (index, dim, winner))
+        values = ctx.call(aten.gather.default, (values, dim, winner))
+        if not keepdim:
+            index = ctx.call(aten.squeeze.dim, (index, dim))
+            values = ctx.call(aten.squeeze.dim, (values, dim))
+        if call.op in (aten.argmax.default, aten.argmin.default):
+            return index
+        return ctx.call(_pair, (values, index))
+
+
+def _pair(values, indices):
+    """max.dim's (values, indices) from two tensors: the node a split max.dim ends in."""
+    return values, indices
 
 
 @attrs.frozen(kw_only=True)

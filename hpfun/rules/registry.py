@@ -31,7 +31,7 @@ from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise, SameFeatureMeta
-from hpfun.rules.reduction import Normalize, Pad, Reduction
+from hpfun.rules.reduction import ArgReduction, Normalize, Pad, Reduction
 from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
 
 FAMILIES: dict[str, type[Rule]] = {
@@ -40,6 +40,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "same_feature_meta": SameFeatureMeta,
     "factory": Factory,
     "reduction": Reduction,
+    "arg_reduction": ArgReduction,
     "normalize": Normalize,
     "pad": Pad,
     "contraction": Contraction,
