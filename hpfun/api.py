@@ -486,7 +486,10 @@ class ShardedFunction:
         if state.slots:
             lifted = state.values(skip_ids={id(x) for x in flat if isinstance(x, torch.Tensor)})
             if self.mesh.runtime == "distributed":
-                lifted = {k: writeback.held_block(v) or v if isinstance(v, torch.Tensor) else v for k, v in lifted.items()}
+                held = {k: writeback.held_block(v) for k, v in lifted.items() if isinstance(v, torch.Tensor)}
+                if key is not None:  # a held block keys by its layout: the tensor's requires_grad keys too
+                    key.append(tuple(lifted[k].requires_grad for k, v in held.items() if v is not None))
+                lifted = {k: held.get(k) or v for k, v in lifted.items()}
                 if writeback._LOST and (names := writeback.lost(lifted)):
                     raise ExecutionError(Problem(
                         ", ".join(names), "lost: a call that was handed this state (donate_state=True) failed",

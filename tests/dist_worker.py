@@ -242,7 +242,25 @@ def lifted_dp(out: Path):
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     got["kept"] = kept_by_the_forward(mesh)
+    got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call
+
+
+def freeze_then_unfreeze(mesh, x, y) -> list:
+    """A weight split by state_specs (each rank holds its block between calls) frozen after one
+    step and unfrozen two later: the model's state after each call, gathered."""
+    model = lifted_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = sharded_step(mesh, model, opt, (P("dp"), P("dp")), {"0.weight": P("dp")})
+    states = []
+    for frozen in FREEZES:
+        model[0].weight.requires_grad_(not frozen)
+        step(x, y)
+        states.append(_snapshot(hpfun.gather_state(model)))
+    return states
 
 
 class _Keeps(torch.nn.Module):

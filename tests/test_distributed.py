@@ -221,6 +221,21 @@ def test_gradients_accumulated_without_a_step_then_a_step(lifted_dp_job):
         _close(got["model"], model.state_dict(), f"rank {rank}")
 
 
+def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_job):
+    """requires_grad flipped on a weight each rank holds a block of: the call after each flip
+    runs the program for the new flag (it reused the other one, updating a frozen weight and
+    never training an unfrozen one), equal to eager after every call."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for call, frozen in enumerate(w.FREEZES):
+        model[0].weight.requires_grad_(not frozen)
+        w.eager_step(model, opt, x, y)
+        for rank, results in enumerate(lifted_dp_job):
+            _close(results["frozen"][call], model.state_dict(), f"rank {rank}, call {call} (frozen: {frozen})")
+
+
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
     """donate_state=True hands parameters and AdamW's state over to the program (each rank's
     tensors give up their storage at every call, where without it new values are copied into
