@@ -206,6 +206,20 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     note(_Unchanged(hooks))
                     for h in list(hooks.values()):
                         value(h, _join(mod_name, kind.lstrip("_")), _constant(h), None)
+            for p_name, p in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if p is None or id(p) in seen_objects:
+                    continue
+                seen_objects.add(id(p))
+                p_name = _join(mod_name, p_name)
+                for kind in _TENSOR_HOOK_DICTS:  # a parameter's own gradient hooks: what they read keys the cache
+                    hooks = getattr(p, kind, None)
+                    if hooks:
+                        note(_Unchanged(hooks))
+                        for h in list(hooks.values()):
+                            value(h, f"{p_name}.{kind.lstrip('_')}", _constant(h), None)
+                for k, v in list(vars(p).items()):  # `p.no_decay = True`, `p.lr_scale = 0.5`, read by a loop
+                    if _is_scalar(v) and not k.startswith("_"):  # (a library's private flags: `_is_buffer`)
+                        value(v, f"{p_name}.{k}", functools.partial(getattr, p, k, None), None)
 
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
@@ -349,6 +363,7 @@ class Bindings:
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1649,6 +1649,13 @@ def _halve_grad(p) -> None:
     p.grad.mul_(0.5)
 
 
+_GRAD_SCALE = 1.0
+
+
+def _scaled_grad(g):
+    return g * _GRAD_SCALE
+
+
 def test_a_parameters_own_gradient_hooks_run():
     """`p.register_hook(lambda g: g.clamp(-c, c))` (per-parameter gradient clipping) and a
     post-accumulate hook were registered on the parameter, not on its stand-in in the trace:
@@ -1663,6 +1670,18 @@ def test_a_parameters_own_gradient_hooks_run():
         x, y = batch(i)
         torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
     assert max_diff(model, ref) < 1e-12
+    # between calls: a hook reading a global scale that changes, one added, one removed; each is
+    # what the next call runs (the first trace's hooks kept running)
+    handles = [m[2].bias.register_hook(_scaled_grad) for m in (model, ref)]
+    for i, scale in enumerate([0.0, 3.0, 3.0]):
+        global _GRAD_SCALE
+        _GRAD_SCALE = scale
+        if i == 2:
+            for h in handles:
+                h.remove()
+        x, y = batch(i)
+        torch.testing.assert_close(step(x, y).full(), eager_step(ref, ref_opt, x, y), rtol=0, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12, (i, scale)
 
 
 def test_a_from_scratch_model_of_tensors_that_require_grad():
@@ -1718,10 +1737,13 @@ def test_attributes_set_on_parameters_are_read_in_the_trace():
         return loss
 
     sharded = hpfun.shard(lambda x, y: step(model, x, y), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    for i in range(2):
+    for i in range(4):
         x, y = batch(i)
         torch.testing.assert_close(sharded(x, y).full(), step(ref, x, y), rtol=0, atol=1e-12)
-    assert max_diff(model, ref) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+        for m in (model, ref):  # changed between calls: the attribute keys the cache (it kept the old value)
+            m[0].weight.no_decay = i % 2 == 0
+    assert sharded.trace_count == 2
 
 
 def test_two_closures_of_one_helper_lift_both_modules():
