@@ -300,14 +300,22 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
         return {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     if isinstance(obj, torch.optim.Optimizer):
         sd = obj.state_dict()  # its state holds the optimizer's own tensors, keyed by index
-        sd["state"] = {i: {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        params = [p for group in obj.param_groups for p in group["params"]]  # (the indices number them so)
+        sd["state"] = {i: {k: _full(v, inplace, params[i] if i < len(params) else None) if isinstance(v, torch.Tensor)
+                           else v for k, v in entries.items()}
                        for i, entries in sd["state"].items()}
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 
 
-def _full(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+def _full(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` gathered if it holds a block. `param`: the parameter an optimizer's state entry `x`
+    belongs to: state an optimizer stepped outside the sharded function made from the block
+    its parameter holds (`exp_avg` of the block's shape) is that block's, in its layout."""
     block = held_block(x)
+    if block is None and param is not None and x.dim() > 0 and (owner := held_block(param)) is not None \
+            and x.shape == param.shape:
+        block = Sharded(owner.layout, owner.global_shape, (x,))
     full = x.detach() if block is None else block.full()
     if inplace and block is not None:
         with torch.no_grad():

@@ -243,7 +243,27 @@ def lifted_dp(out: Path):
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     got["kept"] = kept_by_the_forward(mesh)
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def stepped_outside(mesh, x, y) -> dict:
+    """The README's way for an optimizer stepped outside the sharded function, on parameters
+    split over dp: AdamW makes its state from the blocks; gather_state gathers it with theirs."""
+    model = lifted_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @hpfun.shard(mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={"*": P("dp")})
+    def forward_backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        forward_backward(x, y)
+        opt.step()
+        opt.zero_grad()
+    return {"model": _snapshot(hpfun.gather_state(model)), "opt": hpfun.gather_state(opt)["state"]}
 
 
 FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call

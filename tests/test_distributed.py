@@ -236,6 +236,22 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
             _close(results["frozen"][call], model.state_dict(), f"rank {rank}, call {call} (frozen: {frozen})")
 
 
+def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_dp_job):
+    """AdamW stepped outside the sharded function makes its moments from the blocks the split
+    parameters hold: gather_state(opt) gathers them with their parameter's layout (it returned
+    each rank's half as the whole), equal to eager's state."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        w.eager_step(model, opt, x, y)
+    for rank, results in enumerate(lifted_dp_job):
+        got = results["stepped outside"]
+        _close(got["model"], model.state_dict(), f"rank {rank}: model")
+        _close(got["opt"], opt.state_dict()["state"], f"rank {rank}: optimizer state")
+
+
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
     """donate_state=True hands parameters and AdamW's state over to the program (each rank's
     tensors give up their storage at every call, where without it new values are copied into
