@@ -1373,6 +1373,9 @@ def test_training_loop_pieces_equal_eager(kind, plan):
         probe = mlp()
         F.cross_entropy(probe(batch(0)[0]), batch(0)[1]).backward()
         assert torch.nn.utils.clip_grad_norm_(probe.parameters(), 0.05) > 0.5
+        if plan == "megatron":  # each split gradient normed where it lies: only norms move (they were gathered)
+            norms = [c for c in f.lower(*batch(0)).collectives if c.op == "aten.linalg_vector_norm.default"]
+            assert norms and all(c.kind == "all_reduce" and c.bytes == 8 for c in norms), norms
 
 
 class _Recurrent(torch.nn.Module):

@@ -8,6 +8,8 @@ with the op on whole tensors: a strategy the cost model would not pick today is 
 well as the one it picks.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,6 +320,14 @@ ALONG = {
     "argmin_ties": (aten.argmin.default, lambda x: aten.argmin.default(x.round(), -1), ()),
     "max_dim": (aten.max.dim, lambda x: aten.max.dim(x.round(), 1), ()),
     "min_dim_keepdim": (aten.min.dim, lambda x: aten.min.dim(x, 2, True), ()),
+    # p-norms over split dims: the blocks' norms to the p summed, the root taken; max/min/0: Partial
+    "vector_norm": (aten.linalg_vector_norm.default, lambda x: aten.linalg_vector_norm.default(x), ()),
+    "vector_norm_dims": (aten.linalg_vector_norm.default, lambda x: aten.linalg_vector_norm.default(x, 3, [0, 2], True), ()),
+    "vector_norm_inf": (aten.linalg_vector_norm.default, lambda x: aten.linalg_vector_norm.default(x, -math.inf, [1]), ()),
+    "vector_norm_0": (aten.linalg_vector_norm.default, lambda x: aten.linalg_vector_norm.default(x.round(), 0, [1, 2]), ()),
+    "vector_norm_1_f64": (aten.linalg_vector_norm.default,
+                          lambda x: aten.linalg_vector_norm.default(aten._to_copy.default(x, dtype=torch.float32), 1, [0],
+                                                                            dtype=torch.float64), ()),
     "any": (aten.any.default, lambda x: aten.any.default(x > 0.5), ()),
     "any_dim": (aten.any.dim, lambda x: aten.any.dim(x > 0.5, 1), ()),
     "any_dims": (aten.any.dims, lambda x: aten.any.dims(x > 0.5, [0, 2], True), ()),

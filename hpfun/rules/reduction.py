@@ -8,6 +8,7 @@ sum(x1 + x2) = sum(x1) + sum(x2), max(max(x1), max(x2)) = max over everything.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import attrs
@@ -156,6 +157,61 @@ class ArgReduction(Reduction):
 def _pair(values, indices):
     """max.dim's (values, indices) from two tensors: the node a split max.dim ends in."""
     return values, indices
+
+
+@attrs.frozen(kw_only=True)
+class VectorNorm(Reduction):
+    """`linalg_vector_norm(x, ord, dim, keepdim)` (`x.norm()`, `clip_grad_norm_`'s per-gradient
+    norms). Besides the reduced dims whole, split ones: the max norm is the max of the blocks'
+    (Partial(max)), the min norm their min, the 0-norm (a count) their sum; a p-norm is the
+    p-th root of the sum of the blocks' norms to the p (each rank's block norm raised to p,
+    all-reduced over the splitting axes, the root taken: the strategy's `inner_moves`). A
+    gradient split over dp or tp is normed where it lies, its norm moved, not itself."""
+
+    dim_arg: int | None = 2
+    keepdim_arg: int | None = 3
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        out = super().strategies(call)
+        x, reduced = call.tensors[0], self.reduced_dims(call)
+        ord_ = call.arg(1, "ord", 2)
+        axes = tuple(a for a, p in enumerate(x.layout.placements) if isinstance(p, Shard) and p.dim in reduced)
+        if not axes or x.dtype.is_complex:
+            return out
+        kind = {math.inf: "max", -math.inf: "min", 0: "sum"}.get(ord_)
+        src = [R if isinstance(p, Partial) else p for p in x.layout.placements]
+        result = [Partial(kind) if a in axes and kind else R if a in axes or isinstance(p, Partial)
+                  else Shard(self.out_dim(call, p.dim, reduced)) if isinstance(p, Shard) else p
+                  for a, p in enumerate(x.layout.placements)]
+        order = tuple(g for g in x.layout.order if not set(g) & set(axes))
+        strategy = Strategy((Layout(x.layout.mesh, tuple(src), x.layout.order),),
+                            (Layout(x.layout.mesh, tuple(result), order),), note=None if kind else axes)
+        return [strategy, *out]
+
+    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
+        """A p-norm's all-reduce of the blocks' norms to the p: (from, to, global shape, dtype)."""
+        if not strategy.note:
+            return []
+        dst = strategy.outputs[0]
+        src = Layout(dst.mesh, tuple(Partial("sum") if a in strategy.note else p for a, p in enumerate(dst.placements)),
+                     dst.order)
+        dtype = call.outputs[0].dtype
+        return [(src, dst, tuple(call.outputs[0].shape), torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        if not strategy.note:
+            return super().emit(ctx, call, strategy, args, kwargs)
+        from hpfun.lower import annotate  # (lowering calls this; rules are imported before it)
+        p = float(call.arg(1, "ord", 2))
+        (src, dst, shape, wide), = self.inner_moves(call, strategy)  # powers and sums kept wide (16-bit norms
+        dtype = call.outputs[0].dtype  # in float32), as the whole op accumulates
+        local = ctx.call(call.op, args, {**kwargs, "dtype": wide})
+        powered = ctx.call(aten.pow.Tensor_Scalar, (local, p))
+        annotate(powered, src, shape, wide)
+        ctx.consumer = (*ctx.consumer[:2], f"{call.op} over split dims: the blocks' norms to the {p:g}, summed")
+        summed = ctx.redistribute(powered, src, dst, shape, wide)
+        norm = ctx.call(aten.pow.Tensor_Scalar, (summed, 1.0 / p))
+        return norm if wide == dtype else ctx.call(aten._to_copy.default, (norm,), {"dtype": dtype})
 
 
 @attrs.frozen(kw_only=True)

@@ -31,7 +31,7 @@ from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise, SameFeatureMeta
-from hpfun.rules.reduction import ArgReduction, Normalize, Pad, Reduction
+from hpfun.rules.reduction import ArgReduction, Normalize, Pad, Reduction, VectorNorm
 from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
 
 FAMILIES: dict[str, type[Rule]] = {
@@ -41,6 +41,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "factory": Factory,
     "reduction": Reduction,
     "arg_reduction": ArgReduction,
+    "vector_norm": VectorNorm,
     "normalize": Normalize,
     "pad": Pad,
     "contraction": Contraction,
