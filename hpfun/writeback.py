@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from hpfun import lift
+from hpfun.errors import ExecutionError, Problem
 from hpfun.layout import Layout
 from hpfun.runtime.distributed import runtime_for
 from hpfun.sharded import Sharded, local_block, signature, unchecked
@@ -98,7 +99,8 @@ def lose(released: list, err: BaseException) -> None:
         _LOST[owner] = (owner._version, owner.data_ptr())
     err.add_note(f"hpfun: this call was handed {len(released)} tensors of lifted state (donate_state=True) and "
                  "failed before writing their new values back: their values are lost. Load them again (e.g. "
-                 "model.load_state_dict, or a checkpoint) before the next call.")
+                 "model.load_state_dict, or a checkpoint) before the next call; on a distributed mesh, which a "
+                 "failed program retires, restart the job from the last checkpoint.")
 
 
 def lost(values) -> list[str]:
@@ -297,15 +299,28 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     """
     if isinstance(obj, torch.nn.Module):
         sd = obj.state_dict(keep_vars=True)
+        _refuse_lost({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
         return {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     if isinstance(obj, torch.optim.Optimizer):
         sd = obj.state_dict()  # its state holds the optimizer's own tensors, keyed by index
+        _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() for k, v in entries.items()
+                      if isinstance(v, torch.Tensor)})
         params = [p for group in obj.param_groups for p in group["params"]]  # (the indices number them so)
         sd["state"] = {i: {k: _full(v, inplace, params[i] if i < len(params) else None) if isinstance(v, torch.Tensor)
                            else v for k, v in entries.items()}
                        for i, entries in sd["state"].items()}
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
+
+
+def _refuse_lost(values: dict) -> None:
+    """An error naming the tensors a failed donating call lost (their storage holds undefined
+    values): gathered, they would be saved as a checkpoint."""
+    if _LOST and (names := lost(values)):
+        raise ExecutionError(Problem(", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else ""),
+                                     "lost: a call that was handed them (donate_state=True) failed, and their storage "
+                                     "holds undefined values", "restore them from the last checkpoint instead of "
+                                     "gathering them"), headline="donated state lost")
 
 
 def _full(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> torch.Tensor:

@@ -380,6 +380,7 @@ def donated_state(tp_mesh, dp_mesh, x, y) -> dict:
     finally:
         DistributedRuntime.run = run
     got["next call"] = _error(lambda: step(x, y))
+    got["gathered"] = _error(lambda: hpfun.gather_state(model)), _error(lambda: hpfun.gather_state(opt))
     model.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
     got["after loading"] = step(x, y).full()

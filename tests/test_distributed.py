@@ -280,6 +280,8 @@ def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_jo
         text = got["next call"]
         assert text.startswith("ExecutionError: donated state lost"), text
         assert "0.weight" in text and "exp_avg" in text and "load the values again" in text, text
+        for text in got["gathered"]:  # gathering the lost values is refused too (they held undefined memory)
+            assert text.startswith("ExecutionError: donated state lost") and "last checkpoint" in text, text
         _close(got["after loading"], next_loss, f"rank {rank}: the call after loading the state again")
         # donate_argnums: the same results; the value handed in is spent, a global tensor left alone
         kept, donated = got["argnums", ()], got["argnums", (0,)]
