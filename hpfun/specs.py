@@ -464,7 +464,12 @@ def _closest(text: str, candidates: list[str], n: int = 3) -> list[str]:
 def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | None:
     """The layout of one input leaf (a Sharded value keeps its own); problems appended."""
     if isinstance(x, Sharded):
-        if x.layout.mesh != mesh:
+        if x.layout.mesh != mesh and not where.startswith(("args", "kwargs")) and x.layout.mesh.runtime == "distributed":
+            problems.append(Problem(where, f"holds this rank's block of a value a sharded function on mesh "
+                                    f"{x.layout.mesh} left split, and this function runs on {mesh}",
+                                    "put the full values back between the two: hpfun.gather_state(model, inplace=True) "
+                                    "(and the optimizer's), every rank calling it; or run both functions on one mesh"))
+        elif x.layout.mesh != mesh:
             other = x.layout.mesh
             alike = str(other) == str(mesh) and other.runtime != mesh.runtime
             problems.append(Problem(where, f"is a Sharded value on mesh {other}{f' ({other.runtime})' if alike else ''}, "

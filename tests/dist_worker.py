@@ -263,7 +263,11 @@ def stepped_outside(mesh, x, y) -> dict:
         forward_backward(x, y)
         opt.step()
         opt.zero_grad()
-    return {"model": _snapshot(hpfun.gather_state(model)), "opt": hpfun.gather_state(opt)["state"]}
+    other = hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT)  # the same ranks, another mesh
+    evaluate = hpfun.shard(lambda x: model(x).sum(), mesh=other, in_specs=P(), out_specs=P())
+    refused = _error(lambda: evaluate(x))
+    return {"model": _snapshot(hpfun.gather_state(model)), "opt": hpfun.gather_state(opt)["state"],
+            "other mesh": refused}
 
 
 FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call

@@ -250,6 +250,9 @@ def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_
         got = results["stepped outside"]
         _close(got["model"], model.state_dict(), f"rank {rank}: model")
         _close(got["opt"], opt.state_dict()["state"], f"rank {rank}: optimizer state")
+        # a function on another mesh of the same ranks reading the split state: named, with the fix
+        assert "0.weight: holds this rank's block" in got["other mesh"] and "gather_state(model, inplace=True)" \
+            in got["other mesh"], got["other mesh"]
 
 
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
