@@ -126,6 +126,11 @@ def _rand(*shape, low=-2.0, high=2.0):
     return torch.rand(*shape, dtype=torch.float64, generator=_GEN) * (high - low) + low
 
 
+def _ints(*shape):
+    """bfloat16 integers in [-2, 2]: products and sums of a few dozen are exact."""
+    return _rand(*shape).round().to(torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------------------------
 # Coverage
 # ---------------------------------------------------------------------------------------------
@@ -550,6 +555,14 @@ CONTRACTION = {
                       (_rand(2, 4, 4), _rand(2, 8, 4)), ()),
     "grid_sampler": (aten.grid_sampler_2d.default, lambda x, g: aten.grid_sampler_2d.default(x, g, 0, 0, False),
                      (_rand(2, 4, 4, 4), _rand(2, 4, 2, 2, low=-1, high=1)), (0,)),
+    # torch's grouped matmul (bfloat16 only, as traced; small integers, whose sums bfloat16 holds
+    # exactly): rows grouped by offs, the weight's gradient (contracted rows grouped), and batched
+    "grouped_mm": (aten._grouped_mm.default, lambda a, b, offs: aten._grouped_mm.default(a, b, offs),
+                   (_ints(8, 32), _ints(2, 32, 32), torch.tensor([3, 8], dtype=torch.int32)), ()),
+    "grouped_mm_weight_grad": (aten._grouped_mm.default, lambda a, b, offs: aten._grouped_mm.default(aten.permute.default(a, [1, 0]), b, offs),
+                               (_ints(8, 32), _ints(8, 32), torch.tensor([5, 8], dtype=torch.int32)), ()),
+    "grouped_mm_batched": (aten._grouped_mm.default, lambda a, b: aten._grouped_mm.default(a, b),
+                           (_ints(4, 8, 32), _ints(4, 32, 32)), ()),
 }
 POOL = {  # name: (op, fn of x [and grad], partial positions); backwards take a (2, 4, 2, 2) grad
     "avg_pool2d": (aten.avg_pool2d.default, lambda x: aten.avg_pool2d.default(x, [2, 2], [1, 2], [1, 0]), (0,)),
@@ -603,7 +616,8 @@ POOL_3D = {
 @settings(max_examples=EXAMPLES)
 @given(data=st.data())
 def test_contraction_shaped(data, name):
-    """cdist and grid_sampler: kept letters split, contracted (not summed) letters whole."""
+    """cdist, grid_sampler and grouped matmuls: kept letters split, contracted (not summed) letters
+    whole (a grouped matmul's summed letter split gives a Partial sum)."""
     op, fn, inputs, partial = CONTRACTION[name]
     check_op(data.draw, op, fn, inputs, partial=partial)
 

@@ -19,10 +19,15 @@ so a block of rows or of experts would need offsets of its own.
 
 from __future__ import annotations
 
+import math
+
 import attrs
+import torch
 
 from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+
+aten = torch.ops.aten
 
 _LINEAR = ("sum", "avg")
 
@@ -73,3 +78,70 @@ class GroupedMmBackward(Rule):
         s, k = strategy.inputs[0].local_shape(call.tensors[0].shape)
         n = strategy.inputs[3].local_shape(call.tensors[3].shape)[1]
         return float(2 * s * k * n)
+
+
+@attrs.frozen(kw_only=True)
+class AtenGroupedMm(Rule):
+    """torch's `_grouped_mm(self, mat2, offs=None, bias=None)` (what transformers' MoE layers call
+    in bfloat16 while compiled, and its autograd backward), in its three shapes:
+    - (S, K) x (E, K, N), rows grouped by `offs` -> (S, N): N or K split, as `grouped_mm` above;
+    - (K, S) x (S, N), the contracted rows grouped by `offs` -> (E, K, N) (the weight's gradient):
+      K or N split (S, which `offs` counts, whole);
+    - (E, M, K) x (E, K, N), no offs -> (E, M, N): a batched matmul, E, M, N or K split.
+    Linear in `self` and in `mat2`: one Partial with the other replicated gives a Partial output.
+    `offs` stays whole; with a bias every tensor is whole."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        a, b = call.tensors[0], call.tensors[1]
+        rest = len(call.tensors) - 2  # offs, bias
+        has_offs = call.arg(2, "offs") is not None
+        has_bias = call.arg(3, "bias") is not None
+        if has_bias:
+            splits = []
+        elif a.ndim == 2 and b.ndim == 3 and has_offs:
+            splits = [((R, Shard(2)), Shard(1)), ((Shard(1), Shard(1)), Partial("sum"))]
+        elif a.ndim == 2 and b.ndim == 2 and has_offs:
+            splits = [((Shard(0), R), Shard(1)), ((R, Shard(1)), Shard(2))]
+        elif a.ndim == 3 and b.ndim == 3 and not has_offs:
+            splits = [((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)), ((R, Shard(2)), Shard(2)),
+                      ((Shard(2), Shard(1)), Partial("sum"))]
+        else:
+            splits = []
+        per_axis = []
+        for axis in range(call.mesh.ndim):
+            options = [((*ins, *(R,) * rest), (out,)) for ins, out in splits]
+            if not has_bias:
+                for i, t in enumerate((a, b)):
+                    p = t.layout.placements[axis]
+                    if isinstance(p, Partial) and p.reduce in _LINEAR:
+                        options.append((tuple(p if j == i else R for j in range(2 + rest)), (p,)))
+            options.append(replicated_option(call))
+            per_axis.append(options)
+        return [s for s in combine_axes(call, per_axis) if self._aligned(call, s)]
+
+    @staticmethod
+    def _aligned(call: OpCall, strategy: Strategy) -> bool:
+        """torch's kernel needs every stride a multiple of 16 bytes: a split dim's block must keep
+        its length so (the whole dims passed in eager)."""
+        pairs = [*zip(call.tensors[:2], strategy.inputs[:2]), (call.outputs[0], strategy.outputs[0])]
+        for t, layout in pairs:
+            local = layout.local_shape(t.shape)
+            if any(n != g and n * t.dtype.itemsize % 16 for n, g in zip(local, t.shape, strict=True)):
+                return False
+        return True
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        """A partial sum of 16-bit values is kept in float32 (its inputs cast up exactly), where
+        torch's kernel takes only its inputs' dtype: it runs in that dtype and its output is
+        cast up (each rank's product rounded once, as with reduce_dtype="compute")."""
+        dtype = call.tensors[0].dtype
+        wide = [isinstance(a, torch.fx.Node) and a.meta.get("hpfun_local_dtype") == torch.float32 for a in args[:2]]
+        if not any(wide):
+            return super().emit(ctx, call, strategy, args, kwargs)
+        args = tuple(ctx.call(aten.to.dtype, (a, dtype)) if w else a for a, w in zip(args, [*wide, False, False, False]))
+        return ctx.call(aten.to.dtype, (super().emit(ctx, call, strategy, args, kwargs), torch.float32))
+
+    def work(self, call: OpCall, strategy: Strategy) -> float:
+        """Multiply-adds per rank: every element of `self` meets a row of `mat2`'s columns."""
+        a, b = (l.local_shape(t.shape) for l, t in zip(strategy.inputs[:2], call.tensors[:2], strict=True))
+        return float(math.prod(a) * b[-1])

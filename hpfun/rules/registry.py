@@ -25,7 +25,7 @@ from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
 from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
-from hpfun.rules.grouped import GroupedMm, GroupedMmBackward
+from hpfun.rules.grouped import AtenGroupedMm, GroupedMm, GroupedMmBackward
 from hpfun.rules.linalg import Batched
 from hpfun.rules.index import Index, IndexPut
 from hpfun.rules.loss import NllLossBackward
@@ -73,6 +73,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "batched": Batched,
     "grouped_mm": GroupedMm,
     "grouped_mm_backward": GroupedMmBackward,
+    "aten_grouped_mm": AtenGroupedMm,
     "replicated": Replicated,
     "data_dependent": DataDependent,
 }
