@@ -30,6 +30,7 @@ from hpfun.layout import Layout, P, Partial, Replicate, Shard, parse
 from hpfun.lower import Collective
 from hpfun.mesh import Mesh
 from hpfun.plan import CostModel
+from hpfun.propagate import FallbackWarning
 from hpfun.rng import random_seed
 from hpfun.sharded import Sharded
 from hpfun.specs import AUTO
@@ -37,7 +38,7 @@ from hpfun.visualize import visualize  # after the submodule import: hpfun.visua
 from hpfun.writeback import gather_state
 
 __all__ = [
-    "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "checkpoint", "constrain", "HpfunError", "InternalError", "Layout", "LayoutError", "Lowered", "Mesh",
+    "AUTO", "CaptureError", "Collective", "CostModel", "ExecutionError", "FallbackWarning", "checkpoint", "constrain", "HpfunError", "InternalError", "Layout", "LayoutError", "Lowered", "Mesh",
     "MissingRuleError", "P", "Partial", "Problem", "Replicate", "RetraceWarning", "TracingWarning", "WildcardWarning", "RuleFileError", "Shard", "Sharded",
     "ShardedFunction", "ShardingError", "SpecError", "explain_cache_miss", "gather_state", "parse", "random_seed",
     "redistribute", "rules", "shard", "tp_plan", "visualize",

@@ -199,6 +199,11 @@ class LowerContext:
         self.collectives.append(record)
         return waited
 
+    def annotate(self, value: torch.fx.Node, layout: Layout, shape, dtype) -> None:
+        """`annotate`, for rules that emit a value of their own a collective then moves (a split
+        argmax's winners): which global value, in which layout, it holds."""
+        annotate(value, layout, shape, dtype)
+
     def reduce_in(self, step) -> tuple[torch.dtype, torch.dtype]:
         """(the dtype of the value `step` is emitted on, the dtype it moves it in) under this
         program's `reduce_dtype` option (`hpfun.collectives.moved_dtype`)."""

@@ -239,6 +239,16 @@ def test_an_op_failing_while_the_program_runs_is_named():
     assert "aten.index.Tensor (node index) reading [S(0)], [R] -> [S(0)]: IndexError" in text, text
     assert isinstance(info.value.__cause__, IndexError)
 
+    def unscale(g):  # an op of list outputs failing (a float64 scale): its layouts written as lists
+        found = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.tensor(0.5, dtype=torch.float64))
+        return g
+
+    f = hpfun.shard(unscale, mesh=MESH, in_specs=P("a"), out_specs=P(), fallback="replicate")
+    with pytest.raises(hpfun.ExecutionError, match=r"reading \[R\], \[R\], \[R\] -> .*inv_scale must be a float"), \
+            pytest.warns(hpfun.FallbackWarning):
+        f(torch.randn(8))
+
 
 # ---------------------------------------------------------------------------------------------
 # Partial sums through linear ops, with infinities, NaN, huge magnitudes and cancellation

@@ -130,7 +130,6 @@ class ArgReduction(Reduction):
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
         if strategy.note != "split":
             return super().emit(ctx, call, strategy, args, kwargs)
-        from hpfun.lower import annotate  # (lowering calls this; rules are imported before it)
         dim, _, keepdim = self._split(call)
         largest = call.op in (aten.max.dim, aten.argmax.default)
         local = ctx.call(aten.max.dim if largest else aten.min.dim, (args[0], dim, True))
@@ -140,7 +139,7 @@ class ArgReduction(Reduction):
         gathered = []
         ctx.consumer = (*ctx.consumer[:2], f"{call.op} over split dim {dim}: each block's winner, gathered")
         for value, (src, dst, shape, dtype) in zip((values, index), self.inner_moves(call, strategy), strict=True):
-            annotate(value, src, shape, dtype)
+            ctx.annotate(value, src, shape, dtype)
             gathered.append(ctx.redistribute(value, src, dst, shape, dtype))
         values, index = gathered
         winner = ctx.call(aten.argmax.default if largest else aten.argmin.default, (values, dim, True))
@@ -201,13 +200,12 @@ class VectorNorm(Reduction):
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
         if not strategy.note:
             return super().emit(ctx, call, strategy, args, kwargs)
-        from hpfun.lower import annotate  # (lowering calls this; rules are imported before it)
         p = float(call.arg(1, "ord", 2))
         (src, dst, shape, wide), = self.inner_moves(call, strategy)  # powers and sums kept wide (16-bit norms
         dtype = call.outputs[0].dtype  # in float32), as the whole op accumulates
         local = ctx.call(call.op, args, {**kwargs, "dtype": wide})
         powered = ctx.call(aten.pow.Tensor_Scalar, (local, p))
-        annotate(powered, src, shape, wide)
+        ctx.annotate(powered, src, shape, wide)
         ctx.consumer = (*ctx.consumer[:2], f"{call.op} over split dims: the blocks' norms to the {p:g}, summed")
         summed = ctx.redistribute(powered, src, dst, shape, wide)
         norm = ctx.call(aten.pow.Tensor_Scalar, (summed, 1.0 / p))

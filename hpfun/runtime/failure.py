@@ -55,10 +55,7 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException) 
     what = f"{op} ({'node ' + origin if origin else 'a step redistributing a value'})"
     layouts = node.meta.get("hpfun_inputs")
     if layouts is not None:
-        out = node.meta.get("hpfun_layout")
-        outs = out if isinstance(out, tuple) else (out,)
-        what += (f" reading {', '.join(l.placements_str() for l in layouts)} -> "
-                 f"{', '.join('-' if l is None else l.placements_str() for l in outs)}")
+        what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
     return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", _mixed_dtypes(node, first) or _FIX))
@@ -80,3 +77,12 @@ def _mixed_dtypes(node: torch.fx.Node, message: str) -> str | None:
 
 _FIX = ("if the function runs unsharded on these inputs, this is a bug in hpfun: please report it with "
         "print(f.lower(*args)); the op's own error is attached as the cause")
+
+
+def _layouts_text(x) -> str:
+    """Layouts as the report writes them, through the tuples and lists of a multi-output op
+    (a foreach op's list of outputs: `[[R], [R]]`); `-` for an output that is not a tensor."""
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(_layouts_text(v) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else inner
+    return "-" if x is None else x.placements_str()
