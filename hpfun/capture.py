@@ -1945,6 +1945,12 @@ def _describe(err: Exception) -> str:
         hint = (" — a sparse tensor: nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make their weight's "
                 "gradient sparse, and hpfun shards dense tensors only; pass sparse=False (the same update, with a "
                 "dense gradient)")
+    if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):
+        hint = (" — a dict keyed by tensors (a parameter's learning-rate scale, one optimizer per parameter) is "
+                "looked up with a parameter inside the function, and the trace runs on stand-ins for the parameters, "
+                "which are not its keys: key it by the parameter's name (`scales[name]` over "
+                "`model.named_parameters()`), or keep the number on the parameter (`p.lr_scale = 0.5`, read as "
+                "`p.lr_scale`), which hpfun reads at every call")
     if "saved tensor hooks" in str(err):  # torch.utils.checkpoint under torch.func.grad
         hint = " — for activation checkpointing inside a sharded function use hpfun.checkpoint(block)(x)"
     if ".numpy() is not supported" in str(err):
@@ -1962,6 +1968,9 @@ def _describe(err: Exception) -> str:
                 "(`torch.func.grad(loss_fn)(x)`), or hold the tensor in a module as a parameter, whose gradient "
                 "hpfun writes back")
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):  # (not the stand-in's repr)
+        key = err.args[0]
+        first = f"a tensor of shape {tuple(key.shape)}"
     if first.startswith("Could not run") and ". " in first:  # not the dispatcher's list of every backend
         first = first[:first.index(". ") + 1]
     return f"{kind}{where}: {first}{hint}"
