@@ -538,14 +538,19 @@ class ShardedFunction:
         """The program of this signature that is right for the values this call's inputs give the
         reads its trace made (`capture.InputRead`: `labels.max() >= vocab_size`), compiled if none is."""
         inputs = [call.flat[i] for i in entry.tensor_pos]
-        if _all_hold(entry.reads, inputs):
+        distributed = self.mesh.runtime == "distributed"
+        if _all_hold(entry.reads, inputs) and not distributed:
             return entry
         if key is None:
             leaves, key = self._signature(call)
         variants = self._read_variants.setdefault(key, [entry])
-        for other in variants:
-            if _all_hold(other.reads, [call.flat[i] for i in other.tensor_pos]):
-                return other
+        chosen = next((i for i, other in enumerate(variants)
+                       if _all_hold(other.reads, [call.flat[i] for i in other.tensor_pos])), -1)
+        if distributed and not runtime_for(self.mesh).same_everywhere(chosen):
+            chosen = -1  # the ranks' values read differ: every rank compiles, and the compile fails them all
+            # together (a rank whose check raised, the others with it), not one rank alone out of step
+        if chosen >= 0:
+            return variants[chosen]
         changed: dict = {}  # where -> (was, now) of its first read that changed: one count per compile
         for r in entry.reads:
             now = r.evaluate(inputs)

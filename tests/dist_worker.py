@@ -235,6 +235,17 @@ def lifted_dp(out: Path):
     got["one rank raised"] = _error(lambda: hpfun.shard(refused_on_rank_1, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))
     summed = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())
     got["after one rank raised"] = [summed(x * k).full() for k in (1.0, 10.0)]  # in step: each call pairs with its own
+
+    def checked(x):  # a check of the data read by the trace: cached after the first call
+        if torch.isnan(x).any():
+            raise ValueError("NaN in the batch")
+        return x.sum()
+
+    checked = hpfun.shard(checked, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    bad = x.clone()
+    if RANK == 1:  # only rank 1's data fails the check
+        bad[0, 0] = float("nan")
+    got["later check"] = [checked(x).full(), _error(lambda: checked(bad)), checked(2 * x).full()]
     picker = hpfun.shard(pick_columns, mesh=hpfun.Mesh.distributed((2,), ("picks",), timeout=TIMEOUT),
                          in_specs=(P("picks"), P()), out_specs=P())  # (its own mesh: a failed run retires it)
     got["op error"] = _error(lambda: picker(x, torch.tensor([0, 99])))  # out of range on every rank

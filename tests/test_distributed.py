@@ -353,6 +353,15 @@ def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(l
             assert "mesh rank 1: raised an error while compiling this call" in text, text
         for k, value in zip((1.0, 10.0), got["after one rank raised"], strict=True):
             _close(value, (x * k).sum(0), f"rank {rank}, batch x {k}")
+        # the same at a later call, the program cached: a check of the data it reads fails on rank 1
+        # only (rank 0 ran the cached program and rank 1 compiled, each waiting on the other)
+        first, text, after = got["later check"]
+        _close(first, x.sum(), f"rank {rank}: before")
+        if rank == 1:
+            assert text.startswith("ValueError: NaN in the batch"), text
+        else:
+            assert text.startswith("ShardingError") and "another rank failed to compile" in text, text
+        _close(after, 2 * x.sum(), f"rank {rank}: the call after")
 
 
 def test_a_rank_whose_program_failed_runs_nothing_more_on_that_mesh(lifted_dp_job):

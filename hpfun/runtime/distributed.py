@@ -222,6 +222,10 @@ class DistributedRuntime:
             "alone): report it, and export PYTHONHASHSEED=0 for every rank to work around it")],
             headline="ranks planned different programs")
 
+    def same_everywhere(self, mine: int) -> bool:
+        """Whether every rank passes the same `mine` (one 8-byte all_gather)."""
+        return len(self._hashes(mine)) == 1
+
     def _hashes(self, mine: int) -> set[int]:
         """The distinct values of `mine` over every rank (one 8-byte all_gather)."""
         return {row[0] for row in self._gathered([mine])}
