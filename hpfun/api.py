@@ -424,6 +424,13 @@ class ShardedFunction:
             writeback.apply(entry.writes, [shards[n + j] for j in range(len(entry.writes))], tensors, call.state)
             if entry.creates:  # state now there, which the next call reads (`if "s" not in cache:` takes the
                 self._roots.forget()  # other branch in eager): found by a new walk, and traced again
+        if self.mesh.runtime == "distributed" and call.lifted:
+            arguments = len(flat) - len(call.lifted)
+            read_split = [(flat[i], entry.leaves[i]) for i in entry.fed_flat if i >= arguments and
+                          type(flat[i]) is not Sharded and not entry.leaves[i].layout.is_replicated and
+                          not entry.leaves[i].layout.partial_axes and i not in entry.written]
+            if read_split:  # state read split and left as it was (a frozen weight): each rank keeps its block
+                writeback.keep_blocks([(t, leaf.layout, leaf.shape) for t, leaf in read_split])
         if entry.cleared:
             writeback.clear(entry.cleared, call.state)
         if entry.effects:

@@ -265,6 +265,16 @@ def _meet(param, value: Sharded) -> None:
     _hold(param, value.layout, value.global_shape)
 
 
+def keep_blocks(read: list) -> None:
+    """Lifted state a distributed call read split and did not write (a frozen weight under
+    ZeRO or tensor parallelism: `(tensor, layout, global shape)` each) becomes this rank's block,
+    as written state does: each rank holds its share between calls, not the whole tensor."""
+    for tensor, layout, shape in read:
+        if held_block(tensor) is None and tuple(tensor.shape) == tuple(shape) and not tensor.requires_grad:
+            tensor.data = local_block(tensor.detach(), layout, runtime_for(layout.mesh).coords).clone()
+            _hold(tensor, layout, shape)
+
+
 def _new_tensor(value: Sharded, like=None) -> torch.Tensor:
     """A new tensor for an assigned slot: the full value when simulated, the block otherwise."""
     if value.layout.mesh.runtime == "simulated":

@@ -295,7 +295,13 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
         model[0].weight.requires_grad_(not frozen)
         step(x, y)
         states.append(_snapshot(hpfun.gather_state(model)))
-    return states
+    base = lifted_model()  # frozen from the start (a LoRA base): each rank keeps its block of the split weight
+    base[0].requires_grad_(False)
+    step = sharded_step(mesh, base, torch.optim.SGD(base[2].parameters(), lr=0.1), (P("dp"), P("dp")),
+                        {"0.weight": P("dp")})
+    step(x, y)
+    step(x, y)
+    return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base))}
 
 
 class _Keeps(torch.nn.Module):

@@ -233,7 +233,17 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         model[0].weight.requires_grad_(not frozen)
         w.eager_step(model, opt, x, y)
         for rank, results in enumerate(lifted_dp_job):
-            _close(results["frozen"][call], model.state_dict(), f"rank {rank}, call {call} (frozen: {frozen})")
+            _close(results["frozen"]["states"][call], model.state_dict(), f"rank {rank}, call {call} (frozen: {frozen})")
+    # a weight frozen from the start, split by state_specs: each rank holds its block between calls
+    # (it kept the whole tensor, which the memory estimate did not count), results as eager's
+    base = w.lifted_model()
+    base[0].requires_grad_(False)
+    opt = torch.optim.SGD(base[2].parameters(), lr=0.1)
+    for _ in range(2):
+        w.eager_step(base, opt, x, y)
+    for rank, results in enumerate(lifted_dp_job):
+        assert results["frozen"]["frozen block"] == (8, 8), results["frozen"]["frozen block"]
+        _close(results["frozen"]["frozen"], base.state_dict(), f"rank {rank}: frozen from the start")
 
 
 def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_dp_job):
