@@ -1089,7 +1089,8 @@ def _bincount(bincount, input, weights=None, minlength=0):  # noqa: A002 - torch
         counts = torch.ones_like(index)
     else:
         counts = weights if weights.is_floating_point() else weights.double()  # torch counts integer weights in float64
-    return torch.zeros(length, dtype=counts.dtype, device=input.device).scatter_add_(0, index, counts)
+    # (out of place: a count of readable values stays readable, for repeat_interleave or split by it)
+    return torch.zeros(length, dtype=counts.dtype, device=input.device).scatter_add(0, index, counts)
 
 
 def _cov(cov, input, correction=1, fweights=None, aweights=None):  # noqa: A002 - torch.cov's own names
@@ -1512,6 +1513,8 @@ class _TensorScalars(TorchFunctionMode):
                 return result
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
+        if func is torch.where and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            func, kwargs = torch.nonzero, {"as_tuple": True}  # torch.where(mask): the positions of its True values
         if func in _SHAPE_READS and args and isinstance(args[0], torch.Tensor):
             result = _read(functools.partial(_listed, func), args[0], args[1:], kwargs)
             if result is not _UNREADABLE:

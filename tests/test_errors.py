@@ -167,6 +167,24 @@ def test_repeat_interleave_by_counts_of_constants_or_inputs_is_read():
     torch.testing.assert_close(flat(x).full(), torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)))
 
 
+def test_routing_counts_and_positions_of_the_inputs_are_read():
+    """Token routing by the inputs' values (hash routing by token id): the counts of bincount
+    feed repeat_interleave and split, and torch.where(mask) gives the positions, as nonzero
+    does; each read like a mask, equal to eager (they were refused)."""
+    x = torch.randn(8, 4, dtype=torch.float64)
+    ids = torch.tensor([2, 0, 1, 2, 2, 0, 3, 1])
+
+    def routed(x, ids):
+        counts = torch.bincount(ids, minlength=4)
+        order = ids.argsort(stable=True)
+        per_expert = torch.stack([c.sum(0) for c in torch.split(x[order], counts.tolist())])
+        return per_expert, torch.repeat_interleave(torch.arange(4), counts), x[torch.where(ids == 2)[0]]
+
+    f = hpfun.shard(routed, mesh=MESH, in_specs=(P(None, "tp"), P()), out_specs=P())
+    for got, want in zip(f(x, ids), routed(x, ids), strict=True):
+        torch.testing.assert_close(got.full(), want)
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
