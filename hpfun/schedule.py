@@ -316,7 +316,35 @@ def bucket(graph: torch.fx.Graph, cap: int) -> tuple[Bucket, ...]:
             closed.append(current.members)
         open_[c.key] = _Open([c], c.record.bytes)
     closed += [o.members for o in open_.values()]
-    return tuple(_fuse(graph, members) for members in closed if len(members) > 1)
+    # Each fusion moves glue (and the results of earlier buckets) next to its first use, so the
+    # members of a later bucket are checked again where they stand now: one whose input now comes
+    # after another's first use is left to a bucket of its own (else its wait would precede it).
+    fused, pending = [], [members for members in closed if len(members) > 1]
+    while pending:
+        members = sorted((_live_candidate(m.collective) for m in pending.pop(0)), key=lambda c: c.ready)
+        group, rest = _Open([members[0]], members[0].record.bytes), []
+        for c in members[1:]:
+            if group.takes(c, cap):
+                group.members.append(c)
+                group.bytes += c.record.bytes
+            else:
+                rest.append(c)
+        if len(group.members) > 1:
+            fused.append(_fuse(graph, group.members))
+        if len(rest) > 1:
+            pending.insert(0, rest)
+    return tuple(fused)
+
+
+_FIRST, _NEVER = (), (math.inf,)  # sort keys before every node and after every node
+
+
+def _live_candidate(collective: torch.fx.Node) -> _Candidate:
+    """`_candidate` with each position as the node's place in the graph now (`_LIVE`)."""
+    ready = _ready(issue_group(collective), _LIVE)
+    first_use = _first_use(wait_group(collective), _LIVE)
+    return _Candidate(collective, _FIRST if ready is None else _LIVE[ready],
+                      _NEVER if first_use is None else _LIVE[first_use], collective.meta["hpfun_collective"])
 
 
 def _candidate(collective: torch.fx.Node, pos: dict) -> _Candidate:

@@ -234,6 +234,33 @@ def test_mixtral_experts_split_over_tp_equal_eager():
     assert not gathered, gathered  # replicate-only, the expert weights would be gathered over tp for them
 
 
+def test_llama_with_clip_grad_norm_on_dp_x_tp_equals_eager():
+    """clip_grad_norm_ in the Llama step on a 2x2 dp x tp mesh: each split gradient's norm is
+    all-reduced where it lies, and those small all-reduces bucket with the gradients'. A bucket
+    fused after an earlier one moved its inputs had its wait placed before its collective (the
+    program failed at its first call); two AdamW steps now equal eager."""
+    model = build("llama", "eager")
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+
+    def train(m, o, ids):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    mesh, spec, _ = LAYOUTS["dp-x-tp"]
+    step = hpfun.shard(lambda ids: train(model, opt, ids), mesh=mesh, in_specs=(spec,), out_specs=P(),
+                       state_specs=LLAMA_TP)
+    for i in range(2):
+        ids = tokens(i)
+        got, want = step(ids).full().item(), train(ref, ref_opt, ids).item()
+        assert abs(got - want) <= 2 * torch.finfo(torch.float32).eps * abs(want)  # HF's float32 loss, summed in halves
+    assert worst(model, ref) < 1e-10
+
+
 def test_bfloat16_mixtral_experts_run_torchs_grouped_mm_split_over_tp():
     """In bfloat16 transformers calls torch's own `_grouped_mm` while compiled (and so while
     traced), which had no rule: every bfloat16 MoE step was refused. Its rule splits the experts'
