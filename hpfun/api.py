@@ -874,10 +874,12 @@ class ShardedFunction:
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
             swap[id(real)] = fake
-            if isinstance(real, torch.Tensor) and (real._backward_hooks or getattr(real, "_post_accumulate_grad_hooks", None)):
-                _hooks_onto(real, fake)
-            if isinstance(real, torch.Tensor) and type(real) is not Sharded and real.__dict__:  # `p.no_decay = True`,
-                for key, value in real.__dict__.items():  # read by a custom loop: the stand-in has it too
+            # (a block a distributed call left stands for its tensor, which holds the hooks and attributes)
+            owner = real.shards[0] if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed" else real
+            if isinstance(owner, torch.Tensor) and (owner._backward_hooks or getattr(owner, "_post_accumulate_grad_hooks", None)):
+                _hooks_onto(owner, fake)
+            if isinstance(owner, torch.Tensor) and type(owner) is not Sharded and owner.__dict__:  # `p.no_decay = True`,
+                for key, value in owner.__dict__.items():  # read by a custom loop: the stand-in has it too
                     if key not in fake.__dict__:
                         setattr(fake, key, value)
             if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":

@@ -198,6 +198,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         and the hooks it holds, each bound by identity (a hook added or removed compiles
         again); the walk is done again when a submodule or a hook is added, removed or replaced."""
         note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
+        attributes_of = []  # each tensor's attribute dict: one set or added between calls is walked again
         for mod_name, mod in module.named_modules(remove_duplicate=True):  # (a submodule replaced: `RootCache`)
             user_classes(type(mod), "")
             for kind in _HOOK_DICTS:
@@ -217,9 +218,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                         note(_Unchanged(hooks))
                         for h in list(hooks.values()):
                             value(h, f"{p_name}.{kind.lstrip('_')}", _constant(h), None)
+                attributes_of.append(vars(p))
                 for k, v in list(vars(p).items()):  # `p.no_decay = True`, `p.lr_scale = 0.5`, read by a loop
                     if _is_scalar(v) and not k.startswith("_"):  # (a library's private flags: `_is_buffer`)
                         value(v, f"{p_name}.{k}", functools.partial(getattr, p, k, None), None)
+        note(_AllUnchanged(attributes_of))
 
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
@@ -569,7 +572,7 @@ except Exception:  # (a build or Python without it: every entry compared, as wri
 def _holds(guard: list) -> bool:
     """Every place a walk read still holds the object it held then."""
     for entry in guard:
-        if type(entry) is _Unchanged:
+        if type(entry) is _Unchanged or type(entry) is _AllUnchanged:
             if not entry.holds():
                 return False
             continue
@@ -578,6 +581,25 @@ def _holds(guard: list) -> bool:
         if now is not obj:
             return False
     return True
+
+
+class _AllUnchanged:
+    """A guard on many dicts at once (the attribute dicts of a module tree's tensors, where
+    `p.lr_scale = 0.5` set between calls is to be read): their version tags, compared in one C
+    loop; where a Python has no version tags, the dicts that hold something, one by one."""
+
+    __slots__ = ("dicts", "versions", "each")
+
+    def __init__(self, dicts: list):
+        if _dict_version is not None:
+            self.dicts, self.versions, self.each = tuple(dicts), tuple(map(_dict_version, dicts)), ()
+        else:
+            self.dicts, self.versions, self.each = (), (), tuple(_Unchanged(d) for d in dicts if d)
+
+    def holds(self) -> bool:
+        if self.each:
+            return all(e.holds() for e in self.each)
+        return tuple(map(_dict_version, self.dicts)) == self.versions
 
 
 class _Unchanged:

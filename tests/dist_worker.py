@@ -255,6 +255,7 @@ def lifted_dp(out: Path):
     got["kept"] = kept_by_the_forward(mesh)
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
 
 
@@ -279,6 +280,38 @@ def stepped_outside(mesh, x, y) -> dict:
     refused = _error(lambda: evaluate(x))
     return {"model": _snapshot(hpfun.gather_state(model)), "opt": hpfun.gather_state(opt)["state"],
             "other mesh": refused}
+
+
+def scaled_update(model, x, y):
+    """A hand update reading a per-parameter attribute, after gradient hooks ran."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * getattr(p, "lr_scale", 1.0) * p.grad)
+            p.grad = None
+    return loss
+
+
+def halved(g):
+    return g * 0.5
+
+
+def hooks_and_attributes(mesh, x, y) -> list:
+    """A split weight's attribute changed and a gradient hook registered on it between calls,
+    once its rank holds a block of it: each call sees them. The state after each call."""
+    model = lifted_model()
+    step = hpfun.shard(lambda x, y: scaled_update(model, x, y), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       out_specs=P(), state_specs={"0.weight": P("dp")})
+    states = []
+    for call in range(3):
+        if call == 1:
+            model[0].weight.lr_scale = 3.0
+        if call == 2:
+            model[0].weight.register_hook(halved)
+        step(x, y)
+        states.append(_snapshot(hpfun.gather_state(model)))
+    return states
 
 
 FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call

@@ -265,6 +265,23 @@ def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_
             in got["other mesh"], got["other mesh"]
 
 
+def test_hooks_and_attributes_of_a_held_block_are_read(lifted_dp_job):
+    """An attribute set and a gradient hook registered between calls on a weight each rank
+    holds a block of: the trace read the block, which has neither (the parameter holds them),
+    and ran the old value silently. Equal to eager after each call."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    for call in range(3):
+        if call == 1:
+            model[0].weight.lr_scale = 3.0
+        if call == 2:
+            model[0].weight.register_hook(w.halved)
+        w.scaled_update(model, x, y)
+        for rank, results in enumerate(lifted_dp_job):
+            _close(results["hooks and attributes"][call], model.state_dict(), f"rank {rank}, call {call}")
+
+
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
     """donate_state=True hands parameters and AdamW's state over to the program (each rank's
     tensors give up their storage at every call, where without it new values are copied into
