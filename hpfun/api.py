@@ -496,7 +496,7 @@ class ShardedFunction:
                 held = {k: writeback.held_block(v) for k, v in lifted.items() if isinstance(v, torch.Tensor)}
                 if key is not None:  # a held block keys by its layout: the tensor's requires_grad keys too
                     key.append(tuple(lifted[k].requires_grad for k, v in held.items() if v is not None))
-                lifted = {k: held.get(k) or v for k, v in lifted.items()}
+                lifted = {k: v if held.get(k) is None else held[k] for k, v in lifted.items()}
                 if writeback._LOST and (names := writeback.lost(lifted)):
                     raise ExecutionError(Problem(
                         ", ".join(names), "lost: a call that was handed this state (donate_state=True) failed",

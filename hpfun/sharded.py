@@ -202,6 +202,17 @@ class Sharded:
     def __int__(self) -> int:  # int(n_tokens), as of a one-element tensor (a float one truncated)
         return int(self.item())
 
+    def __bool__(self) -> bool:  # `if stop:` reads the value, as a tensor's does (an object was always true)
+        return bool(self.item())
+
+    def __index__(self) -> int:  # range(n), as of a one-element integer tensor
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            raise TypeError(f"only integer Sharded values of one element can be an index, this one is {self.dtype}")
+        return int(self.item())
+
+    def __round__(self, ndigits=None):
+        return round(self.item(), ndigits)
+
     def __format__(self, spec: str) -> str:  # f"{loss:.3f}" formats the number, f"{x}" the record
         return format(self.item(), spec) if spec else repr(self)
 

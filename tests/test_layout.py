@@ -446,7 +446,8 @@ def test_mesh_coords_and_rank_refuse_what_is_off_the_mesh():
 
 
 def test_a_one_element_sharded_value_reads_as_a_number():
-    """`loss.item()`, `float(loss)`, `int(count)` and `f"{loss:.3f}"` read the full value; a larger value's
+    """`loss.item()`, `float(loss)`, `int(count)`, `bool(stop)`, `range(count)` and `f"{loss:.3f}"` read the
+    full value; a larger value's
     `.item()` and any `.backward()` are SpecErrors saying what to do."""
     mesh = Mesh.simulated((2,), ("dp",))
     f = hpfun.shard(lambda x: (x * 2).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
@@ -454,6 +455,9 @@ def test_a_one_element_sharded_value_reads_as_a_number():
     assert loss.item() == 8.0 and float(loss) == 8.0 and f"{loss:.1f}" == "8.0" and f"{loss}".startswith("Sharded(")
     count = hpfun.shard(lambda x: (x > 0).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())(torch.ones(4))
     assert int(count) == 4 and type(int(count)) is int and int(loss) == 8
+    assert list(range(count)) == [0, 1, 2, 3] and round(loss) == 8 and bool(loss)
+    zero = hpfun.shard(lambda x: (x < 0).any(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())(torch.ones(4))
+    assert not zero and (True if not zero else False)  # `if stop:` reads the value (it was always true)
     with pytest.raises(SpecError, match="needs one element"):
         hpfun.Sharded.from_global(torch.ones(4), P("dp").to_layout(mesh, 1)).item()
     with pytest.raises(SpecError, match="not connected to autograd"):
