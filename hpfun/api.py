@@ -331,7 +331,7 @@ class ShardedFunction:
         self._kept_whole: dict[str, str] = {}  # tensors a wildcard's spec did not fit, warned about once
         self._stage = ""  # what a compile is doing, for an internal error's message
         self._auto: list = []  # (key, entry) of each program with AUTO leaves
-        self._static_changes: dict = {}  # a Python value the trace reads -> how many compiles its changes caused
+        self._static_changes: dict = {}  # a Python value the trace reads -> the values it compiled for
         self._read_variants: dict = {}  # cache key -> the programs compiled for other values read from inputs
         self._read_changes: dict = {}  # where a value is read from the inputs -> compiles its changes caused
         self._lifted_names: frozenset | None = None  # the lifted tensors' names at the last compile
@@ -598,9 +598,12 @@ class ShardedFunction:
                    if name in before and before[name] != value]
         changed += [(path, was.value, now.value) for path, was, now in zip(call.paths(), last[1], leaves, strict=True)
                     if now.kind == "static" and was != now]
-        for name, was, value in changed:
-            self._static_changes[name] = seen = self._static_changes.get(name, 0) + 1
-            if seen == RETRACE_WARNING_AFTER:
+        for name, was, value in changed:  # counted by the values compiled for: train/eval flipping, two
+            values = self._static_changes.setdefault(name, {_value_key(was)})  # values, is no warning
+            new = _value_key(value) not in values
+            values.add(_value_key(value))
+            seen = len(values) - 1
+            if new and seen == RETRACE_WARNING_AFTER:
                 warnings.warn(_retrace_message(self, name, was, value, seen), RetraceWarning, stacklevel=user_stacklevel())
 
     def _note_new_state(self, call: _Call) -> None:
@@ -1051,6 +1054,15 @@ def _plan_lines(program: Program) -> list[str]:
             lines.append(f"{op_name(node.target)}({args}){f' (from {line})' if line else ''}")
     return lines + [f"inputs in {', '.join(map(str, program.input_layouts))}",
                     f"outputs in {', '.join(map(str, program.output_layouts))}"]
+
+
+def _value_key(value):
+    """A Python value as a set member (by its repr where it cannot hash: it keys a cache, so it mostly does)."""
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return (type(value), value)
 
 
 def _same_but_values(cached: tuple, leaves: tuple) -> bool:

@@ -770,6 +770,17 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert grow.trace_count == 10 and len(retraces) == 2, retraces  # each kind counts, though both change at once
     assert "because args[2] changed (last 2 -> 3)" in retraces[0] and "compiled 8 programs" in retraces[1]
 
+    flipped = torch.nn.Dropout(0.0)  # train/eval flipped at two lengths: 4 programs for 2 values, no warning
+    both = hpfun.shard(lambda x: flipped(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for length in (2, 3):
+                for training in (True, False):
+                    flipped.train(training)
+                    both(torch.ones(4, length))
+    assert both.trace_count == 4 and not [w for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+
     history = []  # a log the step appends to: its tensors are state, so each call compiles anew; it warns once
 
     def logged(x):
