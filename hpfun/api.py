@@ -777,8 +777,8 @@ class ShardedFunction:
             captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
                              requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
         except UnliftedTensor as err:
-            arguments = [(f"args[{i}]", a) for i, a in enumerate(call.args)] + \
-                [(f"kwargs[{k!r}]", a) for k, a in call.kwonly.items()]
+            n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
+            arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
             raise lift.unlifted_tensor_error(call.state, str(err), arguments) from None
         _check_configs_unchanged(call, leaves)
         gm = captured.gm  # (on a distributed mesh, the ranks compare what they read after compiling)

@@ -1392,7 +1392,7 @@ def _set_scalar(group: dict, key: str, index: int | None, value) -> None:
     if index is None:
         group[key] = value
     else:
-        group[key] = (*group[key][:index], value, *group[key][index + 1:])
+        group[key] = type(group[key])((*group[key][:index], value, *group[key][index + 1:]))  # (a list stays one)
 
 
 _STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the forward and backward (`loss = "
@@ -1434,8 +1434,8 @@ _TENSOR_HELD = "<tensor>"  # a tensor's place in a tuple of hyperparameters that
 
 
 def _tensors_in(v) -> bool:
-    """Whether `v` is a tuple of hyperparameters holding tensors (Adam's betas as tensors)."""
-    return type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v)
+    """Whether `v` is a tuple (or list) of hyperparameters holding tensors (Adam's betas as tensors)."""
+    return type(v) in (tuple, list) and any(isinstance(x, torch.Tensor) for x in v)
 
 
 def _group_tensors(key: str, v) -> list:
@@ -1658,7 +1658,7 @@ class Substitution:
                         self.signs[id(self.swap[id(x)])] = sign
                 if any(id(x) in self.swap for _, x in held):
                     self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)] if held[0][0] is None else
-                              tuple(self.swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in v))
+                              type(v)(self.swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in v))
             params = group["params"]
             for i, p in enumerate(params):
                 self._real_params[id(self.swap.get(id(p), p))] = p
@@ -1946,7 +1946,7 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
     flattened (only a pytree's: tuples, lists, dicts, dataclasses)."""
     suspects = []
     for name, obj in (state.opaque if state else ()):
-        found = _tensor_attributes(obj, name)
+        found = _tensor_attributes(obj, name, depth=3)  # (a transformers cache: its layers' keys)
         if found:
             suspects.append(f"{name} (a {type(obj).__name__}) holds tensors: {', '.join(found[:4])}")
     held = []

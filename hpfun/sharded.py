@@ -118,6 +118,9 @@ class Sharded:
         Ranks that differ only along Replicate axes must pass identical tensors, Partial terms
         included: rules rely on it (a product of values Partial over different axes is Partial
         over both only if each factor's terms repeat along the other's axis)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(Problem("tensor", f"is {type(tensor).__name__}, not a torch.Tensor", "pass this rank's block"))
+        layout = _a_layout(layout, len(tuple(global_shape)), "Sharded.from_local")
         if layout.mesh.runtime != "distributed":
             raise LayoutError("from_local is for distributed meshes; in a simulation give all shards: "
                               "Sharded(layout, global_shape, shards) or Sharded.from_global")
@@ -319,6 +322,9 @@ def _a_layout(layout, ndim: int, where: str) -> Layout:
 
     if isinstance(layout, str):
         layout = parse(layout)
+        if not isinstance(layout, Layout):  # a placement or a list of them: text without a mesh
+            raise SpecError(Problem(where, "takes a Layout; its text names the mesh too, as in "
+                                    "\"[S(0)] on {dp: 2}\"", "write the layout with ' on {...}', or pass a Layout"))
     if isinstance(layout, Layout):
         return layout.normalized(ndim)
     fix = "a Layout: `P(...).to_layout(mesh, ndim)`, or its text, e.g. hpfun.parse(\"[S(0)] on {dp: 2}\")"

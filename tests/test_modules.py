@@ -247,6 +247,10 @@ def test_betas_kept_in_tensors_are_inputs(make):
     assert max_diff(model, ref) < 1e-12 and step.trace_count == 3
     assert all(isinstance(b, torch.Tensor) for b in opt.param_groups[0]["betas"][:1])
     assert "opt.param_groups.0.betas.0" in str(step.lower(*batch(0)))
+    listed = mlp()  # betas as a list of tensors (eager takes it too)
+    opt = make(listed.parameters(), lr=1e-2, betas=list(betas()))
+    assert hpfun.shard(lambda x, y: eager_step(listed, opt, x, y), mesh=DP, in_specs=(P("dp"), P("dp")),
+                       out_specs=P())(*batch(0)).full().item() > 0
 
 
 def test_a_hyperparameter_kept_in_a_tensor_is_an_input():
