@@ -1780,10 +1780,16 @@ def _refuse_not_dense(paths: list, leaves: list) -> None:
     hpfun splits dense tensors (checked where a call compiles, and where one cannot be keyed)."""
     problems = []
     for path, x in zip(paths, leaves):
-        if isinstance(x, torch.Tensor) and (x.is_nested or x.layout is not torch.strided):
-            kind = "a nested" if x.is_nested else f"a {str(x.layout).removeprefix('torch.')}"
+        if not isinstance(x, torch.Tensor):
+            continue
+        masked = type(x).__name__ == "MaskedTensor"
+        if x.is_nested or x.layout is not torch.strided or x.is_quantized or masked:
+            kind = ("a nested" if x.is_nested else "a quantized" if x.is_quantized else "a masked" if masked
+                    else f"a {str(x.layout).removeprefix('torch.')}")
             fix = ("pad it into a dense tensor (torch.nested.to_padded_tensor) and pass a mask" if x.is_nested else
-                   "use a dense tensor instead (`.to_dense()`)")
+                   "dequantize it (`.dequantize()`) or keep the float tensor" if x.is_quantized else
+                   "pass its data and its mask as two tensors (`.get_data()`, `.get_mask()`) and mask inside"
+                   if masked else "use a dense tensor instead (`.to_dense()`)")
             problems.append(Problem(path, f"is {kind} tensor: hpfun splits dense (strided) tensors only", fix))
     if problems:
         raise SpecError(problems)

@@ -828,6 +828,9 @@ def test_sparse_and_nested_tensors_are_refused_by_path():
                     (nested, "nested")]:
         _, text = _raise(f, x, error=hpfun.SpecError)
         assert f"args[0]: is a {kind} tensor" in text and ("to_dense()" in text or "to_padded_tensor" in text)
+    quantized = torch.quantize_per_tensor(torch.randn(4, 3), 0.1, 0, torch.qint8)
+    _, text = _raise(f, quantized, error=hpfun.SpecError)
+    assert "args[0]: is a quantized tensor" in text and ".dequantize()" in text
     holder = torch.nn.Module()
     holder.register_buffer("adj", torch.eye(4).to_sparse())
     g = hpfun.shard(lambda x: torch.sparse.mm(holder.adj, x), mesh=MESH, in_specs=P(), out_specs=P())
