@@ -926,7 +926,7 @@ class ShardedFunction:
                                 for path in hooked], headline="hooks registered inside the function")
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
-        changed = [k for k, v in statics_after.items() if call.state.statics.get(k, v) != v
+        changed = [k for k, v in statics_after.items() if not _same_static(call.state.statics.get(k, v), v)
                    and k not in substitution.set_aside and type(v) is not lift.ModuleValues
                    and k not in {key for key, _, _ in traced.effects}]
         moved = objects.changed()
@@ -1054,6 +1054,14 @@ def _plan_lines(program: Program) -> list[str]:
             lines.append(f"{op_name(node.target)}({args}){f' (from {line})' if line else ''}")
     return lines + [f"inputs in {', '.join(map(str, program.input_layouts))}",
                     f"outputs in {', '.join(map(str, program.output_layouts))}"]
+
+
+def _same_static(a, b) -> bool:
+    """Whether a Python value read before and after a trace is the same (a NaN is itself)."""
+    try:
+        return same_value(a, b)
+    except Exception:  # (a value whose == is not a bool: compared as before)
+        return not (a != b)
 
 
 def _value_key(value):

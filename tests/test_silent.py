@@ -2,6 +2,7 @@
 or failed inside the run, where every op's own rule check passed."""
 
 import dataclasses
+import math
 import subprocess
 import sys
 
@@ -779,3 +780,15 @@ def test_tensors_stored_deep_inside_an_object_are_named():
     g = hpfun.shard(lambda x: store(x, closed), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
     with pytest.raises(hpfun.CaptureError, match=r"closed"):
         g(torch.ones(4))
+
+
+_NO_CLIP = float("nan")  # a sentinel a function reads
+
+
+def test_a_nan_python_value_read_by_the_function_is_no_change():
+    """A NaN global read by the function was refused as 'changed from nan to nan' (NaN is not
+    equal to itself); it is the same value before and after the trace."""
+    f = hpfun.shard(lambda x: x.sum() * (1.0 if math.isnan(_NO_CLIP) else _NO_CLIP), mesh=MESH, in_specs=P("a"),
+                    out_specs=P())
+    x = torch.randn(4, 3)
+    assert torch.allclose(f(x).full(), x.sum())
