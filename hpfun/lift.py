@@ -117,6 +117,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             return
         if isinstance(obj, (torch.Tensor, Sharded)):  # a root per place that holds it (`w` and `params = [w, b]`):
             roots.append(Root(unique(name, owner), obj, read, write))  # one input, its stand-in in every place
+            if isinstance(obj, torch.Tensor) and type(obj) is not Sharded and id(obj) not in seen_objects:
+                tensor_code(obj, name)  # a free tensor's hooks and attributes, as a parameter's
+                note(_Unchanged(vars(obj)))
             return
         if id(obj) in seen_objects:
             return
@@ -208,21 +211,25 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     for h in list(hooks.values()):
                         value(h, _join(mod_name, kind.lstrip("_")), _constant(h), None)
             for p_name, p in list(mod._parameters.items()) + list(mod._buffers.items()):
-                if p is None or id(p) in seen_objects:
-                    continue
-                seen_objects.add(id(p))
-                p_name = _join(mod_name, p_name)
-                for kind in _TENSOR_HOOK_DICTS:  # a parameter's own gradient hooks: what they read keys the cache
-                    hooks = getattr(p, kind, None)
-                    if hooks:
-                        note(_Unchanged(hooks))
-                        for h in list(hooks.values()):
-                            value(h, f"{p_name}.{kind.lstrip('_')}", _constant(h), None)
-                attributes_of.append(vars(p))
-                for k, v in list(vars(p).items()):  # `p.no_decay = True`, `p.lr_scale = 0.5`, read by a loop
-                    if _is_scalar(v) and not k.startswith("_"):  # (a library's private flags: `_is_buffer`)
-                        value(v, f"{p_name}.{k}", functools.partial(getattr, p, k, None), None)
+                if p is not None and id(p) not in seen_objects:
+                    tensor_code(p, _join(mod_name, p_name))
+                    attributes_of.append(vars(p))
         note(_AllUnchanged(attributes_of))
+
+    def tensor_code(p: torch.Tensor, p_name: str) -> None:
+        """A tensor's own gradient hooks (what they read keys the cache) and the Python values it
+        carries (`p.no_decay = True`, `p.lr_scale = 0.5`, read by a hand-written loop)."""
+        seen_objects.add(id(p))
+        note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
+        for kind in _TENSOR_HOOK_DICTS:
+            hooks = getattr(p, kind, None)
+            if hooks:
+                note(_Unchanged(hooks))
+                for h in list(hooks.values()):
+                    value(h, f"{p_name}.{kind.lstrip('_')}", _constant(h), None)
+        for k, v in list(vars(p).items()):
+            if not k.startswith("_") and (_is_scalar(v) or type(v) in (set, dict, list)):  # (a library's private
+                value(v, f"{p_name}.{k}", functools.partial(getattr, p, k, None), None)  # flags: `_is_buffer`)
 
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
@@ -266,13 +273,14 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
         defaults = fn.__defaults__ or ()
         for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):
-            if not _is_scalar(d):  # (a number there is the function's own constant)
-                value(d, var, _item_reader(functools.partial(getattr, fn, "__defaults__"), i), _default_writer(fn, i))
+            # (a number too: `lambda g, mult=mult: g * mult` made anew with another value is the same code)
+            value(d, var, _item_reader(functools.partial(getattr, fn, "__defaults__"), i), _default_writer(fn, i),
+                  owner=name)
         kwdefaults = fn.__kwdefaults__ or {}
         note((fn, "__kwdefaults__", fn.__kwdefaults__))
         for var, d in kwdefaults.items():
-            if not _is_scalar(d):
-                value(d, var, functools.partial(kwdefaults.get, var), functools.partial(kwdefaults.__setitem__, var))
+            value(d, var, functools.partial(kwdefaults.get, var), functools.partial(kwdefaults.__setitem__, var),
+                  owner=name)
         g = fn.__globals__
         for var in _global_names(code):
             note((g, var, g.get(var, _MISSING)))

@@ -1702,6 +1702,45 @@ def test_a_parameters_own_gradient_hooks_run():
         assert max_diff(model, ref) < 1e-12, (i, scale)
 
 
+def test_hooks_and_attributes_of_free_tensors_and_remade_hooks_are_read():
+    """A closed-over tensor's hook (not in a module) removed and another added, a hook remade
+    before each call as `lambda g, mult=mult: ...` (the same code, another default) and a dict
+    attribute on a parameter changed in place: each call runs what the tensors hold now (the
+    first trace's ran on)."""
+    def make():
+        torch.manual_seed(0)
+        w = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+        w.scales = {"lr": 0.1}
+        return w
+
+    (w, ref) = make(), make()
+
+    def step(w, x):
+        loss = (x @ w).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            w.sub_(w.scales["lr"] * w.grad)
+            w.grad = None
+        return loss
+
+    sharded = hpfun.shard(lambda x: step(w, x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    handles = {}
+    for call in range(5):
+        for t in (w, ref):
+            if call == 1:
+                handles[id(t)] = t.register_hook(lambda g, mult=2.0: g * mult)
+            if call == 2:
+                handles[id(t)].remove()
+                handles[id(t)] = t.register_hook(lambda g, mult=5.0: g * mult)  # the same code, another default
+            if call == 3:
+                t.scales["lr"] = 0.01
+            if call == 4:
+                handles[id(t)].remove()
+        x = batch(call)[0][:, :4]
+        torch.testing.assert_close(sharded(x).full(), step(ref, x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w, ref, rtol=1e-12, atol=1e-12, msg=f"call {call}")
+
+
 def test_a_from_scratch_model_of_tensors_that_require_grad():
     """The first training loop of every tutorial: weights made with requires_grad=True, held in
     variables and in a list, `loss.backward()`, an update in place under no_grad, `.grad.zero_()`.
