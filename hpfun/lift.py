@@ -1254,8 +1254,9 @@ def lifted_scalars(opt, group: dict) -> dict[str, tuple]:
         v = group.get(key)
         if _real(v):
             out[key] = (key, None)
-        elif type(v) is tuple and v and all(map(_real, v)) and not _half(group):
-            out.update({f"{key}.{i}": (key, i) for i in range(len(v))})
+        elif type(v) in (tuple, list) and v and all(_real(x) or isinstance(x, torch.Tensor) for x in v) \
+                and not _half(group):  # (a scheduler writes a float beside a tensor beta: both inputs)
+            out.update({f"{key}.{i}": (key, i) for i, x in enumerate(v) if _real(x)})
     return out
 
 

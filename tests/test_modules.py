@@ -246,6 +246,12 @@ def test_betas_kept_in_tensors_are_inputs(make):
                 o.param_groups[0]["betas"] = (torch.tensor(0.85, dtype=torch.float64), 0.99)
     assert max_diff(model, ref) < 1e-12 and step.trace_count == 3
     assert all(isinstance(b, torch.Tensor) for b in opt.param_groups[0]["betas"][:1])
+    for i in range(4, 7):  # a scheduler writing a float beside the tensor (OneCycleLR): an input, no compile
+        for o in (opt, ref_opt):
+            o.param_groups[0]["betas"] = (o.param_groups[0]["betas"][0], 0.99 - 0.01 * i)
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12 and step.trace_count == 3
     assert "opt.param_groups.0.betas.0" in str(step.lower(*batch(0)))
     listed = mlp()  # betas as a list of tensors (eager takes it too)
     opt = make(listed.parameters(), lr=1e-2, betas=list(betas()))
