@@ -43,7 +43,7 @@ from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, spent_error, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
-    match_patterns, misfit, only_wildcards, pattern_matches, register_container, spec_tree_problems, specificity,
+    match_patterns, misfit, only_wildcards, pattern_matches, register_container, register_containers_in, spec_tree_problems, specificity,
     split_scalars, tensor_layout, warn_kept_whole, warn_kept_whole_unless,
 )
 from hpfun.writeback import WriteBack
@@ -486,6 +486,7 @@ class ShardedFunction:
                               pytree.tree_leaves((args, kwonly), is_leaf=is_sharded))
             raise
         if not flattened:  # NumPy arrays, or pytree nodes of other types
+            register_containers_in((args, kwonly))  # (a dataclass in a dataclass: both seen into)
             args, kwonly = _from_numpy(args, kwonly)
             flat, key = pytree.tree_leaves((args, kwonly), is_leaf=is_sharded), None
         state = self._roots.state()

@@ -144,6 +144,24 @@ def register_container(kind: type) -> bool:
     return False
 
 
+def register_containers_in(tree, depth: int = 8) -> None:
+    """`register_container` for every dataclass and mapping inside `tree` (a dataclass field
+    holding another dataclass: each level is a container, or the inner one would be a leaf)."""
+    if depth == 0 or isinstance(tree, (torch.Tensor, str, bytes, type)):
+        return
+    if dataclasses.is_dataclass(tree):
+        if register_container(type(tree)):
+            for f in dataclasses.fields(tree):
+                register_containers_in(getattr(tree, f.name, None), depth - 1)
+    elif isinstance(tree, collections.abc.Mapping):
+        if type(tree) is dict or register_container(type(tree)):
+            for v in list(tree.values()):
+                register_containers_in(v, depth - 1)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            register_containers_in(v, depth - 1)
+
+
 def _mapping_flatten(m):
     return list(m.values()), list(m.keys())
 

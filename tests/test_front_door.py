@@ -140,6 +140,20 @@ def test_dataclasses_and_mappings_in_and_out_are_containers():
         torch.testing.assert_close(out.total.full(), (x * y).sum())
         if isinstance(spec, dict) and isinstance(batch, Batch):  # a dataclass's specs by field name
             assert "[S(0), R], local [4, 4] float32  (args[0].y)" in str(f.lower(batch))
+    @dataclasses.dataclass
+    class Outer:  # a dataclass in a dataclass, a list of tensors in it: each level seen into
+        inner: Batch
+        extra: list
+        name: str = "x"
+
+    nested = Outer(Batch(x, y), [x[:, :2]])
+
+    def total(o):
+        return o.inner.x.sum() + o.extra[0].sum() * 2
+
+    for spec in ({"inner": {"x": P("dp"), "y": P()}, "extra": P(), "name": None}, Outer(Batch(P("dp"), P()), P(), None)):
+        torch.testing.assert_close(hpfun.shard(total, mesh=MESH, in_specs=(spec,), out_specs=P())(nested).full(),
+                                   total(nested))
     err, text = _error(hpfun.shard(step, mesh=MESH, in_specs=([P("dp"), P()],)), Batch(x, y))
     assert "a dict of specs by its field names" in text and "the same Batch holding specs" in text
 
