@@ -293,7 +293,10 @@ def test_a_bad_table_on_the_rules_path_raises_at_every_use_until_fixed(tmp_path,
 
 @pytest.fixture
 def restored_registry():
-    """The global registry as it was, after a test that loads tables into it."""
+    """The global registry as it was, after a test that loads tables into it (the built-in
+    tables loaded first: saved before they were, it came back empty, and so did every later
+    test's rules in that worker)."""
+    REGISTRY._ensure_builtins()
     saved = dict(REGISTRY._entries), list(REGISTRY._pending or []), set(REGISTRY._loaded)
     yield REGISTRY
     REGISTRY._entries, REGISTRY._pending, REGISTRY._loaded = saved[0], saved[1], saved[2]
