@@ -67,5 +67,8 @@ def device_mesh(mesh) -> tuple[DeviceMesh, datetime.timedelta | None]:
 def _check_launcher_env():
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
-        raise ShardingError(f"no torch.distributed job: {', '.join(missing)} not set",
+        raise ShardingError(Problem("Mesh.distributed", f"needs a torch.distributed job, and {', '.join(missing)} "
+                                    "are not set",
+                                    "launch the script with torchrun (`torchrun --nproc-per-node 2 train.py`), or use "
+                                    "hpfun.Mesh.simulated(shape, names) to run every rank in this process"),
                             headline="cannot build a distributed mesh")
