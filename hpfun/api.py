@@ -427,8 +427,9 @@ class ShardedFunction:
         if self.mesh.runtime == "distributed" and call.lifted:
             arguments = len(flat) - len(call.lifted)
             read_split = [(flat[i], entry.leaves[i]) for i in entry.fed_flat if i >= arguments and
-                          type(flat[i]) is not Sharded and not entry.leaves[i].layout.is_replicated and
-                          not entry.leaves[i].layout.partial_axes and i not in entry.written]
+                          type(flat[i]) is not Sharded and type(entry.leaves[i].layout) is Layout and
+                          not entry.leaves[i].layout.is_replicated and not entry.leaves[i].layout.partial_axes
+                          and i not in entry.written]  # (an AUTO leaf's layout is the plan's: not kept here)
             if read_split:  # state read split and left as it was (a frozen weight): each rank keeps its block
                 writeback.keep_blocks([(t, leaf.layout, leaf.shape) for t, leaf in read_split])
         if entry.cleared:
