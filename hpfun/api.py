@@ -324,6 +324,7 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs, self.options = fn, mesh, in_specs, out_specs, options
         self.state_specs = state_specs
         self._cache: dict = {}
+        self._read_split: dict = {}  # id(a program's entry) -> (entry, positions of the state it reads split)
         self._argument_signatures: set = set()  # the argument leaves of each program compiled (distributed)
         self._fingerprints: dict = {}  # id(entry) -> a hash of what the ranks compare for it
         self._fast: dict = {}  # cheap signature -> cache entry: skips spec checks on repeated calls
@@ -425,11 +426,14 @@ class ShardedFunction:
             if entry.creates:  # state now there, which the next call reads (`if "s" not in cache:` takes the
                 self._roots.forget()  # other branch in eager): found by a new walk, and traced again
         if self.mesh.runtime == "distributed" and call.lifted:
-            arguments = len(flat) - len(call.lifted)
-            read_split = [(flat[i], entry.leaves[i]) for i in entry.fed_flat if i >= arguments and
-                          type(flat[i]) is not Sharded and type(entry.leaves[i].layout) is Layout and
-                          not entry.leaves[i].layout.is_replicated and not entry.leaves[i].layout.partial_axes
-                          and i not in entry.written]  # (an AUTO leaf's layout is the plan's: not kept here)
+            split = self._read_split.get(id(entry))
+            if split is None or split[0] is not entry:  # (per program, once)
+                arguments = len(flat) - len(call.lifted)
+                split = self._read_split[id(entry)] = (entry, tuple(
+                    i for i in entry.fed_flat if i >= arguments and type(entry.leaves[i].layout) is Layout and
+                    not entry.leaves[i].layout.is_replicated and not entry.leaves[i].layout.partial_axes
+                    and i not in entry.written))  # (an AUTO leaf's layout is the plan's: not kept here)
+            read_split = [(flat[i], entry.leaves[i]) for i in split[1] if type(flat[i]) is not Sharded]
             if read_split:  # state read split and left as it was (a frozen weight): each rank keeps its block
                 writeback.keep_blocks([(t, leaf.layout, leaf.shape) for t, leaf in read_split])
         if entry.cleared:
