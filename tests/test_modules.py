@@ -1864,42 +1864,17 @@ def test_an_rnns_weight_list_is_left_real_and_later_calls_hit_the_cache(cls):
     the trace's stand-ins were left there, so the next call keyed on them compiled again (Adam)
     or failed inside torch (SGD). Three steps equal eager's, in at most two programs (the
     second once Adam's state exists)."""
-    mesh = hpfun.Mesh.simulated((2,), ("dp",))
     for opt_cls in (torch.optim.SGD, torch.optim.Adam):
         torch.manual_seed(0)
         rnn = cls(4, 4, batch_first=True).double()
-        ref = copy.deepcopy(rnn)
-        opt, ref_opt = opt_cls(rnn.parameters(), lr=0.01), opt_cls(ref.parameters(), lr=0.01)
-
-        def step(x, rnn=rnn, opt=opt):
-            loss = rnn(x)[0].square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        sharded = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"),), out_specs=P())
-        x = torch.randn(4, 3, 4, dtype=torch.float64)
-        for _ in range(3):
-            got = sharded(x).full()
-            torch.testing.assert_close(got, step(x, ref, ref_opt), rtol=1e-12, atol=1e-12)
-        assert all(not isinstance(w, torch._subclasses.FakeTensor) for w in rnn._flat_weights)
+        sharded = _rnn_steps_equal_eager(rnn, copy.deepcopy(rnn), opt_cls)
         assert sharded.trace_count <= 2, opt_cls
-        for a, b in zip(rnn.parameters(), ref.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal"])
-def test_a_parametrized_rnn_weight_equals_eager(kind):
-    """A parametrization on an RNN's recurrent weight: setting the RNN's weight list back after
-    the trace computed the parametrization on the real tensors inside it, and the trace was
-    refused. Three Adam steps equal eager's, and the module still runs eagerly after them."""
-    mesh = hpfun.Mesh.simulated((2,), ("dp",))
-    torch.manual_seed(0)
-    rnn = getattr(torch.nn.utils.parametrizations, kind)(torch.nn.GRU(4, 4, batch_first=True).double(),
-                                                          name="weight_hh_l0")
-    ref = copy.deepcopy(rnn)
-    opt, ref_opt = torch.optim.Adam(rnn.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
+def _rnn_steps_equal_eager(rnn, ref, opt_cls):
+    """Three optimizer steps of `rnn` sharded over a split batch, each equal to `ref`'s eager one;
+    the RNN's weight list is left real. The sharded function, for its trace count."""
+    opt, ref_opt = opt_cls(rnn.parameters(), lr=0.01), opt_cls(ref.parameters(), lr=0.01)
 
     def step(x, rnn=rnn, opt=opt):
         loss = rnn(x)[0].square().mean()
@@ -1908,11 +1883,27 @@ def test_a_parametrized_rnn_weight_equals_eager(kind):
         opt.zero_grad()
         return loss
 
-    sharded = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    sharded = hpfun.shard(step, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"),), out_specs=P())
     x = torch.randn(4, 3, 4, dtype=torch.float64)
     for _ in range(3):
         torch.testing.assert_close(sharded(x).full(), step(x, ref, ref_opt), rtol=1e-12, atol=1e-12)
     assert all(not isinstance(w, torch._subclasses.FakeTensor) for w in rnn._flat_weights)
+    for a, b in zip(rnn.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    return sharded
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal"])
+def test_a_parametrized_rnn_weight_equals_eager(kind):
+    """A parametrization on an RNN's recurrent weight: setting the RNN's weight list back after
+    the trace computed the parametrization on the real tensors inside it, and the trace was
+    refused. Three Adam steps equal eager's, and the module still runs eagerly after them."""
+    torch.manual_seed(0)
+    rnn = getattr(torch.nn.utils.parametrizations, kind)(torch.nn.GRU(4, 4, batch_first=True).double(),
+                                                          name="weight_hh_l0")
+    ref = copy.deepcopy(rnn)
+    sharded = _rnn_steps_equal_eager(rnn, ref, torch.optim.Adam)
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
     torch.testing.assert_close(rnn(x)[0], ref(x)[0], rtol=1e-12, atol=1e-12)
     assert sharded.trace_count <= 2
 
