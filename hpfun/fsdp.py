@@ -341,6 +341,10 @@ def _root(node: torch.fx.Node, region: dict, memo: dict, dtype) -> torch.fx.Node
         widens_into = val.dtype == dtype and before.dtype.itemsize < val.dtype.itemsize
         if not widens_into:
             memo[key] = _root(source, region, memo, dtype)
+    elif target in _PERMUTES:
+        source = _unpermuted(node)
+        if source is not None:
+            memo[key] = _root(source, region, memo, dtype)
     elif isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         operands = [a for a in node.all_input_nodes if _shape(a) != ()]
         if operands and all(_shape(a) == _shape(node) for a in operands):
@@ -348,6 +352,34 @@ def _root(node: torch.fx.Node, region: dict, memo: dict, dtype) -> torch.fx.Node
             if len(roots) == 1:
                 memo[key] = roots.pop()
     return memo[key]
+
+
+_PERMUTES = frozenset([aten.permute.default, aten.t.default, aten.transpose.int])
+
+
+def _unpermuted(node: torch.fx.Node):
+    """The nearest value `node` is, through a chain of transposes (and same-shape views) that
+    compose to the identity, or None. Functionalization regenerates a gradient written in place
+    (`clip_grad_norm_`'s `_foreach_mul_` on `p.grad`, a view of the backward's transposed matmul)
+    as its base's transposes applied again: `w.grad.T.T` is `w.grad`'s values, and a
+    reduce-scatter pinned there would come after the clip, which then reads the Partial whole."""
+    order = list(range(len(_shape(node) or ())))  # node's dim i is source's dim order[i]
+    source = node
+    while True:
+        target = source.target if source.op == "call_function" else None
+        if target is aten.permute.default:
+            order = [source.args[1][i] % len(order) for i in order]
+        elif target is aten.transpose.int:
+            a, b = (d % len(order) for d in source.args[1:3])
+            swap = {a: b, b: a}
+            order = [swap.get(i, i) for i in order]
+        elif target is aten.t.default:
+            order = [{0: 1, 1: 0}.get(i, i) if len(order) == 2 else i for i in order]
+        elif not (target in _SAME and _passes(source)):
+            return None
+        source = source.args[0]
+        if order == sorted(order) and _shape(source) == _shape(node):
+            return source
 
 
 # views that, at the same shape, are the same values (a gradient's alias, `g.view(g.shape)`)
