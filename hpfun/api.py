@@ -32,6 +32,7 @@ from hpfun.errors import (
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
 from hpfun.layout import Layout, P
+from hpfun.exact import refine
 from hpfun.execute import run
 from hpfun.lower import Program, lower
 from hpfun.mesh import Mesh
@@ -102,7 +103,7 @@ def shard(f=None, *, mesh: Mesh, in_specs, out_specs=None, state_specs=None, com
     plan under the same model. `solver="greedy"` (the default) walks the graph in order with a
     minimum cut for Partial sums and look-ahead rounds; `solver="exact"` then improves on that by
     an integer program over every op's candidate strategies at once (HiGHS): slower to compile,
-    never a dearer plan.
+    never a dearer plan (the two plans are compared lowered, counting what their buckets save).
 
     Small collectives of one kind over the same mesh axes that are ready at about the same point
     (data parallel gradients) are fused into flat buffers of at most `bucket_bytes` (25 MiB by
@@ -824,20 +825,15 @@ class ShardedFunction:
                               "hpfun.AUTO chooses, and no spec of this call is AUTO: the plan is not held to it (give "
                               "hpfun.AUTO specs, or see lower(...).memory() for this plan's estimate)", stacklevel=user_stacklevel())
             fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
+            stages: list = []  # under solver="exact": (the walk's annotation, the exact stage's or None)
+            walked = _graph_copy(gm) if self.options.solver == "exact" else None
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,
                       reduce_dtype=self.options.reduce_dtype, outputs=out_layouts,  # reaching out_specs is priced too
-                      cost_model=self.options.cost_model, exact=self.options.solver == "exact")
-        fuse.rejoin(gm, self.mesh, self.options.registry)
-        checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
-        if checked:
-            verify.verify_annotation(gm, self.mesh)
-        self._stage = "lowering the per-shard program"
-        program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
-                        input_names=in_names, reduce_dtype=self.options.reduce_dtype,
-                        bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap,
-                        op_by_op=not self.options.compile)
-        if checked:
-            verify.verify_program(program)
+                      cost_model=self.options.cost_model,
+                      refine_with=None if walked is None else functools.partial(_refine_keeping_walk, stages))
+        program = self._lower_annotated(gm, out_layouts, out_paths, in_names)
+        if chosen is None and stages and stages[0][1] is not None:
+            program = self._cheaper_bucketed(program, stages[0], walked, out_layouts, out_paths, in_names)
         if captured.seed is not None:
             program = attrs.evolve(program, seed=captured.seed)
         if self.options.donate_state or donated_args:
@@ -855,6 +851,38 @@ class ShardedFunction:
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
+
+    def _lower_annotated(self, gm, out_layouts, out_paths, in_names) -> Program:
+        """The per-shard program of `gm`, annotated by propagation."""
+        fuse.rejoin(gm, self.mesh, self.options.registry)
+        checked = verify.enabled()  # HPFUN_VERIFY=1 or HPFUN_DEBUG: hpfun's own invariants
+        if checked:
+            verify.verify_annotation(gm, self.mesh)
+        self._stage = "lowering the per-shard program"
+        program = lower(gm, self.mesh, out_layouts, out_paths, rng=self.options.rng,
+                        input_names=in_names, reduce_dtype=self.options.reduce_dtype,
+                        bucket_bytes=self.options.bucket_bytes, overlap=self.options.overlap,
+                        op_by_op=not self.options.compile)
+        if checked:
+            verify.verify_program(program)
+        return program
+
+    def _cheaper_bucketed(self, program: Program, stages: tuple, walked, out_layouts, out_paths, in_names) -> Program:
+        """`solver="exact"`: the exact stage's plan (lowered: `program`) or the walk's, whichever
+        costs less once bucketing is counted. Both solvers price each collective with its own
+        alpha; the scheduler then fuses ready collectives of one kind into buckets, one alpha
+        each, which favours the walk's many gradient all-reduces (a data-parallel step) over the
+        exact stage's fewer activation moves. So the walk's plan is lowered too and the two are
+        compared by their whole price (local work and communication) less what their buckets
+        save; the exact plan is kept only where strictly cheaper, as `lower().cost()` reports."""
+        walk, exact = stages
+        copy, nodes = walked
+        attrs.evolve(walk, plans={nodes[n]: plan for n, plan in walk.plans.items()}).write(copy)
+        walk_program = self._lower_annotated(copy, out_layouts, out_paths, in_names)
+        model = self.options.cost_model or CostModel()
+        if exact.price - _bucket_saving(program, model) < walk.price - _bucket_saving(walk_program, model):
+            return program
+        return walk_program
 
     def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget, deadline):
         """AUTO layouts chosen (`hpfun.auto`) under `budget` and `gm` annotated: (input layouts,
@@ -1390,6 +1418,40 @@ def _chose(auto_key: tuple, entry: "_Entry", key: tuple) -> bool:
 
 def _same_shape(a, b) -> bool:
     return a is not None and b is not None and tuple(a.shape) == tuple(b.shape)
+
+
+def _graph_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict]:
+    """A copy of `gm` to annotate and lower apart from it, and its node for each of `gm`'s (the
+    nodes' meta copied shallowly: the fake values are shared, an annotation is each copy's own)."""
+    graph, nodes = torch.fx.Graph(), {}
+    output = graph.output(graph.graph_copy(gm.graph, nodes))
+    old = gm.graph.output_node()
+    output.meta = dict(old.meta)
+    nodes[old] = output
+    groups: dict = {}  # a fused op's group (`hpfun.fuse`) names its nodes: the copy's are its own
+    for node in graph.nodes:
+        if (group := node.meta.get("hpfun_group")) is not None:
+            if id(group) not in groups:
+                moved = functools.partial(torch.fx.node.map_arg, fn=lambda n: nodes.get(n, n))
+                groups[id(group)] = attrs.evolve(
+                    group, args=moved(group.args), kwargs=moved(group.kwargs), nodes=[nodes[n] for n in group.nodes],
+                    output=None if group.output is None else nodes[group.output],
+                    probes=[None if p is None else (nodes[p[0]], p[1]) for p in group.probes])
+            node.meta["hpfun_group"] = groups[id(group)]
+    return torch.fx.GraphModule(gm, graph), nodes
+
+
+def _refine_keeping_walk(stages: list, graph, walk):
+    """The exact stage (`hpfun.exact.refine`), recording the walk's annotation beside its result."""
+    refined = refine(graph, walk)
+    stages.append((walk, refined))
+    return refined
+
+
+def _bucket_saving(program: Program, model: CostModel) -> float:
+    """Seconds the program's buckets save under `model`: one alpha per collective that rides in
+    another's launch."""
+    return math.fsum((len(b.members) - 1) * model.link(b.axes)[0] for b in program.buckets)
 
 
 def _prune_unused_state(gm: torch.fx.GraphModule, n_inputs: int, lifted: set, mutated) -> list[int]:

@@ -68,3 +68,39 @@ def test_a_bad_cost_model_is_named(bad):
     """A price that would divide by zero or go negative is refused where the model is made."""
     with pytest.raises(ValueError, match="CostModel"):
         hpfun.CostModel(**bad)
+
+
+def test_exact_keeps_the_walks_plan_where_buckets_make_it_cheaper():
+    """Both solvers price each collective with its own alpha. On a data-parallel GPT step the
+    walk's plan is 2L+6 gradient all-reduces, which the scheduler fuses into a few buckets; the
+    exact stage's cheaper-looking plan moves activations, which do not bucket. The two lowered
+    plans are compared by their price less what their buckets save: the walk's is kept, so
+    `cost()` is never worse than the default solver's. Without buckets (`bucket_bytes=0`) the
+    exact stage's plan is the cheaper one and is kept."""
+    from hpfun.testing import models as M
+
+    sizes = dict(layers=1, d=32, seq=16, vocab=128)
+    params = {k: v.double() for k, v in M.gpt_init(**sizes).items()}
+    state = M.adamw_init(params)
+    idx, tgt = M.gpt_data(batch=4, **sizes)
+    ps = M.gpt_specs(params)
+    specs = (ps, {"m": ps, "v": ps, "step": P()})
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def lowered(**options):
+        f = hpfun.shard(M.gpt_step, mesh=mesh, in_specs=(*specs, P("dp"), P("dp")), out_specs=(*specs, P()), **options)
+        return f, f.lower(params, state, idx, tgt)
+
+    _, walk = lowered()
+    f, exact = lowered(solver="exact")
+    assert exact.cost().seconds <= walk.cost().seconds * (1 + 1e-9)
+    assert {c.kind for c in exact.collectives} == {"all_reduce"}
+    new_params, _, loss = f(params, state, idx, tgt)
+    ref_params, _, ref_loss = M.gpt_step(params, state, idx, tgt)
+    torch.testing.assert_close(loss.full(), ref_loss, rtol=1e-9, atol=1e-12)
+    for k in params:
+        torch.testing.assert_close(new_params[k].full(), ref_params[k], rtol=1e-9, atol=1e-12)
+    _, walk = lowered(bucket_bytes=0)
+    _, exact = lowered(solver="exact", bucket_bytes=0)
+    assert exact.cost().seconds < walk.cost().seconds
+    assert {c.kind for c in exact.collectives} != {"all_reduce"}  # the exact stage's own plan
