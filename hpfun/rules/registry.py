@@ -32,7 +32,7 @@ from hpfun.rules.loss import NllLossBackward
 from hpfun.rules.norm import BatchNorm, GroupNorm, GroupNormBackward, LayerNorm, LayerNormBackward
 from hpfun.rules.pointwise import Factory, Like, Pointwise, SameFeatureMeta
 from hpfun.rules.reduction import ArgReduction, Normalize, Pad, Reduction, VectorNorm
-from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter
+from hpfun.rules.shape import Cat, ComplexView, Diagonal, Expand, Permute, Reshape, Slice, SliceScatter, Split
 
 FAMILIES: dict[str, type[Rule]] = {
     "pointwise": Pointwise,
@@ -49,6 +49,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "permute": Permute,
     "expand": Expand,
     "slice": Slice,
+    "split": Split,
     "cat": Cat,
     "diagonal": Diagonal,
     "slice_scatter": SliceScatter,

@@ -151,6 +151,73 @@ class Slice(Rule):
         return _with_fallback(call, ins, outs)
 
 
+def _exchange_layouts(layout: Layout, dim: int, pieces: int, size: int):
+    """For `pieces` equal pieces of `size` along `dim` of a value in `layout`, split over some
+    axes along `dim` (and nothing Partial): the layouts of the value viewed as (pieces, size) at
+    `dim`, split along the pieces (as the whole value is) and along each piece, between which
+    one all-to-all per axis moves; None where the split does not divide both."""
+    axes = layout.shard_axes(dim)
+    factor = layout.shard_factor(dim)
+    if not axes or pieces % factor or size % factor or any(isinstance(p, Partial) for p in layout.placements):
+        return None
+
+    def viewed(at: int) -> Layout:
+        placements = [Shard(at) if a in axes else Shard(p.dim + (p.dim > dim)) if isinstance(p, Shard) else p
+                      for a, p in enumerate(layout.placements)]
+        return Layout(layout.mesh, tuple(placements), layout.order)
+
+    return viewed(dim), viewed(dim + 1)
+
+
+def _equal_pieces(sizes: list[int]):
+    """(how many, size) where every piece has the same size, else None."""
+    return (len(sizes), sizes[0]) if sizes and len(set(sizes)) == 1 and len(sizes) > 1 else None
+
+
+@attrs.frozen(kw_only=True)
+class Split(Slice):
+    """split / split_with_sizes along `dim_arg`. Besides the dim whole, a dim split over some
+    axes into equal pieces (`x.chunk(k)` of a data-parallel batch for gradient accumulation; a
+    fused gate/up projection's `chunk(2, dim=-1)` split over tp): each piece stays split as the
+    input was, the rank's block of every piece brought to it by one all-to-all of its block
+    (the value viewed as (pieces, piece size) moved from split along the pieces to split along
+    each): the strategy's `inner_moves`, priced with the rest. Where it needs one, a split dim
+    gathered whole costs (axes - 1) times the block, and every piece's work is then replicated."""
+
+    def _exchange(self, call: OpCall):
+        x = call.tensors[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % x.ndim
+        pieces = _equal_pieces([o.shape[dim] for o in call.outputs])
+        moves = pieces and _exchange_layouts(x.layout, dim, *pieces)
+        return (dim, pieces, moves) if moves else None
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        out = super().strategies(call)
+        if self._exchange(call) is None:
+            return out
+        x = call.tensors[0].layout
+        return [Strategy((x,), (x,) * len(call.outputs), note="exchange"), *out]
+
+    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
+        """The all-to-all: (from, to, global shape of the viewed value, dtype)."""
+        if strategy.note != "exchange":
+            return []
+        dim, (pieces, size), (src, dst) = self._exchange(call)
+        x = call.tensors[0]
+        return [(src, dst, (*x.shape[:dim], pieces, size, *x.shape[dim + 1:]), x.dtype)]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        if strategy.note != "exchange":
+            return super().emit(ctx, call, strategy, args, kwargs)
+        dim = self._exchange(call)[0]
+        (src, dst, shape, dtype), = self.inner_moves(call, strategy)
+        viewed = ctx.call(aten.reshape.default, (args[0], list(src.local_shape(shape))))
+        ctx.annotate(viewed, src, shape, dtype)
+        ctx.consumer = (*ctx.consumer[:2], f"{call.op} of split dim {dim} into equal pieces: each kept split")
+        moved = ctx.redistribute(viewed, src, dst, shape, dtype)
+        return ctx.call(aten.unbind.int, (moved, dim))
+
+
 @attrs.frozen(kw_only=True)
 class Cat(Rule):
     """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole.
@@ -172,7 +239,44 @@ class Cat(Rule):
                 if (isinstance(p, Shard) and p.dim != dim and t.ndim == out.ndim) or isinstance(p, Partial):
                     options.insert(0, (tuple(R if _legacy_empty(u, out) else p for u in tensors), (p,)))
             per_axis.append(options)
-        return combine_axes(call, per_axis)
+        return [*self._exchange_strategies(call), *combine_axes(call, per_axis)]
+
+    def _exchange(self, call: OpCall):
+        """(dim, (pieces, size), (from, to)) where equal pieces, each in one layout split along
+        the cat dim, are joined into a value split the same way (`Split`'s inverse: the
+        backward of a chunk), else None."""
+        tensors, out = call.tensors, call.outputs[0]
+        if call.op is not aten.cat.default or any(t.ndim != out.ndim or t.layout != tensors[0].layout for t in tensors):
+            return None
+        dim = call.arg(self.dim_arg, "dim", 0) % out.ndim
+        pieces = _equal_pieces([t.shape[dim] for t in tensors])
+        moves = pieces and _exchange_layouts(tensors[0].layout, dim, *pieces)
+        return (dim, pieces, moves[::-1]) if moves else None
+
+    def _exchange_strategies(self, call: OpCall) -> list[Strategy]:
+        if self._exchange(call) is None:
+            return []
+        layout = call.tensors[0].layout
+        return [Strategy((layout,) * len(call.tensors), (layout,), note="exchange")]
+
+    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
+        """The all-to-all: (from, to, global shape of the joined value viewed as pieces, dtype)."""
+        if strategy.note != "exchange":
+            return []
+        dim, (pieces, size), (src, dst) = self._exchange(call)
+        out = call.outputs[0]
+        return [(src, dst, (*out.shape[:dim], pieces, size, *out.shape[dim + 1:]), out.dtype)]
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        if strategy.note != "exchange":
+            return super().emit(ctx, call, strategy, args, kwargs)
+        dim = self._exchange(call)[0]
+        (src, dst, shape, dtype), = self.inner_moves(call, strategy)
+        stacked = ctx.call(aten.stack.default, (list(args[0]), dim))
+        ctx.annotate(stacked, src, shape, dtype)
+        ctx.consumer = (*ctx.consumer[:2], f"{call.op} of equal pieces split along dim {dim}: kept split")
+        moved = ctx.redistribute(stacked, src, dst, shape, dtype)
+        return ctx.call(aten.reshape.default, (moved, list(strategy.outputs[0].local_shape(call.outputs[0].shape))))
 
 
 def _legacy_empty(t, out) -> bool:
