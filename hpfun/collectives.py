@@ -103,7 +103,7 @@ class AllReduce:
     def emit(self, ctx, x, local_shape, n):
         dtype, wide = ctx.reduce_in(self)  # bfloat16/float16 sums: reduced in float32 by default
         out = ctx.collective(self, c10d.all_reduce.default, (_cast(ctx, x, dtype, wide), self.reduce), local_shape)
-        return _cast(ctx, out, wide, dtype)
+        return out if ctx.keeps_wide else _cast(ctx, out, wide, dtype)  # (a sum still partial on another axis)
 
 
 @attrs.frozen
@@ -149,7 +149,7 @@ class ReduceScatter:
         x = _cast(ctx, x, dtype, wide)
         front = _split_dim(ctx, x, local_shape, self.dim, n) if self.dim else x
         out = ctx.collective(self, c10d.reduce_scatter_tensor.default, (front, self.reduce, n), local_shape)
-        out = _cast(ctx, out, wide, dtype)
+        out = out if ctx.keeps_wide else _cast(ctx, out, wide, dtype)
         if not self.dim:
             return out
         shape = list(local_shape)

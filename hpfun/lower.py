@@ -89,6 +89,7 @@ class LowerContext:
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
         self.gather_for: str | None = None  # an FSDP gather's use (hpfun.fsdp): tags its collectives
+        self.keeps_wide = False  # the step being emitted leaves a low-precision sum partial: kept float32
         self._coords = self.seed = None
         self._cache: dict = {}
         self._random_ops = 0
@@ -216,14 +217,25 @@ class LowerContext:
         for step in redistribute_plan(src, dst, shape):
             self._step_layout, self._step_shape, self._step_dtype, self._step_input = cur, shape, dtype, value
             wide = local_dtype(value, dtype)
+            moved = moved_dtype(step, dtype, self.reduce_dtype)
+            # a low-precision sum resolved in two steps (an all-reduce over one axis, then a
+            # reduce-scatter over the other) stays wide between them: rounded, each rank's
+            # remaining partial would be rounded on its own, and the sum twice
+            self.keeps_wide = moved != dtype and _sums_left(step.apply(cur))
             value = step.emit(self, value, list(cur.local_shape(shape)), group_size(self.mesh, step))
             annotate(value, step.apply(cur), shape, dtype)
-            if wide != dtype and moved_dtype(step, dtype, self.reduce_dtype) == dtype:
+            if self.keeps_wide:
+                value.meta["hpfun_local_dtype"] = moved
+            elif wide != dtype and moved == dtype:
                 value.meta["hpfun_local_dtype"] = wide  # a step that sums gives the traced dtype back
             cur = step.apply(cur)
             if passed is not None:
                 passed(cur, value)
         return value
+
+
+def _sums_left(layout: Layout) -> bool:
+    return any(layout.placements[a].reduce in ("sum", "avg") for a in layout.partial_axes)
 
 
 def _collective_input_shape(step, local_shape, n: int) -> list[int]:

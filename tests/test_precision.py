@@ -121,6 +121,28 @@ def test_sum_is_rounded_once(dtype):
     assert (default == exact.to(dtype)).sum() > (compute == exact.to(dtype)).sum()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out", [P(), P("a"), P(("a", "b"))], ids=str)
+def test_a_sum_over_two_axes_resolved_in_two_steps_is_rounded_once(dtype, out):
+    """A sum partial over both axes of a 2 x 2 mesh, wanted split over one of them, is resolved
+    by an all-reduce and then a reduce-scatter (or two reduce-scatters): it stays float32 between
+    them, so the result is the float32 sum rounded once, whatever the out_specs. Blocks of
+    products beyond float16's range that cancel (+-80,000) come back finite, as eager's."""
+    mesh = hpfun.Mesh.simulated((2, 2), ("a", "b"))
+    x = torch.zeros(8, 64)
+    x[:, 0:16] = 5000.0 + torch.arange(8)[:, None]
+    x[:, 32:48] = -5000.0
+    x = (x + torch.randn(8, 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    w = torch.ones(64, 4, dtype=dtype)
+    f = hpfun.shard(lambda a, b: a @ b, mesh=mesh, in_specs=(P(None, ("a", "b")), P(("a", "b"), None)), out_specs=out)
+    got = f(x, w).full()
+    p = [x[:, 16 * i:16 * (i + 1)].float() @ w[16 * i:16 * (i + 1)].float() for i in range(4)]
+    once = [(((p[0] + p[1]) + p[2]) + p[3]).to(dtype), ((p[0] + p[1]) + (p[2] + p[3])).to(dtype)]  # either order
+    assert torch.isfinite(got).all()
+    assert ((got == once[0]) | (got == once[1])).all(), (got, once)
+    assert all(c.dtype == "float32" for c in f.lower(x, w).collectives)
+
+
 def test_reduce_scatter_along_a_later_dim():
     """P(sum) -> S(1) in float32: each rank gets its columns of the once-rounded sum."""
     mesh = hpfun.Mesh.simulated((4,), ("tp",))
