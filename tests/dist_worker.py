@@ -256,7 +256,24 @@ def lifted_dp(out: Path):
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+def dtypes_gloo_lacks(mesh) -> dict:
+    """Gathers, all-to-alls and sums of dtypes gloo has no collective for: (got, want) each."""
+    data = torch.arange(-32, 32).reshape(8, 8) * 997
+    results = {}
+    for dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn):
+        t = data.abs().to(dtype) if dtype.is_floating_point or not dtype.is_signed else data.to(dtype)
+        gathered = hpfun.shard(lambda t: t.T.contiguous(), mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P())
+        results[f"gather {dtype}"] = (gathered(t).full(), t.T.contiguous())
+        moved = hpfun.shard(lambda t: t.clone(), mesh=mesh, in_specs=(P("dp"),), out_specs=P(None, "dp"))
+        results[f"all_to_all {dtype}"] = (moved(t).full(), t)
+        if dtype is torch.int16:  # (torch sums no unsigned or float8 tensor on the CPU)
+            summed = hpfun.shard(lambda t: t.sum(0, dtype=dtype), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+            results[f"sum {dtype}"] = (summed(t).full(), t.sum(0, dtype=dtype))  # wraps alike
+    return results
 
 
 def stepped_outside(mesh, x, y) -> dict:

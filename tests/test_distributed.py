@@ -412,6 +412,16 @@ def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
         assert "aten.index.Tensor" in text and "reading [S(0)], [R] -> [S(0)]" in text and "IndexError" in text, text
 
 
+def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
+    """int16, uint16/32/64 and float8 values, which gloo has no collective for, are gathered and
+    all-to-all'd bit for bit (viewed as a same-size dtype), and an int16 sum is exact (summed in
+    int32 and narrowed back, wrapping as the unsharded sum does)."""
+    for got in lifted_dp_job:
+        assert len(got["gloo dtypes"]) == 11
+        for what, (value, want) in got["gloo dtypes"].items():
+            assert value.dtype == want.dtype and torch.equal(value.view(torch.uint8), want.view(torch.uint8)), what
+
+
 def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):
     """Mesh.distributed((2, 2)) in a job of 2 processes says what to launch, or what to build."""
     for got in lifted_dp_job:

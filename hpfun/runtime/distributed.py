@@ -107,9 +107,12 @@ class DistributedRuntime:
         if key not in bound_here:
             graph = torch.fx.Graph()
             graph.output(graph.graph_copy(module.graph, {}))
-            for node in graph.nodes:
+            gloo = dist.get_backend() == "gloo"
+            for node in list(graph.nodes):
                 if node.op == "call_function" and node.target in _COLLECTIVES:
                     node.args = (*node.args[:-1], self.group_name(node.args[-1]))
+                    if gloo:
+                        _through_gloo(graph, node)
             if boxed:
                 graph.set_codegen(_BoxedCodeGen())
             bound = torch.fx.GraphModule(module, graph)
@@ -279,3 +282,45 @@ _COLLECTIVES = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
 }
+
+_SUMS = {torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+_F8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+            if hasattr(torch, n))
+# dtypes gloo has no collective for -> (a dtype of the same size its values move in, bit for
+# bit, by gathers and all-to-alls; the dtype a reduction computes in, exactly: integer sums
+# wrap alike when narrowed back; or None where none is exact)
+_GLOO_WIRE = {
+    torch.int16: (torch.float16, torch.int32),
+    torch.uint16: (torch.float16, torch.int32),
+    torch.uint32: (torch.int32, torch.int64),
+    torch.uint64: (torch.int64, None),
+    **{f8: (torch.uint8, torch.float32) for f8 in _F8},
+}
+
+
+def _through_gloo(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Move a collective's value of a dtype gloo lacks (int16, unsigned, float8) in one it has:
+    its bits viewed as a same-size dtype where the values only move, or cast to a wider dtype
+    where they are reduced, and back after the wait. A uint64 sum is the int64 sum of the same
+    bits (two's complement adds alike); its max or min has no exact stand-in and is refused."""
+    record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
+    dtype = getattr(torch, str(getattr(record, "dtype", None)), None)
+    if dtype not in _GLOO_WIRE:
+        return
+    moves, reduces = _GLOO_WIRE[dtype]
+    reduce = node.args[1] if node.target in _SUMS else None
+    if reduce is None or dtype is torch.uint64 and reduce == "sum":
+        there, back = (torch.ops.aten.view.dtype, moves), (torch.ops.aten.view.dtype, dtype)
+    elif reduces is not None:
+        there, back = (torch.ops.aten.to.dtype, reduces), (torch.ops.aten.to.dtype, dtype)
+    else:
+        raise ShardingError(Problem(
+            "torch.distributed (gloo)", f"a {reduce} of {dtype} values over the mesh ({record})",
+            "gloo has no collective for this dtype and no exact stand-in for this reduction: compute it in int64"))
+    with graph.inserting_before(node):
+        moved = graph.call_function(there[0], (node.args[0], there[1]))
+    node.args = (moved, *node.args[1:])
+    wait = next(iter(node.users))
+    with graph.inserting_after(wait):
+        restored = graph.call_function(back[0], (wait, back[1]))
+    wait.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
