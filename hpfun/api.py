@@ -450,8 +450,8 @@ class ShardedFunction:
         none compares: at every call the ranks compare a hash of what they run (8 bytes each),
         and a difference is the error a first call's comparison gives."""
         fingerprint = self._fingerprints.get(id(entry))
-        if fingerprint is None:
-            text = "\n".join(_describe(call, entry.leaves)).encode()
+        if fingerprint is None:  # the arguments, and the program (not every Python value the key holds)
+            text = "\n".join([*_describe(call, entry.leaves, statics=False), str(_plan_digest(entry.program))]).encode()
             fingerprint = self._fingerprints[id(entry)] = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest())
         runtime_for(self.mesh).check_same_entry(fingerprint, lambda: _describe(call, entry.leaves))
 
@@ -530,7 +530,7 @@ class ShardedFunction:
             entry = next((e for k, e in self._auto if _chose(k, e, key)), None)
         if entry is None:
             if self.mesh.runtime == "distributed":
-                runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+                runtime_for(self.mesh).check_same_program(_describe(call, leaves, statics=False))
                 self._argument_signatures.add(tuple(leaves[:len(call.flat) - len(call.lifted)]))
             _refuse_not_dense(call.paths(), call.flat)
             self._note_changed_statics(call, key)
@@ -585,7 +585,7 @@ class ShardedFunction:
                     f"from its inputs changed ({where.strip()}): the program is traced for the value read, and "
                     f"every new value compiles again (seconds each). Fix: {fix}.", RetraceWarning, stacklevel=user_stacklevel())
         if self.mesh.runtime == "distributed":
-            runtime_for(self.mesh).check_same_program(_describe(call, leaves))
+            runtime_for(self.mesh).check_same_program(_describe(call, leaves, statics=False))
         new = self._compile_everywhere(call, leaves)
         variants.append(new)
         return new
@@ -735,9 +735,9 @@ class ShardedFunction:
         except Exception:
             runtime_for(self.mesh).agree_on_compile(None, [])
             raise
-        runtime_for(self.mesh).agree_on_compile(_plan_digest(entry.program),
-                                                [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
-                                                lambda: _plan_lines(entry.program))
+        runtime_for(self.mesh).agree_on_compile(  # (where the plans differ, the Python values deciding them too)
+            _plan_digest(entry.program), [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
+            lambda: _plan_lines(entry.program) + _describe(call, leaves)[len(leaves):])
         return entry
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
@@ -1591,11 +1591,37 @@ def _from_numpy(args: tuple, kwonly: dict) -> tuple[tuple, dict]:
     return args, kwonly
 
 
-def _describe(call: _Call, leaves) -> list[str]:
-    """One line per input leaf and per Python value deciding the trace, for ranks to compare."""
+def _describe(call: _Call, leaves, statics: bool = True) -> list[str]:
+    """One line per input leaf, and with `statics` per Python value deciding the trace (globals
+    and closed-over values the reachable code names), for ranks to compare.
+
+    Ranks must pass the same arguments. A Python value may differ between processes and not
+    matter (a library's per-process session id the step never reads): the ranks compare those
+    through the programs they plan (`agree_on_compile`, `_check_same_entry`), and the values are
+    listed only to say why where the programs differ. Sets are listed sorted: their order is
+    each process's own (string hashes are randomized per process)."""
     lines = [f"{path}: {leaf.describe()}" for path, leaf in zip(call.paths(), leaves, strict=True)]
+    if not statics:
+        return lines
     # (not the Python values modules hold: a rank's own number there is the user's business)
-    return lines + [f"{k}: {v!r}" for k, v in call.state.statics.items() if type(v) is not lift.ModuleValues]
+    return lines + [f"{k}: {_canonical_repr(v)}" for k, v in call.state.statics.items()
+                    if type(v) is not lift.ModuleValues]
+
+
+def _canonical_repr(value, depth: int = 0) -> str:
+    """`repr`, with the elements of sets (also inside lists, tuples and dicts) sorted."""
+    if depth > 8:
+        return repr(value)
+    if isinstance(value, (set, frozenset)):
+        items = sorted(_canonical_repr(v, depth + 1) for v in value)
+        return f"{type(value).__name__}({{{', '.join(items)}}})"
+    if type(value) in (list, tuple):
+        items = [_canonical_repr(v, depth + 1) for v in value]
+        return f"[{', '.join(items)}]" if type(value) is list else f"({', '.join(items)}{',' * (len(items) == 1)})"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{_canonical_repr(k, depth + 1)}: {_canonical_repr(v, depth + 1)}"
+                               for k, v in value.items()) + "}"
+    return repr(value)
 
 
 class _OnMeta(TorchDispatchMode):

@@ -257,7 +257,34 @@ def lifted_dp(out: Path):
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
+    got["per-process globals"] = per_process_globals(mesh, x)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
+
+
+TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE", "y", "on"})  # iterates in a per-process order
+SESSION_ID = f"session-{RANK}-{os.getpid()}"  # a library's per-process id, never read by the step
+SCALE = 1.0 + RANK  # a value the step reads, different on each rank
+
+
+def _telemetry():
+    return SESSION_ID
+
+
+def per_process_globals(mesh, x) -> dict:
+    """A global set (each process orders it its own way) and a per-process string the reachable
+    code names but the step never reads compile and run; a global the step reads, different
+    on each rank, is refused on every rank where the programs part."""
+    def flagged(x):
+        if "ON" in TRUE_VALUES or not _telemetry:
+            x = x * 2
+        return x.sum()
+
+    def scaled(x):
+        return (x * SCALE).sum()
+
+    fn = hpfun.shard(flagged, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    return {"runs": [fn(x).full(), fn(x).full()], "want": 2 * x.sum(),
+            "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
 
 
 def dtypes_gloo_lacks(mesh) -> dict:

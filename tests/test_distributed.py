@@ -422,6 +422,19 @@ def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
             assert value.dtype == want.dtype and torch.equal(value.view(torch.uint8), want.view(torch.uint8)), what
 
 
+def test_python_values_of_each_process_compare_by_the_programs_they_make(lifted_dp_job):
+    """A global frozenset of strings (ordered per process) and a per-process id the step's code
+    names but never reads (diffusers' session id) do not fail the ranks' comparison; a global
+    the step reads, different on each rank, fails every rank where the programs part, naming it."""
+    for got in lifted_dp_job:
+        case = got["per-process globals"]
+        for run in case["runs"]:
+            _close(run, case["want"], "a global set and a per-process id")
+        text = case["read and different"]
+        assert text.startswith("ShardingError") and "ranks planned different programs" in text, text
+        assert "SCALE: 1.0" in text and "SCALE: 2.0" in text, text
+
+
 def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):
     """Mesh.distributed((2, 2)) in a job of 2 processes says what to launch, or what to build."""
     for got in lifted_dp_job:
