@@ -51,6 +51,12 @@ RANDOM_OPS = {
     "randn_complex": lambda x: torch.randn(x.shape, dtype=torch.complex128).imag,
     "randint_wide": lambda x: torch.randint(-2**40, 2**40, x.shape).double(),
     "bernoulli_(tensor)": lambda x: torch.empty_like(x).bernoulli_(torch.sigmoid(x)),
+    # spelled with generator=None (diffusers' randn_tensor): the `.generator` overloads
+    "randn(generator=None)": lambda x: torch.randn(x.shape, generator=None, dtype=torch.float64),
+    "rand(generator=None)": lambda x: torch.rand(x.shape, generator=None),
+    "randint(generator=None)": lambda x: torch.randint(3, 17, x.shape, generator=None).float(),
+    "randint(high, generator=None)": lambda x: torch.randint(17, x.shape, generator=None).float(),
+    "randperm(generator=None)": lambda x: torch.randperm(x.shape[0], generator=None).float(),
 }
 MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2)]
 
@@ -70,7 +76,7 @@ def layouts(draw):
     return hpfun.Mesh.simulated(shape, names), P(*[tuple(draw(st.permutations(e))) if e else None for e in entries])
 
 
-@settings(max_examples=80)
+@settings(max_examples=100)
 @given(op=st.sampled_from(sorted(RANDOM_OPS)), case=layouts(), seed=st.integers(0, 2**40))
 def test_values_do_not_depend_on_mesh_or_layout(op, case, seed):
     """.full() of a random op's sharded output is bitwise the one-device draw with the same seed."""
@@ -90,6 +96,18 @@ def test_values_do_not_depend_on_mesh_or_layout(op, case, seed):
 def _replica_groups(layout):
     axes = [a for a, p in enumerate(layout.placements) if isinstance(p, hpfun.Replicate)]
     return layout.mesh.groups(tuple(layout.mesh.axis_names[a] for a in axes)) if axes else []
+
+
+@pytest.mark.parametrize("op", ["randn", "rand", "randint", "randperm"])
+def test_generator_none_draws_what_the_plain_call_draws(op):
+    """`generator=None` is torch's default: the same numbers as the call without it."""
+    x = torch.randn(8, 8, 4)
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    plain, spelled = (hpfun.shard(RANDOM_OPS[name], mesh=mesh, in_specs=P("a")) for name in (op, f"{op}(generator=None)"))
+    with hpfun.random_seed(7):
+        want = plain(x).full()
+    with hpfun.random_seed(7):
+        assert torch.equal(spelled(x).full(), want)
 
 
 def test_manual_seed_reproduces_and_successive_calls_differ():
