@@ -40,7 +40,7 @@ from hpfun.exact import refine
 from hpfun.errors import MissingRuleError, Problem, ShardingError, user_stacklevel
 from hpfun.layout import Layout, Partial, R
 from hpfun.mesh import Mesh
-from hpfun.plan import CostModel, redistribute_cost, redistribute_seconds
+from hpfun.plan import CostModel, redistribute_cost, redistribute_plan, redistribute_seconds
 from hpfun.rules import REGISTRY, OpCall, Replicated, Strategy, TensorArg, TensorMeta, keep_orders
 
 
@@ -59,6 +59,19 @@ def op_call(node: torch.fx.Node, mesh: Mesh, layouts: tuple | None = None) -> Op
     inputs in `layouts`)."""
     site = _Site(node, None, mesh)
     return site.call(tuple(p.meta["hpfun_layout"] for p in site.producers) if layouts is None else layouts)
+
+
+def _passed(src: Layout, dst: Layout, producer: torch.fx.Node) -> list[Layout]:
+    """The layouts a value passes on its way from `src` to `dst` (lowering keeps each: a later
+    consumer wanting one starts there, `LowerContext.redistribute`'s `passed`)."""
+    val = producer.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return []
+    out, layout = [], src
+    for step in redistribute_plan(src, dst, tuple(val.shape))[:-1]:
+        layout = step.apply(layout)
+        out.append(layout)
+    return out
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -335,6 +348,8 @@ class _Graph:
                         pair = (same.get(producer, producer), need)
                         reached.add(pair)
                         materialized.add(pair)
+                        if need != current:  # the layouts passed on the way serve a later consumer too, as lowered
+                            reached.update((pair[0], layout) for layout in _passed(current, need, producer))
                         if need != current and producer.op == "call_function":
                             requested.setdefault(producer, set()).add(need)
                     layout = strategy.outputs[0] if site.single else placed(node, strategy.outputs)
