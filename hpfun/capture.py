@@ -1238,6 +1238,54 @@ def _mask_as_positions(index):
     return tuple(out) if changed else None
 
 
+def _is_traced_int_scalar(part) -> bool:
+    """A 0-d integer tensor of the trace (under torch.func.grad, wrapped; never a vmapped one,
+    whose index differs per batch element: eager refuses its read)."""
+    if not isinstance(part, torch.Tensor) or part.ndim != 0 or part.is_floating_point() or part.is_complex() \
+            or part.dtype == torch.bool:
+        return False
+    while torch._C._functorch.is_functorch_wrapped_tensor(part):
+        if torch._C._functorch.is_batchedtensor(part):
+            return False
+        part = torch._C._functorch.get_unwrapped(part)
+    return isinstance(part, FakeTensor)
+
+
+def _scalar_tensors_as_lists(index):
+    """`table[t]` with `t` a traced 0-d integer tensor (`alphas_cumprod[t]` for `t` in a
+    scheduler's timesteps; `cache[:, pos] = k`): torch takes it as the integer it holds, read in
+    C++ (no trace can). The same index with each such `t` as a one-element index tensor (None
+    where the index holds none): an index op, whose result differs only by a size-1 dim."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(_is_traced_int_scalar(p) for p in parts):
+        return None
+    if not all(_is_traced_int_scalar(p) or p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts):
+        return None  # (with other tensors or lists in the index, torch's own rules apply)
+    out = tuple(p.reshape(1) if _is_traced_int_scalar(p) else p for p in parts)
+    return out if isinstance(index, tuple) else out[0]
+
+
+def _index_by_scalar_tensors(func, x, index, as_lists, *value):
+    """`x[index]` (or `x[index] = value`) where `index` holds traced 0-d integer tensors, as the
+    indexing by their one-element lists (`_scalar_tensors_as_lists`) reshaped to what integer
+    indices give (a select: the size-1 dim dropped)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        meta = torch.empty(tuple(x.shape), device="meta")
+        parts = index if isinstance(index, tuple) else (index,)
+        ints = tuple(0 if _is_traced_int_scalar(p) else p for p in parts)
+        selected = tuple(meta[ints if isinstance(index, tuple) else ints[0]].shape)
+        listed = tuple(meta[tuple(torch.zeros(1, dtype=torch.long, device="meta") if _is_traced_int_scalar(p) else p
+                                  for p in parts) if isinstance(index, tuple) else
+                            torch.zeros(1, dtype=torch.long, device="meta")].shape)
+    if func is torch.Tensor.__getitem__:
+        return x[as_lists].reshape(selected)
+    v, = value
+    if isinstance(v, torch.Tensor):
+        v = torch.broadcast_to(v, selected).reshape(listed)
+    x[as_lists] = v
+    return None
+
+
 def _unlisted(listed):
     """The tensors `_listed` described, made in the trace (constants of the program)."""
     if listed and listed[0] == "tensor":
@@ -1513,6 +1561,9 @@ class _TensorScalars(TorchFunctionMode):
                 return result
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
+                and (index := _scalar_tensors_as_lists(args[1])) is not None:
+            return _index_by_scalar_tensors(func, args[0], args[1], index, *args[2:])
         if func is torch.where and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             func, kwargs = torch.nonzero, {"as_tuple": True}  # torch.where(mask): the positions of its True values
         if func in _SHAPE_READS and args and isinstance(args[0], torch.Tensor):

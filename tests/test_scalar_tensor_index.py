@@ -1,0 +1,90 @@
+"""Indexing by a traced 0-d integer tensor: `alphas_cumprod[t]` for `t` in a scheduler's
+timesteps (every diffusers sampling loop), `cache[:, pos] = k` with a position tensor. torch
+reads such an index as the integer it holds, in C++, where no trace can; hpfun indexes by it
+as a one-element index tensor instead and drops the size-1 dim, which is what the integer
+index gives, for any value at every call (nothing read, nothing retraced). Compared with the
+unsharded run in float64, on split and replicated layouts, forward and gradient."""
+
+import pytest
+import torch
+
+import hpfun
+from hpfun import P
+
+D = torch.float64
+MESH = hpfun.Mesh.simulated((2,), ("dp",))
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+GETS = {
+    "t[i]": lambda x, i: x[i],
+    "t[-i]": lambda x, i: x[-i - 1],
+    "t[:, i]": lambda x, i: x[:, i],
+    "t[..., i]": lambda x, i: x[..., i],
+    "t[i, 1:3]": lambda x, i: x[i, 1:3],
+    "t[None, i]": lambda x, i: x[None, i],
+    "t[i, :, i]": lambda x, i: x[i, :, i],
+    "t[1, i]": lambda x, i: x[1, i],
+}
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp"), P(None, None, "dp")], ids=str)
+@pytest.mark.parametrize("name", sorted(GETS))
+def test_reading_by_a_0d_index_tensor(name, spec):
+    x = torch.randn(4, 6, 4, dtype=D, generator=_gen())
+    f = GETS[name]
+    g = hpfun.shard(f, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+    for i in (0, 3, 2):  # one program for every value
+        torch.testing.assert_close(g(x, torch.tensor(i)).full(), f(x, torch.tensor(i)), rtol=0, atol=0)
+    assert g.trace_count == 1
+
+
+def test_a_scheduler_table_indexed_by_its_timesteps():
+    """diffusers' DDIM step, reduced: a table held by a module, indexed by each timestep of a
+    buffer, scaling the sample; the same at every step of the loop."""
+    class Scheduler(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("alphas", torch.linspace(0.9, 0.1, 10, dtype=D))
+            self.register_buffer("timesteps", torch.tensor([9, 6, 3, 0]))
+
+    sched = Scheduler()
+
+    def sample(x):
+        for t in sched.timesteps:
+            x = x * sched.alphas[t].sqrt() + (1 - sched.alphas[t]) * 0.1
+        return x
+
+    x = torch.randn(8, 3, dtype=D, generator=_gen())
+    f = hpfun.shard(sample, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    torch.testing.assert_close(f(x).full(), sample(x), rtol=1e-14, atol=1e-14)
+    sched.timesteps = torch.tensor([8, 5, 2, 1])  # other values: the same program
+    torch.testing.assert_close(f(x).full(), sample(x), rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_writing_a_cache_at_a_0d_position_tensor(spec):
+    """`cache[:, pos] = k` and `cache[pos] = v` with a 0-d position tensor (a decoding loop's
+    KV cache), a value broadcast into the written row; then the gradient through a read."""
+    def write(cache, k, pos):
+        cache = cache.clone()
+        cache[:, pos] = k
+        cache[pos] = 0.5 * cache[pos]
+        cache[pos, pos] = 1.0
+        return cache
+
+    cache = torch.randn(4, 6, 3, dtype=D, generator=_gen())
+    k = torch.randn(4, 3, dtype=D, generator=_gen())
+    f = hpfun.shard(write, mesh=MESH, in_specs=(spec, spec, P()), out_specs=P())
+    for pos in (0, 3):
+        torch.testing.assert_close(f(cache, k, torch.tensor(pos)).full(), write(cache, k, torch.tensor(pos)))
+
+    def loss(table, i):
+        return (table[i] * table[:, i].sum()).sum()
+
+    table = torch.randn(4, 4, dtype=D, generator=_gen())
+    grad = hpfun.shard(torch.func.grad(loss), mesh=MESH, in_specs=(spec, P()), out_specs=P())
+    torch.testing.assert_close(grad(table, torch.tensor(2)).full(), torch.func.grad(loss)(table, torch.tensor(2)))
