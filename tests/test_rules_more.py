@@ -520,3 +520,29 @@ def test_greedy_decoding_over_a_vocabulary_split_head_gathers_winners_not_logits
     x[3] = 1.0
     f = hpfun.shard(lambda x: x.argmax(1), mesh=mesh, in_specs=P(None, "tp"), out_specs=P())
     assert torch.equal(f(x).full(), x.argmax(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shifts by a Python number, by a tensor, of a number by a tensor (x << 2, x >> 1)
+# ---------------------------------------------------------------------------------------------
+
+SHIFTS = {
+    "x << 2": lambda x, y: x << 2,
+    "x >> 1": lambda x, y: x >> 1,
+    "x << y": lambda x, y: x << y,
+    "x >> y": lambda x, y: x >> y,
+    "bitwise_left_shift(x, 3)": lambda x, y: torch.bitwise_left_shift(x, 3),
+    "bitwise_right_shift(x, 1)": lambda x, y: torch.bitwise_right_shift(x, 1),
+    "bitwise_left_shift(2, y)": lambda x, y: torch.bitwise_left_shift(2, y),
+    "bitwise_right_shift(1024, y)": lambda x, y: torch.bitwise_right_shift(1024, y),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(SHIFTS))
+def test_shifts_follow_splits(name, mesh_shape):
+    """Elementwise on integers: split alike, the output follows with no collective; exact."""
+    x = torch.randint(-100, 100, (4, 6), generator=_GEN)
+    y = torch.randint(0, 5, (4, 6), generator=_GEN)
+    same = P("a") if len(mesh_shape) == 1 else P("a", "b")
+    assert _run(SHIFTS[name], (x, y), mesh_shape, (same, same)) == ([_leading(mesh_shape)], [])
