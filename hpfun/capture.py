@@ -1561,6 +1561,10 @@ class _TensorScalars(TorchFunctionMode):
                 return result
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
+        if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:
+            x, mask = torch.broadcast_tensors(*args)  # x[mask], read as its positions where the mask is readable
+            if (index := _mask_as_positions(mask)) is not None:
+                return x[index]
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (index := _scalar_tensors_as_lists(args[1])) is not None:
             return _index_by_scalar_tensors(func, args[0], args[1], index, *args[2:])

@@ -185,6 +185,21 @@ def test_routing_counts_and_positions_of_the_inputs_are_read():
         torch.testing.assert_close(got.full(), want)
 
 
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_masked_select_of_a_readable_mask_is_read_like_an_index_by_it(spec):
+    """`torch.masked_select(x, mask)` (the mask broadcast to x) reads the mask's True positions
+    as `x[mask]` does, where the mask is the arguments' own (it was refused, its message saying
+    x[mask] could not be traced either)."""
+    def picked(x, mask):
+        return torch.masked_select(x, mask) * 2, x.masked_select(mask[0]).sum()
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    mask = torch.rand(8, 4, generator=torch.Generator().manual_seed(0)) > 0.5
+    f = hpfun.shard(picked, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+    for got, want in zip(f(x, mask), picked(x, mask), strict=True):
+        torch.testing.assert_close(got.full(), want)
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
