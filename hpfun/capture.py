@@ -440,6 +440,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     _drop_plain_copies(gm)
     gm.graph.eliminate_dead_code()
     rematerialize(gm)  # hpfun.checkpoint's regions: recompute before the backward reads, not kept
+    _refuse_integer_softmax(gm)
     split_fused(gm)
     constants = _constants_as_inputs(gm)
     gm.recompile()
@@ -894,6 +895,24 @@ class FusedGroup:
 
 def _is_tensor_node(x) -> bool:
     return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
+
+
+def _refuse_integer_softmax(gm: torch.fx.GraphModule) -> None:
+    """softmax / log_softmax of an integer or bool tensor (F.cross_entropy of integer logits):
+    torch's kernels refuse it, its meta kernel does not, and once split into its decomposition
+    (`split_fused`) it would compute truncated numbers. Refused as eager refuses it, at the line."""
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (aten._softmax.default, aten._log_softmax.default):
+            val = node.args[0].meta.get("val")
+            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+                name = "log_softmax" if node.target is aten._log_softmax.default else "softmax"
+                problems.append(Problem(user_line(node.meta.get("stack_trace")) or name,
+                                        f"{name} of a {str(val.dtype).removeprefix('torch.')} tensor, which torch's "
+                                        f"kernels refuse (they take floating point)",
+                                        f"cast it first (x.float()), or pass dtype=torch.float32 to {name}"))
+    if problems:
+        raise CaptureError(problems)
 
 
 def split_fused(gm: torch.fx.GraphModule) -> None:

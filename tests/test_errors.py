@@ -895,3 +895,20 @@ def test_a_dict_keyed_by_parameters_names_the_ways_to_key_it():
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
     assert "KeyError at" in text and "scales[p]" in text and "p.lr_scale = 0.5" in text and "FakeTensor" not in text
+
+
+@pytest.mark.parametrize("spec", [P(), P(None, "dp")], ids=str)
+def test_softmax_of_integers_is_refused_as_eager_refuses_it(spec):
+    """softmax, log_softmax and cross_entropy of integer logits, which torch's kernels refuse:
+    refused at the line, whatever the layout (with the classes split, the decomposition had
+    computed truncated numbers)."""
+    x, y = torch.randint(0, 5, (4, 8)), torch.randint(0, 8, (4,))
+    for fn in (lambda x, y: x.softmax(-1), lambda x, y: torch.log_softmax(x, 1),
+               lambda x, y: torch.nn.functional.cross_entropy(x, y)):
+        with pytest.raises(RuntimeError):
+            fn(x, y)
+        f = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+        _, text = _raise(f, x, y, error=hpfun.CaptureError)
+        assert "softmax of a int64 tensor" in text and "test_errors.py" in text and "x.float()" in text, text
+    ok = hpfun.shard(lambda x: x.softmax(-1, dtype=torch.float64), mesh=MESH, in_specs=(spec,), out_specs=P())
+    torch.testing.assert_close(ok(x).full(), x.softmax(-1, dtype=torch.float64))
