@@ -689,7 +689,8 @@ class ShardedFunction:
         decided_by: dict[str, str] = {}
         kept_whole: dict[str, str] = {}
         specs = match_patterns(self.state_specs or {}, names, problems, "state_specs", self.mesh, may_miss=may_miss,
-                               matched_by=decided_by)
+                               matched_by=decided_by, aliases=_tied_names(call.state, set(names)),
+                               hint=_optimizer_names_hint(call.state))
         self._patterns_seen.update(p for p in (self.state_specs or {})
                                    if isinstance(p, str) and any(pattern_matches(p, n) for n in names))
         out = []
@@ -1352,6 +1353,31 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+def _tied_names(state: lift.State, names: set) -> dict:
+    """Each other name of a lifted module tensor (a tied weight's second place: GPT-2's
+    `lm_head.weight`, lifted as `transformer.wte.weight`) -> the name it is lifted under."""
+    out = {}
+    for root in state.roots:
+        if isinstance(root.value, torch.nn.Module):
+            for kind in ("named_parameters", "named_buffers"):
+                for name, t in getattr(root.value, kind)(remove_duplicate=False):
+                    full = lift._join(root.name, name)
+                    lifted = state.param_names.get(id(t))
+                    if full not in names and lifted in names and lifted != full:
+                        out[full] = lifted
+    return out
+
+
+def _optimizer_names_hint(state: lift.State) -> str:
+    """Where patterns name optimizer state: the optimizers' own names (in a tuple or a dict,
+    `opt.0`, `opt.1`...), which their state's names start with."""
+    found = [root.name for root in state.roots if isinstance(root.value, torch.optim.Optimizer)]
+    if not found:
+        return ""
+    return (f"; the optimizer{'s are' if len(found) > 1 else ' is'} named {', '.join(found)}: "
+            f"{'their' if len(found) > 1 else 'its'} state is named {found[0]}.state.<parameter>.<key>")
 
 
 def _pending_state_prefixes(state: lift.State) -> list[str]:

@@ -376,10 +376,14 @@ def pattern_matches(pattern: str, name: str) -> bool:
 
 
 def match_patterns(patterns: dict, names: list[str], problems: list, where: str, mesh: Mesh | None = None,
-                   may_miss=(), matched_by: dict | None = None) -> dict:
+                   may_miss=(), matched_by: dict | None = None, aliases: dict | None = None,
+                   hint: str = "") -> dict:
     """name -> spec from a dict of glob patterns; every typo and overlap becomes a problem.
     Patterns in `may_miss` may match nothing (they matched names an earlier call had).
-    `matched_by`, if given, is filled with name -> the pattern that decided its spec."""
+    `matched_by`, if given, is filled with name -> the pattern that decided its spec.
+    `aliases` (another name of a tensor -> the name it is lifted under: a tied weight's second
+    place) lets a pattern name it either way; `hint` is added where a pattern matches nothing."""
+    aliases = aliases or {}
     out: dict[str, P | None] = {}
     matched_by = {} if matched_by is None else matched_by
     for pattern, spec in patterns.items():
@@ -391,6 +395,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             problems.append(bad)
             continue
         hits = [n for n in names if pattern_matches(pattern, n)]
+        hits += [n for a, n in aliases.items() if n not in hits and pattern_matches(pattern, a)]
         if not hits and pattern not in may_miss:
             if not names:
                 problems.append(Problem(at, "matches no name: there is nothing to match (no tensor was lifted)",
@@ -400,7 +405,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             close = _closest(pattern, names) or _close_tails(pattern, names)
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
-                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}")))
+                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}") + hint))
         for n in hits:
             if n in matched_by:
                 before, now = specificity(matched_by[n]), specificity(pattern)

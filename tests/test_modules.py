@@ -648,6 +648,34 @@ def test_tied_weights_are_one_input():
     assert [i["path"] for i in step.lower(ids).inputs].count("model.emb.weight") == 1
 
 
+def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple_by_theirs():
+    """state_specs may name a tied weight by its second place (GPT-2's `lm_head.weight`, lifted
+    as the embedding's): the spec applies to the one tensor. A pattern for optimizer state that
+    matches nothing says the optimizers' names (two in a tuple: `opt.0`, `opt.1`)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(16, 8).double()
+    head = torch.nn.Linear(8, 16, bias=False).double()
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    opt = (torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), torch.optim.Adam(model.parameters()))
+
+    def step(ids):
+        loss = F.cross_entropy(model["head"](model["emb"](ids)), ids)
+        loss.backward()
+        opt[0].step()
+        opt[0].zero_grad()
+        return loss
+
+    ids = torch.randint(0, 16, (8,))
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(), state_specs={"head.weight": P("dp")})
+    layouts = {i["path"]: i["layout"] for i in f.lower(ids).inputs}
+    assert layouts["model.emb.weight"] == "[S(0)]" and "model.head.weight" not in layouts
+    g = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(), state_specs={"opt.state.*": P("dp")})
+    with pytest.raises(hpfun.SpecError) as info:
+        g(ids)
+    assert "the optimizers are named opt.0, opt.1" in str(info.value), str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Python state that decides the trace
 # ---------------------------------------------------------------------------------------------
@@ -2101,3 +2129,30 @@ def test_freezing_a_parameter_inside_the_step_is_kept_after_the_call():
         assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in ref.parameters()]
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_private_dict_of_tensors_a_module_holds_is_its_state():
+    """A module keeping tensors in a private dict (torchmetrics' `self._defaults`, a metric's
+    running sums) reads and updates them as state: two calls equal eager's, the dict updated."""
+    class Metric(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._defaults = {"total": torch.zeros(3, dtype=torch.float64)}
+            self._sums = {"total": torch.zeros(3, dtype=torch.float64), "count": torch.zeros((), dtype=torch.float64)}
+            self.lin = torch.nn.Linear(3, 3).double()
+
+        def forward(self, x):
+            y = self.lin(x) + self._defaults["total"]
+            self._sums["total"] = self._sums["total"] + y.sum(0)
+            self._sums["count"] = self._sums["count"] + x.shape[0]
+            return y
+
+    torch.manual_seed(0)
+    model = Metric()
+    ref = copy.deepcopy(model)
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    for _ in range(2):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x))
+    for key in ("total", "count"):
+        torch.testing.assert_close(model._sums[key], ref._sums[key])
