@@ -1103,6 +1103,15 @@ def _cannot_write(name: str):
     return write
 
 
+def _held_dict(attr: str, v) -> bool:
+    """A dict a module holds whose tensors are its state (a cache its forward fills): a public
+    one, or a private one holding tensors (torchmetrics' `self._defaults`); never torch's own
+    bookkeeping (`_parameters`, `_buffers`, `_modules`)."""
+    if type(v) is not dict or attr.startswith("__") or attr in _MODULE_INTERNALS:
+        return False
+    return not attr.startswith("_") or any(isinstance(t, torch.Tensor) for t in v.values())
+
+
 def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot) -> None:
     params, objects = [], set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
@@ -1143,9 +1152,8 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
-            elif type(v) is dict and not attr.startswith("_") and (not v or any(isinstance(t, torch.Tensor)
-                                                                              for t in v.values())
-                                                                   or all(map(_is_scalar, v.values()))):
+            elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values()))
+                                          or any(isinstance(t, torch.Tensor) for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
@@ -1520,7 +1528,7 @@ class Substitution:
 
     def _module(self, module):
         for mod in module.modules():
-            caches = [v for k, v in vars(mod).items() if type(v) is dict and not k.startswith("_")]
+            caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
             for store in (mod._parameters, mod._buffers, vars(mod), *caches):
                 for key, v in list(store.items()):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
