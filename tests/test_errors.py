@@ -912,3 +912,28 @@ def test_softmax_of_integers_is_refused_as_eager_refuses_it(spec):
         assert "softmax of a int64 tensor" in text and "test_errors.py" in text and "x.float()" in text, text
     ok = hpfun.shard(lambda x: x.softmax(-1, dtype=torch.float64), mesh=MESH, in_specs=(spec,), out_specs=P())
     torch.testing.assert_close(ok(x).full(), x.softmax(-1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda x: x - 0.5, torch.rand(4, 8) > 0.5),  # a bool tensor minus a number
+    (lambda x: x ** -1, torch.arange(1, 33).reshape(4, 8)),  # an integer to a negative power
+    (lambda x: x & 1, torch.randn(4, 8)),  # a bitwise op on floats
+    (lambda x: torch.lerp(x, x, 0.5), torch.arange(32).reshape(4, 8)),
+], ids=["bool-minus", "int-pow-neg", "float-and", "int-lerp"])
+def test_an_op_torch_refuses_for_its_dtypes_is_said_to_be_the_functions(fn, x):
+    """Dtype checks live in torch's kernels, which the trace does not run: the op fails while the
+    program runs. Where it fails on zeros of its inputs alike, whatever the values and layouts,
+    the error says the unsharded function raises the same (not "a bug in hpfun")."""
+    with pytest.raises(RuntimeError):
+        fn(x)
+    f = hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    _, text = _raise(f, x, error=hpfun.ExecutionError)
+    assert "the unsharded function raises the same" in text and "bug in hpfun" not in text, text
+
+
+def test_an_op_failing_for_its_values_keeps_the_report_request():
+    """An index out of range fails for its values (zeros would not): the fix still asks for a
+    report if the function runs unsharded."""
+    f = hpfun.shard(lambda x: x[:, torch.tensor([0, 99])], mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    _, text = _raise(f, torch.randn(4, 8), error=hpfun.ExecutionError)
+    assert "bug in hpfun" in text, text

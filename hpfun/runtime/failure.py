@@ -18,19 +18,21 @@ _ASSIGNED = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")
 class _Finder(torch.fx.Interpreter):
     def run_node(self, n):
         self.current = n
+        self.inputs = self.fetch_args_kwargs_from_env(n)
         return super().run_node(n)
 
 
-def rerun(module: torch.fx.GraphModule, args) -> torch.fx.Node | None:
-    """The node that raises when `module` (local work, no collective) runs again on `args`."""
+def rerun(module: torch.fx.GraphModule, args) -> tuple:
+    """(the node that raises when `module` (local work, no collective) runs again on `args`,
+    the (args, kwargs) it raised on), or (None, None)."""
     finder = _Finder(getattr(module, "_orig_mod", module))
-    finder.current = None
+    finder.current = finder.inputs = None
     try:
         with torch.no_grad():
             finder.run(*args)
     except Exception:  # the failure we are locating; any exception type the op may raise
-        return finder.current
-    return None
+        return finder.current, finder.inputs
+    return None, None
 
 
 def from_traceback(module: torch.fx.GraphModule, err: BaseException) -> torch.fx.Node | None:
@@ -45,8 +47,9 @@ def from_traceback(module: torch.fx.GraphModule, err: BaseException) -> torch.fx
     return next((n for n in module.graph.nodes if n.name == match.group(1)), None)
 
 
-def execution_error(node: torch.fx.Node | None, where: str, err: BaseException) -> ExecutionError:
-    """An hpfun error naming the failed op, the user's line, the layouts it ran with."""
+def execution_error(node: torch.fx.Node | None, where: str, err: BaseException, inputs=None) -> ExecutionError:
+    """An hpfun error naming the failed op, the user's line, the layouts it ran with (`inputs`:
+    the (args, kwargs) it raised on, where known)."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if node is None:
         return ExecutionError(Problem(where, f"{type(err).__name__}: {first}", _FIX))
@@ -58,7 +61,51 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException) 
         what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
-    return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", _mixed_dtypes(node, first) or _FIX))
+    fix = _mixed_dtypes(node, first) or _refused_alike(node, err, first, inputs) or _FIX
+    return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", fix))
+
+
+def _refused_alike(node: torch.fx.Node, err: BaseException, first: str, inputs=None) -> str | None:
+    """The fix where the op raises the same on zeros of its inputs' local shapes and dtypes
+    (`bool_mask - 0.5`, `int ** -1`, `gcd` of floats): torch refuses the op for what it is given,
+    whatever the values and layouts, so the unsharded function raises it too (the trace's fake
+    kernels skip such checks), not hpfun."""
+    if node.op != "call_function" or not callable(node.target):
+        return None
+    budget = [1 << 22]
+
+    def zeros(a):
+        if a.op == "get_attr" and a.graph.owning_module is not None:  # a constant of the program: itself
+            value = getattr(a.graph.owning_module, a.target, None)
+            if isinstance(value, torch.Tensor) and value.numel() <= budget[0]:
+                return value
+        meta = a.meta.get("hpfun_global")
+        layout = a.meta.get("hpfun_layout")
+        if not isinstance(meta, tuple) or not hasattr(layout, "local_shape"):
+            raise LookupError
+        shape = tuple(layout.local_shape(meta[0]))
+        budget[0] -= max(1, torch.Size(shape).numel())
+        if budget[0] < 0:
+            raise LookupError
+        return torch.zeros(shape, dtype=meta[1])
+
+    try:
+        if inputs is not None:  # the values it ran on: zeros like them
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.zeros_like, inputs)
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), zeros)
+    except LookupError:
+        return None
+    try:
+        with torch.no_grad():
+            node.target(*args, **kwargs)
+    except Exception as again:  # (the op's own exception type, whatever it is)
+        again_first = str(again).strip().splitlines()[0] if str(again).strip() else ""
+        if type(again) is type(err) and again_first == first:
+            return ("torch refuses this op for the inputs it is given, whatever their values: the unsharded function "
+                    "raises the same at this line (the trace does not run torch's checks); fix the function (a cast, "
+                    "another op)")
+    return None
 
 
 def _mixed_dtypes(node: torch.fx.Node, message: str) -> str | None:

@@ -81,8 +81,8 @@ def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[tor
                 try:
                     env[node] = fn(*args, **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
                 except Exception as err:  # any op's error: re-raised naming the op, the line, the layouts
-                    failed = failure.rerun(fn, args) if node.op == "call_module" else None
-                    raise failure.execution_error(failed, f"mesh rank {r} {mesh.coords(r)}", err) from err
+                    failed, inputs = failure.rerun(fn, args) if node.op == "call_module" else (None, None)
+                    raise failure.execution_error(failed, f"mesh rank {r} {mesh.coords(r)}", err, inputs) from err
         elif node.op == "output":
             return [list(torch.fx.node.map_arg(node.args[0], envs[r].__getitem__)) for r in ranks]
     raise AssertionError("program without output")
@@ -145,11 +145,11 @@ def _run_piece_in_lockstep(sub: torch.fx.GraphModule, call, mesh: Mesh, envs):
         elif node.op == "call_function":
             for r in ranks:
                 env = local[r]
+                inputs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 try:
-                    env[node] = node.target(*torch.fx.node.map_arg(node.args, env.__getitem__),
-                                            **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
+                    env[node] = node.target(*inputs[0], **inputs[1])
                 except Exception as err:  # any op's error: re-raised naming the op, the line, the layouts
-                    raise failure.execution_error(node, f"mesh rank {r} {mesh.coords(r)}", err) from err
+                    raise failure.execution_error(node, f"mesh rank {r} {mesh.coords(r)}", err, inputs) from err
         elif node.op == "output":
             for r in ranks:
                 envs[r][call] = torch.fx.node.map_arg(node.args[0], local[r].__getitem__)
