@@ -1008,7 +1008,8 @@ class ShardedFunction:
                 return Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
                                "function was traced", side_effect)
             raise CaptureError([static_changed(k) for k in changed] +
-                               [Problem(f"{name} (a {type(obj).__name__})", "changed " + ", ".join(
+                               [Problem(f"{name} (a {type(obj).__name__})" + _stepped_at(self.fn, name, obj),
+                                        "changed " + ", ".join(
                                    f"{attr} from {_short(was)} to {_short(now)}" for attr, was, now in values[:3]) +
                                    " while the function was traced",
                                    _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
@@ -1353,6 +1354,24 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+def _stepped_at(fn, name: str, obj) -> str:
+    """' at file:line: code' where the function's own source calls `<name>.step(` on a
+    scheduler (the change is found after the trace, by comparing its counters), else ''."""
+    if not isinstance(obj, _SCHEDULERS):
+        return ""
+    try:
+        lines, first = inspect.getsourcelines(inspect.unwrap(fn))
+        filename = inspect.getsourcefile(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return ""
+    last = name.rsplit(".", 1)[-1]
+    calls = (f"{last}.step(", f"['{last}'].step(", f'["{last}"].step(')  # (held in a dict: `held["s"].step()`)
+    for i, line in enumerate(lines):
+        if any(call in line for call in calls):
+            return f" at {filename}:{first + i}: {line.strip()}"
+    return ""
 
 
 def _tied_names(state: lift.State, names: set) -> dict:

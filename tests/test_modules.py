@@ -183,7 +183,8 @@ def test_a_scheduler_stepped_inside_the_function_is_named_with_the_fix():
         scheduler.step()
         return loss
 
-    with pytest.raises(hpfun.CaptureError, match=r"scheduler \(a LambdaLR\): changed last_epoch from 0 to 1") as err:
+    with pytest.raises(hpfun.CaptureError, match=r"scheduler \(a LambdaLR\) at .*test_modules.py:\d+: "
+                                                 r"scheduler.step\(\): changed last_epoch from 0 to 1") as err:
         hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
     assert "step the scheduler after the call" in str(err.value)
     assert scheduler.last_epoch == 0 and scheduler.get_last_lr() == [0.025] and opt.param_groups[0]["lr"] == 0.025
@@ -996,7 +997,8 @@ def test_numbers_in_a_config_dict_or_namespace_key_the_cache_and_changes_while_t
 
     text = _error(hpfun.shard(scheduled, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=None), *batch(0),
                   error=hpfun.CaptureError)
-    assert "held.schedule (a CosineAnnealingLR): changed last_epoch from 0 to 1" in text and "step the scheduler after the call" in text
+    assert "held.schedule (a CosineAnnealingLR) at " in text and 'held["schedule"].step(): changed last_epoch from 0 to 1' \
+        in text and "step the scheduler after the call" in text, text
     assert held["schedule"].last_epoch == 0
 
 
