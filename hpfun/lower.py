@@ -395,7 +395,15 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     taken = tuple(taken)
     if node.target in _ADDRESSES_STORAGE:
         args, kwargs = _on_traced_storage(ctx, node, args, kwargs)
+    before = ctx.graph._root.prev  # the last node so far: what the rule emits comes after it
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    if "stack_trace" in node.meta:  # a rule's own steps (a bounds check) fail at the user's line too
+        step = before.next
+        while step is not out and step is not ctx.graph._root:
+            if step.op == "call_function" and "hpfun_collective" not in step.meta:
+                step.meta.setdefault("stack_trace", node.meta["stack_trace"])
+                step.meta.setdefault("hpfun_origin", node.name)
+            step = step.next
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed
         out.meta["hpfun_gathered"] = True  # the use's own copy, which hpfun.schedule places (kept by hpfun.peephole)

@@ -88,3 +88,24 @@ def test_writing_a_cache_at_a_0d_position_tensor(spec):
     table = torch.randn(4, 4, dtype=D, generator=_gen())
     grad = hpfun.shard(torch.func.grad(loss), mesh=MESH, in_specs=(spec, P()), out_specs=P())
     torch.testing.assert_close(grad(table, torch.tensor(2)).full(), torch.func.grad(loss)(table, torch.tensor(2)))
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+@pytest.mark.parametrize("i", [4, -5])
+def test_an_index_out_of_range_raises_as_eager_raises(spec, i):
+    """Out of range, eager raises IndexError; a split dim's index, wrapped into the rank's block,
+    would have picked a row silently. Reading and writing, a 0-d index or an index tensor."""
+    x = torch.randn(4, 3, dtype=D, generator=_gen())
+
+    def write(x, i):
+        x = x.clone()
+        x[i] += 1
+        return x
+
+    for fn, index in ((lambda x, i: x[i], torch.tensor(i)), (lambda x, i: x[i], torch.tensor([0, i])), (write, torch.tensor(i))):
+        with pytest.raises(IndexError):
+            fn(x, index)
+        f = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+        with pytest.raises(hpfun.ExecutionError, match="out of range|out of bounds") as info:
+            f(x, index)
+        assert "test_scalar_tensor_index.py" in str(info.value), str(info.value)

@@ -213,6 +213,12 @@ def _local_indices(ctx, layout, shape, indices: list, split: list[int], fill_out
     their masks. Outside indices go to slot 0 (index) or to the padding slot (index_put)."""
     local, inside = layout.local_shape(shape), None
     for d in split:
+        # out of range, eager raises; wrapped here it would pick a row silently: checked (every
+        # rank sees the whole index tensor it reads)
+        within = ctx.call(aten.logical_and.default, (ctx.call(aten.ge.Scalar, (indices[d], -shape[d])),
+                                                     ctx.call(aten.lt.Scalar, (indices[d], shape[d]))))
+        ctx.call(aten._assert_async.msg, (ctx.call(aten.all.default, (within,)),
+                                          f"an index is out of range for dim {d} of size {shape[d]}"))
         wrapped = ctx.call(aten.remainder.Scalar, (indices[d], shape[d]))  # negative indices count from the end
         fill = local[d] if fill_outside else 0
         indices[d], mask = _masked_index(ctx, layout, shape, d, wrapped, local[d], fill)

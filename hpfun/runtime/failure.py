@@ -61,7 +61,10 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException, 
         what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
-    fix = _mixed_dtypes(node, first) or _refused_alike(node, err, first, inputs) or _FIX
+    checked = node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg
+    fix = ("hpfun checks here what torch checks (an index within its dim): the unsharded function raises on these "
+           "values too (IndexError): fix the values" if checked else
+           _mixed_dtypes(node, first) or _refused_alike(node, err, first, inputs) or _FIX)
     return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", fix))
 
 
@@ -70,8 +73,8 @@ def _refused_alike(node: torch.fx.Node, err: BaseException, first: str, inputs=N
     (`bool_mask - 0.5`, `int ** -1`, `gcd` of floats): torch refuses the op for what it is given,
     whatever the values and layouts, so the unsharded function raises it too (the trace's fake
     kernels skip such checks), not hpfun."""
-    if node.op != "call_function" or not callable(node.target):
-        return None
+    if node.op != "call_function" or not callable(node.target) or node.target is torch.ops.aten._assert_async.msg:
+        return None  # (a check of the values: zeros would fail it too)
     budget = [1 << 22]
 
     def zeros(a):
