@@ -31,12 +31,12 @@ from hpfun.errors import (
 )
 from hpfun.explain import Lowered
 from hpfun.fold import fold_contractions
-from hpfun.layout import Layout, P
+from hpfun.layout import Layout, P, Replicate
 from hpfun.exact import refine
 from hpfun.execute import run
 from hpfun.lower import Program, lower
 from hpfun.mesh import Mesh
-from hpfun.plan import CostModel
+from hpfun.plan import CostModel, redistribute_seconds
 from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
 from hpfun.runtime.distributed import runtime_for
@@ -881,9 +881,11 @@ class ShardedFunction:
         attrs.evolve(walk, plans={nodes[n]: plan for n, plan in walk.plans.items()}).write(copy)
         walk_program = self._lower_annotated(copy, out_layouts, out_paths, in_names)
         model = self.options.cost_model or CostModel()
-        if exact.price - _bucket_saving(program, model) < walk.price - _bucket_saving(walk_program, model):
-            return program
-        return walk_program
+
+        def price(annotation, lowered):  # (both price resolving a Partial output without out_specs, which
+            return annotation.price - _bucket_saving(lowered, model) - _unresolved_outputs(  # stays Partial)
+                lowered, out_layouts, model, self.options.reduce_dtype)
+        return program if price(exact, program) < price(walk, walk_program) else walk_program
 
     def _choose(self, call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes, budget, deadline):
         """AUTO layouts chosen (`hpfun.auto`) under `budget` and `gm` annotated: (input layouts,
@@ -1491,6 +1493,19 @@ def _refine_keeping_walk(stages: list, graph, walk):
     refined = refine(graph, walk)
     stages.append((walk, refined))
     return refined
+
+
+def _unresolved_outputs(program: Program, wanted: list, model: CostModel, reduce_dtype: str) -> float:
+    """Seconds the planner charged for resolving the Partial sums of outputs given no out_specs,
+    which the program returns as they are (`.full()` sums them): not run, so not paid."""
+    outputs = program.module.graph.output_node().args[0]
+    seconds = []
+    for want, layout, node in zip(wanted, program.output_layouts, outputs, strict=True):
+        if want is None and layout is not None and layout.partial_axes and "hpfun_global" in node.meta:
+            shape, dtype = node.meta["hpfun_global"]  # (per axis, as propagation prices it)
+            seconds += [redistribute_seconds(layout, layout.with_placement(a, Replicate()), shape, dtype, model,
+                                             reduce_dtype)[0] for a in layout.partial_axes]
+    return math.fsum(seconds)
 
 
 def _bucket_saving(program: Program, model: CostModel) -> float:

@@ -104,3 +104,15 @@ def test_exact_keeps_the_walks_plan_where_buckets_make_it_cheaper():
     _, exact = lowered(solver="exact", bucket_bytes=0)
     assert exact.cost().seconds < walk.cost().seconds
     assert {c.kind for c in exact.collectives} != {"all_reduce"}  # the exact stage's own plan
+
+
+def test_a_partial_output_without_out_specs_is_not_paid_for_by_either_plan():
+    """Both solvers charge for resolving a Partial output given no out_specs, which the program
+    returns as it is: the walk's plan (the dot product left Partial, nothing moved) is not
+    beaten by the exact stage's (resolved inside, an all-reduce) once that charge is taken off."""
+    mesh = hpfun.Mesh.simulated((8,), ("dp",))
+    args = (torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64))
+    f = hpfun.shard(lambda a, b: torch.einsum("a,a->", -a, b), mesh=mesh, in_specs=(P("dp"), P()), out_specs=None,
+                    solver="exact")
+    assert f.lower(*args).collectives == []
+    torch.testing.assert_close(f(*args).full(), torch.einsum("a,a->", -args[0], args[1]))
