@@ -451,7 +451,7 @@ class ShardedFunction:
         and a difference is the error a first call's comparison gives."""
         fingerprint = self._fingerprints.get(id(entry))
         if fingerprint is None:  # the arguments, and the program (not every Python value the key holds)
-            text = "\n".join([*_describe(call, entry.leaves, statics=False), str(_plan_digest(entry.program))]).encode()
+            text = "\n".join([*_describe(call, entry.leaves, statics=False), str(_entry_digest(entry))]).encode()
             fingerprint = self._fingerprints[id(entry)] = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest())
         runtime_for(self.mesh).check_same_entry(fingerprint, lambda: _describe(call, entry.leaves))
 
@@ -737,8 +737,8 @@ class ShardedFunction:
             runtime_for(self.mesh).agree_on_compile(None, [])
             raise
         runtime_for(self.mesh).agree_on_compile(  # (where the plans differ, the Python values deciding them too)
-            _plan_digest(entry.program), [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
-            lambda: _plan_lines(entry.program) + _describe(call, leaves)[len(leaves):])
+            _entry_digest(entry), [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
+            lambda: _plan_lines(entry.program) + _constant_lines(entry) + _describe(call, leaves)[len(leaves):])
         return entry
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
@@ -1079,6 +1079,27 @@ def _plan_digest(program: Program) -> int:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _entry_digest(entry: "_Entry") -> int:
+    """`_plan_digest` of the entry's program and the values of the tensors the function made
+    from data (`torch.tensor(a_list)`: fed to the program as inputs, so not in its code): ranks
+    whose Python values differ there would run one program on different numbers."""
+    h = hashlib.blake2b(str(_plan_digest(entry.program)).encode(), digest_size=7)
+    for line in _constant_lines(entry):
+        h.update(line.encode())
+    return int.from_bytes(h.digest())
+
+
+def _constant_lines(entry: "_Entry") -> list[str]:
+    """One line per tensor the function made from data: its dtype, shape and a hash of its bytes."""
+    lines = []
+    for i, c in enumerate(entry.constants):
+        if isinstance(c, torch.Tensor) and c.device.type != "meta":
+            data = c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            lines.append(f"the tensor the function made from data (constant {i}): {str(c.dtype).removeprefix('torch.')}"
+                         f"{list(c.shape)}, values {hashlib.blake2b(data, digest_size=6).hexdigest()}")
+    return lines
 
 
 def _plan_lines(program: Program) -> list[str]:

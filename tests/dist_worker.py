@@ -264,6 +264,7 @@ def lifted_dp(out: Path):
 TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE", "y", "on"})  # iterates in a per-process order
 SESSION_ID = f"session-{RANK}-{os.getpid()}"  # a library's per-process id, never read by the step
 SCALE = 1.0 + RANK  # a value the step reads, different on each rank
+WEIGHTS = [1.0, 2.0 + RANK]  # made into a tensor by the step: a program input, not its code
 
 
 def _telemetry():
@@ -283,8 +284,12 @@ def per_process_globals(mesh, x) -> dict:
         return (x * SCALE).sum()
 
     fn = hpfun.shard(flagged, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    def weighted(x):
+        return (x[:, :2] * torch.tensor(WEIGHTS, dtype=x.dtype)).sum()
+
     return {"runs": [fn(x).full(), fn(x).full()], "want": 2 * x.sum(),
-            "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
+            "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)),
+            "made into a tensor": _error(lambda: hpfun.shard(weighted, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
 
 
 def dtypes_gloo_lacks(mesh) -> dict:

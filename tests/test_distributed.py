@@ -425,7 +425,8 @@ def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
 def test_python_values_of_each_process_compare_by_the_programs_they_make(lifted_dp_job):
     """A global frozenset of strings (ordered per process) and a per-process id the step's code
     names but never reads (diffusers' session id) do not fail the ranks' comparison; a global
-    the step reads, different on each rank, fails every rank where the programs part, naming it."""
+    the step reads, different on each rank, fails every rank where the programs part, naming it,
+    and so does one it makes into a tensor (`torch.tensor(WEIGHTS)`, fed as an input)."""
     for got in lifted_dp_job:
         case = got["per-process globals"]
         for run in case["runs"]:
@@ -433,6 +434,9 @@ def test_python_values_of_each_process_compare_by_the_programs_they_make(lifted_
         text = case["read and different"]
         assert text.startswith("ShardingError") and "ranks planned different programs" in text, text
         assert "SCALE: 1.0" in text and "SCALE: 2.0" in text, text
+        text = case["made into a tensor"]  # (a tensor made from data is fed to the program: its values compared)
+        assert text.startswith("ShardingError") and "the tensor the function made from data" in text, text
+        assert "WEIGHTS: [1.0, 2.0]" in text and "WEIGHTS: [1.0, 3.0]" in text, text
 
 
 def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):
