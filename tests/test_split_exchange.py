@@ -1,9 +1,11 @@
 """Equal pieces of a split dim stay split: `x.chunk(k)` of a data-parallel batch (gradient
 accumulation over micro-batches) and a fused gate/up projection's `chunk(2, dim=-1)` split
 over tp. The input's block is moved by one all-to-all so that each rank holds its block of
-every piece (`hpfun.rules.shape.Split`); the backward's `cat` of the pieces' gradients is the
-inverse all-to-all (`Cat`). Each case is compared with the unsharded run in float64, the pieces'
-layouts and the collectives checked."""
+every piece (`hpfun.rules.shape.Split`). (The backward's `cat` of the pieces' gradients
+gathers them: a cat keeping equal pieces split by the inverse all-to-all also took Llama's
+rotary `cat((freqs, freqs), -1)`, whose consumers gather it anyway, for a dearer plan.) Each
+case is compared with the unsharded run in float64, the pieces' layouts and the collectives
+checked."""
 
 import pytest
 import torch
@@ -105,8 +107,8 @@ def test_gradient_accumulation_over_micro_batches_keeps_data_parallelism():
 ])
 def test_a_fused_gate_up_projection_chunked_over_tp(mesh_shape, names, specs):
     """SwiGLU with one fused projection (Phi-3's `gate_up_proj`): its output is split over tp
-    along the chunked dim. Each half stays split (an all-to-all, not a gather), the gradient's
-    cat is the inverse all-to-all, and a step equals the unsharded one."""
+    along the chunked dim. Each half stays split (an all-to-all, not a gather of the activation),
+    and a step equals the unsharded one."""
     torch.manual_seed(0)
     p = {"wi": torch.randn(16, 64, dtype=D) * .3, "wo": torch.randn(32, 16, dtype=D) * .3}
     x = torch.randn(8, 4, 16, dtype=D)
@@ -127,6 +129,25 @@ def test_a_fused_gate_up_projection_chunked_over_tp(mesh_shape, names, specs):
     torch.testing.assert_close(l.full(), ref_l, rtol=1e-12, atol=1e-12)
     for k in p:
         torch.testing.assert_close(new[k].full(), ref_new[k], rtol=1e-12, atol=1e-12)
-    reasons = [c.reason for c in f.lower(p, x).collectives if c.kind == "all_to_all"]
-    assert any("split_with_sizes" in r for r in reasons) and any("aten.cat" in r for r in reasons)
-    assert not any(c.kind == "all_gather" for c in f.lower(p, x).collectives)
+    moves = f.lower(p, x).collectives
+    assert any(c.kind == "all_to_all" and "split_with_sizes" in c.reason for c in moves)
+    assert not any(c.kind == "all_gather" and "split_with_sizes" in c.reason for c in moves)
+
+
+def test_a_cat_of_one_value_twice_is_gathered_once():
+    """Llama's rotary table, `cat((freqs, freqs), -1)` with `inv_freq` split (ZeRO-3 over every
+    buffer): its consumers need it whole, so the split input is gathered once (16 B), the cat
+    and cos/sin computed whole."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def rope(inv_freq, pos, q, k):
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        return q * cos + k * sin, k * cos - q * sin
+
+    args = (torch.rand(4, dtype=D), torch.arange(8, dtype=D), torch.randn(4, 8, 8, dtype=D), torch.randn(4, 8, 8, dtype=D))
+    f = hpfun.shard(rope, mesh=mesh, in_specs=(P("dp"), P(), P("dp"), P("dp")), out_specs=P("dp"))
+    assert [(c.kind, c.bytes) for c in f.lower(*args).collectives] == [("all_gather", 16)]
+    for got, want in zip(f(*args), rope(*args), strict=True):
+        torch.testing.assert_close(got.full(), want, rtol=1e-14, atol=1e-14)

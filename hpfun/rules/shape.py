@@ -239,44 +239,7 @@ class Cat(Rule):
                 if (isinstance(p, Shard) and p.dim != dim and t.ndim == out.ndim) or isinstance(p, Partial):
                     options.insert(0, (tuple(R if _legacy_empty(u, out) else p for u in tensors), (p,)))
             per_axis.append(options)
-        return [*self._exchange_strategies(call), *combine_axes(call, per_axis)]
-
-    def _exchange(self, call: OpCall):
-        """(dim, (pieces, size), (from, to)) where equal pieces, each in one layout split along
-        the cat dim, are joined into a value split the same way (`Split`'s inverse: the
-        backward of a chunk), else None."""
-        tensors, out = call.tensors, call.outputs[0]
-        if call.op is not aten.cat.default or any(t.ndim != out.ndim or t.layout != tensors[0].layout for t in tensors):
-            return None
-        dim = call.arg(self.dim_arg, "dim", 0) % out.ndim
-        pieces = _equal_pieces([t.shape[dim] for t in tensors])
-        moves = pieces and _exchange_layouts(tensors[0].layout, dim, *pieces)
-        return (dim, pieces, moves[::-1]) if moves else None
-
-    def _exchange_strategies(self, call: OpCall) -> list[Strategy]:
-        if self._exchange(call) is None:
-            return []
-        layout = call.tensors[0].layout
-        return [Strategy((layout,) * len(call.tensors), (layout,), note="exchange")]
-
-    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
-        """The all-to-all: (from, to, global shape of the joined value viewed as pieces, dtype)."""
-        if strategy.note != "exchange":
-            return []
-        dim, (pieces, size), (src, dst) = self._exchange(call)
-        out = call.outputs[0]
-        return [(src, dst, (*out.shape[:dim], pieces, size, *out.shape[dim + 1:]), out.dtype)]
-
-    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
-        if strategy.note != "exchange":
-            return super().emit(ctx, call, strategy, args, kwargs)
-        dim = self._exchange(call)[0]
-        (src, dst, shape, dtype), = self.inner_moves(call, strategy)
-        stacked = ctx.call(aten.stack.default, (list(args[0]), dim))
-        ctx.annotate(stacked, src, shape, dtype)
-        ctx.consumer = (*ctx.consumer[:2], f"{call.op} of equal pieces split along dim {dim}: kept split")
-        moved = ctx.redistribute(stacked, src, dst, shape, dtype)
-        return ctx.call(aten.reshape.default, (moved, list(strategy.outputs[0].local_shape(call.outputs[0].shape))))
+        return combine_axes(call, per_axis)
 
 
 def _legacy_empty(t, out) -> bool:
