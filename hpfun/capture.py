@@ -1261,7 +1261,7 @@ def _is_traced_int_scalar(part) -> bool:
     """A 0-d integer tensor of the trace (under torch.func.grad, wrapped; never a vmapped one,
     whose index differs per batch element: eager refuses its read)."""
     if not isinstance(part, torch.Tensor) or part.ndim != 0 or part.is_floating_point() or part.is_complex() \
-            or part.dtype == torch.bool:
+            or part.dtype in (torch.bool, torch.uint8):  # (torch takes a uint8 index as a mask)
         return False
     while torch._C._functorch.is_functorch_wrapped_tensor(part):
         if torch._C._functorch.is_batchedtensor(part):
@@ -1280,7 +1280,7 @@ def _scalar_tensors_as_lists(index):
         return None
     if not all(_is_traced_int_scalar(p) or p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts):
         return None  # (with other tensors or lists in the index, torch's own rules apply)
-    out = tuple(p.reshape(1) if _is_traced_int_scalar(p) else p for p in parts)
+    out = tuple(p.reshape(1).long() if _is_traced_int_scalar(p) else p for p in parts)  # (an int8 index: as eager)
     return out if isinstance(index, tuple) else out[0]
 
 
@@ -1578,11 +1578,17 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[1], torch.Tensor) \
+                and args[1].dtype in (torch.bool, torch.uint8) and args[1].ndim == 0 and isinstance(args[0], torch.Tensor):
+            # x[b], b a 0-d mask (uint8: torch's old mask dtype): a new dim of one row or none, as
+            # eager (the mask over that dim read)
+            if (index := _mask_as_positions(args[1].reshape(1).bool())) is not None:
+                return func(args[0].unsqueeze(0), index)
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:
-            x, mask = torch.broadcast_tensors(*args)  # x[mask], read as its positions where the mask is readable
-            if (index := _mask_as_positions(mask)) is not None:
+            x, mask = (t.reshape(-1) for t in torch.broadcast_tensors(*args))  # 1-D: x[mask] of the flattened two,
+            if (index := _mask_as_positions(mask)) is not None:  # read as its positions where the mask is readable
                 return x[index]
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (index := _scalar_tensors_as_lists(args[1])) is not None:

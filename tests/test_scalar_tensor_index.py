@@ -109,3 +109,20 @@ def test_an_index_out_of_range_raises_as_eager_raises(spec, i):
         with pytest.raises(hpfun.ExecutionError, match="out of range|out of bounds") as info:
             f(x, index)
         assert "test_scalar_tensor_index.py" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_0d_masks_and_small_integer_indices_index_as_eager(spec):
+    """`x[b]` with `b` a 0-d bool (or uint8, torch's old mask dtype) adds a dim of one row or
+    none; a 0-d int8/int16 index is the integer it holds; masked_select of 0-d tensors is 1-D."""
+    x = torch.randn(4, 6, dtype=D, generator=_gen())
+    cases = [(lambda x, b: x[b] * 1, torch.tensor(True)), (lambda x, b: x[b] * 1, torch.tensor(False)),
+             (lambda x, b: x[b] * 1, torch.tensor(1, dtype=torch.uint8)),
+             (lambda x, t: x[t] * 1, torch.tensor(2, dtype=torch.int8)),
+             (lambda x, t: x[t] * 1, torch.tensor(-1, dtype=torch.int16)),
+             (lambda x, b: torch.masked_select(x.sum(), b), torch.tensor(True))]
+    for fn, index in cases:
+        want = fn(x, index)
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())(x, index).full()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
