@@ -39,7 +39,7 @@ from hpfun.mesh import Mesh
 from hpfun.plan import CostModel, redistribute_seconds
 from hpfun.propagate import propagate
 from hpfun.rules import REGISTRY
-from hpfun.runtime.distributed import runtime_for
+from hpfun.runtime.distributed import VALUE_LINE, runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, spent_error, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
@@ -738,7 +738,8 @@ class ShardedFunction:
             raise
         runtime_for(self.mesh).agree_on_compile(  # (where the plans differ, the Python values deciding them too)
             _entry_digest(entry), [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
-            lambda: _plan_lines(entry.program) + _constant_lines(entry) + _describe(call, leaves)[len(leaves):])
+            lambda: _plan_lines(entry.program) + [f"{VALUE_LINE}{line}" for line in
+                                                  _constant_lines(entry) + _describe(call, leaves)[len(leaves):]])
         return entry
 
     def _compile(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":

@@ -433,10 +433,10 @@ def test_python_values_of_each_process_compare_by_the_programs_they_make(lifted_
             _close(run, case["want"], "a global set and a per-process id")
         text = case["read and different"]
         assert text.startswith("ShardingError") and "ranks planned different programs" in text, text
-        assert "SCALE: 1.0" in text and "SCALE: 2.0" in text, text
+        assert "holds SCALE: 2.0, where mesh rank 0 holds SCALE: 1.0" in text, text
         text = case["made into a tensor"]  # (a tensor made from data is fed to the program: its values compared)
         assert text.startswith("ShardingError") and "the tensor the function made from data" in text, text
-        assert "WEIGHTS: [1.0, 2.0]" in text and "WEIGHTS: [1.0, 3.0]" in text, text
+        assert "holds the tensor the function made from data" in text and "WEIGHTS" in text, text
 
 
 def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_job):

@@ -209,11 +209,19 @@ class DistributedRuntime:
         same call and options plan the same program, so the cause is code that runs differently
         on some ranks (a branch on the rank, a module attribute or option set per rank) or hpfun."""
         where = []
-        for rank, lines in enumerate(plans[1:], 1):
-            if lines == plans[0]:
+        values = [[l[len(VALUE_LINE):] for l in lines if l.startswith(VALUE_LINE)] for lines in plans]
+        steps = [[l for l in lines if not l.startswith(VALUE_LINE)] for lines in plans]
+        for rank in range(1, len(plans)):
+            mine = [v for v in values[0] if v not in values[rank]]
+            theirs = [v for v in values[rank] if v not in values[0]]
+            if mine or theirs:  # the Python values (and tensors made from data) deciding the programs, as they differ
+                where.append(Problem(f"mesh rank {rank}", f"holds {'; '.join(theirs) or 'none of them'}, where mesh "
+                                     f"rank 0 holds {'; '.join(mine) or 'none of them'}"))
+            lines = steps[rank]
+            if lines == steps[0]:
                 continue
-            i = next((i for i, (a, b) in enumerate(zip(plans[0], lines)) if a != b), min(len(plans[0]), len(lines)))
-            mine = plans[0][i] if i < len(plans[0]) else "(the program ends)"
+            i = next((i for i, (a, b) in enumerate(zip(steps[0], lines)) if a != b), min(len(steps[0]), len(lines)))
+            mine = steps[0][i] if i < len(steps[0]) else "(the program ends)"
             theirs = lines[i] if i < len(lines) else "(the program ends)"
             where.append(Problem(f"mesh rank {rank}", f"step {i} of its program is {theirs}, where mesh rank 0's is {mine}"))
         distinct = len({tuple(lines) for lines in plans})
@@ -275,6 +283,7 @@ def _peer_failure(runtime: DistributedRuntime, err: Exception) -> ShardingError:
     )
 
 
+VALUE_LINE = "value: "  # a line of a plan naming a Python value it was made for, not a step (`check_same_plan`)
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVES = {
     torch.ops._c10d_functional.all_reduce.default,
