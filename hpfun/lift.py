@@ -1158,6 +1158,10 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
+            elif type(v) is list and not attr.startswith("_") and any(isinstance(t, torch.Tensor) for t in v):
+                for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
+                    if isinstance(t, torch.Tensor):
+                        add(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
     # A frozen one's too: it may hold one from before it was frozen (the optimizer still steps
     # it), or be unfrozen, or given one, inside the step (absent, its slot costs nothing)
@@ -1529,8 +1533,9 @@ class Substitution:
     def _module(self, module):
         for mod in module.modules():
             caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
+            caches += [v for k, v in vars(mod).items() if type(v) is list and not k.startswith("_")]
             for store in (mod._parameters, mod._buffers, vars(mod), *caches):
-                for key, v in list(store.items()):
+                for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
 
@@ -1594,6 +1599,10 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+                elif type(container) is list and vars(mod).get(attr) is container:  # a list a metric appends
+                    read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)
+                    for i, v in enumerate(container[len(items):]):
+                        out.update(_created_items(f"{_join(prefix, attr)}[+{i}]", v, ("append", read)))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):

@@ -2158,3 +2158,26 @@ def test_a_private_dict_of_tensors_a_module_holds_is_its_state():
         torch.testing.assert_close(f(x).full(), ref(x))
     for key in ("total", "count"):
         torch.testing.assert_close(model._sums[key], ref._sums[key])
+
+
+def test_a_list_a_module_appends_tensors_to_is_its_state():
+    """A module keeping its batches in a list (torchmetrics' list states: `self.preds.append(x)`,
+    then `torch.cat(self.preds)`): each call appends, and later calls read what earlier ones
+    appended (they were thrown away after each call: the result covered one batch, silently)."""
+    class Collect(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append(x.sum(0))
+            return torch.stack(self.seen).sum(0)
+
+    model, ref = Collect(), Collect()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x))
+        assert len(model.seen) == i + 1 and all(type(t) is torch.Tensor for t in model.seen)
+    for a, b in zip(model.seen, ref.seen, strict=True):
+        torch.testing.assert_close(a, b)
