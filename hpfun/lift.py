@@ -1103,6 +1103,10 @@ def _cannot_write(name: str):
     return write
 
 
+def _tensor_list(v) -> bool:
+    return type(v) is list and any(isinstance(t, torch.Tensor) for t in v)
+
+
 def _held_dict(attr: str, v) -> bool:
     """A dict a module holds whose tensors are its state (a cache its forward fills): a public
     one, or a private one holding tensors (torchmetrics' `self._defaults`); never torch's own
@@ -1153,12 +1157,17 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
             elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values()))
-                                          or any(isinstance(t, torch.Tensor) for t in v.values())):
+                                          or any(isinstance(t, torch.Tensor) or _tensor_list(t) for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
-            elif type(v) is list and not attr.startswith("_") and any(isinstance(t, torch.Tensor) for t in v):
+                    elif _tensor_list(t) and _is_name(key):  # a list in it a metric appends to
+                        for i, u in enumerate(t):
+                            if isinstance(u, torch.Tensor):
+                                add(_join(base, f"{attr}.{key}.{i}"), functools.partial(t.__getitem__, i),
+                                    functools.partial(t.__setitem__, i))
+            elif not attr.startswith("_") and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
                     if isinstance(t, torch.Tensor):
                         add(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
@@ -1502,6 +1511,7 @@ class Substitution:
         self._real_params: dict = {}  # id(an optimizer's parameter as the trace sees it) -> the parameter
         self._fused: set = set()  # ids of the parameters (as the trace sees them) of groups traced unfused
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
+        self._inner_lists: list = []  # (name, a list inside a module's dict, its length) before the trace
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
@@ -1534,6 +1544,7 @@ class Substitution:
         for mod in module.modules():
             caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
             caches += [v for k, v in vars(mod).items() if type(v) is list and not k.startswith("_")]
+            caches += [t for c in list(caches) if type(c) is dict for t in c.values() if type(t) is list]
             for store in (mod._parameters, mod._buffers, vars(mod), *caches):
                 for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
@@ -1581,6 +1592,10 @@ class Substitution:
             containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
                           if type(v) in (dict, list) and not k.startswith("_")}
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
+            for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
+                if type(v) is dict:
+                    self._inner_lists += [(_join(_join(prefix, name), f"{k}.{key}"), lst, len(lst))
+                                          for key, lst in v.items() if type(lst) is list and _is_name(key)]
 
     def created(self) -> dict:
         """name -> (value, place) of each tensor the trace put into a module that was not there
@@ -1591,6 +1606,16 @@ class Substitution:
             for attr, v in list(vars(mod).items()):
                 if isinstance(v, FakeTensor) and held.get(attr) is not v:
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
+                elif type(v) in (list, tuple, dict) and not attr.startswith("_") and held.get(attr) is not v \
+                        and _holds_fake(v):
+                    # a container the step assigned (`self.hist = self.hist + [v]`): put whole at every
+                    # call, the tensors it held before as themselves (their stand-ins taken back)
+                    before = containers[attr][1] if attr in containers else held.get(attr)  # (its items as they were:
+                    reals = {id(t): t for t in torch.utils._pytree.tree_leaves(before)  # the list now holds stand-ins)
+                             if isinstance(t, torch.Tensor)}
+                    back = {id(stand_in): reals[real] for real, stand_in in self.swap.items() if real in reals}
+                    v = torch.utils._pytree.tree_map(lambda leaf: back.get(id(leaf), leaf), v)
+                    out.update(_created_items(_join(prefix, attr), v, ("attribute", prefix, attr)))
             for attr, v in list(mod._buffers.items()):
                 if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
                     out[_join(prefix, attr)] = (v, ("buffer", prefix, attr))
@@ -1603,6 +1628,9 @@ class Substitution:
                     read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)
                     for i, v in enumerate(container[len(items):]):
                         out.update(_created_items(f"{_join(prefix, attr)}[+{i}]", v, ("append", read)))
+        for name, lst, n in self._inner_lists:
+            for i, v in enumerate(lst[n:]):
+                out.update(_created_items(f"{name}[+{i}]", v, ("append", functools.partial(_same, lst))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):
@@ -1619,9 +1647,13 @@ class Substitution:
 
     def _take_back(self) -> None:
         """Nothing the trace made stays in a module: its tensors are the trace's stand-ins."""
+        for _, lst, n in self._inner_lists:
+            if any(_holds_fake(v) for v in lst[n:]):
+                del lst[n:]
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
-                if isinstance(v, FakeTensor) and held.get(attr) is not v:
+                if (isinstance(v, FakeTensor) or type(v) in (list, tuple, dict) and not attr.startswith("_")
+                        and _holds_fake(v)) and held.get(attr) is not v:
                     if attr in held:
                         setattr(mod, attr, held[attr])
                     else:
@@ -1787,6 +1819,10 @@ def _reset_flat_weights(rnn: torch.nn.RNNBase) -> None:
 def _holds_fake(v) -> bool:
     return isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and \
         any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
+
+
+def _same(value):
+    return value
 
 
 def _created_items(name: str, v, place: tuple) -> dict:

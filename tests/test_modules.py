@@ -2181,3 +2181,33 @@ def test_a_list_a_module_appends_tensors_to_is_its_state():
         assert len(model.seen) == i + 1 and all(type(t) is torch.Tensor for t in model.seen)
     for a, b in zip(model.seen, ref.seen, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["reassigned", "in a dict"])
+def test_a_list_a_module_reassigns_or_keeps_in_a_dict_is_its_state(kind):
+    """`self.hist = self.hist + [v]` (a new list each call) and `self.c["h"].append(v)` (a list
+    inside a dict): kept as eager keeps them, and read at the next call (the trace's stand-ins
+    were left in the module, and the next call failed)."""
+    class Hist(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4).double()
+            self.hist = [] if kind == "reassigned" else {"h": []}
+
+        def forward(self, x):
+            v = self.lin(x).sum(0).detach()
+            if kind == "reassigned":
+                self.hist = self.hist + [v]
+                return torch.stack(self.hist).sum(0)
+            self.hist["h"].append(v)
+            return torch.stack(self.hist["h"]).sum(0)
+
+    torch.manual_seed(0)
+    model = Hist()
+    ref = copy.deepcopy(model)
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x))
+    held = model.hist if kind == "reassigned" else model.hist["h"]
+    assert len(held) == 3 and all(type(t) is torch.Tensor for t in held)
