@@ -402,7 +402,7 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
         while step is not out and step is not ctx.graph._root:
             if step.op == "call_function" and "hpfun_collective" not in step.meta:
                 step.meta.setdefault("stack_trace", node.meta["stack_trace"])
-                step.meta.setdefault("hpfun_origin", node.name)
+                step.meta.setdefault("hpfun_step_of", node.name)  # (not hpfun_origin: that names an op's result)
             step = step.next
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed

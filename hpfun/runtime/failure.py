@@ -53,9 +53,9 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException, 
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if node is None:
         return ExecutionError(Problem(where, f"{type(err).__name__}: {first}", _FIX))
-    origin = node.meta.get("hpfun_origin")
+    origin, step_of = node.meta.get("hpfun_origin"), node.meta.get("hpfun_step_of")
     op = op_name(node.target).replace("torch.ops.", "") if node.op == "call_function" else node.op
-    what = f"{op} ({'node ' + origin if origin else 'a step redistributing a value'})"
+    what = f"{op} ({'node ' + origin if origin else f'a step of node {step_of}' if step_of else 'a step redistributing a value'})"
     layouts = node.meta.get("hpfun_inputs")
     if layouts is not None:
         what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
