@@ -1288,14 +1288,16 @@ def _index_by_scalar_tensors(func, x, index, as_lists, *value):
     """`x[index]` (or `x[index] = value`) where `index` holds traced 0-d integer tensors, as the
     indexing by their one-element lists (`_scalar_tensors_as_lists`) reshaped to what integer
     indices give (a select: the size-1 dim dropped)."""
+    parts = index if isinstance(index, tuple) else (index,)
+
+    def shape_with(stand_in):  # the result's shape with each 0-d index read as `stand_in`
+        out = tuple(stand_in if _is_traced_int_scalar(p) else p for p in parts)
+        return tuple(meta[out if isinstance(index, tuple) else out[0]].shape)
+
     with torch._subclasses.fake_tensor.unset_fake_temporarily():
         meta = torch.empty(tuple(x.shape), device="meta")
-        parts = index if isinstance(index, tuple) else (index,)
-        ints = tuple(0 if _is_traced_int_scalar(p) else p for p in parts)
-        selected = tuple(meta[ints if isinstance(index, tuple) else ints[0]].shape)
-        listed = tuple(meta[tuple(torch.zeros(1, dtype=torch.long, device="meta") if _is_traced_int_scalar(p) else p
-                                  for p in parts) if isinstance(index, tuple) else
-                            torch.zeros(1, dtype=torch.long, device="meta")].shape)
+        selected = shape_with(0)
+        listed = shape_with(torch.zeros(1, dtype=torch.long, device="meta"))
     if func is torch.Tensor.__getitem__:
         return x[as_lists].reshape(selected)
     v, = value
