@@ -1204,6 +1204,18 @@ _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int
                     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
 
 
+def _equal(a, b):
+    """torch.equal as the tensor it reads: the same shape and every element equal."""
+    return (a == b).all() if a.shape == b.shape else torch.zeros((), dtype=torch.bool, device=a.device)
+
+
+# comparisons answering a Python bool (`if torch.equal(mask, prev)`, `torch.allclose(y, ones)`):
+# the tensor whose truth they read, read as `bool(...)` is (of constants or readable inputs)
+_COMPARISONS = {torch.equal: _equal, torch.Tensor.equal: _equal,
+                torch.allclose: lambda *a, **k: torch.isclose(*a, **k).all(),
+                torch.Tensor.allclose: lambda *a, **k: torch.isclose(*a, **k).all()}
+
+
 # Ops whose output's shape is its input's values (BART's `torch.unique_consecutive(eos_mask.sum(1))`,
 # `(ids == eos).nonzero()`): of a value made from constants or readable inputs, read like `.item()`
 # (an `InputRead`, the program right for the calls giving the same result), and made a constant.
@@ -1576,6 +1588,11 @@ class _TensorScalars(TorchFunctionMode):
             _refuse_generator(func)
         if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
             _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
+        if func in _COMPARISONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]) \
+                and any(isinstance(a, FakeTensor) for a in args[:2]):
+            result = _read(torch.Tensor.__bool__, _COMPARISONS[func](*args, **kwargs))
+            if result is not _UNREADABLE:
+                return result
         if func in _READS and isinstance(args[0], FakeTensor):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:

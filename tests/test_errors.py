@@ -200,6 +200,31 @@ def test_masked_select_of_a_readable_mask_is_read_like_an_index_by_it(spec):
         torch.testing.assert_close(got.full(), want)
 
 
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_equal_and_allclose_of_the_arguments_are_read_as_bool_is(spec):
+    """`torch.equal(y, prev)` and `torch.allclose(y, ones)` of the arguments (torchmetrics'
+    checks, a cached-mask test) answer as eager does, read like `bool((y == prev).all())`:
+    one program per answer, checked at every call (torch's kernel reads values no trace can,
+    and was refused). Of a random draw (which nothing reads) the read is still refused."""
+    def picked(x, y):
+        if torch.equal(y, torch.zeros_like(y)) or y.equal(x[:0].new_zeros(2)):
+            return x.sum() * 0
+        if torch.allclose(y, torch.ones_like(y), atol=1e-3) and y.allclose(y + 1e-9):
+            return x.sum() * 2
+        return x.sum()
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    f = hpfun.shard(picked, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+    answers = (torch.zeros(4), torch.ones(4) + 1e-4, torch.randn(4), torch.zeros(4))
+    for y in (a.double() for a in answers):
+        torch.testing.assert_close(f(x, y).full(), picked(x, y))
+    assert f.trace_count == 3
+
+    drawn = hpfun.shard(lambda x: x * torch.equal(torch.rand(4), torch.rand(4)), mesh=MESH, in_specs=(spec,),
+                        out_specs=spec)
+    _raise(drawn, torch.randn(8, 4), error=hpfun.CaptureError)
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
