@@ -1269,6 +1269,39 @@ def _mask_as_positions(index):
     return tuple(out) if changed else None
 
 
+def _masked_write(x, mask, value) -> bool:
+    """`x[mask] = value` (torchmetrics' `out[cond] = 0.0`, `y[y < 0] = 0`) where the value does not
+    depend on how many elements the mask selects (a number, one element, or one row of what it
+    selects): written as `masked_fill_` / `torch.where`, which need no read of the mask, so one
+    program serves every mask. torch counts the selection first (a read of values a trace cannot
+    make). False where the write is another kind (left to torch)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+        return False  # (torch refuses a uint8 mask here)
+    if mask.ndim > x.ndim or tuple(mask.shape) != tuple(x.shape[:mask.ndim]):
+        return False  # (torch's own shape error)
+    rest = tuple(x.shape[mask.ndim:])  # the shape of each element the mask selects
+    if isinstance(value, (bool, int, float)):
+        filled = value
+    elif isinstance(value, torch.Tensor) and value.ndim <= len(rest) + 1 and \
+            (value.ndim <= len(rest) or value.shape[0] == 1):
+        try:
+            if torch.broadcast_shapes(tuple(value.shape[-len(rest):]) if rest else (), rest) != rest:
+                return False
+        except RuntimeError:
+            return False
+        if value.ndim > len(rest) and (not rest or value.shape[0] == 1):
+            value = value.reshape(value.shape[1:])  # (1, *rest): one row, the same for every selected one
+        filled = value.to(x.dtype)
+    else:
+        return False
+    where = mask.reshape(tuple(mask.shape) + (1,) * len(rest))
+    if isinstance(filled, torch.Tensor) and filled.ndim:
+        x.copy_(torch.where(where, filled, x))
+    else:
+        x.masked_fill_(where, filled)
+    return True
+
+
 def _is_traced_int_scalar(part) -> bool:
     """A 0-d integer tensor of the trace (under torch.func.grad, wrapped; never a vmapped one,
     whose index differs per batch element: eager refuses its read)."""
@@ -1603,6 +1636,8 @@ class _TensorScalars(TorchFunctionMode):
             # eager (the mask over that dim read)
             if (index := _mask_as_positions(args[1].reshape(1).bool())) is not None:
                 return func(args[0].unsqueeze(0), index)
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and _masked_write(*args):
+            return None
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:

@@ -225,6 +225,41 @@ def test_equal_and_allclose_of_the_arguments_are_read_as_bool_is(spec):
     _raise(drawn, torch.randn(8, 4), error=hpfun.CaptureError)
 
 
+MASKED_WRITES = {  # x[mask] = value, the value the same for every element the mask selects
+    "0-d condition": lambda o, y: o.__setitem__(y.sum() > 0, 5.0),  # torchmetrics' `out[cond] = 0.0`
+    "elementwise": lambda o, y: o.__setitem__(o > 0, 0.0),
+    "rows, a number": lambda o, y: o.__setitem__(o[:, 0] > y[0], 2),
+    "rows, a row": lambda o, y: o.__setitem__(o[:, 0] > 0, y),
+    "rows, one row": lambda o, y: o.__setitem__(o[:, 0] > 0, y[None]),
+    "rows, a 0-d tensor": lambda o, y: o.__setitem__(o[:, 0] > 0, y.sum()),
+    "through a view": lambda o, y: o[:, 1:].__setitem__(o[:, 1] > 0, y[1:]),
+}
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp")], ids=str)
+@pytest.mark.parametrize("name", sorted(MASKED_WRITES))
+def test_a_write_through_a_mask_of_computed_values_is_one_program(name, spec):
+    """`x[mask] = value` with a mask the program computes (nothing can read it) and a value that
+    does not depend on how many elements it selects: written as masked_fill / where, one
+    program for every mask, equal to eager forward and gradient (it was refused as a read)."""
+    def written(x, y):
+        o = x * 1
+        MASKED_WRITES[name](o, y)
+        return o
+
+    def loss(x, y):
+        return (written(x, y) ** 2).sum()
+
+    f = hpfun.shard(written, mesh=MESH, in_specs=(spec, P()), out_specs=spec)
+    g = hpfun.shard(torch.func.grad(loss, argnums=(0, 1)), mesh=MESH, in_specs=(spec, P()), out_specs=(spec, P()))
+    for seed in range(3):
+        x, y = torch.randn(8, 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).unbind(-1)
+        torch.testing.assert_close(f(x, y[0]).full(), written(x, y[0]), rtol=0, atol=0)
+        for got, want in zip(g(x, y[0]), torch.func.grad(loss, argnums=(0, 1))(x, y[0]), strict=True):
+            torch.testing.assert_close(got.full(), want)
+    assert f.trace_count == 1 and g.trace_count == 1
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
