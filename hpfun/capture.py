@@ -35,6 +35,7 @@ import functools
 import io
 import logging
 import math
+import operator
 import os
 import pickle
 import sys
@@ -1495,6 +1496,10 @@ def _constant_value(t):
             made.append(node)
             continue
         target = node.target
+        if node.op == "call_function" and target is operator.getitem:  # (an output of a multi-output op)
+            made.append(node)
+            stack += node.all_input_nodes
+            continue
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or torch.Tag.nondeterministic_seeded in target.tags:
             return None  # an input, a random draw: not a constant
@@ -1577,6 +1582,8 @@ def _writes_into(node: torch.fx.Node) -> list | None:
         seen.add(n)
         for user in n.users:
             target = user.target
+            if target is operator.getitem:  # one output of a multi-output op (`x.max(0).values`): none written
+                continue
             if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
                 return None
             schema = target._schema

@@ -167,6 +167,21 @@ def test_repeat_interleave_by_counts_of_constants_or_inputs_is_read():
     torch.testing.assert_close(flat(x).full(), torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)))
 
 
+def test_a_read_through_one_output_of_a_multi_output_op_is_read():
+    """`int(ids.max(0).values.max())`, `torch.sort(ids).values[-1]`, `ids.topk(1).indices`: a read
+    of the arguments' values through one output of an op that makes several (it was refused),
+    checked at every call, compiled again where the answer changes; equal to eager."""
+    def picked(x, ids):
+        n = int(ids.max(0).values.max())
+        return x[:n + 1].sum() + int(torch.sort(ids).values[-1]) + int(ids.topk(1).indices[0])
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    f = hpfun.shard(picked, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P())
+    for ids in ([1, 5, 2, 3], [1, 5, 2, 3], [3, 1, 0, 2]):
+        torch.testing.assert_close(f(x, torch.tensor(ids)).full(), picked(x, torch.tensor(ids)))
+    assert f.trace_count == 2
+
+
 def test_routing_counts_and_positions_of_the_inputs_are_read():
     """Token routing by the inputs' values (hash routing by token id): the counts of bincount
     feed repeat_interleave and split, and torch.where(mask) gives the positions, as nonzero
