@@ -1050,7 +1050,7 @@ def _held_values(v):
 def _plain(key) -> bool:
     """Whether an `object_key` holds values only (no object by identity, no tensor)."""
     if isinstance(key, tuple):
-        if len(key) == 3 and key[0] in ("object", "tensor"):
+        if len(key) == 3 and key[0] == "object" or len(key) == 2 and key[0] == "tensor":
             return False
         return all(_plain(k) for k in key)
     return True
@@ -1105,6 +1105,14 @@ def _cannot_write(name: str):
 
 def _tensor_list(v) -> bool:
     return type(v) is list and any(isinstance(t, torch.Tensor) for t in v)
+
+
+def _tuple_item_writer(mod, attr: str, i: int, value) -> None:
+    """Write item i of the tuple a module holds now, rebuilt."""
+    items = list(vars(mod)[attr])
+    items[i] = value
+    held = vars(mod)[attr]
+    vars(mod)[attr] = tuple(items) if type(held) is tuple else type(held)(*items)
 
 
 def _held_dict(attr: str, v) -> bool:
@@ -1171,6 +1179,11 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
                     if isinstance(t, torch.Tensor):
                         add(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
+            elif isinstance(v, tuple) and not attr.startswith("__") and any(isinstance(t, torch.Tensor) for t in v):
+                for i, t in enumerate(v):  # gpytorch's `self.train_inputs = (x,)`: rebuilt where written
+                    if isinstance(t, torch.Tensor):
+                        add(_join(base, f"{attr}.{i}"), _item_reader(functools.partial(vars(mod).get, attr), i),
+                            functools.partial(_tuple_item_writer, mod, attr, i))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
     # A frozen one's too: it may hold one from before it was frozen (the optimizer still steps
     # it), or be unfrozen, or given one, inside the step (absent, its slot costs nothing)
@@ -1549,6 +1562,14 @@ class Substitution:
                 for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
+            for key, v in list(vars(mod).items()):  # a tuple of tensors (gpytorch's `train_inputs`): rebuilt
+                if isinstance(v, tuple) and not key.startswith("__") and any(id(t) in self.swap for t in v):
+                    items = [self.swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in v]
+                    stand_ins = tuple(items) if type(v) is tuple else type(v)(*items)
+                    self._set(functools.partial(vars(mod).__setitem__, key), v, stand_ins)
+                    for _, kept, held, _, _ in self._modules:
+                        if kept is mod:  # (held so, it is not state the trace made)
+                            held[key] = stand_ins
 
     def _watch(self, fn) -> None:
         """Lists and dicts the function's code and the hooks of its modules and parameters (forward,

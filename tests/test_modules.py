@@ -2211,3 +2211,56 @@ def test_a_list_a_module_reassigns_or_keeps_in_a_dict_is_its_state(kind):
         torch.testing.assert_close(f(x).full(), ref(x))
     held = model.hist if kind == "reassigned" else model.hist["h"]
     assert len(held) == 3 and all(type(t) is torch.Tensor for t in held)
+
+
+@pytest.mark.parametrize("write", ["none", "in place", "reassigned"])
+@pytest.mark.parametrize("spec", [None, P("dp")], ids=str)
+def test_tensors_a_module_holds_in_a_tuple_are_its_state(write, spec):
+    """gpytorch's `self.train_inputs = (x,)`: the tensors of a tuple a module holds are lifted
+    state (named `train_inputs.0`, given specs like any), read at every call, written back where
+    the step writes them in place or assigns a new tuple; a tuple or list assigned anew at every
+    call with the same structure is one program (it was compiled again at every call, keyed by
+    the tensors' identities). Equal to eager over three steps with SGD."""
+    class GP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.train_inputs = (torch.randn(6, 3, dtype=torch.float64), "kept")
+            self.train_targets = torch.randn(6, dtype=torch.float64)
+            self.hist = [torch.zeros((), dtype=torch.float64)]
+            self.lin = torch.nn.Linear(3, 1).double()
+
+        def forward(self, x):
+            k = torch.exp(-torch.cdist(x, self.train_inputs[0]) ** 2)
+            return k @ self.train_targets + self.lin(x).squeeze(-1)
+
+    def make():
+        torch.manual_seed(0)
+        model = GP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if write == "in place":
+                model.train_inputs[0].add_(0.5)
+            elif write == "reassigned":
+                model.train_inputs = (model.train_inputs[0] * 0.9, "kept")
+                model.hist = [model.hist[0] + loss.detach()]
+            return loss
+
+        return model, step
+
+    model, step = make()
+    ref, ref_step = make()
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(),
+                    state_specs=None if spec is None else {"train_inputs.0": spec})
+    x = torch.randn(8, 3, dtype=torch.float64)
+    for _ in range(3):
+        torch.testing.assert_close(f(x).full(), ref_step(x))
+    for a, b in ((model.train_inputs[0], ref.train_inputs[0]), (model.lin.weight, ref.lin.weight),
+                 (model.hist[0], ref.hist[0])):
+        assert type(a) is type(b)
+        torch.testing.assert_close(a, b)
+    assert model.train_inputs[1] == "kept" and f.trace_count == 1
