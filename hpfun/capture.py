@@ -624,6 +624,17 @@ _NOT_DRAWS = frozenset({"seed", "get_state", "set_state", "RandomState", "Genera
 _REFUSED = contextvars.ContextVar("hpfun_refused_reads", default=None)  # the trace's refused draws, while one runs
 _DRAW_FIX = ("draw with torch instead (`torch.rand(()) < 0.5` with torch.where: hpfun draws anew at every call, the "
              "same values on every layout), or draw outside the function and pass the result in")
+# torch.distributed's own collectives, called inside the function (DDP-style code, SyncBatchNorm):
+# hpfun's program is global-view and makes its own; one run while tracing would be one rank's alone
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+                "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object",
+                "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+                "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced", "send_object_list",
+                "recv_object_list")
+_COLLECTIVE_FIX = ("write the step on whole tensors and leave the communication to hpfun (a gradient's "
+                   "`all_reduce` is what a data-parallel layout's Partial -> Replicate already does; "
+                   "`nn.SyncBatchNorm` is `nn.BatchNorm`, its statistics over the whole batch), or call it outside "
+                   "the sharded function")
 _CLOCK_FIX = ("time the call outside the sharded function (`start = time.perf_counter(); loss = step(x); "
               "elapsed = time.perf_counter() - start`), or pass the value in as an argument")
 
@@ -646,6 +657,28 @@ def _guard_draw(module: str, name: str, original, thread: int):
                             "the function: the program would repeat this one draw at every call", _DRAW_FIX))
         return original(*args, **kwargs)
     return draw
+
+
+def _guard_collective(name: str, original, thread: int):
+    def collective(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if threading.get_ident() != thread or caller.startswith(HPFUN_DIR):
+            return original(*args, **kwargs)
+        _refuse(Problem(f"torch.distributed.{name}{_at_user_line()}", "is a collective the function calls itself, while "
+                        "hpfun traces it: hpfun's program works on whole tensors and makes its own collectives, so "
+                        "this one would run once, in the trace, on one rank's stand-ins", _COLLECTIVE_FIX))
+        return _NoWork()  # (nothing run: the trace goes on, and every problem is said at its end)
+    return collective
+
+
+class _NoWork:
+    """What a refused collective returns, for code that waits on it (`work.wait()`)."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 def _guard_clock(name: str, original, thread: int):
@@ -674,6 +707,10 @@ def _python_random_refused():
     patches = [mock.patch.object(random, name, _guard_draw("random", name, getattr(random, name), thread))
                for name in _PY_RANDOM if hasattr(random, name)]
     patches += [mock.patch.object(time, name, _guard_clock(name, getattr(time, name), thread)) for name in _CLOCKS]
+    if torch.distributed.is_available():
+        patches += [mock.patch.object(torch.distributed, name, _guard_collective(name, getattr(torch.distributed, name),
+                                                                                 thread))
+                    for name in _COLLECTIVES if hasattr(torch.distributed, name)]
     np = sys.modules.get("numpy")
     if np is not None:
         patches += [mock.patch.object(np.random, name, _guard_draw("numpy.random", name, getattr(np.random, name), thread))

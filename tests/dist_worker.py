@@ -83,6 +83,27 @@ def rank_raises(out: Path):
     _record_error(out, lambda: step(torch.randn(8, 4)))
 
 
+def own_collective(out: Path):
+    """The step calls torch.distributed.all_reduce itself (DDP-style code): refused at its line,
+    no collective run; the script catches the error and ends without destroying the process
+    group, as most scripts do, and exits 0 (it aborted: gloo's threads at the interpreter's exit)."""
+    mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
+
+    def reduced(x):
+        g = x.sum(0)
+        torch.distributed.all_reduce(g)
+        return g
+
+    works = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())(torch.ones(8, 4)).full()
+    step = hpfun.shard(reduced, mesh=mesh, in_specs=P("dp"), out_specs=P())
+    try:
+        step(torch.randn(8, 4))
+        message = "NO ERROR"
+    except hpfun.CaptureError as err:
+        message = str(err)
+    torch.save({"error": message, "before": works}, out / f"own_collective-rank{RANK}.pt")
+
+
 def rank_dies(out: Path):
     """Rank 1 dies between two steps; rank 0's second step must fail, not hang."""
     mesh = hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT)
@@ -554,9 +575,11 @@ def _record_error(out: Path, fn):
 SCENARIOS = {
     "mlp": run_mlp, "compile": compile_small, "adopt": adopt_and_local,
     "lifted": lifted, "lifted_dp": lifted_dp, "rank_raises": rank_raises, "rank_dies": rank_dies, "rank_stalls": rank_stalls,
+    "own_collective": own_collective,
 }
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     SCENARIOS[sys.argv[1]](Path(sys.argv[2]))
-    torch.distributed.destroy_process_group()
+    if sys.argv[1] != "own_collective":  # (which leaves it to hpfun's exit handler)
+        torch.distributed.destroy_process_group()

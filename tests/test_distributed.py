@@ -447,6 +447,16 @@ def test_mesh_of_another_size_than_the_job_names_the_count_that_works(lifted_dp_
         assert "--nproc-per-node 4" in text and "a mesh of 2 ranks" in text, text
 
 
+def test_a_collective_the_step_calls_itself_is_refused_and_the_job_exits_cleanly(tmp_path_factory):
+    """`torch.distributed.all_reduce` inside the step is refused at its line with the fix (it
+    was reported as a draw from Python's random generator), and a script
+    that ends without destroying the process group exits 0 on every rank."""
+    for got in _job(tmp_path_factory, "own_collective", 2):
+        assert "torch.distributed.all_reduce at" in got["error"] and "torch.distributed.all_reduce(g)" in got["error"]
+        assert "leave the communication to hpfun" in got["error"] and "random" not in got["error"], got["error"]
+        torch.testing.assert_close(got["before"], torch.full((4,), 8.0))
+
+
 @pytest.mark.parametrize("scenario", ["rank_raises", "rank_dies"])
 def test_failed_rank_makes_the_others_fail_not_hang(scenario, tmp_path):
     """When a rank raises or dies, the surviving rank gets an error within the timeout."""

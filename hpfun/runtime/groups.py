@@ -8,8 +8,10 @@ knows torch.distributed and nothing of hpfun's programs, so the mesh module can 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,17 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("HPFUN_TIMEOUT", "300"))
 _DEVICE_MESHES: dict = {}
 
 
+def _destroy() -> None:
+    """At exit, where the program has not done so: the process group hpfun started, destroyed.
+    First the GIL is let go a moment: gloo's worker threads release the tensors of the last
+    collective after the caller has returned (the release of a Python-held tensor needs the
+    GIL), and one still doing so when the interpreter finalizes aborts the process ("terminate
+    called without an active exception", exit code -6), typically after a step that raised."""
+    time.sleep(0.05)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def start(mesh, timeout: float | None = None) -> None:
     """Join (or start) the default process group and build the DeviceMesh of `mesh` (an
     `hpfun.Mesh`); its collectives time out after `timeout` seconds (default `HPFUN_TIMEOUT`)."""
@@ -33,6 +46,8 @@ def start(mesh, timeout: float | None = None) -> None:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(_destroy)  # (left to the interpreter's exit, gloo's threads abort the process
+        # after a step that raised: "terminate called without an active exception", exit code -6)
     if mesh.size != dist.get_world_size():
         raise ShardingError(Problem(
             f"mesh {mesh}", f"needs {mesh.size} processes, but the job has {dist.get_world_size()}",
