@@ -220,6 +220,8 @@ def _fold_reduction(graph: torch.fx.Graph, node) -> bool:
     if base is x or all(len(groups[d]) == 1 for d in dims):
         return False
     summed = sorted(b for d in dims for b in groups[d])
+    if not summed:  # only size-1 dims the view added (`x.reshape(-1, 1).sum(1)`): aten reads [] as every dim
+        return False
     with graph.inserting_after(node):
         folded = graph.call_function(node.target, (base, summed, keepdim))
     folded.meta.update(val=_fake_reduce(node, base, summed, keepdim), stack_trace=node.meta.get("stack_trace"))

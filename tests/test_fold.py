@@ -1,5 +1,6 @@
 """Matmuls on N-D tensors are folded into einsums, so head and sequence dims stay split."""
 
+import pytest
 import torch
 
 import hpfun
@@ -150,3 +151,22 @@ def test_a_cat_viewed_as_its_stack_keeps_the_batch_split_in_its_backward_too():
     for got, want in zip(grad(x, w), torch.func.grad(f, argnums=(0, 1))(x, w)):
         torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
     assert {c.kind for c in grad.lower(x, w).collectives} == {"all_reduce"}
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_a_sum_over_a_size_1_dim_a_view_added_is_left_as_it_is(spec):
+    """`x.reshape(-1, 1).sum(1)` and group_norm's backward with one element per group: a sum over
+    dims a view only added has no dims of its base to be taken over (an empty list, which aten
+    reads as every dim: the program failed at run time). Equal to eager, forward and gradient."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def f(x):
+        return x.reshape(-1, 1).sum(1) + x.reshape(-1, 1, 1).mean((1, 2))
+
+    def norm_loss(x):
+        return torch.nn.functional.group_norm(x.reshape(4, 2, 1), 2).pow(2).sum() + x.reshape(-1, 1).sum(1).pow(3).sum()
+
+    x = torch.randn(8, dtype=torch.float64)
+    torch.testing.assert_close(hpfun.shard(f, mesh=mesh, in_specs=(spec,), out_specs=spec)(x).full(), f(x))
+    g = hpfun.shard(torch.func.grad(norm_loss), mesh=mesh, in_specs=(spec,), out_specs=spec)
+    torch.testing.assert_close(g(x).full(), torch.func.grad(norm_loss)(x))
