@@ -433,6 +433,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         mutated = written  # rewritten out of place where it is: no write is seen through a view
     elif _mutates(gm):
         _refuse_input_metadata_writes(gm)
+        _refuse_writes_through_unfold(gm)
         _, plain = fake_inputs(metas, device)
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
@@ -1785,6 +1786,40 @@ def _refuse_input_metadata_writes(gm: torch.fx.GraphModule) -> None:
             problems.append(Problem(f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}",
                                     "changes the shape or strides of an input (an argument or lifted state) in place, "
                                     "which hpfun cannot write back into it", _RESHAPE_FIX))
+    if problems:
+        raise CaptureError(problems, headline="cannot capture the function")
+
+
+def _refuse_writes_through_unfold(gm: torch.fx.GraphModule) -> None:
+    """A write through a view `unfold` made whose windows do not tile its dim exactly (they
+    overlap, or leave elements out: `y.unfold(0, 2, 3)[0] = v`), named at the user's line.
+    torch's functionalization writes such a view back through `unfold_backward`, which zeroes
+    the elements no window reaches (silently wrong) and refuses overlapping windows with a
+    message about torch.compile; windows that tile the dim are written back exactly."""
+    problems = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not writes(n.target) \
+                or not n.args or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        view = n.args[0]
+        while view.op == "call_function" and isinstance(view.target, torch._ops.OpOverload) and view.target.is_view \
+                and view.args:
+            if view.target is aten.unfold.default:
+                source, dim, size, step = view.args[:4]
+                length = source.meta["val"].shape[dim] if "val" in source.meta else None
+                if length is not None and (step != size or length % size):
+                    line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
+                    how = "overlap" if step < size else "leave elements out"
+                    problems.append(Problem(
+                        f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}",
+                        f"writes in place through a view unfold made whose windows {how} (size {size}, step {step} "
+                        f"over {length} elements), which torch's functionalization cannot write back exactly",
+                        "write into the tensor itself by index (`y[i * step:i * step + size] = v`), or clone the "
+                        "unfolded windows first (a copy, written on its own)"))
+                    break
+            view = view.args[0]
+            if not isinstance(view, torch.fx.Node):
+                break
     if problems:
         raise CaptureError(problems, headline="cannot capture the function")
 

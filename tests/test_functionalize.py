@@ -141,3 +141,27 @@ def test_declines_and_leaves_the_graph_alone_when_a_write_is_seen_through_a_view
     before = [(n.op, n.target, n.args) for n in gm.graph.nodes]
     assert functionalize(gm) is None
     assert [(n.op, n.target, n.args) for n in gm.graph.nodes] == before
+
+
+def test_a_write_through_unfold_windows_tiling_the_dim_reaches_its_base():
+    """`y.unfold(0, 2, 2)[1] = v` with windows that tile the dim: written back exactly."""
+    def tiled(x):
+        y = x.clone()
+        y.unfold(0, 2, 2)[1] = 0.5
+        x.unfold(1, 3, 3)[:, 0].mul_(2)
+        return y
+    _check(tiled, torch.randn(8, 6, dtype=torch.float64), specs=(P(),))
+
+
+@pytest.mark.parametrize("size, step", [(2, 3), (2, 2), (4, 2)], ids=["gaps", "a tail left out", "overlapping"])
+def test_a_write_through_unfold_windows_not_tiling_the_dim_is_refused_at_its_line(size, step):
+    """torch's functionalization writes an unfold view back with unfold_backward: elements no
+    window reaches became zeros (silently wrong), overlapping windows failed with a message about
+    torch.compile. Refused, naming the line and the fix."""
+    def windows(x):
+        y = x.clone()
+        y.unfold(0, size, step)[0] = 0.5
+        return y
+    f = hpfun.shard(windows, mesh=DP, in_specs=(P(),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"y.unfold\(0, size, step\)\[0\] = 0.5(.|\n)*unfolded windows"):
+        f(torch.arange(9.0 if step == 2 and size == 2 else 8.0, dtype=torch.float64))
