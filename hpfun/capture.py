@@ -1341,6 +1341,18 @@ def _masked_write(x, mask, value) -> bool:
     return True
 
 
+def _is_traced(t) -> bool:
+    """A tensor of the trace: a fake tensor, or one torch.func.grad or jvp wraps (never a vmapped
+    one, whose values differ per batch element: eager refuses to read them)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if torch._C._functorch.is_batchedtensor(t):
+            return False
+        t = torch._C._functorch.get_unwrapped(t)
+    return isinstance(t, FakeTensor)
+
+
 def _is_traced_int_scalar(part) -> bool:
     """A 0-d integer tensor of the trace (under torch.func.grad, wrapped; never a vmapped one,
     whose index differs per batch element: eager refuses its read)."""
@@ -1667,11 +1679,11 @@ class _TensorScalars(TorchFunctionMode):
         if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
             _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
         if func in _COMPARISONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]) \
-                and any(isinstance(a, FakeTensor) for a in args[:2]):
+                and any(map(_is_traced, args[:2])):
             result = _read(torch.Tensor.__bool__, _COMPARISONS[func](*args, **kwargs))
             if result is not _UNREADABLE:
                 return result
-        if func in _READS and isinstance(args[0], FakeTensor):
+        if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result

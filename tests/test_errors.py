@@ -240,6 +240,27 @@ def test_equal_and_allclose_of_the_arguments_are_read_as_bool_is(spec):
     _raise(drawn, torch.randn(8, 4), error=hpfun.CaptureError)
 
 
+def test_a_read_of_the_arguments_inside_torch_func_grad_is_read_as_outside_it():
+    """`if (x > 0).any()` and `torch.equal` inside torch.func.grad read the arguments' values as
+    they do outside it (they were refused: the tensor grad wraps was not taken for the trace's);
+    one program per answer. Inside vmap (a value per batch element) the read stays refused, as
+    eager refuses it."""
+    def stepped(x):
+        def loss(x):
+            if (x > 0).any() and not torch.equal(x, torch.zeros_like(x)):
+                return (x * 2).pow(2).sum()
+            return x.sum()
+        return torch.func.grad(loss)(x)
+
+    f = hpfun.shard(stepped, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    for x in (torch.randn(8, 4, dtype=torch.float64), -torch.ones(8, 4, dtype=torch.float64)):
+        torch.testing.assert_close(f(x).full(), stepped(x))
+    assert f.trace_count == 2
+    batched = hpfun.shard(lambda x: torch.vmap(lambda r: r * 2 if (r > 0).any() else r)(x), mesh=MESH,
+                          in_specs=(P("dp"),), out_specs=P("dp"))
+    _raise(batched, torch.randn(8, 4), error=hpfun.CaptureError)
+
+
 MASKED_WRITES = {  # x[mask] = value, the value the same for every element the mask selects
     "0-d condition": lambda o, y: o.__setitem__(y.sum() > 0, 5.0),  # torchmetrics' `out[cond] = 0.0`
     "elementwise": lambda o, y: o.__setitem__(o > 0, 0.0),
