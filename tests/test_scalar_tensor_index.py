@@ -126,3 +126,34 @@ def test_0d_masks_and_small_integer_indices_index_as_eager(spec):
         got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())(x, index).full()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
+LOOKUPS = {  # (function of a (4, 6) table and an index tensor, the index, the table's split dim)
+    "gather": (lambda x, i: x.gather(0, i.expand(1, 6)), torch.tensor([[4]]), 0),
+    "gather, negative": (lambda x, i: x.gather(1, i.expand(4, 1)), torch.tensor([[-1]]), 1),
+    "index_select": (lambda x, i: x.index_select(0, i), torch.tensor([1, 4]), 0),
+    "embedding": (lambda x, i: torch.nn.functional.embedding(i, x), torch.tensor([0, 4]), 0),
+    "embedding's gradient": (lambda x, i: torch.func.grad(
+        lambda w: torch.nn.functional.embedding(i, w).sum())(x), torch.tensor([0, 4]), 0),
+    "scatter": (lambda x, i: x.scatter(0, i.expand(1, 6), 1.0), torch.tensor([[4]]), 0),
+    "scatter_add": (lambda x, i: x.scatter_add(1, i.expand(4, 1), x[:, :1]), torch.tensor([[6]]), 1),
+    "cross_entropy": (lambda x, i: torch.nn.functional.cross_entropy(x, i), torch.tensor([0, 1, 6, 2]), 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOKUPS))
+def test_a_lookup_out_of_range_over_a_split_dim_raises_as_eager_raises(name):
+    """gather, index_select, embedding (and its gradient), scatter and cross_entropy with an
+    index outside the table, the table split along the looked-up dim: eager raises, and each
+    rank's block lookup (an index outside it reads zero) returned a result silently."""
+    fn, index, dim = LOOKUPS[name]
+    x = torch.randn(4, 6, dtype=D, generator=_gen())
+    with pytest.raises((IndexError, RuntimeError)):
+        fn(x, index)
+    spec = P(*[None] * dim, "dp")
+    f = hpfun.shard(fn, mesh=hpfun.Mesh.simulated((2,), ("dp",)) if x.shape[dim] % 2 == 0 else MESH,
+                    in_specs=(spec, P()), out_specs=P())
+    with pytest.raises(hpfun.ExecutionError, match="out of range|out of bounds") as info:
+        f(x, index)
+    assert "the unsharded function raises on these values too" in str(info.value), str(info.value)
+    torch.testing.assert_close(f(x, index.clamp(0, 3)).full(), fn(x, index.clamp(0, 3)))

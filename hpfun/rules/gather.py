@@ -20,8 +20,15 @@ from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_op
 aten = torch.ops.aten
 
 
-def _masked_index(ctx, layout, shape, dim: int, index, local_size: int, fill: int):
-    """Index shifted into this rank's block along `dim`, and the mask of indices inside it."""
+def _masked_index(ctx, layout, shape, dim: int, index, local_size: int, fill: int, checked: bool = False):
+    """Index shifted into this rank's block along `dim`, and the mask of indices inside it. An
+    index outside the whole dim raises, as eager's kernel does (masked, it would read zeros or
+    write nowhere, silently), unless the caller `checked` it already."""
+    if not checked:
+        within = ctx.call(aten.logical_and.default, (ctx.call(aten.ge.Scalar, (index, 0)),
+                                                     ctx.call(aten.lt.Scalar, (index, shape[dim]))))
+        ctx.call(aten._assert_async.msg, (ctx.call(aten.all.default, (within,)),
+                                          f"an index is out of range for dim {dim} of size {shape[dim]}"))
     local = ctx.call(aten.sub.Tensor, (index, ctx.shard_offset(layout, shape, dim)))
     inside = ctx.call(
         aten.logical_and.default,

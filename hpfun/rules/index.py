@@ -221,6 +221,6 @@ def _local_indices(ctx, layout, shape, indices: list, split: list[int], fill_out
                                           f"an index is out of range for dim {d} of size {shape[d]}"))
         wrapped = ctx.call(aten.remainder.Scalar, (indices[d], shape[d]))  # negative indices count from the end
         fill = local[d] if fill_outside else 0
-        indices[d], mask = _masked_index(ctx, layout, shape, d, wrapped, local[d], fill)
+        indices[d], mask = _masked_index(ctx, layout, shape, d, wrapped, local[d], fill, checked=True)
         inside = mask if inside is None else ctx.call(aten.logical_and.default, (inside, mask))
     return indices, inside

@@ -61,11 +61,21 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException, 
         what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
-    checked = node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg
+    checked = node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg or \
+        _out_of_range_of_whole(node, first)
     fix = ("hpfun checks here what torch checks (an index within its dim): the unsharded function raises on these "
            "values too (IndexError): fix the values" if checked else
            _mixed_dtypes(node, first) or _refused_alike(node, err, first, inputs) or _FIX)
     return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", fix))
+
+
+def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
+    """An index out of range, by the kernel's own check, of a tensor the op read whole
+    (replicated: `gather` of an index past the table's end): the unsharded function raises it too."""
+    if "out of bounds" not in message and "out of range" not in message:
+        return False
+    layouts = node.meta.get("hpfun_inputs") or ()
+    return bool(layouts) and getattr(layouts[0], "is_replicated", False) is True
 
 
 def _refused_alike(node: torch.fx.Node, err: BaseException, first: str, inputs=None) -> str | None:
