@@ -1525,6 +1525,8 @@ class Substitution:
         self._fused: set = set()  # ids of the parameters (as the trace sees them) of groups traced unfused
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
         self._inner_lists: list = []  # (name, a list inside a module's dict, its length) before the trace
+        self._inner_held: dict = {}  # id(a list inside a module's dict) -> its items before the trace
+        self._tuples: dict = {}  # id -> each tuple of stand-ins put in a module in place of its tuple of tensors
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
@@ -1567,9 +1569,7 @@ class Substitution:
                     items = [self.swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in v]
                     stand_ins = tuple(items) if type(v) is tuple else type(v)(*items)
                     self._set(functools.partial(vars(mod).__setitem__, key), v, stand_ins)
-                    for _, kept, held, _, _ in self._modules:
-                        if kept is mod:  # (held so, it is not state the trace made)
-                            held[key] = stand_ins
+                    self._tuples[id(stand_ins)] = stand_ins  # (not state the trace made: `created`)
 
     def _watch(self, fn) -> None:
         """Lists and dicts the function's code and the hooks of its modules and parameters (forward,
@@ -1617,6 +1617,7 @@ class Substitution:
                 if type(v) is dict:
                     self._inner_lists += [(_join(_join(prefix, name), f"{k}.{key}"), lst, len(lst))
                                           for key, lst in v.items() if type(lst) is list and _is_name(key)]
+                    self._inner_held.update((id(lst), list(lst)) for lst in v.values() if type(lst) is list)
 
     def created(self) -> dict:
         """name -> (value, place) of each tensor the trace put into a module that was not there
@@ -1628,7 +1629,7 @@ class Substitution:
                 if isinstance(v, FakeTensor) and held.get(attr) is not v:
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
                 elif type(v) in (list, tuple, dict) and not attr.startswith("_") and held.get(attr) is not v \
-                        and _holds_fake(v):
+                        and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                     # a container the step assigned (`self.hist = self.hist + [v]`): put whole at every
                     # call, the tensors it held before as themselves (their stand-ins taken back)
                     before = containers[attr][1] if attr in containers else held.get(attr)  # (its items as they were:
@@ -1645,6 +1646,8 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+                        elif key not in items and _is_name(key) and _holds_fake(v):  # (`d.setdefault(k, []).append(t)`)
+                            out.update(_created_items(_join(prefix, f"{attr}.{key}"), v, ("item", prefix, attr, key)))
                 elif type(container) is list and vars(mod).get(attr) is container:  # a list a metric appends
                     read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)
                     for i, v in enumerate(container[len(items):]):
@@ -1666,6 +1669,47 @@ class Substitution:
                         out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 
+    def _module_lists(self):
+        """(name, list, its items before the trace) of each list a module holds (an attribute, or
+        a value of a dict it holds), as the trace found it."""
+        for prefix, mod, _, _, containers in self._modules:
+            for attr, (container, items) in containers.items():
+                if type(container) is list and vars(mod).get(attr) is container:
+                    yield _join(prefix, attr), container, items
+        for name, lst, n in self._inner_lists:
+            yield name, lst, self._inner_held[id(lst)]
+
+    def _kept_prefix(self, lst: list, held: list) -> bool:
+        """Whether `lst` still begins with what it held (lifted tensors as their stand-ins)."""
+        return len(lst) >= len(held) and all(a is self.swap.get(id(b), b) for a, b in zip(lst, held))
+
+    def _container_edits(self) -> list[Problem]:
+        """What the trace did to a module's lists and containers that a program cannot do again
+        at every call: anything but appending tensors (or tuples, lists, dicts of them) to a list,
+        and a container of tensors assigned anew with none (`self.buf = []`). A call of the cached
+        program would skip it, silently."""
+        fix = ("edit the list outside the sharded function (after the call), or append only tensors inside it; "
+               "a list a call resets is best kept outside: return the tensors and keep them there")
+        problems = []
+        for name, lst, held in self._module_lists():
+            if not self._kept_prefix(lst, held):
+                problems.append(Problem(name, "is a list the function edits other than by appending (insert, pop, "
+                                        "clear, remove, an item replaced or sorted), which the program cannot "
+                                        "repeat at every call", fix))
+                continue
+            plain = [v for v in lst[len(held):] if not _holds_fake(v)]
+            if plain:
+                problems.append(Problem(name, f"gets a value holding no tensor appended ({_short(plain[0])}): the "
+                                        "program returns tensors only, so a cached call would not append it", fix))
+        for prefix, mod, held_attrs, _, _ in self._modules:
+            for attr, v in vars(mod).items():
+                was = held_attrs.get(attr)
+                if type(v) in (list, tuple, dict) and not attr.startswith("_") and was is not v and not _holds_fake(v) \
+                        and type(was) in (list, tuple, dict) and _holds_tensor(was):
+                    problems.append(Problem(_join(prefix, attr), f"holds tensors and is assigned a new {type(v).__name__} "
+                                            "holding none: a cached call of the program would not assign it", fix))
+        return problems
+
     def _take_back(self) -> None:
         """Nothing the trace made stays in a module: its tensors are the trace's stand-ins."""
         for _, lst, n in self._inner_lists:
@@ -1673,8 +1717,10 @@ class Substitution:
                 del lst[n:]
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
+                was = held.get(attr)
                 if (isinstance(v, FakeTensor) or type(v) in (list, tuple, dict) and not attr.startswith("_")
-                        and _holds_fake(v)) and held.get(attr) is not v:
+                        and (_holds_fake(v) or type(was) in (list, tuple, dict) and _holds_tensor(was))) \
+                        and was is not v:  # (a container of tensors emptied: refused, `_container_edits`)
                     if attr in held:
                         setattr(mod, attr, held[attr])
                     else:
@@ -1687,7 +1733,7 @@ class Substitution:
                         del mod._buffers[attr]
             for container, items in containers.values():  # a cache dict the forward filled
                 inside = container.values() if isinstance(container, dict) else container
-                if any(isinstance(v, FakeTensor) for v in inside):
+                if any(map(_holds_fake, inside)):
                     container.clear()
                     container.update(items) if isinstance(container, dict) else container.extend(items)
         for _, _, group, keys in self._groups:
@@ -1757,6 +1803,9 @@ class Substitution:
         """What the traced function left in each slot, read in the substituted world: name ->
         value (None where it emptied a slot); and, for an optimizer's state it created, name ->
         (optimizer, parameter, key), the place to create it at."""
+        edits = self._container_edits()  # (before any slot is read: a list cleared holds none of them)
+        if edits:
+            raise CaptureError(edits, headline="cannot lift the state the function reads")
         real_of = {id(stand_in): real_id for real_id, stand_in in self.swap.items()}
         out, new_state, problems = {}, {}, []
         for name, slot in self.state.slots.items():
@@ -1802,6 +1851,9 @@ class Substitution:
         return out, new_state
 
     def restore(self) -> None:
+        for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
+            if not self._kept_prefix(lst, held):
+                lst[:] = [self.swap.get(id(v), v) for v in held]
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
@@ -1835,6 +1887,15 @@ def _reset_flat_weights(rnn: torch.nn.RNNBase) -> None:
             rnn._flat_weight_refs[i] = weakref.ref(w) if w is not None else None
         else:
             rnn._flat_weights[i] = None
+
+
+def _holds_tensor(v) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _holds_fake(v) -> bool:

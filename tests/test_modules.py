@@ -2264,3 +2264,77 @@ def test_tensors_a_module_holds_in_a_tuple_are_its_state(write, spec):
         assert type(a) is type(b)
         torch.testing.assert_close(a, b)
     assert model.train_inputs[1] == "kept" and f.trace_count == 1
+
+
+def _list_keeper(forward):
+    class Keeper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4).double()
+            self.buf, self.d = [], {}
+
+        def forward(self, x):
+            y = self.lin(x)
+            forward(self, y.detach())
+            return y
+
+    return Keeper()
+
+
+KEPT = {
+    "a tuple appended": (lambda s, y: s.buf.append(("max", y.max(), {"min": y.min()})), "buf"),
+    "a list made in a dict": (lambda s, y: s.d.setdefault("a", []).append(y[:, 0].clone()), "d"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_tuples_and_new_lists_a_forward_keeps_in_a_module_are_kept_as_eager_keeps_them(name):
+    """A tuple or dict of tensors appended to a module's list, and a list a forward makes under a
+    new key of a module's dict (`d.setdefault(k, []).append(t)`): kept as eager keeps them, and
+    nothing of the trace left there (its stand-ins stayed, beside the values)."""
+    forward, attr = KEPT[name]
+    torch.manual_seed(0)
+    model = _list_keeper(forward)
+    ref = copy.deepcopy(model)
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x).sum())
+    got, want = getattr(model, attr), getattr(ref, attr)
+    assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(want)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b)
+        else:
+            assert a == b
+
+
+EDITS = {
+    "clear": lambda s, y: (s.buf.append(y.sum()), s.buf.clear() if len(s.buf) == 2 else None),
+    "insert": lambda s, y: s.buf.insert(0, y.sum()),
+    "pop": lambda s, y: (s.buf.append(y.sum()), s.buf.pop(0) if len(s.buf) == 2 else None),
+    "a number appended": lambda s, y: s.buf.extend([y.sum(), 3]),
+    "reset": lambda s, y: (s.buf.append(y.sum()), setattr(s, "buf", []) if len(s.buf) == 2 else None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDITS))
+def test_edits_of_a_modules_list_a_program_cannot_repeat_are_refused_and_leave_it_as_it_was(name):
+    """A list a module holds, cleared, inserted into, popped, given a number, or reset to an empty
+    one inside the step: a cached call of the program would skip the edit (eager's list then
+    differs, silently; a clear crashed with an IndexError). Refused, naming the list, which is
+    left as it was before the call."""
+    model = _list_keeper(EDITS[name])
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    if name == "a number appended":
+        with pytest.raises(hpfun.CaptureError, match="model.buf"):
+            f(x)
+        assert model.buf == []
+        return
+    f(x)
+    before = list(model.buf)
+    with pytest.raises(hpfun.CaptureError, match="model.buf"):
+        f(x)
+    assert len(model.buf) == len(before) and all(a is b for a, b in zip(model.buf, before))
