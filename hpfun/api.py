@@ -256,7 +256,7 @@ class _Leaf:
 
     def describe(self) -> str:
         if self.kind == "static":
-            return repr(self.value)
+            return _canonical_repr(self.value)  # (a frozenset's order is each process's own)
         return f"{str(self.dtype).replace('torch.', '')}{list(self.shape)} {self.layout.placements_str()}"
 
 

@@ -308,7 +308,10 @@ def per_process_globals(mesh, x) -> dict:
     def weighted(x):
         return (x[:, :2] * torch.tensor(WEIGHTS, dtype=x.dtype)).sum()
 
-    return {"runs": [fn(x).full(), fn(x).full()], "want": 2 * x.sum(),
+    by_argument = hpfun.shard(lambda x, names: x.sum() * (2 if "beta" in names else 3), mesh=mesh,
+                              in_specs=(P("dp"), None), out_specs=P())
+    names = frozenset({"alpha", "beta", "gamma", "delta", "eps", "zeta"})  # (an argument: ordered per process)
+    return {"runs": [fn(x).full(), fn(x).full(), by_argument(x, names).full()], "want": 2 * x.sum(),
             "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)),
             "made into a tensor": _error(lambda: hpfun.shard(weighted, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
 
