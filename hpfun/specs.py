@@ -384,6 +384,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
     `aliases` (another name of a tensor -> the name it is lifted under: a tied weight's second
     place) lets a pattern name it either way; `hint` is added where a pattern matches nothing."""
     aliases = aliases or {}
+    only: set = set()  # the patterns naming one tensor alone
     out: dict[str, P | None] = {}
     matched_by = {} if matched_by is None else matched_by
     for pattern, spec in patterns.items():
@@ -406,7 +407,15 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
                                     "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}") + hint))
+        if len(hits) == 1 and not is_glob(pattern):
+            only.add(pattern)  # names one tensor alone
         for n in hits:
+            if n in matched_by and out[n] != spec and pattern in only and matched_by[n] in only:
+                # two names of one tensor alone (a tied weight's two places), given different specs
+                problems.append(Problem(where, f"{matched_by[n]!r} and {pattern!r} name one tensor (tied: lifted as "
+                                               f"{n!r}), given different specs, {out[n]} and {spec}",
+                                        "give it one spec, under either name"))
+                continue
             if n in matched_by:
                 before, now = specificity(matched_by[n]), specificity(pattern)
                 if before > now or before == now and out[n] == spec:

@@ -651,7 +651,8 @@ def test_tied_weights_are_one_input():
 
 def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple_by_theirs():
     """state_specs may name a tied weight by its second place (GPT-2's `lm_head.weight`, lifted
-    as the embedding's): the spec applies to the one tensor. A pattern for optimizer state that
+    as the embedding's): the spec applies to the one tensor; both names with different specs are
+    an error (one was dropped silently). A pattern for optimizer state that
     matches nothing says the optimizers' names (two in a tuple: `opt.0`, `opt.1`)."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(16, 8).double()
@@ -671,6 +672,10 @@ def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple
     f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(), state_specs={"head.weight": P("dp")})
     layouts = {i["path"]: i["layout"] for i in f.lower(ids).inputs}
     assert layouts["model.emb.weight"] == "[S(0)]" and "model.head.weight" not in layouts
+    both = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(),  # (both names, two specs: which one?)
+                       state_specs={"emb.weight": P("dp"), "head.weight": P(None, "dp")})
+    with pytest.raises(hpfun.SpecError, match="'emb.weight' and 'head.weight' name one tensor"):
+        both(ids)
     g = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(), state_specs={"opt.state.*": P("dp")})
     with pytest.raises(hpfun.SpecError) as info:
         g(ids)
