@@ -936,6 +936,10 @@ def _is_tensor_node(x) -> bool:
     return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
 
 
+_SOFTMAXES = frozenset([torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
+                        torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.nn.functional.softmin])
+
+
 def _refuse_integer_softmax(gm: torch.fx.GraphModule) -> None:
     """softmax / log_softmax of an integer or bool tensor (F.cross_entropy of integer logits):
     torch's kernels refuse it, its meta kernel does not, and once split into its decomposition
@@ -1683,6 +1687,12 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(torch.Tensor.__bool__, _COMPARISONS[func](*args, **kwargs))
             if result is not _UNREADABLE:
                 return result
+        if func in _SOFTMAXES and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool \
+                and kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args[1:]):
+            name = getattr(func, "__name__", "softmax")  # (a bool one fails in torch's decomposition, unclearly)
+            raise CaptureError(Problem(f"{name}{_at_user_line()}", f"{name} of a bool tensor, which torch's kernels "
+                                       "refuse (they take floating point)",
+                                       f"cast it first (x.float()), or pass dtype=torch.float32 to {name}"))
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:

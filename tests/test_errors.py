@@ -1008,6 +1008,14 @@ def test_softmax_of_integers_is_refused_as_eager_refuses_it(spec):
         assert "softmax of a int64 tensor" in text and "test_errors.py" in text and "x.float()" in text, text
     ok = hpfun.shard(lambda x: x.softmax(-1, dtype=torch.float64), mesh=MESH, in_specs=(spec,), out_specs=P())
     torch.testing.assert_close(ok(x).full(), x.softmax(-1, dtype=torch.float64))
+    flags = x > 2  # (a bool one failed inside torch's decomposition, naming a subtraction the user never wrote)
+    for fn in (lambda x: x.log_softmax(0), lambda x: torch.softmax(x, 1), lambda x: torch.nn.functional.softmin(x, 1)):
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            fn(flags)
+        _, text = _raise(hpfun.shard(fn, mesh=MESH, in_specs=(spec,), out_specs=P()), flags, error=hpfun.CaptureError)
+        assert "of a bool tensor" in text and "test_errors.py" in text and "x.float()" in text, text
+    ok = hpfun.shard(lambda x: torch.softmax(x, 1, torch.float64), mesh=MESH, in_specs=(spec,), out_specs=P())
+    torch.testing.assert_close(ok(flags).full(), torch.softmax(flags, 1, torch.float64))
 
 
 @pytest.mark.parametrize("fn, x", [
