@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
 from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws, user_line
+from hpfun.capture import _at_user_line as capture_at_user_line
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
 from hpfun.errors import (
@@ -932,7 +933,8 @@ class ShardedFunction:
         objects = lift.ObjectValues(call.state.opaque)  # (a scheduler's counters: a change is an error)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
-                    else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque):
+                    else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
+                    _scheduler_steps() as stepped:
                 out = self.fn(*args, **kwonly)
             assigned, new_state = substitution.assigned()
         except BaseException:  # what it set in the objects it reads (a GradScaler's lazy scale) is set back too
@@ -979,6 +981,15 @@ class ShardedFunction:
                 name = f"{'args' if path[0].idx == 0 else 'kwargs'}{pytree.keystr(path[1:])}"
                 if places := lift.fakes_inside(leaf, name):
                     deeper.append((name, leaf, places))
+        if schedulers := [(name, obj) for name, obj, *_ in objects.objects if id(obj) in stepped]:
+            objects.restore()  # (a scheduler stepped: said as such, whatever else its step changed or stored)
+            objects.restore_containers()
+            values = {id(obj): values for _, obj, values in moved}
+            raise CaptureError([Problem(f"{name} (a {type(obj).__name__}){stepped[id(obj)]}", (
+                "changed " + ", ".join(f"{attr} from {_short(was)} to {_short(now)}"
+                                       for attr, was, now in values[id(obj)][:3]) if values.get(id(obj)) else
+                "was stepped") + " while the function was traced", _SCHEDULER_FIX) for name, obj in schedulers],
+                               headline="the function changes Python state")
         if deeper:
             raise CaptureError([Problem(f"{name} (a {type(obj).__name__})", "the function stored tensors it made inside "
                                         f"it ({', '.join(p[len(name):] for p in places[:4])}"
@@ -1378,6 +1389,38 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+@contextlib.contextmanager
+def _scheduler_steps():
+    """id(scheduler) -> ' at file:line: code' of the user's call that first stepped it, while the
+    function is traced (in a helper too: SequentialLR steps its own schedulers as well)."""
+    stepped: dict = {}
+    classes = {torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau}
+    classes |= {c for base in list(classes) for c in _subclasses(base)}
+    originals = {c: vars(c)["step"] for c in classes if "step" in vars(c)}
+
+    def watched(original):
+        @functools.wraps(original)
+        def step(sched, *args, **kwargs):
+            stepped.setdefault(id(sched), capture_at_user_line())
+            return original(sched, *args, **kwargs)
+        return step
+
+    for c, original in originals.items():
+        setattr(c, "step", watched(original))
+    try:
+        yield stepped
+    finally:
+        for c, original in originals.items():
+            setattr(c, "step", original)
+
+
+def _subclasses(cls) -> list:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
 
 
 def _stepped_at(fn, name: str, obj) -> str:

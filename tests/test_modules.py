@@ -197,6 +197,33 @@ def test_a_scheduler_stepped_inside_the_function_is_named_with_the_fix():
     hpfun.shard(logged, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
 
 
+@pytest.mark.parametrize("kind", ["StepLR", "SequentialLR"])
+def test_a_scheduler_stepped_in_a_helper_is_named_at_the_line_that_steps_it(kind):
+    """The line named is the one whose call stepped the scheduler (in a helper the step calls,
+    not a text match in the step's own source), and SequentialLR, which stores its schedulers'
+    numbers, is said to be stepped (it was said to store tensors, with no line)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if kind == "StepLR" else \
+        torch.optim.lr_scheduler.SequentialLR(opt, [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, 2),
+                                                    torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], [2])
+    lr = opt.param_groups[0]["lr"]
+
+    def advance():
+        scheduler.step()  # the line named
+
+    def step(x, y):
+        loss = eager_step(model, opt, x, y)
+        advance()
+        return loss
+
+    with pytest.raises(hpfun.CaptureError, match=rf"scheduler \(a {kind}\) at .*test_modules.py:\d+: "
+                                                 r"scheduler.step\(\)  # the line named") as err:
+        hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
+    assert "step the scheduler after the call" in str(err.value)
+    assert scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == lr
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.Adamax])
 def test_a_float32_tensor_learning_rate_steps_as_eager_bit_for_bit(make, dtype):
