@@ -50,6 +50,7 @@ def tp_plan(model: torch.nn.Module, axis: str = "tp") -> dict:
     >>> plan["model.layers.*.self_attn.q_proj.weight"], plan["model.layers.*.self_attn.o_proj.weight"]
     (P(dims=('tp', None)), P(dims=(None, 'tp')))
     """
+    prefix, model = _planned(model)
     styles = _plan_of(model)
     if not styles:
         raise SpecError(Problem(type(model).__name__, "has no tensor-parallel plan (model.tp_plan and "
@@ -74,16 +75,33 @@ def tp_plan(model: torch.nn.Module, axis: str = "tp") -> dict:
             if not owners:  # a plan covers variants of the model (an MoE's dense layers): as transformers, skip
                 continue
             owner_name, owner = owners[0]
+            inner = ""
+            while not owner._parameters and isinstance(getattr(owner, "base_layer", None), torch.nn.Module):
+                # a PEFT adapter around the layer (LoRA's `q_proj.base_layer`): its frozen weight is split,
+                # the small adapter matrices stay whole
+                inner, owner_name, owner = f"{inner}.base_layer", f"{owner_name}.base_layer", owner.base_layer
             # a tied weight (the head's, the embedding's) goes by the name torch lists first
-            targets = [(f"{pattern}.{name}", p) for name, p in owner.named_parameters(recurse=False)
+            targets = [(f"{pattern}{inner}.{name}", p) for name, p in owner.named_parameters(recurse=False)
                        if f"{owner_name}.{name}" in params]
         for name, param in targets:
             spec = _spec(style, param, axis)
             if spec is not None:
-                specs[name] = spec
+                specs[f"{prefix}{name}"] = spec
     if problems:
         raise SpecError(problems, headline="unreadable tensor-parallel plan")
     return specs
+
+
+def _planned(model) -> tuple[str, torch.nn.Module]:
+    """(name prefix, the transformers model whose plan applies): `model` itself, or the one a
+    wrapper holds (PEFT's `base_model.model.`, whose attribute lookups reach the inner model's
+    plan while its parameters' names start with the wrapper's path)."""
+    if type(model).__module__.startswith("transformers."):
+        return "", model
+    for name, module in model.named_modules():
+        if name and type(module).__module__.startswith("transformers.") and _plan_of(module):
+            return f"{name}.", module
+    return "", model
 
 
 def _plan_of(model) -> dict:

@@ -355,6 +355,58 @@ def test_a_models_own_tensor_parallel_plan_reads_as_state_specs():
                     state_specs=hpfun.tp_plan)  # the function itself, not its plan
 
 
+class _LoRA(torch.nn.Module):
+    """PEFT's LoRA layer, as peft lays it out: the layer as `base_layer`, two small matrices beside."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False).double()
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False).double()
+        torch.nn.init.normal_(self.lora_B.weight, std=0.1)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def _peft_like(model):
+    """PEFT's PeftModel around `model`: the transformers model at `base_model.model`, q_proj and
+    v_proj wrapped, only the adapters trained."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LoRA(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = _LoRA(layer.self_attn.v_proj)
+    outer = torch.nn.Module()
+    outer.base_model = torch.nn.Module()
+    outer.base_model.model = model
+    outer.forward = lambda ids, labels=None: model(ids, labels=labels)
+    return outer
+
+
+def test_the_plan_of_a_model_a_peft_wrapper_holds_names_the_wrapped_weights():
+    """`hpfun.tp_plan` of a PEFT model (the transformers model at `base_model.model`, LoRA layers
+    holding the split layer as `base_layer`): the model's plan under the wrapper's names, the
+    adapters whole (it was an empty plan, silently: a replicated program). Two AdamW steps of
+    the adapters on dp x tp equal eager."""
+    torch.manual_seed(1)
+    model, ref = _peft_like(build("llama", "sdpa")), _peft_like(build("llama", "sdpa"))
+    ref.load_state_dict(model.state_dict())
+    plan = hpfun.tp_plan(model)
+    assert plan["base_model.model.model.layers.*.self_attn.q_proj.base_layer.weight"] == P("tp", None)
+    assert plan["base_model.model.model.layers.*.self_attn.o_proj.weight"] == P(None, "tp")
+    assert len(plan) == len(hpfun.tp_plan(build("llama", "sdpa"))) and not any("lora" in k for k in plan)
+    opt, ref_opt = (torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref))
+    step = hpfun.shard(lambda ids: _train(model, opt, ids), mesh=LAYOUTS["dp-x-tp"][0], in_specs=(P("dp"),),
+                       out_specs=P(), state_specs=plan)
+    layouts = {i["path"]: i["layout"] for i in step.lower(tokens(0)).inputs}
+    assert layouts["model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == "[R, S(0)]"
+    for i in range(2):
+        ids = tokens(i)
+        assert abs(step(ids).full().item() - _train(ref, ref_opt, ids).item()) < 1e-6
+    assert worst(model, ref) < 1e-6
+
+
 def test_the_architecture_sweep_reports_ok_cases_and_what_it_kept_whole():
     """`python -m hpfun.testing.hf_sweep` (make hf-nightly) on one architecture: data parallel
     equals eager; so does ZeRO-3 by wildcard on GPT-NeoX, whose rotary `inv_freq` buffer (1 row at
