@@ -1109,13 +1109,32 @@ def _distinct_elements(x) -> bool:
     return True
 
 
+# `checked(x, ok, message)`: x itself, where every element of `ok` (x's shape) is true; else the
+# error eager's kernel raises. Elementwise, so each rank checks its own block of a split x and
+# nothing is gathered: what a decomposition written without torch's checks (which read values)
+# needs to fail as eager fails (F.one_hot of a class id out of range).
+_LIB = torch.library.Library("hpfun", "FRAGMENT")
+_LIB.define("checked(Tensor x, Tensor ok, str message) -> Tensor")
+
+
+def _checked_impl(x, ok, message):
+    if not bool(ok.all()):
+        raise RuntimeError(message)
+    return x.clone()
+
+
+_LIB.impl("checked", _checked_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("hpfun::checked", lambda x, ok, message: torch.empty_like(x), lib=_LIB)
+checked = torch.ops.hpfun.checked.default
+
+
 def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own name
     """F.one_hot as the comparison it computes. torch's kernel reads the values to check them
     (`.item()`, which a trace cannot do; under torch.func.grad its decomposition is skipped), and
     without num_classes it reads the number of classes from them: from the arguments' values,
     that is a read checked at every call (`InputRead`), as `labels.max()` is; from other values
-    it is refused. Class ids out of range give a row of zeros, not torch's error (checking them
-    would read the values)."""
+    it is refused. Class ids out of range raise as torch's kernel does (`checked`, on each rank's
+    own block)."""
     if input.dtype != torch.int64:
         return one_hot(input, num_classes)  # torch's own error: class ids are int64
     if num_classes == -1:
@@ -1126,6 +1145,8 @@ def _one_hot(one_hot, input, num_classes=-1):  # noqa: A002 - F.one_hot's own na
                                "cannot do; pass num_classes=")
         num_classes = largest + 1
     classes = torch.arange(num_classes, device=input.device)
+    input = checked(input, (input >= 0) & (input < num_classes), "Class values must be non-negative and smaller "
+                    f"than num_classes ({num_classes}).")
     return aten._to_copy.default(aten.eq.Tensor(input.unsqueeze(-1), classes), dtype=torch.int64)
 
 

@@ -397,6 +397,21 @@ def test_one_hot_under_grad(mesh_shape):
     assert (layouts, kinds) == ([_leading(mesh_shape)], [])
 
 
+@pytest.mark.parametrize("spec", [P(), P("a")], ids=str)
+def test_one_hot_of_a_class_out_of_range_raises_as_eager_raises(spec):
+    """A class id >= num_classes or negative: eager's kernel raises; the comparison hpfun
+    captures gave a row of zeros, silently. Each rank checks its own ids (no collective)."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    f = hpfun.shard(lambda y: F.one_hot(y, 4), mesh=mesh, in_specs=spec, out_specs=spec)
+    assert not f.lower(torch.tensor([0, 1, 2, 3])).collectives
+    for ids in ([0, 1, 4, 3], [0, -1, 2, 3]):
+        with pytest.raises(RuntimeError, match="Class values must be"):
+            F.one_hot(torch.tensor(ids), 4)
+        with pytest.raises(hpfun.ExecutionError, match="Class values must be(.|\n)*raises on these values too"):
+            f(torch.tensor(ids))
+    assert torch.equal(f(torch.tensor([3, 1, 0, 2])).full(), F.one_hot(torch.tensor([3, 1, 0, 2]), 4))
+
+
 def test_one_hot_without_num_classes_reads_the_arguments_or_is_a_clear_error():
     """Without num_classes the class count is read from the data: from an argument's values it is
     read, as eager reads it, and checked at every call (a batch with another largest class runs

@@ -61,10 +61,11 @@ def execution_error(node: torch.fx.Node | None, where: str, err: BaseException, 
         what += f" reading {_layouts_text(layouts)} -> {_layouts_text(node.meta.get('hpfun_layout'))}"
     line = user_line(node.meta.get("stack_trace"))
     place = f"{where}, {line}" if line else where
-    checked = node.op == "call_function" and node.target is torch.ops.aten._assert_async.msg or \
+    checked = node.op == "call_function" and (node.target is torch.ops.aten._assert_async.msg or
+                                              str(node.target) == "hpfun.checked.default") or \
         _out_of_range_of_whole(node, first)
-    fix = ("hpfun checks here what torch checks (an index within its dim): the unsharded function raises on these "
-           "values too (IndexError): fix the values" if checked else
+    fix = ("hpfun checks here what torch checks (an index within its dim, a class id within num_classes): the "
+           "unsharded function raises on these values too: fix the values" if checked else
            _mixed_dtypes(node, first) or _refused_alike(node, err, first, inputs) or _FIX)
     return ExecutionError(Problem(place, f"{what}: {type(err).__name__}: {first}", fix))
 
