@@ -440,6 +440,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     _check_draws(gm)
     _drop_profiler_calls(gm)
     _drop_plain_copies(gm)
+    _as_strided_as_views(gm)
     gm.graph.eliminate_dead_code()
     rematerialize(gm)  # hpfun.checkpoint's regions: recompute before the backward reads, not kept
     _refuse_integer_softmax(gm)
@@ -1979,6 +1980,100 @@ def _drop_profiler_calls(gm: torch.fx.GraphModule) -> None:
     for n in reversed(list(gm.graph.nodes)):
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "profiler" and not n.users:
             gm.graph.erase_node(n)
+
+
+def _box_of(shape, strides, base_offset: int, size, stride, offset) -> list | None:
+    """How `as_strided(size, stride, offset)` of a tensor of `shape` and `strides` (at
+    `base_offset` in its storage) picks a box of it: per input dim, (start, the output dim it
+    becomes, or None where it is indexed away at start); None where it is no box (windows,
+    gaps, strides no input dim has)."""
+    rel = offset - base_offset
+    if rel < 0 or len(size) != len(stride) or any(n == 0 for n in shape):
+        return None
+    order = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -strides[d])
+    start = [0] * len(shape)
+    for d in order:
+        start[d], rel = divmod(rel, strides[d]) if strides[d] > 0 else (0, rel)
+        if start[d] >= shape[d]:
+            return None
+    if rel:
+        return None
+    target = [None] * len(shape)
+    for t, (n, st) in enumerate(zip(size, stride)):
+        if n == 1:
+            continue
+        d = next((d for d in order if strides[d] == st and target[d] is None), None)
+        if d is None or start[d] + n > shape[d]:
+            return None
+        target[d] = t
+    return list(zip(start, target))
+
+
+def _as_strided_as_views(gm: torch.fx.GraphModule) -> None:
+    """`as_strided` that picks a box of its input (autograd's backward of a write into a slice,
+    `y.narrow(2, 1, 2).mul_(3)`: the gradient's view at the slice) written as the slices,
+    selects and permutation it is: views with layout rules of their own, where as_strided is
+    taken whole (a data-parallel gradient was gathered for it)."""
+    graph = gm.graph
+
+    def call(op, args, value, like):
+        node = graph.call_function(op, args)
+        node.meta.update(val=value, stack_trace=like.meta.get("stack_trace"))
+        return node
+
+    for n in list(graph.nodes):
+        scatter = n.target is aten.as_strided_scatter.default
+        if n.op != "call_function" or n.target not in (aten.as_strided.default, aten.as_strided_scatter.default) \
+                or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        val = n.args[0].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        at = 2 if scatter else 1
+        size, stride = list(n.args[at]), list(n.args[at + 1])
+        offset = n.args[at + 2] if len(n.args) > at + 2 and n.args[at + 2] is not None else val.storage_offset()
+        box = _box_of(tuple(val.shape), val.stride(), val.storage_offset(), size, stride, offset)
+        if box is None:
+            continue
+        steps = [(aten.slice.Tensor, (d, start, start + size[t])) for d, (start, t) in enumerate(box)
+                 if t is not None and (start, size[t]) != (0, val.shape[d])]
+        steps += [(aten.select.int, (d, start)) for d, (start, t) in reversed(list(enumerate(box))) if t is None]
+        kept = [t for _, t in box if t is not None]  # the output dims left, in input order
+        order = sorted(range(len(kept)), key=kept.__getitem__)
+        with graph.inserting_before(n):
+            views, values, x, value = [], [], n.args[0], val
+            for op, rest in steps:  # the box, a view of the input at a time
+                views.append((x, value))
+                value = op(value, *rest)
+                x = call(op, (x, *rest), value, n)
+            if not scatter:
+                if order != list(range(len(kept))):
+                    value = aten.permute.default(value, order)
+                    x = call(aten.permute.default, (x, order), value, n)
+                if list(value.shape) != size:  # size-1 dims of the result
+                    x = call(aten.view.default, (x, size), aten.view.default(value, size), n)
+            else:  # the source laid back into the box's dims, then written into each view out to the input
+                src, src_val = n.args[1], n.args[1].meta.get("val")
+                if not isinstance(src_val, torch.Tensor):
+                    continue
+                permuted = [size[t] for t in sorted(kept)]
+                if list(src_val.shape) != permuted:
+                    src_val = aten.view.default(src_val, permuted)
+                    src = call(aten.view.default, (src, permuted), src_val, n)
+                back = sorted(range(len(kept)), key=order.__getitem__)
+                if order != list(range(len(kept))):
+                    src_val = aten.permute.default(src_val, back)
+                    src = call(aten.permute.default, (src, back), src_val, n)
+                for (op, rest), (base, base_val) in reversed(list(zip(steps, views))):
+                    if op is aten.slice.Tensor:
+                        write, args = aten.slice_scatter.default, (base, src, *rest)
+                    else:
+                        write, args = aten.select_scatter.default, (base, src, *rest)
+                    src_val = write(base_val, src_val, *rest)
+                    src = call(write, args, src_val, n)
+                x = src if steps else call(aten.clone.default, (src,), src_val, n)
+        n.replace_all_uses_with(x)
+        graph.erase_node(n)
 
 
 def _drop_plain_copies(gm: torch.fx.GraphModule) -> None:

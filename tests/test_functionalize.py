@@ -165,3 +165,34 @@ def test_a_write_through_unfold_windows_not_tiling_the_dim_is_refused_at_its_lin
     f = hpfun.shard(windows, mesh=DP, in_specs=(P(),), out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"y.unfold\(0, size, step\)\[0\] = 0.5(.|\n)*unfolded windows"):
         f(torch.arange(9.0 if step == 2 and size == 2 else 8.0, dtype=torch.float64))
+
+
+IN_PLACE_ON_SLICES = {  # autograd's backward of each writes the gradient's view at the slice with as_strided
+    "narrow": lambda y: y.narrow(2, 1, 2).mul_(3.0),
+    "select": lambda y: y[:, 2].add_(1.0),
+    "a transposed slice": lambda y: y.transpose(1, 2)[:, 1:3, 0:2].mul_(2.0),
+    "a slice of a slice": lambda y: y[1:, :, 2:][:, 0].mul_(5.0),
+    "permuted": lambda y: y.permute(2, 0, 1)[1:4].mul_(0.5),
+}
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp"), P(None, None, "dp")], ids=str)
+@pytest.mark.parametrize("name", sorted(IN_PLACE_ON_SLICES))
+def test_the_gradient_of_a_write_into_a_slice_keeps_the_batch_split(name, spec):
+    """The backward of an in-place op on a slice reads and writes the gradient through
+    as_strided / as_strided_scatter, which address storage and were taken whole: under data
+    parallelism the gradient was gathered. They are written as the slices, selects and
+    permutation they pick: equal to eager, and a batch split over a dim the slice keeps whole
+    moves nothing."""
+    def loss(x):
+        y = x.clone()
+        IN_PLACE_ON_SLICES[name](y)
+        return y.sin().sum()
+
+    x = torch.randn(4, 6, 6, dtype=torch.float64)
+    f = hpfun.shard(torch.func.grad(loss), mesh=DP, in_specs=(spec,), out_specs=spec)
+    torch.testing.assert_close(f(x).full(), torch.func.grad(loss)(x))
+    text = str(f.lower(x))
+    assert "as_strided" not in text, text
+    if spec == P("dp") and name != "a slice of a slice":  # (that one slices the batch dim itself)
+        assert not f.lower(x).collectives
