@@ -445,6 +445,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     rematerialize(gm)  # hpfun.checkpoint's regions: recompute before the backward reads, not kept
     _refuse_integer_softmax(gm)
     split_fused(gm)
+    _iota_indices_as_slices(gm)  # (after: the pad's backward is split into its indexing there)
     constants = _constants_as_inputs(gm)
     gm.recompile()
     return Captured(gm, tuple(constants), tuple(mutated), tuple(reads), seed[0])
@@ -2074,6 +2075,74 @@ def _as_strided_as_views(gm: torch.fx.GraphModule) -> None:
                 x = src if steps else call(aten.clone.default, (src,), src_val, n)
         n.replace_all_uses_with(x)
         graph.erase_node(n)
+
+
+_INDEXING = {aten.index.Tensor: 1, aten._unsafe_index.Tensor: 1, aten.index_put.default: 1,
+             aten._unsafe_index_put.default: 1}
+
+
+def _iota_length(node) -> tuple[int, int] | None:
+    """(n, where) of a node holding 0, 1, ..., n-1 along one dim `where` and size 1 elsewhere
+    (`torch.arange(n).view(n, 1, 1)`, clamped to [0, n-1]: torch's decompositions index every
+    dim so, the pad's and upsample's backward), else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype not in (torch.int64, torch.int32):
+        return None
+    big = [d for d, k in enumerate(val.shape) if k > 1]
+    if len(big) > 1:
+        return None
+    n = val.shape[big[0]] if big else 1
+    while node.op == "call_function":
+        if node.target is aten.clamp.default and len(node.args) >= 3 and (node.args[1] is None or node.args[1] <= 0) \
+                and (node.args[2] is None or node.args[2] >= n - 1):
+            node = node.args[0]
+        elif node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default):
+            node = node.args[0]
+        else:
+            break
+    if node.op != "call_function" or node.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        return None
+    args = list(node.args) + [None] * 3
+    start, end, step = (0, args[0], 1) if node.target is aten.arange.default else \
+        (args[0], args[1], 1 if node.target is aten.arange.start else args[2] or node.kwargs.get("step", 1))
+    return (n, big[0] if big else len(val.shape) - 1) if (start, end, step) == (0, n, 1) else None
+
+
+def _iota_indices_as_slices(gm: torch.fx.GraphModule) -> None:
+    """`x[arange(b).view(b, 1, 1), i, j]` (an index tensor that counts along the very dim it
+    indexes, as torch's decompositions write the batch dims of a pad's or upsample's backward)
+    is `x[:, i', j']`: the leading such indices become whole-dim slices, the others lose that
+    (size-1) dim. A batch split then stays split, where the index rule took each rank's rows by
+    position and summed them (a Partial of the whole gradient on every rank)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in _INDEXING or not isinstance(n.args[1], (list, tuple)):
+            continue
+        indices = list(n.args[1])
+        x = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        if x is None or not indices or any(i is None for i in indices):
+            continue
+        shapes = [tuple(i.meta["val"].shape) if isinstance(i, torch.fx.Node) and "val" in i.meta else None for i in indices]
+        if None in shapes or len({len(sh) for sh in shapes}) != 1:
+            continue
+        dropped = 0
+        while dropped < len(indices) - 1:  # (one index left at least: x[:, :, idx] stays an index)
+            d = dropped
+            iota = _iota_length(indices[d])
+            if iota is None or iota != (x.shape[d], d) or \
+                    any(sh[d] != 1 for k, sh in enumerate(shapes) if k != d and len(sh) > d):
+                break
+            dropped += 1
+        if not dropped:
+            continue
+        with graph.inserting_before(n):
+            rest = []
+            for i, sh in zip(indices[dropped:], shapes[dropped:]):
+                want = list(sh[dropped:])
+                node = graph.call_function(aten.view.default, (i, want))
+                node.meta.update(val=aten.view.default(i.meta["val"], want), stack_trace=n.meta.get("stack_trace"))
+                rest.append(node)
+        n.args = (n.args[0], [None] * dropped + rest, *n.args[2:])
 
 
 def _drop_plain_copies(gm: torch.fx.GraphModule) -> None:
