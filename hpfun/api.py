@@ -1251,9 +1251,10 @@ class _Traced:
         self.out_tensors = [v for v in flat if isinstance(v, torch.Tensor)]
         self.new_state = new_state  # name -> (optimizer, parameter, key) of an optimizer's first state
         self.assigned, self.cleared = [], []
+        made = {name for name, (owner, _, _) in new_state.items() if owner is None}  # put by the step (appended...)
         for name, value in assigned.items():
             before = stand_ins.get(name)
-            if value is before or (name not in stand_ins and id(value) in stand_in_ids):
+            if value is before or (name not in stand_ins and id(value) in stand_in_ids and name not in made):
                 continue  # untouched (in-place updates come back through functionalization)
             if isinstance(value, torch.Tensor):
                 self.assigned.append((name, value))

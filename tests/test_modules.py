@@ -2370,3 +2370,37 @@ def test_edits_of_a_modules_list_a_program_cannot_repeat_are_refused_and_leave_i
     with pytest.raises(hpfun.CaptureError, match="model.buf"):
         f(x)
     assert len(model.buf) == len(before) and all(a is b for a, b in zip(model.buf, before))
+
+
+@pytest.mark.parametrize("what", ["the argument", "a no-op cast of it", "a buffer", "a tuple holding it"])
+def test_an_input_the_step_appends_to_a_list_is_appended(what):
+    """torchmetrics' `self.target.append(target)`: a value that is itself an input of the program
+    (the argument, `x.float()` of a float one, a lifted buffer), appended to a module's list or a
+    global one, is appended by every call (it was dropped, silently: SpearmanCorrCoef's compute
+    then found no targets)."""
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("b", torch.arange(4.0, dtype=torch.float64))
+            self.seen = []
+
+    pick = {"the argument": lambda h, x: x, "a no-op cast of it": lambda h, x: x.double(),
+            "a buffer": lambda h, x: h.b, "a tuple holding it": lambda h, x: (x, x * 2)}[what]
+    model, ref, logged, ref_logged = Holder(), Holder(), [], []
+
+    def step(h, log):
+        def f(x):
+            h.seen.append(pick(h, x))
+            log.append(pick(h, x))
+            return x.sum()
+        return f
+
+    f = hpfun.shard(step(model, logged), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(2):
+        x = torch.arange(4.0, dtype=torch.float64) + i
+        torch.testing.assert_close(f(x).full(), step(ref, ref_logged)(x))
+    for got, want in ((model.seen, ref.seen), (logged, ref_logged)):
+        assert len(got) == len(want) == 2
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+            assert type(a) is torch.Tensor
+            torch.testing.assert_close(a, b)
