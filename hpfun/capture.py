@@ -938,6 +938,8 @@ def _is_tensor_node(x) -> bool:
     return isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)
 
 
+_NON_NEGATIVE_INDEX = frozenset([torch.index_add, torch.Tensor.index_add, torch.Tensor.index_add_, torch.index_copy,
+                                  torch.Tensor.index_copy, torch.Tensor.index_copy_])
 _SOFTMAXES = frozenset([torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
                         torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.nn.functional.softmin])
 
@@ -1716,6 +1718,13 @@ class _TensorScalars(TorchFunctionMode):
             raise CaptureError(Problem(f"{name}{_at_user_line()}", f"{name} of a bool tensor, which torch's kernels "
                                        "refuse (they take floating point)",
                                        f"cast it first (x.float()), or pass dtype=torch.float32 to {name}"))
+        if func in _NON_NEGATIVE_INDEX and len(args) >= 3 and isinstance(args[2], torch.Tensor) and _is_traced(args[2]) \
+                and not args[2].is_floating_point():
+            # index_add / index_copy refuse a negative index, where the index_put they are written as
+            # counts it from the end: checked, as the kernel checks
+            index, name = args[2], func.__name__.rstrip("_")
+            args = (*args[:2], checked(index, index >= 0, f"{name}(): index out of bounds: a negative index "
+                                       f"(index {name} takes 0 <= index < size)"), *args[3:])
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:

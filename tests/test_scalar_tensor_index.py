@@ -157,3 +157,28 @@ def test_a_lookup_out_of_range_over_a_split_dim_raises_as_eager_raises(name):
         f(x, index)
     assert "the unsharded function raises on these values too" in str(info.value), str(info.value)
     torch.testing.assert_close(f(x, index.clamp(0, 3)).full(), fn(x, index.clamp(0, 3)))
+
+
+@pytest.mark.parametrize("name", ["index_add", "index_copy"])
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_a_negative_index_of_index_add_or_copy_raises_as_eager_raises(name, spec):
+    """index_add and index_copy refuse a negative index; written as the index_put that counts it
+    from the end, they wrote into the last row silently. Valid indices, forward and gradient,
+    equal eager."""
+    def fn(w, i):
+        return getattr(torch.zeros(4, 6, dtype=D), name)(0, i, w)
+
+    def loss(w, i):
+        return fn(w, i).sin().sum()
+
+    w = torch.randn(4, 6, dtype=D, generator=_gen())
+    bad, good = torch.tensor([0, 2, -1, 1]), torch.tensor([3, 2, 0, 1])
+    with pytest.raises((IndexError, RuntimeError)):
+        fn(w, bad)
+    f = hpfun.shard(fn, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(spec, spec), out_specs=P())
+    with pytest.raises(hpfun.ExecutionError, match="negative index(.|\n)*raises on these values too"):
+        f(w, bad)
+    torch.testing.assert_close(f(w, good).full(), fn(w, good))
+    g = hpfun.shard(torch.func.grad(loss), mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(spec, spec),
+                    out_specs=spec)
+    torch.testing.assert_close(g(w, good).full(), torch.func.grad(loss)(w, good))
