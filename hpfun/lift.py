@@ -1713,8 +1713,8 @@ class Substitution:
     def _take_back(self) -> None:
         """Nothing the trace made stays in a module: its tensors are the trace's stand-ins."""
         for _, lst, n in self._inner_lists:
-            if any(_holds_fake(v) for v in lst[n:]):
-                del lst[n:]
+            if len(lst) != n or any(_holds_fake(v) for v in lst):
+                lst[:] = self._inner_held[id(lst)]  # (what a refused trace appended too)
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
                 was = held.get(attr)
@@ -1733,7 +1733,9 @@ class Substitution:
                         del mod._buffers[attr]
             for container, items in containers.values():  # a cache dict the forward filled
                 inside = container.values() if isinstance(container, dict) else container
-                if any(map(_holds_fake, inside)):
+                if any(map(_holds_fake, inside)) or type(container) is list and \
+                        (len(container) != len(items) or any(a is not b for a, b in zip(container, items))):
+                    # (a list given a number is refused, `_container_edits`: left as it was)
                     container.clear()
                     container.update(items) if isinstance(container, dict) else container.extend(items)
         for _, _, group, keys in self._groups:

@@ -2347,6 +2347,8 @@ EDITS = {
     "insert": lambda s, y: s.buf.insert(0, y.sum()),
     "pop": lambda s, y: (s.buf.append(y.sum()), s.buf.pop(0) if len(s.buf) == 2 else None),
     "a number appended": lambda s, y: s.buf.extend([y.sum(), 3]),
+    "only a number appended": lambda s, y: s.buf.append(3) if s.buf else s.buf.append(y.sum()),
+    "a number appended inside a dict": lambda s, y: s.d.setdefault("h", []).append(3 if s.d["h"] else y.sum()),
     "reset": lambda s, y: (s.buf.append(y.sum()), setattr(s, "buf", []) if len(s.buf) == 2 else None),
 }
 
@@ -2366,10 +2368,11 @@ def test_edits_of_a_modules_list_a_program_cannot_repeat_are_refused_and_leave_i
         assert model.buf == []
         return
     f(x)
-    before = list(model.buf)
-    with pytest.raises(hpfun.CaptureError, match="model.buf"):
+    held = model.d["h"] if "dict" in name else model.buf
+    before = list(held)
+    with pytest.raises(hpfun.CaptureError, match="model.d.h" if "dict" in name else "model.buf"):
         f(x)
-    assert len(model.buf) == len(before) and all(a is b for a, b in zip(model.buf, before))
+    assert len(held) == len(before) and all(a is b for a, b in zip(held, before))
 
 
 @pytest.mark.parametrize("what", ["the argument", "a no-op cast of it", "a buffer", "a tuple holding it"])
