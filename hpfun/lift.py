@@ -1646,7 +1646,14 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
-                        elif key not in items and _is_name(key) and _holds_fake(v):  # (`d.setdefault(k, []).append(t)`)
+                        elif items.get(key) is not v and _is_name(key) and _holds_fake(v):
+                            # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
+                            # put whole at every call, the tensors it held before as themselves
+                            was = items.get(key)
+                            reals = {id(t): t for t in torch.utils._pytree.tree_leaves(self._inner_held.get(id(was), was))
+                                     if isinstance(t, torch.Tensor)}
+                            back = {id(stand_in): reals[real] for real, stand_in in self.swap.items() if real in reals}
+                            v = torch.utils._pytree.tree_map(lambda leaf: back.get(id(leaf), leaf), v)
                             out.update(_created_items(_join(prefix, f"{attr}.{key}"), v, ("item", prefix, attr, key)))
                 elif type(container) is list and vars(mod).get(attr) is container:  # a list a metric appends
                     read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)

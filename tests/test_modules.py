@@ -2316,6 +2316,7 @@ def _list_keeper(forward):
 KEPT = {
     "a tuple appended": (lambda s, y: s.buf.append(("max", y.max(), {"min": y.min()})), "buf"),
     "a list made in a dict": (lambda s, y: s.d.setdefault("a", []).append(y[:, 0].clone()), "d"),
+    "a list in a dict reassigned": (lambda s, y: s.d.__setitem__("a", s.d.get("a", []) + [y[0]]), "d"),
 }
 
 
