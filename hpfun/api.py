@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -984,6 +985,7 @@ class ShardedFunction:
         if schedulers := [(name, obj) for name, obj, *_ in objects.objects if id(obj) in stepped]:
             objects.restore()  # (a scheduler stepped: said as such, whatever else its step changed or stored)
             objects.restore_containers()
+            stepped.restore()
             values = {id(obj): values for _, obj, values in moved}
             raise CaptureError([Problem(f"{name} (a {type(obj).__name__}){stepped[id(obj)]}", (
                 "changed " + ", ".join(f"{attr} from {_short(was)} to {_short(now)}"
@@ -1396,7 +1398,7 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
 def _scheduler_steps():
     """id(scheduler) -> ' at file:line: code' of the user's call that first stepped it, while the
     function is traced (in a helper too: SequentialLR steps its own schedulers as well)."""
-    stepped: dict = {}
+    stepped = _Stepped()
     classes = {torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau}
     classes |= {c for base in list(classes) for c in _subclasses(base)}
     originals = {c: vars(c)["step"] for c in classes if "step" in vars(c)}
@@ -1404,7 +1406,10 @@ def _scheduler_steps():
     def watched(original):
         @functools.wraps(original)
         def step(sched, *args, **kwargs):
-            stepped.setdefault(id(sched), capture_at_user_line())
+            if id(sched) not in stepped:
+                stepped[id(sched)] = capture_at_user_line()
+                stepped.held.append((sched, {k: (v, copy.copy(v) if type(v) in (list, dict) else None)
+                                             for k, v in vars(sched).items()}))
             return original(sched, *args, **kwargs)
         return step
 
@@ -1415,6 +1420,25 @@ def _scheduler_steps():
     finally:
         for c, original in originals.items():
             setattr(c, "step", original)
+
+
+class _Stepped(dict):
+    """id(scheduler) -> the line that stepped it; `held`: each one's attributes before."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list = []
+
+    def restore(self) -> None:
+        """Every stepped scheduler as it was (SequentialLR's own schedulers too)."""
+        for sched, before in self.held:
+            d = vars(sched)
+            d.clear()
+            for k, (v, items) in before.items():
+                if items is not None:
+                    v.clear()
+                    v.update(items) if type(v) is dict else v.extend(items)
+                d[k] = v
 
 
 def _subclasses(cls) -> list:

@@ -208,6 +208,7 @@ def test_a_scheduler_stepped_in_a_helper_is_named_at_the_line_that_steps_it(kind
         torch.optim.lr_scheduler.SequentialLR(opt, [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, 2),
                                                     torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], [2])
     lr = opt.param_groups[0]["lr"]
+    inner_epochs = [inner.last_epoch for inner in getattr(scheduler, "_schedulers", ())]
 
     def advance():
         scheduler.step()  # the line named
@@ -222,6 +223,9 @@ def test_a_scheduler_stepped_in_a_helper_is_named_at_the_line_that_steps_it(kind
         hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
     assert "step the scheduler after the call" in str(err.value)
     assert scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == lr
+    for inner, epoch in zip(getattr(scheduler, "_schedulers", ()), inner_epochs, strict=True):
+        # (SequentialLR's own schedulers were left stepped, holding the trace's stand-ins)
+        assert inner.last_epoch == epoch and all(type(v) is float for v in inner._last_lr), vars(inner)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
