@@ -1107,8 +1107,21 @@ def _tensor_list(v) -> bool:
     return type(v) is list and any(isinstance(t, torch.Tensor) for t in v)
 
 
+def _tuple_item(mod, attr: str, i: int):
+    """Item i of the tuple a module holds now; None where it holds no such item (the step
+    assigned a shorter tuple, or another value)."""
+    held = vars(mod).get(attr)
+    return held[i] if isinstance(held, tuple) and i < len(held) else None
+
+
 def _tuple_item_writer(mod, attr: str, i: int, value) -> None:
-    """Write item i of the tuple a module holds now, rebuilt."""
+    """Write item i of the tuple a module holds now, rebuilt (nothing to clear where the step
+    assigned a tuple without that item: put whole, as it assigned it)."""
+    held = vars(mod).get(attr)
+    if not isinstance(held, tuple) or i >= len(held):
+        if value is None:
+            return
+        raise IndexError(f"{attr} holds no item {i} to write")
     items = list(vars(mod)[attr])
     items[i] = value
     held = vars(mod)[attr]
@@ -1182,7 +1195,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             elif isinstance(v, tuple) and not attr.startswith("__") and any(isinstance(t, torch.Tensor) for t in v):
                 for i, t in enumerate(v):  # gpytorch's `self.train_inputs = (x,)`: rebuilt where written
                     if isinstance(t, torch.Tensor):
-                        add(_join(base, f"{attr}.{i}"), _item_reader(functools.partial(vars(mod).get, attr), i),
+                        add(_join(base, f"{attr}.{i}"), functools.partial(_tuple_item, mod, attr, i),
                             functools.partial(_tuple_item_writer, mod, attr, i))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
     # A frozen one's too: it may hold one from before it was frozen (the optimizer still steps

@@ -2412,3 +2412,26 @@ def test_an_input_the_step_appends_to_a_list_is_appended(what):
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
             assert type(a) is torch.Tensor
             torch.testing.assert_close(a, b)
+
+
+def test_a_tuple_of_tensors_reassigned_with_another_length_is_kept():
+    """`self.t = (x.detach().clone(),)` where the module held a tuple of two tensors: kept as
+    eager keeps it (a read of its second place, gone, crashed with an IndexError)."""
+    class Held(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = (torch.zeros(4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64))
+
+    def step(m):
+        def f(x):
+            m.t = (x.detach().clone() * 2,)
+            return m.t[0].sum(0)
+        return f
+
+    model, ref = Held(), Held()
+    f = hpfun.shard(step(model), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), step(ref)(x))
+        assert len(model.t) == 1 and type(model.t[0]) is torch.Tensor
+        torch.testing.assert_close(model.t[0], ref.t[0])
