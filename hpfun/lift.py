@@ -738,6 +738,10 @@ def _is_name(key) -> bool:
     return type(key) in (str, int) and "." not in str(key)
 
 
+def _default_of(fn, i: int):
+    return fn.__defaults__[i]
+
+
 def _default_writer(fn, i: int):
     def write(v):  # a function's defaults are a tuple: rebuilt with the new value
         items = list(fn.__defaults__)
@@ -1610,6 +1614,10 @@ class Substitution:
                       for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True)]
             places += [(var, functools.partial(f.__globals__.get, var)) for var in _global_names(f.__code__)
                        if var in f.__globals__]
+            names = f.__code__.co_varnames[:f.__code__.co_argcount]  # default arguments (`acts=acts`)
+            places += [(name, functools.partial(_default_of, f, i)) for i, name in
+                       enumerate(names[len(names) - len(f.__defaults__ or ()):])]
+            places += [(name, functools.partial((f.__kwdefaults__ or {}).get, name)) for name in f.__kwdefaults__ or {}]
             for var, read in places:
                 try:
                     container = read()

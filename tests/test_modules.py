@@ -2435,3 +2435,22 @@ def test_a_tuple_of_tensors_reassigned_with_another_length_is_kept():
         torch.testing.assert_close(f(x).full(), step(ref)(x))
         assert len(model.t) == 1 and type(model.t[0]) is torch.Tensor
         torch.testing.assert_close(model.t[0], ref.t[0])
+
+
+def test_a_list_reached_through_a_default_argument_is_appended_to():
+    """`def step(x, acts=acts): acts.append(...)`: a default argument is walked as a closure is
+    (README, Lifting): what the step appends is appended by every call (it was refused, as a
+    list hpfun does not lift)."""
+    acts, kw_acts, ref = [], [], []
+
+    def step(x, acts=acts, *, also=kw_acts):
+        acts.append(x * 2)
+        also.append(x.sum())
+        return x.sum()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(2):
+        x = torch.arange(4.0, dtype=torch.float64) + i
+        torch.testing.assert_close(f(x).full(), step(x, ref, also=[]))
+    assert len(acts) == len(kw_acts) == 2 and all(type(t) is torch.Tensor for t in acts + kw_acts)
+    torch.testing.assert_close(torch.stack(acts), torch.stack(ref))
