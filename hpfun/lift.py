@@ -2147,7 +2147,34 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
     scalers = {name for name, obj in (state.opaque if state else ()) if is_grad_scaler(obj)}
     problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar",
                          GRAD_SCALER_FIX if s.split(" (a ")[0] in scalers else "") for s in suspects]
+    problems += _objects_modules_hold(state)
     return CaptureError(problems, headline="cannot capture the function")
+
+
+def _objects_modules_hold(state: State | None) -> list[Problem]:
+    """A module's attributes that are objects of another kind holding tensors (a kornia
+    augmentation's `torch.distributions.Uniform(low, high)`): suspects for a tensor read that
+    hpfun did not lift, named with the tensors they hold."""
+    out, seen = [], set()
+    for root in state.roots if state else ():
+        if not isinstance(root.value, torch.nn.Module):
+            continue
+        for mod_name, mod in root.value.named_modules():
+            for attr, v in vars(mod).items():
+                if attr.startswith("__") or attr in _MODULE_INTERNALS or id(v) in seen or _is_scalar(v) or \
+                        isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,
+                                       types.MethodType, functools.partial, list, tuple, dict, set, str)):
+                    continue
+                seen.add(id(v))
+                name = _join(_join(root.name, mod_name), attr)
+                if found := _tensor_attributes(v, name, depth=2):
+                    out.append(Problem(f"{name} (a {type(v).__name__})", f"holds tensors ({', '.join(found[:4])}), which "
+                                       "hpfun does not lift: it lifts a module's parameters, buffers and tensor "
+                                       "attributes (and dicts, lists and tuples of them), not tensors inside other "
+                                       "objects", "hold the tensors on the module (`self.register_buffer('low', "
+                                       "...)`) and build the object from them where it is used, or pass them as "
+                                       "arguments"))
+    return out
 
 
 def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:

@@ -703,7 +703,8 @@ def test_numpy_and_collective_calls_inside_the_function_are_explained():
 
     g = hpfun.shard(reduced, mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
     _, text = _raise(g, torch.ones(4, 2), error=hpfun.CaptureError)
-    assert "leave torch.distributed calls (all_reduce, broadcast...) out of it" in text
+    assert "torch.distributed.all_reduce at" in text and "torch.distributed.all_reduce(x)" in text, text
+    assert "leave the communication to hpfun" in text, text
 
 
 def test_an_op_refusing_its_inputs_mixed_dtypes_says_to_cast_not_to_report_a_bug():
@@ -1041,3 +1042,22 @@ def test_an_op_failing_for_its_values_keeps_the_report_request():
     f = hpfun.shard(lambda x: x[:, torch.tensor([0, 99])], mesh=MESH, in_specs=(P("dp"),), out_specs=P())
     _, text = _raise(f, torch.randn(4, 8), error=hpfun.ExecutionError)
     assert "bug in hpfun" in text, text
+
+
+def test_a_tensor_read_from_an_object_a_module_holds_names_the_object():
+    """kornia's augmentations hold a `torch.distributions.Uniform(low, high)`: a tensor read from
+    it is not lifted, and the error names the object and the tensors it holds, with the fix
+    (it named only the line reading them)."""
+    class Jitter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sampler = torch.distributions.Uniform(torch.tensor(0.8), torch.tensor(1.2))
+
+        def forward(self, x):
+            return x * self.sampler.low
+
+    aug = Jitter()
+    f = hpfun.shard(lambda x: aug(x), mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    _, text = _raise(f, torch.randn(4, 3), error=hpfun.CaptureError)
+    assert "aug.sampler (a Uniform): holds tensors (aug.sampler.low, aug.sampler.high)" in text, text
+    assert "register_buffer" in text and "test_errors.py" in text, text
