@@ -1111,6 +1111,20 @@ def _tensor_list(v) -> bool:
     return type(v) is list and any(isinstance(t, torch.Tensor) for t in v)
 
 
+def _keyed_tuple_item(d: dict, key, i: int):
+    held = d.get(key)
+    return held[i] if type(held) is tuple and i < len(held) else None
+
+
+def _keyed_tuple_writer(d: dict, key, i: int, value) -> None:
+    held = d.get(key)
+    if type(held) is not tuple or i >= len(held):
+        if value is None:
+            return
+        raise IndexError(f"{key!r} holds no item {i} to write")
+    d[key] = held[:i] + (value,) + held[i + 1:]
+
+
 def _tuple_item(mod, attr: str, i: int):
     """Item i of the tuple a module holds now; None where it holds no such item (the step
     assigned a shorter tuple, or another value)."""
@@ -1181,8 +1195,9 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
                 add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
-            elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values()))
-                                          or any(isinstance(t, torch.Tensor) or _tensor_list(t) for t in v.values())):
+            elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values())) or any(
+                    isinstance(t, torch.Tensor) or _tensor_list(t) or type(t) is tuple and _holds_tensor(t)
+                    for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
@@ -1192,6 +1207,11 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                             if isinstance(u, torch.Tensor):
                                 add(_join(base, f"{attr}.{key}.{i}"), functools.partial(t.__getitem__, i),
                                     functools.partial(t.__setitem__, i))
+                    elif type(t) is tuple and _is_name(key) and any(isinstance(u, torch.Tensor) for u in t):
+                        for i, u in enumerate(t):  # a tuple of tensors under a key: rebuilt where written
+                            if isinstance(u, torch.Tensor):
+                                add(_join(base, f"{attr}.{key}.{i}"), functools.partial(_keyed_tuple_item, v, key, i),
+                                    functools.partial(_keyed_tuple_writer, v, key, i))
             elif not attr.startswith("_") and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
                     if isinstance(t, torch.Tensor):
@@ -1581,6 +1601,12 @@ class Substitution:
                 for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
                         self._set(functools.partial(store.__setitem__, key), v, self.swap[id(v)])
+            for d in [vars(mod)[k] for k, v in vars(mod).items() if _held_dict(k, v)]:  # tuples under a dict's keys
+                for key, v in list(d.items()):
+                    if type(v) is tuple and any(id(t) in self.swap for t in v):
+                        stand_ins = tuple(self.swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in v)
+                        self._set(functools.partial(d.__setitem__, key), v, stand_ins)
+                        self._tuples[id(stand_ins)] = stand_ins
             for key, v in list(vars(mod).items()):  # a tuple of tensors (gpytorch's `train_inputs`): rebuilt
                 if isinstance(v, tuple) and not key.startswith("__") and any(id(t) in self.swap for t in v):
                     items = [self.swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in v]
@@ -1667,7 +1693,7 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
-                        elif items.get(key) is not v and _is_name(key) and _holds_fake(v):
+                        elif items.get(key) is not v and _is_name(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
                             # put whole at every call, the tensors it held before as themselves
                             was = items.get(key)

@@ -2454,3 +2454,32 @@ def test_a_list_reached_through_a_default_argument_is_appended_to():
         torch.testing.assert_close(f(x).full(), step(x, ref, also=[]))
     assert len(acts) == len(kw_acts) == 2 and all(type(t) is torch.Tensor for t in acts + kw_acts)
     torch.testing.assert_close(torch.stack(acts), torch.stack(ref))
+
+
+@pytest.mark.parametrize("write", ["read only", "reassigned"])
+def test_a_tuple_of_tensors_under_a_key_of_a_modules_dict_is_its_state(write):
+    """`self.d = {"a": (t1, t2)}`: the tensors of a tuple under a dict's key are lifted state
+    (`d.a.0`), read at every call, kept where the step assigns a new tuple (it was refused as a
+    tensor hpfun could not lift, whose fix named what the user already had)."""
+    class Held(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d = {"a": (torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64))}
+
+    def step(m):
+        def f(x):
+            a, b = m.d["a"]
+            if write == "reassigned":
+                m.d["a"] = (a + x.sum(0), b - 1)
+            return (x * b).sum(0) + a
+        return f
+
+    model, ref = Held(), Held()
+    f = hpfun.shard(step(model), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), step(ref)(x))
+    for a, b in zip(model.d["a"], ref.d["a"], strict=True):
+        assert type(a) is torch.Tensor
+        torch.testing.assert_close(a, b)
+    assert f.trace_count == 1
