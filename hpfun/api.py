@@ -6,6 +6,7 @@ import collections.abc
 import contextlib
 import copy
 import dataclasses
+import difflib
 import functools
 import gc
 import hashlib
@@ -1699,6 +1700,12 @@ def _bind(fn, signature, args: tuple, kwargs: dict, n_specs: int | None = None) 
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as err:
+        params = signature.parameters.values()
+        unknown = [k for k in kwargs if k not in signature.parameters or signature.parameters[k].kind is
+                   inspect.Parameter.POSITIONAL_ONLY] if not any(p.kind is p.VAR_KEYWORD for p in params) else []
+        if unknown:  # (as Python says it: a misspelled keyword, not the argument it left out)
+            close = difflib.get_close_matches(unknown[0], list(signature.parameters), n=1)
+            err = f"got an unexpected keyword argument {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
         raise SpecError(f"{name}{signature}: {err}", headline="bad arguments") from None
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

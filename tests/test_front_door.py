@@ -83,6 +83,8 @@ def test_defaults_fill_the_positions_in_specs_cover_and_bad_calls_name_the_signa
     assert "masked(x, mask=None)" in text and "missing a required argument: 'x'" in text
     _, text = _error(f, x, typo=x, error=hpfun.SpecError)
     assert "unexpected keyword argument 'typo'" in text
+    _, text = _error(f, xx=x, error=hpfun.SpecError)  # (a misspelled keyword: said so, not the argument it missed)
+    assert "unexpected keyword argument 'xx' (did you mean 'x'?)" in text, text
 
 
 def test_in_specs_of_the_wrong_length_say_so():
