@@ -258,7 +258,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             wrapped = getattr(fn, "__wrapped__", None)  # a helper under a library's decorator (torch.no_grad(),
             if wrapped is not None and wrapped is not fn:  # hpfun.checkpoint, torch.compiler.disable): its code
                 seen_functions.add(key)
-                function(wrapped, name)
+                if isinstance(wrapped, (types.FunctionType, types.MethodType, functools.partial)):
+                    function(wrapped, name)
+                else:  # a module it wraps (`hpfun.checkpoint(block)` kept in a global): its state
+                    value(wrapped, name, _constant(wrapped), None)
             return
         seen_functions.add(key)
         note((fn, "__code__", code))

@@ -504,3 +504,27 @@ def test_a_checkpointed_block_composes_with_vmap_and_forward_mode():
     for name, f in cases.items():
         got = hpfun.shard(f, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P())(w, x).full()
         torch.testing.assert_close(got, f(w, x), rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_checkpointed_module_kept_in_a_global_is_lifted():
+    """`ck = hpfun.checkpoint(block)` made once, outside the step, and called inside it: the
+    module it wraps is the step's state (it was not walked: its weights were a tensor hpfun
+    could not lift). Equal to the uncheckpointed step, gradients included."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).double()
+    ck = hpfun.checkpoint(block)
+
+    def step(x):
+        loss = ck(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    loss = f(x).full()
+    grads = [p.grad.clone() for p in block.parameters()]
+    for p in block.parameters():
+        p.grad = None
+    torch.testing.assert_close(loss, step(x))
+    for got, p in zip(grads, block.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad)
