@@ -17,6 +17,7 @@ from hpfun.errors import LayoutError, Problem, SpecError
 from hpfun.execute import run
 from hpfun.layout import Layout, Partial
 from hpfun.lower import LowerContext, Program
+from hpfun.runtime import groups
 from hpfun.runtime.distributed import runtime_for
 
 
@@ -326,6 +327,9 @@ def _a_layout(layout, ndim: int, where: str) -> Layout:
             raise SpecError(Problem(where, "takes a Layout; its text names the mesh too, as in "
                                     "\"[S(0)] on {dp: 2}\"", "write the layout with ' on {...}', or pass a Layout"))
     if isinstance(layout, Layout):
+        if layout.mesh.runtime == "simulated" and (started := groups.started_like(layout.mesh)) is not None:
+            # (text, or hpfun.parse without a mesh, names the mesh's shape only: under torchrun, the one started)
+            layout = attrs.evolve(layout, mesh=started)
         return layout.normalized(ndim)
     fix = "a Layout: `P(...).to_layout(mesh, ndim)`, or its text, e.g. hpfun.parse(\"[S(0)] on {dp: 2}\")"
     if isinstance(layout, P):

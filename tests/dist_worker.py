@@ -67,7 +67,8 @@ def adopt_and_local(out: Path):
     for k, v in params.items():
         layout = pspec[k].to_layout(mesh, v.ndim)
         block = hpfun.Sharded.from_global(v, layout).local  # what a rank would load from its checkpoint
-        local[k] = hpfun.Sharded.from_local(block.clone(), layout, v.shape)
+        # its text, as a user writes it ("[S(0)] on {tp: 2}"): read on the mesh this process started
+        local[k] = hpfun.Sharded.from_local(block.clone(), str(layout), v.shape)
     new_local, loss_local = step(local, x, y)
     new_global, loss_global = step(params, x, y)
     same = all(torch.equal(new_local[k].local, new_global[k].local) for k in params)

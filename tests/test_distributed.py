@@ -71,8 +71,9 @@ def test_mlp_steps_match_simulated_and_unsharded(world, tmp_path):
 
 
 def test_adopted_device_mesh_and_local_shards(tmp_path):
-    """Mesh.from_device_mesh adopts a user's DeviceMesh; Sharded.from_local inputs give the same
-    results as global inputs, with one program for both."""
+    """Mesh.from_device_mesh adopts a user's DeviceMesh; Sharded.from_local inputs (their layouts
+    given as text, which names the mesh's shape only) give the same results as global inputs,
+    with one program for both."""
     codes = launch("adopt", 2, tmp_path)
     assert codes == [0, 0], ranks.logs(tmp_path)
     for rank in range(2):

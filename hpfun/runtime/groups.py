@@ -36,6 +36,13 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+def started_like(mesh):
+    """The one distributed mesh this process started with `mesh`'s shape and axis names (a
+    layout's text names only those), or None."""
+    found = [m for m in _DEVICE_MESHES if m.shape == mesh.shape and m.axis_names == mesh.axis_names]
+    return found[0] if len(found) == 1 else None
+
+
 def start(mesh, timeout: float | None = None) -> None:
     """Join (or start) the default process group and build the DeviceMesh of `mesh` (an
     `hpfun.Mesh`); its collectives time out after `timeout` seconds (default `HPFUN_TIMEOUT`)."""
