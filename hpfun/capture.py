@@ -1737,6 +1737,9 @@ class _TensorScalars(TorchFunctionMode):
                 return func(args[0].unsqueeze(0), index)
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and _masked_write(*args):
             return None
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and \
+                (index := _mask_as_positions(args[1])) is not None:  # (`y[y > 0] += 1` of readable values: its
+            return func(args[0], index, args[2])  # write as its read, by positions; under torch.func.grad too)
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:

@@ -296,6 +296,23 @@ def test_a_write_through_a_mask_of_computed_values_is_one_program(name, spec):
     assert f.trace_count == 1 and g.trace_count == 1
 
 
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_a_write_by_a_mask_of_the_arguments_is_read_as_the_index_is_under_grad_too(spec):
+    """`y[y > 0] += 1` (an index, an add, and a write back of as many values as the mask picks)
+    with a mask of the arguments' values: the write is read by positions as its index is, also
+    inside torch.func.grad (where the write was refused as a read of values)."""
+    def f(x):
+        y = x.clone()
+        y[y > 0] += 1.0
+        y[y < -1] = y[y < -1] * 2
+        return (y * y).sum()
+
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hpfun.shard(f, mesh=MESH, in_specs=(spec,), out_specs=P())(x).full(), f(x))
+    g = hpfun.shard(torch.func.grad(f), mesh=MESH, in_specs=(spec,), out_specs=spec)
+    torch.testing.assert_close(g(x).full(), torch.func.grad(f)(x))
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
