@@ -532,9 +532,10 @@ class Fitting:
         else:
             need = math.ceil(least if least is not None else self.least or 0)
             what = f"no plan fits {self.budget} B per rank: the least memory a plan needs is about {need} B per rank"
-        fix = (f"give memory_budget >= {need}, with some headroom: the search plans by an estimate and then checks "
-               f"the lowered program, so under exactly {need} B it may take another path and miss that plan"
-               f"{self.hint}") if self.peaks else f"give memory_budget >= {need}{self.hint}"
+        fix = (f"give memory_budget >= {need}, with some headroom, which that plan fits (a smaller budget may fit a "
+               f"plan the search did not reach: it plans by an estimate and then checks the lowered program, so under "
+               f"exactly {need} B it may take another path and miss that plan){self.hint}") if self.peaks \
+            else f"give memory_budget >= {need}{self.hint}"
         if out_of_time:
             what += f" (the search stopped when AUTO's {self.deadline.seconds:g} s ran out)"
             fix += ", or more time (auto_time_limit=...)"
@@ -845,9 +846,11 @@ def _out_of_time(deadline: Deadline, budget, peak: float | None) -> ShardingErro
     fix = "give more time (auto_time_limit=...)"
     if peak is not None:
         fix += f", or a memory_budget of at least {math.ceil(peak)} (that plan's peak)"
-    return ShardingError(Problem("auto_time_limit", f"AUTO's solver used its {deadline.seconds:g} s before finding a "
-                                 f"plan{' within the memory budget' if budget is not None else ''}{last}", fix),
-                         headline="automatic sharding ran out of time")
+    err = ShardingError(Problem("auto_time_limit", f"AUTO's solver used its {deadline.seconds:g} s before finding a "
+                                f"plan{' within the memory budget' if budget is not None else ''}{last}", fix),
+                        headline="automatic sharding ran out of time")
+    err.out_of_time = True  # (`Fitting`, whose budget may be below the one given, says it with the user's)
+    return err
 
 
 def _over(profile: list[float], limit: float, points: list, most: int = POINTS_PER_ROUND) -> list[int]:
