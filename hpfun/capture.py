@@ -863,6 +863,32 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
         return _make_fx(fn, fakes)
 
 
+@contextlib.contextmanager
+def _in_custom_backwards(mode):
+    """`mode` in the backward of an autograd.Function too (torchdiffeq's adjoint checks its time
+    points there): the autograd engine runs it without the torch-function modes of the call
+    that started the backward, so a read of the arguments' values there was refused."""
+    cls = torch.autograd.function.BackwardCFunction
+    originals = {name: vars(cls)[name] for name in ("apply", "apply_boxed") if name in vars(cls)}
+
+    def under_mode(original):
+        @functools.wraps(original)
+        def run(self, *args):
+            if mode in torch.overrides._get_current_function_mode_stack():
+                return original(self, *args)
+            with mode:
+                return original(self, *args)
+        return run
+
+    for name, original in originals.items():
+        setattr(cls, name, under_mode(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(cls, name, original)
+
+
 def _make_fx(fn, fakes) -> torch.fx.GraphModule:
     # The tensors go in as one list, not one argument each. make_fx wraps the function in a
     # generated `lambda arg0, ..., argN: fn(arg0, ..., argN)`, whose frame holds two slots per
@@ -871,12 +897,13 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
     # and unmaps at each crossing (324,000 mmap/munmap pairs; a third of the capture's time).
     traced = make_fx(lambda arg: fn(*arg), decomposition_table=decompositions(), tracing_mode="fake",
                      record_stack_traces=True)
+    scalars = _TensorScalars()
     try:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
-                _compiled_code_runs_as_written(), torch_checkpoints(), _TensorScalars(), _lstm_as_matmuls(), \
-                _cumulative_batch_norm(), _python_random_refused():
+                _compiled_code_runs_as_written(), torch_checkpoints(), scalars, _in_custom_backwards(scalars), \
+                _lstm_as_matmuls(), _cumulative_batch_norm(), _python_random_refused():
             gm = traced(list(fakes))
     except CaptureError:
         raise

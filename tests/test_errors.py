@@ -1078,3 +1078,38 @@ def test_a_tensor_read_from_an_object_a_module_holds_names_the_object():
     _, text = _raise(f, torch.randn(4, 3), error=hpfun.CaptureError)
     assert "aug.sampler (a Uniform): holds tensors (aug.sampler.low, aug.sampler.high)" in text, text
     assert "register_buffer" in text and "test_errors.py" in text, text
+
+
+def test_a_read_in_an_autograd_functions_backward_is_read_as_in_its_forward():
+    """torchdiffeq's adjoint checks its time points in its backward (`_assert_increasing`): a
+    read of values made from constants or the arguments there is read as in the forward (the
+    autograd engine ran the backward without hpfun's torch-function mode, and it was refused)."""
+    t = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, t):
+            ctx.save_for_backward(t)
+            return x * t[-1]
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors
+            if not (t[1:] > t[:-1]).all():
+                raise ValueError("t must increase")
+            return g * (t[-1] + 1), None
+
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def step(x):
+        loss = Scale.apply(x * w, t).sum()
+        loss.backward()
+        return loss
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    x = torch.randn(4, 3, dtype=torch.float64)
+    torch.testing.assert_close(f(x).full(), step(x))  # (eager's backward writes w.grad too)
+    got = w.grad.clone()
+    w.grad = None
+    step(x)
+    torch.testing.assert_close(got / 2, w.grad)  # (two backwards: the sharded one, then eager's)
