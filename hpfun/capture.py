@@ -1573,6 +1573,8 @@ def _constant_value(t):
     if mode is None or not isinstance(t, torch.Tensor) or t._version:  # written in place since made
         return None
     while torch._C._functorch.is_functorch_wrapped_tensor(t):  # under torch.func.grad: the traced value inside
+        if torch._C._functorch.is_batchedtensor(t):
+            return None  # (vmapped: a value per batch element, which eager refuses to read too)
         t = torch._C._functorch.get_unwrapped(t)
     slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
     if slot is None:

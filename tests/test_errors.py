@@ -259,6 +259,10 @@ def test_a_read_of_the_arguments_inside_torch_func_grad_is_read_as_outside_it():
     batched = hpfun.shard(lambda x: torch.vmap(lambda r: r * 2 if (r > 0).any() else r)(x), mesh=MESH,
                           in_specs=(P("dp"),), out_specs=P("dp"))
     _raise(batched, torch.randn(8, 4), error=hpfun.CaptureError)
+    masked = hpfun.shard(lambda x: torch.vmap(lambda r: r[r > 0].sum())(x), mesh=MESH, in_specs=(P("dp"),),
+                         out_specs=P("dp"))  # (the whole batch's mask was read, and indexed one row: IndexError)
+    _, text = _raise(masked, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "Attempting to batch over indexing with a boolean mask" in text, text
 
 
 MASKED_WRITES = {  # x[mask] = value, the value the same for every element the mask selects
