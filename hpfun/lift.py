@@ -1735,10 +1735,31 @@ class Substitution:
                     yield _join(prefix, attr), container, items
         for name, lst, n in self._inner_lists:
             yield name, lst, self._inner_held[id(lst)]
+        for name, _, container, items in self._watched:  # a closed-over, global or default argument's list
+            if type(container) is list:
+                yield name, container, items
 
     def _kept_prefix(self, lst: list, held: list) -> bool:
-        """Whether `lst` still begins with what it held (lifted tensors as their stand-ins)."""
-        return len(lst) >= len(held) and all(a is self.swap.get(id(b), b) for a, b in zip(lst, held))
+        """Whether `lst` still begins with what it held (lifted tensors as their stand-ins), a
+        tensor's place given another tensor, or None, allowed (`params[0] = params[0] - lr * g`:
+        the slot's write, which every call makes)."""
+        if len(lst) < len(held):
+            return False
+        moved = {id(self.swap.get(id(t), t)) for t in torch.utils._pytree.tree_leaves(held) if isinstance(t, torch.Tensor)}
+
+        def same(a, b) -> bool:
+            if a is self.swap.get(id(b), b):
+                return True
+            if isinstance(b, torch.Tensor):  # its place written: a new tensor (not another place's), or emptied
+                return a is None or isinstance(a, torch.Tensor) and id(a) not in moved
+            if type(b) in (tuple, list) and type(a) is type(b):  # (a tuple of tensors is rebuilt with stand-ins)
+                return len(a) == len(b) and all(map(same, a, b))
+            if type(b) is dict and type(a) is dict:
+                return a.keys() == b.keys() and all(same(a[k], b[k]) for k in b)
+            return False
+
+        appended = torch.utils._pytree.tree_leaves(lst[len(held):])
+        return all(map(same, lst, held)) and not any(id(t) in moved for t in appended)
 
     def _container_edits(self) -> list[Problem]:
         """What the trace did to a module's lists and containers that a program cannot do again
@@ -1800,7 +1821,8 @@ class Substitution:
                 del group[key]
         for _, _, container, items in self._watched:
             inside = container.values() if type(container) is dict else container
-            if any(_holds_fake(v) for v in inside):
+            if any(_holds_fake(v) for v in inside) or type(container) is list and \
+                    (len(container) != len(items) or any(a is not b for a, b in zip(container, items))):
                 container.clear()
                 container.update(items) if type(container) is dict else container.extend(items)
 
