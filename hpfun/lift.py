@@ -1655,6 +1655,10 @@ class Substitution:
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
+                    if type(container) is dict:  # its lists too (`D["l"].append(t)`)
+                        self._watched += [(f"{var}[{key!r}]", functools.partial(_same, lst), lst, list(lst))
+                                          for key, lst in container.items() if type(lst) is list
+                                          and not any(c is lst for _, _, c, _ in self._watched)]
 
     def _keep(self, prefix: str, module) -> None:
         """What each module holds before the trace, to find and take back what the trace left in it."""
@@ -1673,7 +1677,7 @@ class Substitution:
         """name -> (value, place) of each tensor the trace put into a module that was not there
         (`self.cos_cached = ...`, `register_buffer` in a forward, `self.last_loss = loss.detach()`):
         state the step makes, written back after every call as eager leaves it (`put`)."""
-        out = {}
+        out, appended = {}, set()  # (ids of the lists whose appends are taken: one list held twice counts once)
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
                 if isinstance(v, FakeTensor) and held.get(attr) is not v:
@@ -1705,11 +1709,15 @@ class Substitution:
                             back = {id(stand_in): reals[real] for real, stand_in in self.swap.items() if real in reals}
                             v = torch.utils._pytree.tree_map(lambda leaf: back.get(id(leaf), leaf), v)
                             out.update(_created_items(_join(prefix, f"{attr}.{key}"), v, ("item", prefix, attr, key)))
-                elif type(container) is list and vars(mod).get(attr) is container:  # a list a metric appends
+                elif type(container) is list and vars(mod).get(attr) is container and id(container) not in appended:
+                    appended.add(id(container))  # (one list held in two places is appended to once)
                     read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)
                     for i, v in enumerate(container[len(items):]):
                         out.update(_created_items(f"{_join(prefix, attr)}[+{i}]", v, ("append", read)))
         for name, lst, n in self._inner_lists:
+            if id(lst) in appended:
+                continue
+            appended.add(id(lst))
             for i, v in enumerate(lst[n:]):
                 out.update(_created_items(f"{name}[+{i}]", v, ("append", functools.partial(_same, lst))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
@@ -1718,6 +1726,9 @@ class Substitution:
                     out[_join(prefix, f"param_groups.{g}.{key}")] = (v, ("group", prefix, g, key))
         for var, read, container, items in self._watched:
             if type(container) is list:
+                if id(container) in appended:
+                    continue
+                appended.add(id(container))
                 for i, v in enumerate(container[len(items):]):
                     out.update(_created_items(f"{var}[+{i}]", v, ("append", read)))
             else:  # (only new keys: a tensor held before is lifted state, its assignment written back as such)

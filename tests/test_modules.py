@@ -2515,3 +2515,29 @@ def test_a_closed_over_lists_edits_are_refused_but_its_tensors_may_be_replaced()
     with pytest.raises(hpfun.CaptureError, match="W: is a list the function edits"):
         popped(x)
     assert len(W) == 2 and all(a is b for a, b in zip(W, before))
+
+
+def test_lists_in_a_global_dict_and_a_list_held_twice_are_appended_to_as_eager_does():
+    """`D["l"].append(t)` and `E.setdefault("l", []).append(t)` in a global dict: appended by every
+    call, no stand-in left (the list inside the dict kept the trace's); a list both a global and
+    a module attribute hold (`m.acts = acts`) is appended to once, not once per place."""
+    D, E, acts = {"l": [torch.zeros((), dtype=torch.float64)]}, {}, []
+    ref_D, ref_E, ref_acts = {"l": [torch.zeros((), dtype=torch.float64)]}, {}, []
+    holder, ref_holder = _list_keeper(lambda s, y: None), _list_keeper(lambda s, y: None)
+    holder.acts, ref_holder.acts = acts, ref_acts
+
+    def step(D, E, acts):
+        def f(x):
+            D["l"].append(x.sum())
+            E.setdefault("l", []).append(x.mean())
+            acts.append(x.amax())
+            return x.sum()
+        return f
+
+    f = hpfun.shard(step(D, E, acts), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), step(ref_D, ref_E, ref_acts)(x))
+    for got, want in ((D["l"], ref_D["l"]), (E["l"], ref_E["l"]), (acts, ref_acts), (holder.acts, ref_holder.acts)):
+        assert len(got) == len(want) and all(type(t) is torch.Tensor for t in got)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want))
