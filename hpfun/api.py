@@ -1412,8 +1412,12 @@ def _scheduler_steps():
         def step(sched, *args, **kwargs):
             if id(sched) not in stepped:
                 stepped[id(sched)] = capture_at_user_line()
-                stepped.held.append((sched, {k: (v, copy.copy(v) if type(v) in (list, dict) else None)
-                                             for k, v in vars(sched).items()}))
+                inner = [s for v in vars(sched).values() for s in (v if type(v) in (list, tuple) else [v])
+                         if isinstance(s, tuple(classes))]  # SequentialLR's own, which it may update not by step
+                for s in [sched, *inner]:
+                    if all(s is not held for held, _ in stepped.held):
+                        stepped.held.append((s, {k: (v, copy.copy(v) if type(v) in (list, dict) else None)
+                                                 for k, v in vars(s).items()}))
             return original(sched, *args, **kwargs)
         return step
 
