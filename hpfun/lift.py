@@ -1684,13 +1684,9 @@ class Substitution:
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
                 elif type(v) in (list, tuple, dict) and not attr.startswith("_") and held.get(attr) is not v \
                         and _holds_fake(v) and self._tuples.get(id(v)) is not v:
-                    # a container the step assigned (`self.hist = self.hist + [v]`): put whole at every
-                    # call, the tensors it held before as themselves (their stand-ins taken back)
-                    before = containers[attr][1] if attr in containers else held.get(attr)  # (its items as they were:
-                    reals = {id(t): t for t in torch.utils._pytree.tree_leaves(before)  # the list now holds stand-ins)
-                             if isinstance(t, torch.Tensor)}
-                    back = {id(stand_in): reals[real] for real, stand_in in self.swap.items() if real in reals}
-                    v = torch.utils._pytree.tree_map(lambda leaf: back.get(id(leaf), leaf), v)
+                    # a container the step assigned (`self.hist = self.hist + [v]`, a window `self.h[1:] + [v]`):
+                    # put whole at every call, each tensor in it as that call computes it (one it held before
+                    # too: kept as the trace's, it held the first call's value at every later call)
                     out.update(_created_items(_join(prefix, attr), v, ("attribute", prefix, attr)))
             for attr, v in list(mod._buffers.items()):
                 if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
@@ -1702,12 +1698,7 @@ class Substitution:
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
                         elif items.get(key) is not v and _is_name(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
-                            # put whole at every call, the tensors it held before as themselves
-                            was = items.get(key)
-                            reals = {id(t): t for t in torch.utils._pytree.tree_leaves(self._inner_held.get(id(was), was))
-                                     if isinstance(t, torch.Tensor)}
-                            back = {id(stand_in): reals[real] for real, stand_in in self.swap.items() if real in reals}
-                            v = torch.utils._pytree.tree_map(lambda leaf: back.get(id(leaf), leaf), v)
+                            # put whole at every call, each tensor as that call computes it
                             out.update(_created_items(_join(prefix, f"{attr}.{key}"), v, ("item", prefix, attr, key)))
                 elif type(container) is list and vars(mod).get(attr) is container and id(container) not in appended:
                     appended.add(id(container))  # (one list held in two places is appended to once)

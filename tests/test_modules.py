@@ -2543,3 +2543,38 @@ def test_lists_in_a_global_dict_and_a_list_held_twice_are_appended_to_as_eager_d
     for got, want in ((D["l"], ref_D["l"]), (E["l"], ref_E["l"]), (acts, ref_acts), (holder.acts, ref_holder.acts)):
         assert len(got) == len(want) and all(type(t) is torch.Tensor for t in got)
         torch.testing.assert_close(torch.stack(got), torch.stack(want))
+
+
+@pytest.mark.parametrize("kind", ["a list window", "a tuple cut shorter", "a window under a dict key"])
+def test_a_container_reassigned_from_its_own_tensors_holds_each_calls_values(kind):
+    """`self.h = self.h[1:] + [v]` (a sliding window), `self.t = self.t[1:]`, and a window under
+    a dict's key: put whole at every call with the tensors that call computes. The tensors it held
+    before were put back as the first call's (a cached call then left stale values, silently),
+    and a tuple made only of its own tensors was not put at all."""
+    class Window(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = [torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
+            self.t = tuple(torch.full((3,), float(i), dtype=torch.float64) for i in range(5))
+            self.d = {"w": [torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]}
+
+        def forward(self, x):
+            if kind == "a list window":
+                self.h = self.h[1:] + [x.sum(0)]
+                return self.h[0] * 1
+            if kind == "a tuple cut shorter":
+                self.t = self.t[1:]
+                return x.sum(0) + self.t[0]
+            self.d["w"] = self.d["w"][1:] + [x.sum(0)]
+            return self.d["w"][0] * 1
+
+    model, ref = Window(), Window()
+    f = hpfun.shard(model, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(4):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x))
+        for got, want in ((model.h, ref.h), (model.t, ref.t), (model.d["w"], ref.d["w"])):
+            assert type(got) is type(want) and len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                assert type(a) is torch.Tensor
+                torch.testing.assert_close(a, b)
