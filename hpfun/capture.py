@@ -1415,11 +1415,7 @@ def _is_traced_int_scalar(part) -> bool:
     if not isinstance(part, torch.Tensor) or part.ndim != 0 or part.is_floating_point() or part.is_complex() \
             or part.dtype in (torch.bool, torch.uint8):  # (torch takes a uint8 index as a mask)
         return False
-    while torch._C._functorch.is_functorch_wrapped_tensor(part):
-        if torch._C._functorch.is_batchedtensor(part):
-            return False
-        part = torch._C._functorch.get_unwrapped(part)
-    return isinstance(part, FakeTensor)
+    return _is_traced(part)
 
 
 def _scalar_tensors_as_lists(index):
