@@ -1682,7 +1682,7 @@ class Substitution:
             for attr, v in list(vars(mod).items()):
                 if isinstance(v, FakeTensor) and held.get(attr) is not v:
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
-                elif type(v) in (list, tuple, dict) and not attr.startswith("_") and held.get(attr) is not v \
+                elif isinstance(v, (list, tuple, dict)) and not attr.startswith("_") and held.get(attr) is not v \
                         and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                     # a container the step assigned (`self.hist = self.hist + [v]`, a window `self.h[1:] + [v]`):
                     # put whole at every call, each tensor in it as that call computes it (one it held before
@@ -1784,7 +1784,7 @@ class Substitution:
         for prefix, mod, held_attrs, _, _ in self._modules:
             for attr, v in vars(mod).items():
                 was = held_attrs.get(attr)
-                if type(v) in (list, tuple, dict) and not attr.startswith("_") and was is not v and not _holds_fake(v) \
+                if isinstance(v, (list, tuple, dict)) and not attr.startswith("_") and was is not v and not _holds_fake(v) \
                         and type(was) in (list, tuple, dict) and _holds_tensor(was):
                     problems.append(Problem(_join(prefix, attr), f"holds tensors and is assigned a new {type(v).__name__} "
                                             "holding none: a cached call of the program would not assign it", fix))
@@ -1798,7 +1798,7 @@ class Substitution:
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
                 was = held.get(attr)
-                if (isinstance(v, FakeTensor) or type(v) in (list, tuple, dict) and not attr.startswith("_")
+                if (isinstance(v, FakeTensor) or isinstance(v, (list, tuple, dict)) and not attr.startswith("_")
                         and (_holds_fake(v) or type(was) in (list, tuple, dict) and _holds_tensor(was))) \
                         and was is not v:  # (a container of tensors emptied: refused, `_container_edits`)
                     if attr in held:

@@ -2,6 +2,7 @@
 
 Every result is compared with the same code run eagerly, unsharded, on an identical copy."""
 
+import collections
 import copy
 import functools
 import logging
@@ -2578,3 +2579,25 @@ def test_a_container_reassigned_from_its_own_tensors_holds_each_calls_values(kin
             for a, b in zip(got, want, strict=True):
                 assert type(a) is torch.Tensor
                 torch.testing.assert_close(a, b)
+
+
+def test_a_namedtuple_a_module_reassigns_is_kept_whole():
+    """`m.nt = NT(a=m.nt.a + s, b=(t, None))`: a namedtuple assigned anew is put whole, its
+    nested tuple too (its `b` was dropped: namedtuples were not taken for containers)."""
+    NT = collections.namedtuple("NT", "a b")
+    model, ref = torch.nn.Module(), torch.nn.Module()
+    model.nt, ref.nt = NT(torch.zeros((), dtype=torch.float64), None), NT(torch.zeros((), dtype=torch.float64), None)
+
+    def step(m):
+        def f(x):
+            m.nt = NT(a=m.nt.a + x.sum(), b=(x.mean(0), None))
+            return x.sum()
+        return f
+
+    f = hpfun.shard(step(model), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(3):
+        x = torch.randn(4, 2, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), step(ref)(x))
+        assert type(model.nt) is NT and model.nt.b[1] is None and type(model.nt.b[0]) is torch.Tensor
+        torch.testing.assert_close(model.nt.a, ref.nt.a)
+        torch.testing.assert_close(model.nt.b[0], ref.nt.b[0])
