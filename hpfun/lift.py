@@ -822,7 +822,8 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     snapshot = snapshot or Snapshot()
     slots: dict[str, Slot] = {}
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
-    problems: list[Problem] = []
+    alive: list = []  # every value read, kept until the walk ends: a slot reading a new tensor each time
+    problems: list[Problem] = []  # (a Python number as a 0-d tensor) would free it, and its id be another's
 
     def add(name, read, write, **kw) -> bool:
         v = read()
@@ -830,6 +831,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
             return False
         if v is not None:
             names[id(v)] = name
+            alive.append(v)
         slots[name] = Slot(name, read, write, **kw)
         return True
 
@@ -853,7 +855,8 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     snapshot.seal()
     # every tensor's name by id, frozen parameters' too: an optimizer's state of a parameter
     # that gets no gradient this step is still its own, and stays
-    params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None}
+    params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None
+              and not alive.append(v)}  # (kept alive too: a freed number's id is another's)
     return State(slots, statics(roots), tuple(roots), tuple(opaque), params)
 
 
