@@ -510,6 +510,8 @@ class ShardedFunction:
                 if writeback._LOST and (names := writeback.lost(lifted)):
                     raise ExecutionError(Problem(
                         ", ".join(names), "lost: a call that was handed this state (donate_state=True) failed",
+                        "end the job and start it again from the last checkpoint: the call failed while its program "
+                        "ran, and this mesh runs nothing more" if runtime_for(self.mesh).broken is not None else
                         "load the values again (model.load_state_dict, optimizer.load_state_dict, or a "
                         "checkpoint), then call again"), headline="donated state lost")
             if key is not None:
