@@ -330,6 +330,10 @@ def _a_layout(layout, ndim: int, where: str) -> Layout:
         if layout.mesh.runtime == "simulated" and (started := groups.started_like(layout.mesh)) is not None:
             # (text, or hpfun.parse without a mesh, names the mesh's shape only: under torchrun, the one started)
             layout = attrs.evolve(layout, mesh=started)
+        elif layout.mesh.runtime == "simulated" and where == "Sharded.from_local" and groups.started():
+            meshes = ", ".join(str(m) for m in groups.started())
+            raise LayoutError(f"{where}: the layout's mesh {layout.mesh} is not one this process started ({meshes}): "
+                              "name one of those, as in \"[S(0)] on " + str(groups.started()[0]) + "\"")
         return layout.normalized(ndim)
     fix = "a Layout: `P(...).to_layout(mesh, ndim)`, or its text, e.g. hpfun.parse(\"[S(0)] on {dp: 2}\")"
     if isinstance(layout, P):

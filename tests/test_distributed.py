@@ -485,3 +485,13 @@ def test_distributed_mesh_needs_a_job(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(hpfun.ShardingError, match="RANK(?s:.*)fix: launch the script with torchrun.*Mesh.simulated"):
         hpfun.Mesh.distributed((2,), ("dp",))
+
+
+def test_a_from_local_layout_naming_a_mesh_this_process_did_not_start_says_which_it_did(monkeypatch):
+    """Under torchrun, a text layout naming another mesh (`{tp: 2}` where `{dp: 2}` was started)
+    names the meshes started (it was told from_local is for distributed meshes)."""
+    from hpfun.runtime import groups
+
+    monkeypatch.setattr(groups, "_DEVICE_MESHES", {hpfun.Mesh((2,), ("dp",), runtime="distributed"): (None, None)})
+    with pytest.raises(hpfun.LayoutError, match=r"mesh \{tp: 2\} is not one this process started \(\{dp: 2\}\)"):
+        hpfun.Sharded.from_local(torch.zeros(4, 3), "[S(0)] on {tp: 2}", (8, 3))

@@ -36,6 +36,11 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+def started() -> list:
+    """The distributed meshes this process started (or adopted)."""
+    return list(_DEVICE_MESHES)
+
+
 def started_like(mesh):
     """The one distributed mesh this process started with `mesh`'s shape and axis names (a
     layout's text names only those), or None."""
