@@ -1384,7 +1384,7 @@ def _masked_write(x, mask, value) -> bool:
                 return False
         except RuntimeError:
             return False
-        if value.ndim > len(rest) and (not rest or value.shape[0] == 1):
+        if value.ndim > len(rest):
             value = value.reshape(value.shape[1:])  # (1, *rest): one row, the same for every selected one
         filled = value.to(x.dtype)
     else:
