@@ -384,8 +384,8 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
     `aliases` (another name of a tensor -> the name it is lifted under: a tied weight's second
     place) lets a pattern name it either way; `hint` is added where a pattern matches nothing."""
     aliases = aliases or {}
-    only: set = set()  # the patterns naming one tensor alone
     out: dict[str, P | None] = {}
+    reached: dict[str, dict] = {}  # a tied tensor's name -> pattern -> (its spec, the names it matched it by)
     matched_by = {} if matched_by is None else matched_by
     for pattern, spec in patterns.items():
         at = f"{where}[{pattern!r}]"
@@ -407,15 +407,20 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
                                     "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}") + hint))
-        if len(hits) == 1 and not is_glob(pattern):
-            only.add(pattern)  # names one tensor alone
         for n in hits:
-            if n in matched_by and out[n] != spec and pattern in only and matched_by[n] in only:
-                # two names of one tensor alone (a tied weight's two places), given different specs
-                problems.append(Problem(where, f"{matched_by[n]!r} and {pattern!r} name one tensor (tied: lifted as "
-                                               f"{n!r}), given different specs, {out[n]} and {spec}",
-                                        "give it one spec, under either name"))
+            by = {m for m in (n, *(a for a, b in aliases.items() if b == n)) if pattern_matches(pattern, m)}
+            if (clash := next((q for q, (s, b) in reached.get(n, {}).items() if s != spec and not b & by), None)):
+                # two patterns reach one tensor by different names (a tied weight's two places) with
+                # different specs: each was meant for its own tensor, and neither is more right
+                problems.append(Problem(where, f"{clash!r} and {pattern!r} name one tensor (tied: lifted as {n!r}, "
+                                               f"also named {', '.join(sorted(a for a, b in aliases.items() if b == n))})"
+                                               f" by different names, given different specs, "
+                                               f"{reached[n][clash][0]} and {spec}",
+                                        "give it one spec, under either name (a pattern that matches both names "
+                                        "decides for both)"))
                 continue
+            if any(b == n for b in aliases.values()):
+                reached.setdefault(n, {})[pattern] = (spec, by)
             if n in matched_by:
                 before, now = specificity(matched_by[n]), specificity(pattern)
                 if before > now or before == now and out[n] == spec:

@@ -685,8 +685,8 @@ def test_tied_weights_are_one_input():
 
 def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple_by_theirs():
     """state_specs may name a tied weight by its second place (GPT-2's `lm_head.weight`, lifted
-    as the embedding's): the spec applies to the one tensor; both names with different specs are
-    an error (one was dropped silently). A pattern for optimizer state that
+    as the embedding's): the spec applies to the one tensor; both names (or two patterns, each
+    matching one of them) with different specs are an error (one was dropped silently). A pattern for optimizer state that
     matches nothing says the optimizers' names (two in a tuple: `opt.0`, `opt.1`)."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(16, 8).double()
@@ -710,6 +710,13 @@ def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple
                        state_specs={"emb.weight": P("dp"), "head.weight": P(None, "dp")})
     with pytest.raises(hpfun.SpecError, match="'emb.weight' and 'head.weight' name one tensor"):
         both(ids)
+    globs = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(),  # (so do patterns, each one name)
+                        state_specs={"emb.*": P("dp"), "*head.weight": P(None, "dp")})
+    with pytest.raises(hpfun.SpecError, match="'emb.\\*' and '\\*head.weight' name one tensor"):
+        globs(ids)
+    over = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(),  # (one matching both: the specific decides)
+                       state_specs={"*.weight": P("dp"), "head.weight": P(None, "dp")})
+    assert {i["path"]: i["layout"] for i in over.lower(ids).inputs}["model.emb.weight"] == "[S(1)]"
     g = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P(), state_specs={"opt.state.*": P("dp")})
     with pytest.raises(hpfun.SpecError) as info:
         g(ids)
