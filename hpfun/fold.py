@@ -35,17 +35,42 @@ def _is_call(node, *targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def _merges(src: tuple[int, ...], dst: tuple[int, ...]) -> list[list[int]] | None:
+    """Per dim of `dst`, the dims of `src` a view merges into it; None where it splits one.
+    Size-1 dims are left out on both sides (a view adds or drops them anywhere: einsum's own
+    lowering wraps a bmm in them), so a size-1 dim of `dst` merges none, and a size-1 dim of
+    `src` is in no group."""
+    keep_src, keep_dst = [d for d, n in enumerate(src) if n != 1], [d for d, n in enumerate(dst) if n != 1]
+    out: list[list[int]] = [[] for _ in dst]
+    for gs, gd in view_groups(tuple(src[d] for d in keep_src), tuple(dst[d] for d in keep_dst)):
+        if len(gd) != 1:
+            return None
+        out[keep_dst[gd[0]]] = [keep_src[d] for d in gs]
+    return out
+
+
 def _unflatten(node, shape: tuple[int, ...]):
-    """(base node, per dim of `shape` the base dims merged into it), looking through one view."""
+    """(base node, per dim of `shape` the base dims merged into it), looking through one view.
+    Size-1 dims of the base may be in no group (see `_merges`)."""
     if not _is_call(node, *_VIEWS):
         return node, [[d] for d in range(len(shape))]
     base = node.args[0]
     while _is_call(base, aten.expand.default) and _shape(base.args[0]) == _shape(base):
         base = base.args[0]  # an expand to the same shape is a no-op
-    groups = view_groups(_shape(base), shape)
-    if any(len(dst) != 1 for _, dst in groups) or len(groups) != len(shape):
+    groups = _merges(_shape(base), shape) if (strict := _strict(_shape(base), shape)) is None else strict
+    if groups is None:
         return node, [[d] for d in range(len(shape))]
-    return base, [src for src, _ in groups]
+    return base, groups
+
+
+def _strict(src: tuple[int, ...], dst: tuple[int, ...]) -> list[list[int]] | None:
+    """Per dim of `dst` the dims of `src` merged into it, size-1 dims grouped as `view_groups`
+    pairs them (a linear layer's one column stays a dim of its own); None where that does not
+    give each dim of `dst` a group."""
+    groups = view_groups(src, dst)
+    if any(len(d) != 1 for _, d in groups) or len(groups) != len(dst):
+        return None
+    return [s for s, _ in groups]
 
 
 def _operand(node, swap: list[int]):
@@ -64,10 +89,8 @@ def _output(node):
     if not users or not all(_is_call(u, *_VIEWS) for u in users) or len({_shape(u) for u in users}) != 1:
         return identity
     target = _shape(users[0])
-    groups = view_groups(target, _shape(node))
-    if any(len(dst) != 1 for _, dst in groups) or len(groups) != len(_shape(node)):
-        return identity
-    return users, [src for src, _ in groups], target
+    groups = _merges(target, _shape(node)) if (strict := _strict(target, _shape(node))) is None else strict
+    return identity if groups is None else (users, groups, target)
 
 
 # role of each matmul dim, per tensor: batch p, rows m, contracted k, columns n
@@ -257,18 +280,13 @@ def _fold(graph: torch.fx.Graph, node, bias=None) -> bool:
     if bias is not None and len(go[-1]) != 1:
         return False  # the columns unflattened: the bias no longer lies along one dim
     roles = _ROLES[batched]
-    # a role one operand unflattens and the other keeps merged (MultiheadAttention's out_proj
-    # reads heads x head_dim as the embedding, whole in its weight): merged in both
-    merged = _merged(graph, roles, {"a": (ga, a), "b": (gb, b)}, go, out_shape)
-    if merged is None:
+    planned = _plan(graph, roles, (a, ga), (b, gb), go, out_shape, bias)
+    if planned is None:  # size-1 dims paired differently in two places: the plan without them
+        planned = _plan(graph, roles, (a, _drop_ones(ga, _shape(a))), (b, _drop_ones(gb, _shape(b))),
+                        _drop_ones(go, out_shape), out_shape, bias)
+    if planned is None:
         return False
-    (ga, a), (gb, b), (einsum_shape, go) = merged
-    if bias is not None and len(go[-1]) != 1:
-        return False  # the columns computed split: the bias no longer lies along one dim
-    groups = {"a": (ga, _shape(a)), "b": (gb, _shape(b)), "o": (go, tuple(einsum_shape))}
-    subscripts = _subscripts(roles, groups)
-    if subscripts is None:
-        return False
+    a, b, einsum_shape, subscripts = planned
     equation = f"{subscripts['a']},{subscripts['b']}->{subscripts['o']}"
     with graph.inserting_after(node):
         einsum = graph.call_function(aten.einsum.default, (equation, [a, b]))
@@ -289,6 +307,30 @@ def _fold(graph: torch.fx.Graph, node, bias=None) -> bool:
     for old in replaced:
         old.replace_all_uses_with(result)
     return True
+
+
+def _drop_ones(groups: list[list[int]], shape) -> list[list[int]]:
+    return [[d for d in g if shape[d] != 1] for g in groups]
+
+
+def _plan(graph, roles: dict, a, b, go, out_shape, bias):
+    """(a, b, the shape the einsum computes, its subscripts) from each operand's (base, groups)
+    and the output's groups, or None where they do not agree on a role."""
+    # a role one operand unflattens and the other keeps merged (MultiheadAttention's out_proj
+    # reads heads x head_dim as the embedding, whole in its weight): merged in both
+    merged = _merged(graph, roles, {"a": a[::-1], "b": b[::-1]}, go, out_shape)
+    if merged is None:
+        return None
+    (ga, a), (gb, b), (einsum_shape, go) = merged
+    if bias is not None and len(go[-1]) != 1:
+        return None  # the columns computed split: the bias no longer lies along one dim
+    (ga, a), (gb, b) = _squeezed(graph, ga, a), _squeezed(graph, gb, b)
+    if (ones := sorted(set(range(len(einsum_shape))) - {d for g in go for d in g})):
+        # size-1 dims the output's view adds: computed without them, viewed back
+        einsum_shape = [n for d, n in enumerate(einsum_shape) if d not in ones]
+        go = [[d - sum(o < d for o in ones) for d in g] for g in go]
+    subscripts = _subscripts(roles, {"a": (ga, _shape(a)), "b": (gb, _shape(b)), "o": (go, tuple(einsum_shape))})
+    return None if subscripts is None else (a, b, einsum_shape, subscripts)
 
 
 def _merged(graph, roles: dict, operands: dict, go, out_shape):
@@ -318,6 +360,19 @@ def _merged(graph, roles: dict, operands: dict, go, out_shape):
         out[name] = (groups, base) if not refine[name] else _split(graph, base, groups, refine[name])
     shape, groups = _split_shape(tuple(out_shape), go, refine["o"])
     return out["a"], out["b"], (shape, groups)
+
+
+def _squeezed(graph, groups: list[list[int]], base):
+    """(groups, base) where every dim of `base` is in a group: its size-1 dims in none (a view
+    added them) dropped by a view."""
+    kept = sorted(d for g in groups for d in g)
+    if len(kept) == len(_shape(base)):
+        return groups, base
+    shape = [_shape(base)[d] for d in kept]
+    with graph.inserting_after(base):
+        view = graph.call_function(aten.view.default, (base, shape))
+    view.meta.update(val=_fake_view(base.meta["val"], shape), stack_trace=base.meta.get("stack_trace"))
+    return [[kept.index(d) for d in g] for g in groups], view
 
 
 def _split_shape(shape, groups: list[list[int]], refine: dict):

@@ -188,3 +188,29 @@ def test_a_reflect_pads_gradient_keeps_the_batch_and_channels_split(pad, spec):
     f = hpfun.shard(torch.func.grad(loss), mesh=mesh, in_specs=(spec,), out_specs=spec)
     torch.testing.assert_close(f(x).full(), torch.func.grad(loss)(x))
     assert not f.lower(x).collectives
+
+
+@pytest.mark.parametrize("equation, shapes, specs", [
+    ("td,edh->teh", [(16, 8), (4, 8, 6)], (P(), P(None, None, "tp"))),  # column-parallel experts
+    ("td,edh->teh", [(16, 8), (4, 8, 6)], (P(), P("tp"))),  # experts split
+    ("bd,edh->beh", [(1, 8), (4, 8, 6)], (P(), P(None, None, "tp"))),  # one token
+])
+def test_an_einsum_torch_lowers_with_size_1_dims_keeps_its_splits(equation, shapes, specs):
+    """torch lowers an einsum as a bmm wrapped in size-1 dims it adds and drops ("td,edh->teh"
+    as a (1, t, d) @ (1, d, e*h) bmm): folded with those left out, the weight split along h
+    (or e) stays split, forward and backward, with no collective (it was gathered whole), and the
+    results equal eager (float64)."""
+    x, w = (torch.randn(s, dtype=torch.float64) for s in shapes)
+    out_spec = P(*[None] * 2, *specs[1].dims[2:]) if len(specs[1].dims) == 3 else P(None, "tp")
+
+    def loss(x, w):
+        return torch.einsum(equation, x, w).pow(2).sum()
+
+    forward = hpfun.shard(lambda x, w: torch.einsum(equation, x, w), mesh=MESH, in_specs=specs, out_specs=out_spec)
+    assert forward.lower(x, w).collectives == []
+    torch.testing.assert_close(forward(x, w).full(), torch.einsum(equation, x, w))
+    grad = torch.func.grad(loss, argnums=(0, 1))
+    step = hpfun.shard(grad, mesh=MESH, in_specs=specs, out_specs=(P(), specs[1]))
+    assert [c.kind for c in step.lower(x, w).collectives] == ["all_reduce"]  # (x's gradient, summed over h or e)
+    for got, want in zip(step(x, w), grad(x, w), strict=True):
+        torch.testing.assert_close(got.full() if hasattr(got, "full") else got, want)
