@@ -1889,9 +1889,13 @@ class Substitution:
         """What the traced function left in each slot, read in the substituted world: name ->
         value (None where it emptied a slot); and, for an optimizer's state it created, name ->
         (optimizer, parameter, key), the place to create it at."""
+        self._unwrap_escaped()
         edits = self._container_edits()  # (before any slot is read: a list cleared holds none of them)
         if edits:
             raise CaptureError(edits, headline="cannot lift the state the function reads")
+        for slot in self.state.slots.values():  # (a place assigned under a torch.func transform: `_unwrap_escaped`)
+            if isinstance(v := slot.read(), torch.Tensor) and (u := _unwrapped(v)) is not v:
+                slot.write(u)
         real_of = {id(stand_in): real_id for real_id, stand_in in self.swap.items()}
         out, new_state, problems = {}, {}, []
         for name, slot in self.state.slots.items():
@@ -1919,6 +1923,7 @@ class Substitution:
                     if owner is None or not isinstance(v, torch.Tensor):
                         continue
                     name = f"{_join(prefix, 'state')}.{owner}.{key}"
+                    v = _unwrapped(v)
                     if name not in self.state.slots and key == "step" and id(p) in self._fused and v.dim() == 0:
                         v = v.to(torch.float32)  # as the fused kernel's state makes it (the loop's is the default dtype)
                     out[name] = v
@@ -1935,6 +1940,23 @@ class Substitution:
                 out[name] = value
                 new_state[name] = (None, None, setter)
         return out, new_state
+
+    def _unwrap_escaped(self) -> None:
+        """A tensor put in a place inside a torch.func transform (`self.t = self.t.to(x.device)` in
+        a loss under torch.func.grad, as diffusers' schedulers do) is the transform's wrapper,
+        which outlives it, as in eager: every place the function reaches holds the traced tensor
+        it wraps instead (the wrapper is no value of the trace, and was kept as a constant). Here
+        the modules and containers; `assigned` unwraps what the slots hold once their lists are
+        known to be whole."""
+        for _, mod, _, _, _ in self._modules:
+            for store in (mod._parameters, mod._buffers, vars(mod)):
+                for key, v in list(store.items()):
+                    if not (isinstance(key, str) and key.startswith("__")) and (u := _scrubbed(v)) is not v:
+                        store[key] = u
+        for _, lst, _ in self._inner_lists:
+            _scrubbed(lst)
+        for _, _, container, _ in self._watched:
+            _scrubbed(container)
 
     def restore(self) -> None:
         for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
@@ -1955,6 +1977,33 @@ class Substitution:
         Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""
         for real_state, p, key, v in self.new_numbers:
             real_state[p][key] = v
+
+
+def _unwrapped(v):
+    """The tensor a torch.func wrapper (grad's, functionalize's) holds, once its transform has
+    ended; anything else as it is (vmap's batched tensors too)."""
+    while isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v) \
+            and not torch._C._functorch.is_batchedtensor(v):
+        v = torch._C._functorch.get_unwrapped(v)
+    return v
+
+
+def _scrubbed(v, depth: int = 3):
+    """`v` with the wrappers in it unwrapped (`_unwrapped`): lists and dicts in place, a tuple
+    (a namedtuple too) rebuilt where one changed."""
+    if isinstance(v, torch.Tensor):
+        return _unwrapped(v)
+    if depth == 0:
+        return v
+    if type(v) in (list, dict):
+        for key, item in list(v.items() if type(v) is dict else enumerate(v)):
+            if (new := _scrubbed(item, depth - 1)) is not item:
+                v[key] = new
+    elif isinstance(v, tuple):
+        items = [_scrubbed(item, depth - 1) for item in v]
+        if any(a is not b for a, b in zip(items, v, strict=True)):
+            return tuple(items) if type(v) is tuple else type(v)(*items)
+    return v
 
 
 def _reset_flat_weights(rnn: torch.nn.RNNBase) -> None:

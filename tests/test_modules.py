@@ -6,6 +6,7 @@ import collections
 import copy
 import functools
 import logging
+import types
 import warnings
 
 import numpy as np
@@ -2646,3 +2647,43 @@ def test_every_optimizer_number_is_its_own_input_while_the_state_is_walked(monke
     names = {i["path"] for i in f.lower(x).inputs}
     assert {f"opt.param_groups.{g}.{k}" for g in (0, 1) for k in ("lr", "betas.0", "betas.1")} <= names
     assert walks and max(walks) >= 6  # (the walks read them)
+
+
+def test_state_a_loss_under_torch_func_grad_assigns_is_kept():
+    """A loss run by torch.func.grad that assigns state (diffusers' scheduler moves its table:
+    `self.alphas_cumprod = self.alphas_cumprod.to(x.device)`; a buffer reassigned, a new
+    attribute, a list appended, a dict filled) assigns grad's wrapper, which outlives the
+    transform as in eager: the values it wraps are kept, as eager's (the table failed with
+    torch's fake-mode assertion, the rest were dropped or refused)."""
+    def unwrapped(v):
+        while torch._C._functorch.is_functorch_wrapped_tensor(v):
+            v = torch._C._functorch.get_unwrapped(v)
+        return v
+
+    def make():
+        torch.manual_seed(0)
+        sched = types.SimpleNamespace(table=torch.linspace(0.9, 0.1, 10, dtype=torch.float64))
+        model = torch.nn.Linear(3, 1).double()
+        model.register_buffer("seen", torch.zeros(3, dtype=torch.float64))
+        model.hist, model.last = [], {}
+
+        def loss(w, t, x):
+            sched.table = sched.table.to(device=x.device)
+            model.seen = model.seen + x.mean(0).detach()
+            model.peak = x.abs().max().detach()
+            model.hist.append(x.sum().detach())
+            model.last["x"] = x.detach()
+            return (sched.table[t].unsqueeze(1) * model(x) * w).sum()
+
+        return sched, model, lambda w, t, x: torch.func.grad(loss)(w, t, x)
+
+    w, t, x = torch.randn(4, 1, dtype=torch.float64), torch.tensor([1, 2, 3, 4]), torch.randn(4, 3, dtype=torch.float64)
+    (s0, m0, eager), (s1, m1, step) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),) * 3, out_specs=P("dp"))
+    for _ in range(2):
+        torch.testing.assert_close(f(w, t, x).full(), eager(w, t, x))
+    torch.testing.assert_close(s1.table, unwrapped(s0.table))
+    torch.testing.assert_close(m1.seen, unwrapped(m0.seen))
+    torch.testing.assert_close(m1.peak, unwrapped(m0.peak))
+    torch.testing.assert_close(torch.stack(m1.hist), torch.stack([unwrapped(v) for v in m0.hist]))
+    torch.testing.assert_close(m1.last["x"], unwrapped(m0.last["x"]))
