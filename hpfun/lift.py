@@ -1049,21 +1049,25 @@ def _held_values(v):
         return None
     if type(v) is set and len(v) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, v)):
         return ("set", frozenset(v))
-    if type(v) in (list, tuple, dict) or _is_numbers_array(v):
-        key = object_key(v, 3)
-        return key if _plain(key) else None
+    if type(v) in (list, dict) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
+        return _values_of(object_key(v, 3))
     if callable(v) and not _is_plain_object(v):
         return _binding(v)
     return None
 
 
-def _plain(key) -> bool:
-    """Whether an `object_key` holds values only (no object by identity, no tensor)."""
+def _values_of(key):
+    """An `object_key` with each tensor in it as a mark of its place (a tensor beside the numbers
+    is state, read at every call: its identity keys nothing, and one reassigned each call is one
+    program); None where it holds an object by identity."""
     if isinstance(key, tuple):
-        if len(key) == 3 and key[0] == "object" or len(key) == 2 and key[0] == "tensor":
-            return False
-        return all(_plain(k) for k in key)
-    return True
+        if len(key) == 3 and key[0] == "object":
+            return None
+        if len(key) == 2 and key[0] == "tensor":
+            return ("tensor",)
+        items = tuple(_values_of(k) for k in key)
+        return None if any(k is None for k in items) else items
+    return key
 
 
 def _watch_held(snapshot, v, depth: int = 3) -> None:

@@ -2687,3 +2687,39 @@ def test_state_a_loss_under_torch_func_grad_assigns_is_kept():
     torch.testing.assert_close(m1.peak, unwrapped(m0.peak))
     torch.testing.assert_close(torch.stack(m1.hist), torch.stack([unwrapped(v) for v in m0.hist]))
     torch.testing.assert_close(m1.last["x"], unwrapped(m0.last["x"]))
+
+
+def test_numbers_a_module_keeps_beside_its_tensors_key_the_cache():
+    """A str, float or bool a module keeps in one container with tensors (a dict, a namedtuple,
+    a list, a tuple, nested) decides the program as a number held alone does: changed in place
+    or reassigned, the next call compiles again (the first program ran, silently); the tensors
+    beside them are state, reassigned without a new program."""
+    Scaled = collections.namedtuple("Scaled", "w scale")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = {"mode": "sum", "w": torch.ones(2, dtype=torch.float64), "inner": {"alpha": 1.0}}
+            self.nt, self.flag = Scaled(torch.ones(2, dtype=torch.float64), 1.0), (torch.ones(2, dtype=torch.float64), True)
+            self.pair = [torch.ones(2, dtype=torch.float64), 2.0]
+
+    model = Model()
+
+    def step(x):
+        y = x * model.cfg["w"] * model.nt.w * model.flag[0] * model.pair[0]
+        y = y.sum() if model.cfg["mode"] == "sum" else y.mean()
+        y = y * model.nt.scale * model.cfg["inner"]["alpha"] * model.pair[1]
+        return y if model.flag[1] else -y
+
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(4, 2, dtype=torch.float64)
+    edits = [lambda: None, lambda: model.cfg.__setitem__("mode", "mean"), lambda: setattr(model, "nt", Scaled(model.nt.w, 5.0)),
+             lambda: setattr(model, "flag", (model.flag[0], False)), lambda: model.cfg["inner"].__setitem__("alpha", 3.0),
+             lambda: model.pair.__setitem__(1, 0.5)]
+    for edit in edits:
+        edit()
+        torch.testing.assert_close(f(x).full(), step(x))
+    assert f.trace_count == len(edits)
+    model.cfg["w"], model.nt = model.cfg["w"] * 2, Scaled(model.nt.w * 3, model.nt.scale)  # (tensors: state)
+    torch.testing.assert_close(f(x).full(), step(x))
+    assert f.trace_count == len(edits)
