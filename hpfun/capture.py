@@ -1397,6 +1397,33 @@ def _masked_write(x, mask, value) -> bool:
     return True
 
 
+_INDEX_PUTS = (torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_)
+
+
+def _value_fits(x, index, value) -> None:
+    """`x[index] = value` with integer index tensors raises as eager does where the value does not
+    broadcast to what the index selects (torch's fake kernel of index_put does not check: each
+    rank's write broadcast the value over its own block, silently)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not isinstance(x, torch.Tensor) or not isinstance(value, torch.Tensor) or \
+            not any(isinstance(p, torch.Tensor) for p in parts) or \
+            any(isinstance(p, torch.Tensor) and (p.dtype in (torch.bool, torch.uint8) or p.is_floating_point()) for p in parts):
+        return  # (masks and other indices: torch's own checks)
+    with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
+        try:  # (integer indices select a shape their values do not change)
+            picked = tuple(torch.empty(tuple(x.shape), device="meta")[tuple(
+                torch.zeros(tuple(p.shape), dtype=torch.long, device="meta") if isinstance(p, torch.Tensor) else p
+                for p in parts)].shape)
+        except (IndexError, RuntimeError, TypeError):
+            return  # (torch says what is wrong with the index itself)
+    shape = list(value.shape)
+    while shape and shape[0] == 1:  # (torch drops a value's leading size-1 dims)
+        shape.pop(0)
+    if len(shape) > len(picked) or any(v not in (1, n) for v, n in zip(reversed(shape), reversed(picked))):
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(value.shape)} cannot be broadcast to "
+                           f"indexing result of shape {list(picked)}")
+
+
 def _is_traced(t) -> bool:
     """A tensor of the trace: a fake tensor, or one torch.func.grad or jvp wraps (never a vmapped
     one, whose values differ per batch element: eager refuses to read them)."""
@@ -1764,7 +1791,12 @@ class _TensorScalars(TorchFunctionMode):
             return None
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and \
                 (index := _mask_as_positions(args[1])) is not None:  # (`y[y > 0] += 1` of readable values: its
-            return func(args[0], index, args[2])  # write as its read, by positions; under torch.func.grad too)
+            _value_fits(args[0], index, args[2])  # write as its read, by positions; under torch.func.grad too)
+            return func(args[0], index, args[2])
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs:
+            _value_fits(*args)
+        if func in _INDEX_PUTS and len(args) >= 3 and isinstance(args[1], (list, tuple)):  # (a None: the whole dim)
+            _value_fits(args[0], tuple(slice(None) if i is None else i for i in args[1]), args[2])
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:

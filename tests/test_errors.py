@@ -317,6 +317,34 @@ def test_a_write_by_a_mask_of_the_arguments_is_read_as_the_index_is_under_grad_t
     torch.testing.assert_close(g(x).full(), torch.func.grad(f)(x))
 
 
+@pytest.mark.parametrize("write", ["mask", "index", "index_put", "columns"])
+def test_a_written_value_that_does_not_broadcast_to_what_an_index_picks_raises_as_eager(write):
+    """`x[index] = v` with integer index tensors (or a readable mask, read as positions), v of a
+    shape eager refuses ((3,) into rows of 6): raised as eager does. torch's fake kernel does not
+    check, and with the rows split each rank broadcast v over its own block of 3, silently."""
+    def f(x, v):
+        y = x.clone()
+        if write == "mask":
+            y[y[:, 0] > 0] = v
+        elif write == "index":
+            y[torch.tensor([0])] = v
+        elif write == "index_put":
+            y.index_put_((torch.tensor([0]),), v)
+        else:
+            y[:, torch.tensor([0, 2])] = v
+        return y
+
+    x, v = torch.tensor([[1.0, 2, 3, 4, 5, 6], [-1, 2, 3, 4, 5, 6]]), torch.tensor([7.0, 8, 9])
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        f(x, v)
+    g = hpfun.shard(f, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P(None, "dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"value tensor of shape \[3\] cannot be broadcast to indexing "
+                                                 r"result of shape \[(1, 6|2, 2)\]"):
+        g(x, v)
+    fits = hpfun.shard(lambda x: f(x, torch.tensor([7.0])), mesh=MESH, in_specs=P(None, "dp"), out_specs=P(None, "dp"))
+    torch.testing.assert_close(fits(x).full(), f(x, torch.tensor([7.0])))  # (one value broadcasts: as eager)
+
+
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
     """A boolean mask, nonzero or unique of the arguments' values (BART's `torch.unique_consecutive(
     eos_mask.sum(1))` check and `hidden_states[eos_mask, :]`) is read like `.item()`: the program
