@@ -1019,6 +1019,16 @@ class ShardedFunction:
                                         "the function closes over or reads as a global: hpfun writes those back after "
                                         "every call, and reads them at the next") for where in leaked],
                                headline="the function stores a tensor where hpfun cannot write it back")
+        if left := substitution.left_over():
+            raise CaptureError(Problem(", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else ""),
+                                       "holds a tensor the function made, where hpfun cannot write it back (a list "
+                                       "inside a list, an optimizer or module made inside the function, a parameter "
+                                       "group added, a global rebound): a cached call would leave the first call's "
+                                       "placeholders there; they were taken out",
+                                       "make optimizers, modules and param groups before the first call, outside the "
+                                       "sharded function; keep tensors the step makes in a module's attribute or "
+                                       "buffer, a list a module holds, or a dict closed over, or return them"),
+                               headline="the function stores a tensor where hpfun cannot write it back")
         if changed or moved:
             side_effect = "a traced program cannot repeat Python side effects: make this change outside the sharded function"
 

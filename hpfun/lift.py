@@ -1575,6 +1575,7 @@ class Substitution:
         self._inner_held: dict = {}  # id(a list inside a module's dict) -> its items before the trace
         self._tuples: dict = {}  # id -> each tuple of stand-ins put in a module in place of its tuple of tensors
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
+        self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1659,6 +1660,7 @@ class Substitution:
                     container = read()
                 except ValueError:  # an empty cell
                     continue
+                self._places.append((var, read))
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
@@ -1976,6 +1978,30 @@ class Substitution:
                     if isinstance(m, torch.nn.RNNBase) and any(isinstance(w, FakeTensor) for w in m._flat_weights):
                         _reset_flat_weights(m)
 
+    def left_over(self) -> list[str]:
+        """After `restore`: the places that still hold a tensor of the trace, each taken out (a
+        stand-in in a list of lists, an optimizer made or a param group added inside the function,
+        a global rebound to a new list): state hpfun cannot write back, which the program would
+        otherwise leave as the first call's placeholders, silently. A global or closed-over list
+        or dict rebound is set back to the one it held."""
+        for var, read, container, _ in self._watched:
+            try:
+                now = read()
+            except ValueError:
+                continue
+            if now is not container and _holds_fake(now):
+                _rebind(read, container)
+        found: list[str] = []
+        seen: set = set()
+        for root in self.state.roots:
+            _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
+        for var, read in self._places:
+            try:
+                _take_fakes(read(), var, found, seen)
+            except ValueError:
+                continue
+        return found
+
     def put_numbers(self) -> None:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's
         Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""
@@ -2035,6 +2061,77 @@ def _holds_tensor(v) -> bool:
 def _short(v) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _rebind(read, value) -> None:
+    """Put `value` back where `read` (a closure cell's or a module global's reader) reads."""
+    target = getattr(read, "func", None)
+    if isinstance(read, functools.partial) and target is getattr and read.args[1:] == ("cell_contents",):
+        read.args[0].cell_contents = value
+    elif isinstance(read, functools.partial) and getattr(target, "__name__", "") == "get" \
+            and isinstance(getattr(target, "__self__", None), dict):
+        target.__self__[read.args[0]] = value
+
+
+def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
+    """Find and take out every tensor of the trace inside `v` (modules, optimizers, containers
+    and plain objects, a few levels deep), naming each place in `found`."""
+    if depth > 6 or id(v) in seen or len(seen) > 50_000 or _is_scalar(v) or \
+            isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType, str, bytes)):
+        return
+    seen.add(id(v))
+    if isinstance(v, torch.Tensor):
+        if isinstance(v.grad, FakeTensor):
+            found.append(f"{path}.grad")
+            v.grad = None
+        return
+    if isinstance(v, torch.nn.Module):
+        for store_name in ("_parameters", "_buffers"):
+            store = getattr(v, store_name)
+            for key in [k for k, t in store.items() if isinstance(t, FakeTensor)]:
+                found.append(_join(path, key))
+                del store[key]
+            for key, t in store.items():
+                _take_fakes(t, _join(path, key), found, seen, depth + 1)
+        for key, sub in v._modules.items():
+            _take_fakes(sub, _join(path, key), found, seen, depth + 1)
+        items = {k: w for k, w in vars(v).items() if not k.startswith("__") and k not in _MODULE_INTERNALS}
+        _take_from(v, items, path, found, seen, depth, attributes=True)
+        return
+    if isinstance(v, torch.optim.Optimizer):
+        for g, group in enumerate(v.param_groups):
+            _take_from(group, group, f"{path}.param_groups.{g}", found, seen, depth, attributes=False)
+        for p, entries in list(v.state.items()):
+            if isinstance(p, FakeTensor):
+                found.append(f"{path}.state (of a parameter made inside the function)")
+                del v.state[p]
+            elif isinstance(entries, dict):
+                _take_from(entries, entries, f"{path}.state", found, seen, depth, attributes=False)
+        return
+    if type(v) in (list, dict) or isinstance(v, tuple):
+        _take_from(v, dict(v) if type(v) is dict else dict(enumerate(v)), path, found, seen, depth,
+                   attributes=False)
+    elif _is_plain_object(v) and not callable(v):
+        _take_from(v, dict(vars(v)), path, found, seen, depth, attributes=True)
+
+
+def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int, attributes: bool) -> None:
+    def at(key):
+        return f"{path}.{key}" if attributes else f"{path}[{key!r}]" if type(owner) is dict else f"{path}[{key}]"
+
+    fakes = [k for k, w in items.items() if isinstance(w, FakeTensor)]
+    found += [at(key) for key in fakes]
+    if fakes and type(owner) is list:
+        owner[:] = [w for w in owner if not isinstance(w, FakeTensor)]
+    elif fakes and type(owner) is dict:
+        for key in fakes:
+            del owner[key]
+    elif fakes and attributes:
+        for key in fakes:
+            delattr(owner, key)
+    for key, w in items.items():
+        if not isinstance(w, FakeTensor):
+            _take_fakes(w, at(key), found, seen, depth + 1)
 
 
 def _holds_fake(v) -> bool:

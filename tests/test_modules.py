@@ -2723,3 +2723,59 @@ def test_numbers_a_module_keeps_beside_its_tensors_key_the_cache():
     model.cfg["w"], model.nt = model.cfg["w"] * 2, Scaled(model.nt.w * 3, model.nt.scale)  # (tensors: state)
     torch.testing.assert_close(f(x).full(), step(x))
     assert f.trace_count == len(edits)
+
+
+@pytest.mark.parametrize("where", ["optimizer made inside", "param group added", "list inside a list"])
+def test_tensors_the_function_leaves_where_hpfun_cannot_write_them_back_are_refused_and_taken_out(where):
+    """An optimizer made inside the function and kept on the module (made at the first call), a
+    param group added inside, a tensor appended to a list inside a module's list: each held the
+    trace's placeholders after the first call, and later calls ran without them (the lazy
+    optimizer's model drifted from eager, silently; the param group crashed a call later). Each
+    is refused, naming the place, and left without the placeholders."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    model.hist = [[torch.zeros(2, dtype=torch.float64)]]
+    extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        if where == "optimizer made inside" and not hasattr(model, "opt"):
+            model.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if where == "param group added":
+            opt.add_param_group({"params": [torch.nn.Parameter(extra.detach() * 2)]})
+        loss = model(x).pow(2).mean()
+        if where == "list inside a list":
+            model.hist[0].append(loss.detach().reshape(1).expand(2))
+        loss.backward()
+        (model.opt if hasattr(model, "opt") else opt).step()
+        return loss
+
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match="holds a tensor the function made, where hpfun cannot write it back") \
+            as info:
+        f(torch.randn(4, 4, dtype=torch.float64))
+    named = {"optimizer made inside": "model.opt.param_groups.0['params'][0]",
+             "param group added": "opt.param_groups.1['params'][0]", "list inside a list": "model.hist[0][1]"}
+    assert named[where] in str(info.value), str(info.value)
+    assert len(model.hist[0]) == 1 and not any(isinstance(t, torch._subclasses.FakeTensor)
+                                               for g in opt.param_groups for t in g["params"])
+
+
+def test_a_global_list_rebound_as_a_window_is_kept_as_eager():
+    """`global G; G = G[1:] + [v]`: the window is put at every call as eager computes it (the
+    rebound list held the trace's placeholders, and the second call failed inside torch)."""
+    def run(step, xs):
+        global _WINDOW
+        _WINDOW = [torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)]
+        outs = [step(x) for x in xs]
+        return [o.full() if isinstance(o, hpfun.Sharded) else o for o in outs], list(_WINDOW)
+
+    def step(x):
+        global _WINDOW
+        _WINDOW = _WINDOW[1:] + [x.sum(0)]
+        return (x * _WINDOW[0]).sum()
+
+    xs = [torch.randn(4, 2, dtype=torch.float64) for _ in range(3)]
+    (got, kept), (want, eager) = run(hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P()), xs), run(step, xs)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    torch.testing.assert_close(torch.stack(kept), torch.stack(eager))
