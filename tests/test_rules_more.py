@@ -561,3 +561,27 @@ def test_shifts_follow_splits(name, mesh_shape):
     y = torch.randint(0, 5, (4, 6), generator=_GEN)
     same = P("a") if len(mesh_shape) == 1 else P("a", "b")
     assert _run(SHIFTS[name], (x, y), mesh_shape, (same, same)) == ([_leading(mesh_shape)], [])
+
+
+@pytest.mark.parametrize("parts", ["one", "empty cache first", "legacy empty", "two"])
+def test_a_cat_of_one_tensor_along_its_split_dim_is_a_copy(parts):
+    """cat([x], 0) (einops.pack of one tensor) and cat([cache with no rows, x], 0) (a cache that
+    starts empty) copy x: split along the cat dim, it stays split, forward and backward, moving
+    no bytes (the batch was gathered whole, and every rank ran what followed on all of it).
+    Two inputs with rows still gather."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def f(x):
+        others = {"one": [], "empty cache first": [x[:0] * 3], "legacy empty": [torch.zeros(0, dtype=x.dtype)],
+                  "two": [x[:2]]}[parts]
+        y = torch.cat([*others, x * 2], 0)
+        return (y @ y.transpose(1, 2)).sum(-1)
+
+    x = _rand(8, 4, 3)
+    g = hpfun.shard(torch.func.grad(lambda x: f(x).pow(2).sum()), mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    torch.testing.assert_close(g(x).full(), torch.func.grad(lambda x: f(x).pow(2).sum())(x), rtol=TOL, atol=TOL)
+    if parts == "two":
+        return
+    s = hpfun.shard(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    assert s.lower(x).collectives == [] and all(c.bytes == 0 for c in g.lower(x).collectives)  # (the empty
+    torch.testing.assert_close(s(x).full(), f(x), rtol=TOL, atol=TOL)  # slice's backward writes no rows, gathered)

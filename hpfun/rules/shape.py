@@ -140,9 +140,13 @@ class Slice(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         x = call.tensors[0]
         dim = call.arg(self.dim_arg, "dim", 0) % x.ndim
+        # a slice of the whole dim (a cat's backward for its one input) copies each block; one of
+        # none of it (`x[:0]`) is empty in any layout: the dim may stay split
+        kept = call.op is aten.slice.Tensor and call.outputs[0].shape[dim] in (0, x.shape[dim]) and \
+            call.arg(4, "step", 1) in (1, None)
         ins, outs = [], []
         for p in x.layout.placements:
-            if isinstance(p, Shard) and p.dim != dim:
+            if isinstance(p, Shard) and (p.dim != dim or kept):
                 ins.append(p), outs.append(Shard(p.dim - (self.drops_dim and p.dim > dim)))
             elif isinstance(p, Shard):
                 ins.append(R), outs.append(R)
@@ -220,7 +224,8 @@ class Split(Slice):
 
 @attrs.frozen(kw_only=True)
 class Cat(Rule):
-    """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole.
+    """cat(tensors, dim): inputs agree on every placement; the cat dim must be whole, unless one
+    input holds every element (the cat is its copy).
 
     A 1-D empty input (torch.cat skips these "legacy" empties whatever the other inputs' rank,
     as a KV cache starts out) holds no element: it is taken replicated under any strategy."""
@@ -230,13 +235,16 @@ class Cat(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         tensors, out = call.tensors, call.outputs[0]
         dim = call.arg(self.dim_arg, "dim", 0) % out.ndim
-        n = len(tensors)
+        # one input holds every element (the others are empty: einops.pack of one tensor, a cache
+        # that starts out empty): the cat is a copy of it, split along the cat dim too
+        alone = sum(not (_legacy_empty(t, out) or t.ndim == out.ndim and t.shape[dim] == 0) for t in tensors) == 1
         per_axis = []
         for a in range(call.mesh.ndim):
             options = [replicated_option(call)]
             for t in tensors:
                 p = t.layout.placements[a]
-                if (isinstance(p, Shard) and p.dim != dim and t.ndim == out.ndim) or isinstance(p, Partial):
+                if (isinstance(p, Shard) and (p.dim != dim or alone and t.shape[dim] != 0) and t.ndim == out.ndim) \
+                        or isinstance(p, Partial):
                     options.insert(0, (tuple(R if _legacy_empty(u, out) else p for u in tensors), (p,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
