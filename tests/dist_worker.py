@@ -6,6 +6,7 @@
 import copy
 import os
 import sys
+import types
 import time
 from pathlib import Path
 
@@ -408,7 +409,12 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
                         {"0.weight": P("dp")})
     step(x, y)
     step(x, y)
-    return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base))}
+    table = types.SimpleNamespace(scale=torch.linspace(1.0, 2.0, 16, dtype=torch.float64))  # not a module's
+    scaled = hpfun.shard(lambda x: (x * table.scale[:8].unsqueeze(1)).sum(), mesh=mesh, in_specs=P("dp"),
+                         out_specs=P(), state_specs={"*": P("dp")})  # (ZeRO-3's wildcard matches it too)
+    scaled(x)
+    return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
+            "table": tuple(table.scale.shape)}
 
 
 class _Keeps(torch.nn.Module):

@@ -244,6 +244,9 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         w.eager_step(base, opt, x, y)
     for rank, results in enumerate(lifted_dp_job):
         assert results["frozen"]["frozen block"] == (8, 8), results["frozen"]["frozen block"]
+        # a plain object's tensor read split stays whole: eager code outside reads all of it (each rank
+        # kept its block, and a scheduler's add_noise outside the step read other rows)
+        assert results["frozen"]["table"] == (16,), results["frozen"]["table"]
         _close(results["frozen"]["frozen"], base.state_dict(), f"rank {rank}: frozen from the start")
 
 
