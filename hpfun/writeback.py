@@ -299,7 +299,9 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     state hold this rank's block; this gathers each (a collective: every rank must call it).
     Gathered values are new tensors; state that was whole all along comes back as it is held
     (as `state_dict()` gives it, not a copy). `inplace=True` also puts the full values back
-    into the tensors (gradients included), so the module or optimizer runs unsharded again.
+    into the tensors (gradients included, and for a module what its state_dict leaves out:
+    non-persistent buffers and tensors it keeps as attributes), so the module or optimizer runs
+    unsharded again.
     On a simulated mesh, state is always whole: this is `state_dict()`.
 
     >>> import torch, hpfun
@@ -310,7 +312,11 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     if isinstance(obj, torch.nn.Module):
         sd = obj.state_dict(keep_vars=True)
         _refuse_lost({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
-        return {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+        out = {k: _full(v, inplace) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+        if inplace:  # what state_dict leaves out (non-persistent buffers, tensors a module keeps as attributes,
+            for t in _held_elsewhere(obj, sd):  # in its lists, dicts and tuples) is whole again too
+                _full(t, True)
+        return out
     if isinstance(obj, torch.optim.Optimizer):
         sd = obj.state_dict()  # its state holds the optimizer's own tensors, keyed by index
         _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() for k, v in entries.items()
@@ -321,6 +327,20 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
                        for i, entries in sd["state"].items()}
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
+
+
+def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
+    """The tensors `module` holds as blocks outside its state_dict, in the order every rank walks."""
+    listed = {id(v) for v in sd.values()}
+    out, seen = [], set()
+    for mod in module.modules():
+        items = [*mod._buffers.values(), *(v for k, v in vars(mod).items() if not k.startswith("__"))]
+        for v in items:
+            for t in (v, *(v.values() if type(v) is dict else v if isinstance(v, (list, tuple)) else ())):
+                if isinstance(t, torch.Tensor) and id(t) not in listed and id(t) not in seen and held_block(t) is not None:
+                    seen.add(id(t))
+                    out.append(t)
+    return out
 
 
 def _refuse_lost(values: dict) -> None:

@@ -413,8 +413,20 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     scaled = hpfun.shard(lambda x: (x * table.scale[:8].unsqueeze(1)).sum(), mesh=mesh, in_specs=P("dp"),
                          out_specs=P(), state_specs={"*": P("dp")})  # (ZeRO-3's wildcard matches it too)
     scaled(x)
+    keeps = torch.nn.Linear(8, 16, dtype=torch.float64)  # a non-persistent buffer and a tensor attribute, split
+    keeps.register_buffer("scale", torch.linspace(1.0, 2.0, 16, dtype=torch.float64), persistent=False)
+    keeps.acc = torch.zeros(16, dtype=torch.float64)
+
+    def forward(x):
+        z = keeps(x) * keeps.scale
+        keeps.acc = keeps.acc + z.detach().sum(0)
+        return z.pow(2).mean()
+
+    kept = hpfun.shard(forward, mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})
+    kept(x), kept(x)
+    hpfun.gather_state(keeps, inplace=True)  # (the README: the module runs unsharded again)
     return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
-            "table": tuple(table.scale.shape)}
+            "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone())}
 
 
 class _Keeps(torch.nn.Module):

@@ -247,6 +247,11 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         # a plain object's tensor read split stays whole: eager code outside reads all of it (each rank
         # kept its block, and a scheduler's add_noise outside the step read other rows)
         assert results["frozen"]["table"] == (16,), results["frozen"]["table"]
+        # gather_state(inplace=True) makes what state_dict leaves out whole too (a non-persistent buffer,
+        # a tensor attribute the forward reassigns): each rank kept its block, and eager code then failed
+        scale, acc = results["frozen"]["outside state_dict"]
+        assert scale == (16,) and acc.shape == (16,), (scale, acc.shape)
+        torch.testing.assert_close(acc, lifted_dp_job[0]["frozen"]["outside state_dict"][1])  # (the same on each rank)
         _close(results["frozen"]["frozen"], base.state_dict(), f"rank {rank}: frozen from the start")
 
 
