@@ -2313,7 +2313,9 @@ def _refill(container, was) -> None:
 GRAD_SCALER_FIX = ("a torch.amp.GradScaler keeps its scale in a tensor of its own, which hpfun does not lift: "
                    "scale the loss with a tensor argument instead, and step the scaler outside: "
                    "`scale = scaler.scale(torch.ones(()))` before the call, `(loss * scale).backward()` inside, "
-                   "`scaler.step(opt); scaler.update()` after it (or train in bfloat16, which needs no scaler)")
+                   "`scaler.step(opt); scaler.update()` after it (or train in bfloat16, which needs no scaler; "
+                   "on a distributed mesh whose gradients are split, ZeRO or tensor parallel, the scaler outside "
+                   "checks each rank's own blocks and ranks can disagree: there, train in bfloat16)")
 
 
 def is_grad_scaler(obj) -> bool:
