@@ -662,9 +662,12 @@ def _guard_draw(module: str, name: str, original, thread: int):
     return draw
 
 
-def _guard_collective(name: str, original, thread: int):
+def _guard_collective(name: str, original, thread: int, caller_depth: int = 1):
     def collective(*args, **kwargs):
-        caller = sys._getframe(1).f_code.co_filename
+        frame = sys._getframe(caller_depth)
+        while caller_depth > 1 and frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
+            frame = frame.f_back  # (torch's own frames between the call and the torch-function mode)
+        caller = frame.f_code.co_filename if frame is not None else HPFUN_DIR
         if threading.get_ident() != thread or caller.startswith(HPFUN_DIR):
             return original(*args, **kwargs)
         _refuse(Problem(f"torch.distributed.{name}{_at_user_line()}", "is a collective the function calls itself, while "
@@ -915,6 +918,16 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
         if "convert all Tensors to FakeTensors" in str(err):
             raise UnliftedTensor(_user_where(err)) from err
         raise CaptureError(_describe(err)) from err
+    if own := [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None)
+               in ("_c10d_functional", "c10d_functional") and "wait_tensor" not in str(n.target)]:
+        # torch.distributed._functional_collectives called by the function (the patch of torch.distributed's
+        # own names covers the others): refused at their lines as those are, not left to the rules
+        raise CaptureError([Problem(f"{n.target}" + (f" at {line}" if (line := user_line(n.meta.get("stack_trace")))
+                                                     else ""),
+                                    "is a collective the function calls itself (torch.distributed."
+                                    "_functional_collectives), while hpfun traces it: hpfun's program works on whole "
+                                    "tensors and makes its own collectives", _COLLECTIVE_FIX) for n in own],
+                           headline="the function calls torch.distributed itself")
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):  # named as make_fx names a flat signature's
         node._rename(f"arg{i}_1")
         node.target = node.name
@@ -1757,6 +1770,10 @@ class _TensorScalars(TorchFunctionMode):
         _refuse_overlapping_write(func, args)
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)
+        if getattr(func, "__module__", "").startswith("torch.distributed") and getattr(func, "__name__", "") in _COLLECTIVES:
+            # a collective a library holds its own reference to (vector-quantize-pytorch's `self.all_reduce_fn =
+            # distributed.all_reduce`), which the patch of torch.distributed's names cannot see: refused alike
+            return _guard_collective(func.__name__, func, threading.get_ident(), caller_depth=2)(*args, **kwargs)
         if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
             _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
         if func in _COMPARISONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]) \

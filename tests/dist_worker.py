@@ -96,14 +96,28 @@ def own_collective(out: Path):
         torch.distributed.all_reduce(g)
         return g
 
+    held = torch.distributed.all_reduce  # a library's own reference (vector-quantize-pytorch keeps one)
+
+    def by_reference(x):
+        g = x.sum(0)
+        held(g)
+        return g
+
+    def functional(x):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x.sum(0), "sum", torch.distributed.group.WORLD)
+
     works = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())(torch.ones(8, 4)).full()
-    step = hpfun.shard(reduced, mesh=mesh, in_specs=P("dp"), out_specs=P())
-    try:
-        step(torch.randn(8, 4))
-        message = "NO ERROR"
-    except hpfun.CaptureError as err:
-        message = str(err)
-    torch.save({"error": message, "before": works}, out / f"own_collective-rank{RANK}.pt")
+    messages = []
+    for fn in (reduced, by_reference, functional):
+        try:
+            hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P())(torch.randn(8, 4))
+            messages.append("NO ERROR")
+        except hpfun.CaptureError as err:
+            messages.append(str(err))
+    torch.save({"error": messages[0], "by reference": messages[1], "functional": messages[2], "before": works},
+               out / f"own_collective-rank{RANK}.pt")
 
 
 def rank_dies(out: Path):

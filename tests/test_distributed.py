@@ -464,6 +464,12 @@ def test_a_collective_the_step_calls_itself_is_refused_and_the_job_exits_cleanly
     for got in _job(tmp_path_factory, "own_collective", 2):
         assert "torch.distributed.all_reduce at" in got["error"] and "torch.distributed.all_reduce(g)" in got["error"]
         assert "leave the communication to hpfun" in got["error"] and "random" not in got["error"], got["error"]
+        # through a reference a library keeps (it ran on the trace's stand-ins, said to be a random draw), and
+        # torch's functional collectives (left to the rules: no rule, and fallback failed): refused alike
+        assert "torch.distributed.all_reduce at" in got["by reference"] and "held(g)" in got["by reference"], \
+            got["by reference"]
+        assert "_c10d_functional.all_reduce" in got["functional"] and "funcol.all_reduce" in got["functional"] and \
+            "leave the communication to hpfun" in got["functional"], got["functional"]
         torch.testing.assert_close(got["before"], torch.full((4,), 8.0))
 
 
