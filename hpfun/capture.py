@@ -587,6 +587,36 @@ def _lstm_as_matmuls():
 
 
 @contextlib.contextmanager
+def _module_conversions():
+    """`module.to(...)` (and .float(), .double(), .cpu() ...) inside the function: one that
+    changes no tensor (NLLB-MoE's router does `self.classifier = self.classifier.to(self.dtype)`
+    at every forward) is the module itself, as eager's is in effect; one that would change the
+    lifted parameters is refused with the fix (torch could not swap the trace's stand-ins, and
+    said only that)."""
+    original = torch.nn.Module._apply
+
+    def _apply(self, fn, recurse=True):
+        modules = self.modules() if recurse else (self,)
+        held = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        if all(fn(t) is t for t in held):
+            return self
+        try:
+            return original(self, fn, recurse)
+        except RuntimeError as err:
+            if "Couldn't swap" not in str(err):
+                raise
+            raise CaptureError(Problem(f"{type(self).__name__}{_at_user_line()}", "is moved or cast (module.to(...), "
+                                       ".float(), .half() ...) inside the sharded function: its parameters are "
+                                       "lifted state, read as they are at every call",
+                                       "convert the module once before the first call (model.to(dtype)), or cast "
+                                       "the values where they are used (F.linear(x, w.to(dtype)))"),
+                               headline="cannot capture the function") from err
+
+    with mock.patch.object(torch.nn.Module, "_apply", _apply):
+        yield
+
+
+@contextlib.contextmanager
 def _cumulative_batch_norm():
     """BatchNorm with `momentum=None` (a cumulative average of the batch statistics, as
     `torch.optim.swa_utils.update_bn` sets it) traced as the update it makes: torch's forward
@@ -906,7 +936,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), scalars, _in_custom_backwards(scalars), \
-                _lstm_as_matmuls(), _cumulative_batch_norm(), _python_random_refused():
+                _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused():
             gm = traced(list(fakes))
     except CaptureError:
         raise

@@ -2779,3 +2779,43 @@ def test_a_global_list_rebound_as_a_window_is_kept_as_eager():
     (got, kept), (want, eager) = run(hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P()), xs), run(step, xs)
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
     torch.testing.assert_close(torch.stack(kept), torch.stack(eager))
+
+
+def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_refused_otherwise():
+    """NLLB-MoE's router does `self.classifier = self.classifier.to(self.dtype)` at every
+    forward: a conversion that changes nothing is the module itself (torch failed to swap the
+    trace's stand-ins, `Couldn't swap Linear.weight`), and the step equals eager's. One that
+    would cast the lifted parameters is refused, naming the module's line and the fix."""
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = torch.nn.Linear(4, 2).double()
+
+        def forward(self, h):
+            self.classifier = self.classifier.to(torch.float64)
+            return self.classifier(h).softmax(-1)
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4).double(), Router())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = model(x)[:, 0].pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return model, step
+
+    (model, step), (ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), eager(x))
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    cast = hpfun.shard(lambda x: model[0].float()(x.float()).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)Linear at .* is moved or cast .* convert the module once"):
+        cast(x)
+    assert model[0].weight.dtype == torch.float64
