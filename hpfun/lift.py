@@ -135,8 +135,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 guard_seen(obj)
             else:
                 note(None)
-            for k, v in list(obj.items()):
-                value(v, f"{name}.{k}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
+            for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
+                key = k if _is_scalar(k) else f"<key {i}>"  # optimizer: by position, never by its printed values)
+                value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
         elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:

@@ -2819,3 +2819,32 @@ def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_ref
     with pytest.raises(hpfun.CaptureError, match=r"(?s)Linear at .* is moved or cast .* convert the module once"):
         cast(x)
     assert model[0].weight.dtype == torch.float64
+
+
+def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
+    """One optimizer per parameter, in a dict keyed by the parameter: its state is named by the
+    key's position (it was named by the parameter's printed values, which each step changes, so
+    every call compiled again), and the steps equal eager's."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).double()
+        opts = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            for o in opts.values():
+                o.step()
+                o.zero_grad()
+            return loss
+        return model, step
+
+    (model, step), (ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(5):
+        torch.testing.assert_close(f(x, y).full(), eager(x, y))
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert f.trace_count <= 2, f.trace_count  # (the first step creates the momentum buffers)
+    assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
