@@ -1499,7 +1499,14 @@ def _untraceable_state(name: str, v, opt) -> Problem:
 
 
 def changed_state(name: str, opt, was, now) -> Problem:
-    """The error for a Python number in an optimizer's state or groups that its step changes."""
+    """The error for a Python number in an optimizer's state or groups that its step changes (or,
+    for torch.optim's own, whose steps change none, that the function set)."""
+    if type(opt).__module__.startswith("torch.optim.") and ".param_groups." in name:
+        return Problem(name, f"changed from {was!r} to {now!r} while the function was traced: the function set it "
+                       f"({type(opt).__name__}'s step changes no number in its groups), and a traced program would "
+                       "repeat the trace's value", "set it outside the sharded function, between calls (a schedule: "
+                       "`opt.param_groups[0]['weight_decay'] = wd` before the call): hpfun reads the learning rate "
+                       "at every call, and compiles the step again for another value of the others")
     return Problem(name, f"changed from {was!r} to {now!r} while the function was traced: {type(opt).__name__} keeps "
                    "it in Python and updates it at every step, and a traced program would repeat the trace's value",
                    _STEP_OUTSIDE)

@@ -771,8 +771,10 @@ def test_learning_rate_is_an_input_other_hyperparameters_key_the_cache():
         opt.param_groups[0]["dampening"] *= 0.5
         return F.cross_entropy(model(x), y)
 
-    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.dampening: changed from 0.5 to 0.25"):
+    with pytest.raises(hpfun.CaptureError, match=r"opt.param_groups.0.dampening: changed from 0.5 to 0.25") as info:
         damping(x, y)
+    assert "the function set it (SGD's step changes no number in its groups)" in str(info.value)  # (not SGD's doing)
+    assert "set it outside the sharded function, between calls" in str(info.value), str(info.value)
     opt.param_groups[0]["dampening"] = 0.5
 
 
