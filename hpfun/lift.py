@@ -1051,23 +1051,27 @@ def _held_values(v):
     if type(v) is set and len(v) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, v)):
         return ("set", frozenset(v))
     if type(v) in (list, dict) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
-        return _values_of(object_key(v, 3))
+        key = _values_of(object_key(v, 3))
+        return None if key is _BY_IDENTITY else key
     if callable(v) and not _is_plain_object(v):
         return _binding(v)
     return None
 
 
+_BY_IDENTITY = object()  # `_values_of`: a key holding an object by identity
+
+
 def _values_of(key):
     """An `object_key` with each tensor in it as a mark of its place (a tensor beside the numbers
     is state, read at every call: its identity keys nothing, and one reassigned each call is one
-    program); None where it holds an object by identity."""
+    program); `_BY_IDENTITY` where it holds an object by identity (a None in it is a value)."""
     if isinstance(key, tuple):
         if len(key) == 3 and key[0] == "object":
-            return None
+            return _BY_IDENTITY
         if len(key) == 2 and key[0] == "tensor":
             return ("tensor",)
         items = tuple(_values_of(k) for k in key)
-        return None if any(k is None for k in items) else items
+        return _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
     return key
 
 

@@ -2694,14 +2694,14 @@ def test_state_a_loss_under_torch_func_grad_assigns_is_kept():
 def test_numbers_a_module_keeps_beside_its_tensors_key_the_cache():
     """A str, float or bool a module keeps in one container with tensors (a dict, a namedtuple,
     a list, a tuple, nested) decides the program as a number held alone does: changed in place
-    or reassigned, the next call compiles again (the first program ran, silently); the tensors
-    beside them are state, reassigned without a new program."""
+    or reassigned, the next call compiles again (the first program ran, silently; a None beside
+    them too); the tensors beside them are state, reassigned without a new program."""
     Scaled = collections.namedtuple("Scaled", "w scale")
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.cfg = {"mode": "sum", "w": torch.ones(2, dtype=torch.float64), "inner": {"alpha": 1.0}}
+            self.cfg = {"mode": "sum", "w": torch.ones(2, dtype=torch.float64), "inner": {"alpha": 1.0}, "extra": None}
             self.nt, self.flag = Scaled(torch.ones(2, dtype=torch.float64), 1.0), (torch.ones(2, dtype=torch.float64), True)
             self.pair = [torch.ones(2, dtype=torch.float64), 2.0]
 
