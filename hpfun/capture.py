@@ -606,10 +606,11 @@ def _module_conversions():
             if "Couldn't swap" not in str(err):
                 raise
             raise CaptureError(Problem(f"{type(self).__name__}{_at_user_line()}", "is moved or cast (module.to(...), "
-                                       ".float(), .half() ...) inside the sharded function: its parameters are "
-                                       "lifted state, read as they are at every call",
-                                       "convert the module once before the first call (model.to(dtype)), or cast "
-                                       "the values where they are used (F.linear(x, w.to(dtype)))"),
+                                       ".float(), .half() ...) inside the sharded function: a module's parameters "
+                                       "are lifted state, read as they are at every call (and one made inside "
+                                       "would be made again by no later call)",
+                                       "make and convert the module once before the first call (model.to(dtype)), "
+                                       "or cast the values where they are used (F.linear(x, w.to(dtype)))"),
                                headline="cannot capture the function") from err
 
     with mock.patch.object(torch.nn.Module, "_apply", _apply):

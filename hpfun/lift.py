@@ -1588,6 +1588,7 @@ class Substitution:
         self._tuples: dict = {}  # id -> each tuple of stand-ins put in a module in place of its tuple of tensors
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
+        self._submodules: dict = {}  # id(a module) -> its submodules before the trace
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1688,6 +1689,7 @@ class Substitution:
             containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
                           if type(v) in (dict, list) and not k.startswith("_")}
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
+            self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
                 if type(v) is dict:
                     self._inner_lists += [(_join(_join(prefix, name), f"{k}.{key}"), lst, len(lst))
@@ -2005,6 +2007,16 @@ class Substitution:
                 _rebind(read, container)
         found: list[str] = []
         seen: set = set()
+        for prefix, mod, _, _, _ in self._modules:  # a submodule made inside (`self.head = nn.Linear(...)`): the
+            before = self._submodules.get(id(mod), {})  # one held before is put back (its stand-in weights are gone)
+            for key, sub in list(mod._modules.items()):
+                if key in before and before[key] is sub or not _holds_fake_state(sub):
+                    continue
+                found.append(f"{_join(prefix, key)} (a module made inside the function)")
+                if key in before:
+                    mod._modules[key] = before[key]
+                else:
+                    del mod._modules[key]
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:
@@ -2073,6 +2085,11 @@ def _holds_tensor(v) -> bool:
 def _short(v) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _holds_fake_state(module) -> bool:
+    return isinstance(module, torch.nn.Module) and any(
+        isinstance(t, FakeTensor) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()))
 
 
 def _rebind(read, value) -> None:

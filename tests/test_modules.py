@@ -2727,7 +2727,8 @@ def test_numbers_a_module_keeps_beside_its_tensors_key_the_cache():
     assert f.trace_count == len(edits)
 
 
-@pytest.mark.parametrize("where", ["optimizer made inside", "param group added", "list inside a list"])
+@pytest.mark.parametrize("where", ["optimizer made inside", "param group added", "list inside a list",
+                                   "module made inside"])
 def test_tensors_the_function_leaves_where_hpfun_cannot_write_them_back_are_refused_and_taken_out(where):
     """An optimizer made inside the function and kept on the module (made at the first call), a
     param group added inside, a tensor appended to a list inside a module's list: each held the
@@ -2745,6 +2746,8 @@ def test_tensors_the_function_leaves_where_hpfun_cannot_write_them_back_are_refu
             model.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if where == "param group added":
             opt.add_param_group({"params": [torch.nn.Parameter(extra.detach() * 2)]})
+        if where == "module made inside" and not hasattr(model, "head"):
+            model.head = torch.nn.Linear(2, 1, dtype=torch.float64)
         loss = model(x).pow(2).mean()
         if where == "list inside a list":
             model.hist[0].append(loss.detach().reshape(1).expand(2))
@@ -2757,8 +2760,10 @@ def test_tensors_the_function_leaves_where_hpfun_cannot_write_them_back_are_refu
             as info:
         f(torch.randn(4, 4, dtype=torch.float64))
     named = {"optimizer made inside": "model.opt.param_groups.0['params'][0]",
-             "param group added": "opt.param_groups.1['params'][0]", "list inside a list": "model.hist[0][1]"}
+             "param group added": "opt.param_groups.1['params'][0]", "list inside a list": "model.hist[0][1]",
+             "module made inside": "model.head (a module made inside the function)"}
     assert named[where] in str(info.value), str(info.value)
+    assert not hasattr(model, "head")  # (taken out whole: its weights were taken out, and it was left without them)
     assert len(model.hist[0]) == 1 and not any(isinstance(t, torch._subclasses.FakeTensor)
                                                for g in opt.param_groups for t in g["params"])
 
@@ -2818,7 +2823,7 @@ def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_ref
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b)
     cast = hpfun.shard(lambda x: model[0].float()(x.float()).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)Linear at .* is moved or cast .* convert the module once"):
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)Linear at .* is moved or cast .* make and convert the module once"):
         cast(x)
     assert model[0].weight.dtype == torch.float64
 
