@@ -244,20 +244,6 @@ class Options:
     auto_time_limit: float = auto.AUTO_TIME_LIMIT  # seconds AUTO's MILPs may take per compile, together
 
 
-def _module_state(roots) -> set:
-    """ids of the parameters and buffers of the modules, and the state of the optimizers, among
-    `roots`: the state hpfun holds as blocks between distributed calls."""
-    out = set()
-    for root in roots:
-        if isinstance(root.value, torch.nn.Module):
-            out.update(map(id, root.value.parameters()))
-            out.update(map(id, root.value.buffers()))
-        elif isinstance(root.value, torch.optim.Optimizer):
-            out.update(id(t) for entries in root.value.state.values() for t in entries.values()
-                       if isinstance(t, torch.Tensor))
-    return out
-
-
 @attrs.frozen
 class _Leaf:
     """What the cache key records of one input leaf (an argument's or a lifted tensor's)."""
@@ -454,7 +440,7 @@ class ShardedFunction:
             read_split = [(flat[i], entry.leaves[i]) for i in split[1] if type(flat[i]) is not Sharded
                           and writeback.held_block(flat[i]) is None]
             if read_split:  # a module's state read split and left as it was (a frozen weight): each rank keeps its
-                owned = _module_state(call.state.roots)  # block; a plain object's tensor (a scheduler's table,
+                owned = writeback.module_state(call.state.roots)  # block; a plain object's tensor (a scheduler's table,
                 writeback.keep_blocks([(t, leaf.layout, leaf.shape) for t, leaf in read_split  # which eager code
                                        if id(t) in owned])  # outside reads whole) stays whole
         if entry.cleared:

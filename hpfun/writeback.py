@@ -154,6 +154,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     targets, sources, scalars = [], [], []  # whole state updated in place: copied in one foreach call
     scalar_names = state.scalar_names if state is not None else ()
     held = _LOCAL._entries
+    owned = None  # on a distributed mesh, the ids of modules' and optimizers' state (`module_state`)
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -177,7 +178,9 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             if wb.input is not None:
-                _update(inputs[wb.input], value)
+                if owned is None and value.layout.mesh.runtime == "distributed" and state is not None:
+                    owned = module_state(state.roots)
+                _update(inputs[wb.input], value, whole=owned is not None and id(inputs[wb.input]) not in owned)
                 slot = state.slots.get(wb.name) if state is not None else None
                 if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
@@ -233,8 +236,24 @@ def clear(cleared, state) -> None:
         state.slots[name].write(value)
 
 
-def _update(target, value: Sharded) -> None:
-    """An input modified in place: a Sharded argument gets its new shards, a tensor its value."""
+def module_state(roots) -> set:
+    """ids of the parameters and buffers of the modules, and the state of the optimizers, among
+    `roots`: the state hpfun holds as blocks between distributed calls (a plain object's
+    tensor, or one in a dict closed over, stays whole: eager code outside reads all of it)."""
+    out = set()
+    for root in roots:
+        if isinstance(root.value, torch.nn.Module):
+            out.update(map(id, root.value.parameters()))
+            out.update(map(id, root.value.buffers()))
+        elif isinstance(root.value, torch.optim.Optimizer):
+            out.update(id(t) for entries in root.value.state.values() for t in entries.values()
+                       if isinstance(t, torch.Tensor))
+    return out
+
+
+def _update(target, value: Sharded, whole: bool = False) -> None:
+    """An input modified in place: a Sharded argument gets its new shards, a tensor its value
+    (`whole`: on a distributed mesh too, gathered, where it is not a module's or optimizer's)."""
     if isinstance(target, Sharded):
         for old, new in zip(target.shards, value.shards, strict=True):
             if tuple(old.shape) == tuple(new.shape):
@@ -247,6 +266,13 @@ def _update(target, value: Sharded) -> None:
         target.copy_(value.full())
     elif value.layout.is_replicated and tuple(target.shape) == tuple(value.global_shape):
         target.copy_(value.shards[0])
+        _LOCAL.pop(target, None)
+    elif whole:  # (every rank writes back the same values in the same order: the gather pairs up)
+        full = value.full()
+        if tuple(target.shape) == tuple(full.shape):
+            target.copy_(full)
+        else:
+            target.data = full
         _LOCAL.pop(target, None)
     else:  # lifted state on a distributed mesh: the rank keeps its block
         target.data = value.shards[0]

@@ -427,6 +427,13 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     scaled = hpfun.shard(lambda x: (x * table.scale[:8].unsqueeze(1)).sum(), mesh=mesh, in_specs=P("dp"),
                          out_specs=P(), state_specs={"*": P("dp")})  # (ZeRO-3's wildcard matches it too)
     scaled(x)
+    counts = types.SimpleNamespace(seen=torch.zeros(8, dtype=torch.float64))  # a plain object's tensor, written
+
+    def counted(x):
+        counts.seen.add_(x.sum(1))
+        return x.sum()
+
+    hpfun.shard(counted, mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})(x)
     keeps = torch.nn.Linear(8, 16, dtype=torch.float64)  # a non-persistent buffer and a tensor attribute, split
     keeps.register_buffer("scale", torch.linspace(1.0, 2.0, 16, dtype=torch.float64), persistent=False)
     keeps.acc = torch.zeros(16, dtype=torch.float64)
@@ -440,7 +447,8 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     kept(x), kept(x)
     hpfun.gather_state(keeps, inplace=True)  # (the README: the module runs unsharded again)
     return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
-            "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone())}
+            "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone()),
+            "written": counts.seen.clone()}
 
 
 class _Keeps(torch.nn.Module):

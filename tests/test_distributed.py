@@ -247,6 +247,7 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         # a plain object's tensor read split stays whole: eager code outside reads all of it (each rank
         # kept its block, and a scheduler's add_noise outside the step read other rows)
         assert results["frozen"]["table"] == (16,), results["frozen"]["table"]
+        torch.testing.assert_close(results["frozen"]["written"], x.sum(1))  # (written in place: whole, as eager's)
         # gather_state(inplace=True) makes what state_dict leaves out whole too (a non-persistent buffer,
         # a tensor attribute the forward reassigns): each rank kept its block, and eager code then failed
         scale, acc = results["frozen"]["outside state_dict"]
