@@ -1998,15 +1998,20 @@ class Substitution:
         a global rebound to a new list): state hpfun cannot write back, which the program would
         otherwise leave as the first call's placeholders, silently. A global or closed-over list
         or dict rebound is set back to the one it held."""
+        found: list[str] = []
+        seen: set = set()
         for var, read, container, _ in self._watched:
             try:
                 now = read()
             except ValueError:
                 continue
             if now is not container and _holds_fake(now):
+                # rebound (`G = G[1:] + [v]`): its places are written back by their slots; a place no slot
+                # has (the list held one tensor twice, lifted once) would keep the old value
+                items = now.items() if type(now) is dict else enumerate(now) if type(now) is list else ()
+                found += [f"{var}[{k!r}] (rebound: its old list had no tensor of its own there)" for k, v in items
+                          if _holds_fake(v) and f"{var}.{k}" not in self.state.slots]
                 _rebind(read, container)
-        found: list[str] = []
-        seen: set = set()
         for prefix, mod, _, _, _ in self._modules:  # a submodule made inside (`self.head = nn.Linear(...)`): the
             before = self._submodules.get(id(mod), {})  # one held before is put back (its stand-in weights are gone)
             for key, sub in list(mod._modules.items()):

@@ -2786,6 +2786,12 @@ def test_a_global_list_rebound_as_a_window_is_kept_as_eager():
     (got, kept), (want, eager) = run(hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P()), xs), run(step, xs)
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
     torch.testing.assert_close(torch.stack(kept), torch.stack(eager))
+    global _WINDOW  # one tensor in both places (lifted once): refused, not left as it was (silently)
+    zero = torch.zeros(2, dtype=torch.float64)
+    _WINDOW = [zero, zero]
+    with pytest.raises(hpfun.CaptureError, match=r"_WINDOW\[1\] \(rebound: its old list had no tensor"):
+        hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(xs[0])
+    assert _WINDOW[0] is zero and _WINDOW[1] is zero
 
 
 def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_refused_otherwise():
