@@ -1977,6 +1977,13 @@ class Substitution:
             _scrubbed(lst)
         for _, _, container, _ in self._watched:
             _scrubbed(container)
+        for _, obj in self.state.opaque:  # (a dict or a plain object a helper closes over: the objects
+            _scrubbed(obj)  # hpfun does not lift, whose new tensors are refused by `ObjectValues.leaked`)
+        for _, read in self._places:
+            try:
+                _scrubbed(read())
+            except ValueError:  # (an empty cell)
+                continue
 
     def restore(self) -> None:
         for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
@@ -2062,6 +2069,10 @@ def _scrubbed(v, depth: int = 3):
         items = [_scrubbed(item, depth - 1) for item in v]
         if any(a is not b for a, b in zip(items, v, strict=True)):
             return tuple(items) if type(v) is tuple else type(v)(*items)
+    elif _is_plain_object(v) and not callable(v):
+        for key, item in list(vars(v).items()):
+            if (new := _scrubbed(item, depth - 1)) is not item:
+                setattr(v, key, new)
     return v
 
 

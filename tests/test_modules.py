@@ -2861,3 +2861,21 @@ def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
         torch.testing.assert_close(a, b)
     assert f.trace_count <= 2, f.trace_count  # (the first step creates the momentum buffers)
     assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
+
+
+@pytest.mark.parametrize("under_grad", [False, True])
+def test_a_helpers_dict_appended_inside_is_refused_under_torch_func_grad_too(under_grad):
+    """A list in a dict that a helper (the loss) closes over, appended inside: refused as a place
+    hpfun does not write back, with or without torch.func.grad (under grad, grad's wrapper of the
+    trace's placeholder was left in the list, and reading it later failed inside torch)."""
+    kept = {"l": []}
+
+    def loss(w, x):
+        kept["l"].append(x.detach().sum(1))
+        return (x * w).sum()
+
+    fn = (lambda w, x: torch.func.grad(loss)(w, x)) if under_grad else (lambda w, x: loss(w, x) * w)
+    w, x = torch.randn(4, 1, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(hpfun.CaptureError, match=r"kept.l\[0\]: holds a tensor the function made"):
+        hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))(w, x)
+    assert kept["l"] == []
