@@ -2414,6 +2414,21 @@ def _objects_modules_hold(state: State | None) -> list[Problem]:
             continue
         for mod_name, mod in root.value.named_modules():
             for attr, v in vars(mod).items():
+                if isinstance(v, (list, tuple, dict)) and not attr.startswith("__") and id(v) not in seen:
+                    seen.add(id(v))  # (a container of containers of tensors: only its first level is lifted)
+                    items = v.values() if isinstance(v, dict) else v
+                    inner = [f"{_join(_join(root.name, mod_name), attr)}"
+                             f"{f'[{k!r}]' if isinstance(v, dict) else f'[{k}]'}"
+                             for k, w in (v.items() if isinstance(v, dict) else enumerate(v))
+                             if isinstance(w, (list, tuple, dict)) and _tensor_attributes(w, "", depth=2)]
+                    if inner and items:
+                        name = _join(_join(root.name, mod_name), attr)
+                        out.append(Problem(f"{name} (a {type(v).__name__} of containers)", f"holds tensors inside "
+                                           f"{', '.join(inner[:3])}, which hpfun does not lift: it lifts the tensors of "
+                                           "a module's list, tuple or dict one level deep, not inside a container in it",
+                                           "hold them one level deep (a flat list, or a dict of tensors keyed by "
+                                           "name: `self.k = {'0.0': t, ...}`), or register them as buffers"))
+                    continue
                 if attr.startswith("__") or attr in _MODULE_INTERNALS or id(v) in seen or _is_scalar(v) or \
                         isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,
                                        types.MethodType, functools.partial, list, tuple, dict, set, str)):

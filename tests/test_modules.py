@@ -2879,3 +2879,15 @@ def test_a_helpers_dict_appended_inside_is_refused_under_torch_func_grad_too(und
     with pytest.raises(hpfun.CaptureError, match=r"kept.l\[0\]: holds a tensor the function made"):
         hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))(w, x)
     assert kept["l"] == []
+
+
+def test_a_tensor_read_inside_a_modules_container_of_containers_names_it():
+    """A tensor in a list inside a module's list (`m.ll[1][0]`) is not lifted: the refusal names
+    the container and says only its first level is lifted, with the fix (it said to hold the
+    tensor in "a dict/list of them", which it was)."""
+    model = torch.nn.Module()
+    model.ll = [[torch.ones(2)], [torch.zeros(2)]]
+    f = hpfun.shard(lambda x: (x * model.ll[1][0]).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"model.ll \(a list of containers\): holds tensors inside "
+                                                 r"model.ll\[0\], model.ll\[1\].*one level deep"):
+        f(torch.randn(4, 2))
