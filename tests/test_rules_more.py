@@ -585,3 +585,19 @@ def test_a_cat_of_one_tensor_along_its_split_dim_is_a_copy(parts):
     s = hpfun.shard(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
     assert s.lower(x).collectives == [] and all(c.bytes == 0 for c in g.lower(x).collectives)  # (the empty
     torch.testing.assert_close(s(x).full(), f(x), rtol=TOL, atol=TOL)  # slice's backward writes no rows, gathered)
+
+
+@pytest.mark.parametrize("name", ["slice grad", "narrow grad", "split one piece", "split_with_sizes one piece"])
+def test_a_whole_slice_or_one_piece_split_keeps_its_dim_split_backward_too(name):
+    """The gradient of x[0:n] (a slice_scatter of the whole dim) and a split into one piece
+    (einops.unpack of one tensor: x.split(n), x.split([n])) copy each block: the dim stays split
+    with no collective (both gathered the whole tensor), and equal eager."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    fn = {"slice grad": torch.func.grad(lambda x: (x[0:8] ** 2).sum()),
+          "narrow grad": torch.func.grad(lambda x: (x.narrow(0, 0, 8) ** 2).sum()),
+          "split one piece": lambda x: x.split(8)[0] * 2,
+          "split_with_sizes one piece": lambda x: x.split([8])[0] * 2}[name]
+    x = _rand(8, 6)
+    f = hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+    assert f.lower(x).collectives == []
+    torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)

@@ -143,7 +143,7 @@ class Slice(Rule):
         # a slice of the whole dim (a cat's backward for its one input) copies each block; one of
         # none of it (`x[:0]`) is empty in any layout: the dim may stay split
         kept = call.op is aten.slice.Tensor and call.outputs[0].shape[dim] in (0, x.shape[dim]) and \
-            call.arg(4, "step", 1) in (1, None)
+            call.arg(4, "step", 1) in (1, None) or self._one_piece(call, dim)
         ins, outs = [], []
         for p in x.layout.placements:
             if isinstance(p, Shard) and (p.dim != dim or kept):
@@ -153,6 +153,11 @@ class Slice(Rule):
             else:
                 ins.append(p), outs.append(p)
         return _with_fallback(call, ins, outs)
+
+    def _one_piece(self, call: OpCall, dim: int) -> bool:
+        """A split into one piece, the whole dim (einops.unpack of one tensor): a copy of each block."""
+        return call.op in (aten.split.Tensor, aten.split_with_sizes.default) and len(call.outputs) == 1 and \
+            call.outputs[0].shape[dim] == call.tensors[0].shape[dim]
 
 
 def _exchange_layouts(layout: Layout, dim: int, pieces: int, size: int):
@@ -211,6 +216,11 @@ class Split(Slice):
         return [(src, dst, (*x.shape[:dim], pieces, size, *x.shape[dim + 1:]), x.dtype)]
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        x = call.tensors[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % x.ndim
+        if strategy.note != "exchange" and self._one_piece(call, dim):  # (the one piece is the block: its size)
+            size = strategy.inputs[0].local_shape(tuple(x.shape))[dim]
+            return ctx.call(aten.split_with_sizes.default, (args[0], [size], dim))
         if strategy.note != "exchange":
             return super().emit(ctx, call, strategy, args, kwargs)
         dim = self._exchange(call)[0]
@@ -287,12 +297,14 @@ class SliceScatter(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         x, src = call.tensors[0], call.tensors[1]
         dim = call.arg(self.dim_arg, default=0) % x.ndim
+        # src covering the whole dim (a whole slice's backward): the output is src, block for block
+        whole = not self.drops_dim and src.shape[dim] == x.shape[dim] and call.arg(5, "step", 1) in (1, None)
         per_axis = []
         for a in range(call.mesh.ndim):
             p, q = x.layout.placements[a], src.layout.placements[a]
             options = [replicated_option(call)]
             for d in (p.dim if isinstance(p, Shard) else None, self._x_dim(q, dim)):
-                if d is not None and d != dim:
+                if d is not None and (d != dim or whole):
                     options.insert(0, ((Shard(d), Shard(d - (self.drops_dim and d > dim))), (Shard(d),)))
             partial = p if isinstance(p, Partial) else q if isinstance(q, Partial) else None
             if partial is not None:
