@@ -178,9 +178,12 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             if wb.input is not None:
-                if owned is None and value.layout.mesh.runtime == "distributed" and state is not None:
-                    owned = module_state(state.roots)
-                _update(inputs[wb.input], value, whole=owned is not None and id(inputs[wb.input]) not in owned)
+                target = inputs[wb.input]  # (a block held from an earlier call is a module's: no walk at every step)
+                whole = False
+                if value.layout.mesh.runtime == "distributed" and state is not None and id(target) not in held:
+                    owned = module_state(state.roots) if owned is None else owned
+                    whole = id(target) not in owned
+                _update(target, value, whole=whole)
                 slot = state.slots.get(wb.name) if state is not None else None
                 if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
