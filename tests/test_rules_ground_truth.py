@@ -89,7 +89,8 @@ def test_contractions(data, op):
 
 @settings(max_examples=60)
 @given(data=st.data(), op=st.sampled_from(["view_merge", "view_split", "permute", "t", "expand", "unsqueeze",
-                                          "squeeze", "slice", "select", "cat", "split"]))
+                                          "squeeze", "slice", "select", "cat", "split", "narrow",
+                                          "slice_step", "select_neg"]))
 def test_shape_ops(data, op):
     """Dimension algebra moves shards correctly (or gathers) for every input layout."""
     x = _rand(4, 8, 2)
@@ -103,6 +104,9 @@ def test_shape_ops(data, op):
         "squeeze": (lambda a: a.squeeze(1) * 1, (_rand(8, 1, 4),)),
         "slice": (lambda a: a[:, 2:6] * 1, (x,)),
         "select": (lambda a: a[:, 3] * 1, (x,)),
+        "narrow": (lambda a: a.narrow(1, 5, 2) * 1, (x,)),
+        "slice_step": (lambda a: a[1::3, 2::5] * 1, (x,)),
+        "select_neg": (lambda a: a[-1] * 1, (x,)),
         "cat": (lambda a, b: torch.cat([a, b], 1), (x, _rand(4, 8, 2))),
         "split": (lambda a: a.split([2, 6], 1)[1] * 1, (x,)),
     }

@@ -601,3 +601,28 @@ def test_a_whole_slice_or_one_piece_split_keeps_its_dim_split_backward_too(name)
     f = hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
     assert f.lower(x).collectives == []
     torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("name,rows", [("cls token", 1), ("last token", 1), ("narrow", 2), ("strided slice", 2)])
+@pytest.mark.parametrize("mesh_shape,spec", [((2,), P(None, "dp")), ((2, 2), P(None, ("dp", "tp")))])
+def test_a_few_rows_of_a_split_dim_move_only_those_rows(name, rows, mesh_shape, spec):
+    """select, narrow and slice along a split dim (BERT's CLS pooling or a last-token head under
+    sequence parallelism): each rank picks the rows its block holds and writes 0 for the others,
+    so the result is their sum: one all-reduce of the picked rows, not an all-gather of the
+    whole sequence; forward and backward equal eager, integers exactly."""
+    mesh = hpfun.Mesh.simulated(mesh_shape, ("dp", "tp")[: len(mesh_shape)])
+    pick = {"cls token": lambda h: h[:, 0], "last token": lambda h: h[:, -1],
+            "narrow": lambda h: h.narrow(1, 3, 2), "strided slice": lambda h: h[:, 1::5]}[name]
+    h, w = _rand(2, 8, 4), _rand(4, 3)
+    fn = lambda h, w: pick(h) @ w  # noqa: E731
+    f = hpfun.shard(fn, mesh=mesh, in_specs=(spec, P()), out_specs=P())
+    moved = f.lower(h, w).collectives
+    assert [c.kind for c in moved] == ["all_reduce"] and moved[0].bytes == 2 * rows * 3 * 8
+    torch.testing.assert_close(f(h, w).full(), fn(h, w), rtol=TOL, atol=TOL)
+    g = torch.func.grad(lambda h, w: fn(h, w).square().sum(), argnums=(0, 1))
+    sg = hpfun.shard(g, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, P()))
+    for got, want in zip(sg(h, w), g(h, w), strict=True):
+        torch.testing.assert_close(got.full(), want, rtol=TOL, atol=TOL)
+    ids = torch.arange(16).reshape(2, 8)
+    s = hpfun.shard(pick, mesh=mesh, in_specs=spec, out_specs=P())
+    assert torch.equal(s(ids).full(), pick(ids))

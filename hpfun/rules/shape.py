@@ -16,6 +16,7 @@ import torch
 
 from hpfun.layout import Layout, Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
+from hpfun.rules.gather import _masked_index, masked
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -144,15 +145,43 @@ class Slice(Rule):
         # none of it (`x[:0]`) is empty in any layout: the dim may stay split
         kept = call.op is aten.slice.Tensor and call.outputs[0].shape[dim] in (0, x.shape[dim]) and \
             call.arg(4, "step", 1) in (1, None) or self._one_piece(call, dim)
-        ins, outs = [], []
+        ins, outs, picked = [], [], []
         for p in x.layout.placements:
             if isinstance(p, Shard) and (p.dim != dim or kept):
                 ins.append(p), outs.append(Shard(p.dim - (self.drops_dim and p.dim > dim)))
+                picked.append(outs[-1])
             elif isinstance(p, Shard):
-                ins.append(R), outs.append(R)
+                ins.append(R), outs.append(R), picked.append(Partial("sum"))
             else:
-                ins.append(p), outs.append(p)
-        return _with_fallback(call, ins, outs)
+                ins.append(p), outs.append(p), picked.append(p)
+        out = _with_fallback(call, ins, outs)
+        if picked != outs and call.op in _PICKS:
+            # the dim split: each rank picks the rows its block holds and writes 0 for the others,
+            # so the slice is their sum; an all-reduce of the slice, not a gather of all of x
+            layout = Layout(call.mesh, picked)
+            if layout.fits(call.outputs[0].shape):
+                rest = tuple(t.layout for t in call.tensors[1:])
+                out.insert(0, Strategy((x.layout,) + rest, (layout,), note="picked"))
+        return out
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        if strategy.note != "picked":
+            return super().emit(ctx, call, strategy, args, kwargs)
+        x_layout, x = strategy.inputs[0], call.tensors[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % x.ndim
+        rows = _picked_rows(call, x.shape[dim])
+        index = ctx.call(aten.arange.default, (len(rows),), ctx.made(torch.int64))
+        if rows.step != 1:
+            index = ctx.call(aten.mul.Tensor, (index, rows.step))
+        if rows.start:
+            index = ctx.call(aten.add.Tensor, (index, rows.start))
+        local, inside = _masked_index(ctx, x_layout, x.shape, dim, index, x_layout.local_shape(x.shape)[dim], 0,
+                                      checked=True)
+        found = ctx.call(aten.index_select.default, (args[0], dim, local))
+        shape = [1] * x.ndim
+        shape[dim] = len(rows)
+        out = masked(ctx, ctx.call(aten.view.default, (inside, shape)), found, call.outputs[0].dtype)
+        return ctx.call(aten.squeeze.dim, (out, dim)) if self.drops_dim else out
 
     def _one_piece(self, call: OpCall, dim: int) -> bool:
         """A split into one piece, the whole dim (einops.unpack of one tensor): a copy of each block."""
@@ -258,6 +287,21 @@ class Cat(Rule):
                     options.insert(0, (tuple(R if _legacy_empty(u, out) else p for u in tensors), (p,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
+
+
+_PICKS = (aten.select.int, aten.slice.Tensor, aten.narrow.default)
+
+
+def _picked_rows(call: OpCall, size: int) -> range:
+    """The global rows along the dim that select, slice or narrow takes."""
+    if call.op is aten.select.int:
+        i = call.arg(2, "index") % size
+        return range(i, i + 1)
+    if call.op is aten.narrow.default:
+        start = call.arg(2, "start") % size if size else 0
+        return range(start, start + call.arg(3, "length"))
+    start, end, step = call.arg(2, "start", None), call.arg(3, "end", None), call.arg(4, "step", 1)
+    return range(size)[slice(start, end, step)]
 
 
 def _legacy_empty(t, out) -> bool:
