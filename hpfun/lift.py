@@ -1813,6 +1813,35 @@ class Substitution:
                                             "holding none: a cached call of the program would not assign it", fix))
         return problems
 
+    def _rebound(self) -> list[Problem]:
+        """A global or closed-over list or dict the function rebinds (`D = {"a": D["a"] + v}`,
+        `G = G[1:] + [v]`) is written back into the one it held, place by place: a dict's new
+        values are put in the old one here (its slots read it), a list's slots read the new one
+        by position. One rebound with other keys or another length is refused (the places the
+        program writes are the old ones), and set back to the one it held."""
+        problems = []
+        for var, read, container, _ in self._watched:
+            try:
+                now = read()
+            except ValueError:
+                continue
+            if now is container or type(now) is not type(container) or not _holds_fake(now):
+                continue
+            kind = type(container).__name__
+            if (now.keys() != container.keys()) if kind == "dict" else len(now) != len(container):
+                what = (f"other keys ({list(container)} before, {list(now)} now)" if kind == "dict"
+                        else f"another length ({len(container)} items before, {len(now)} now)")
+                keep = ("its keys (or assign `D[key] = ...` into the dict it holds)" if kind == "dict"
+                        else "its length (a window: `G = G[1:] + [v]`)")
+                problems.append(Problem(var, f"is rebound to a new {kind} with {what}: hpfun writes a rebound {kind} "
+                                        "back into the one it held, place by place",
+                                        f"keep {keep}, or return the new values and rebind it after the call"))
+                _rebind(read, container)
+            elif kind == "dict":
+                container.update(now)
+                _rebind(read, container)
+        return problems
+
     def _take_back(self) -> None:
         """Nothing the trace made stays in a module: its tensors are the trace's stand-ins."""
         for _, lst, n in self._inner_lists:
@@ -1910,7 +1939,7 @@ class Substitution:
         value (None where it emptied a slot); and, for an optimizer's state it created, name ->
         (optimizer, parameter, key), the place to create it at."""
         self._unwrap_escaped()
-        edits = self._container_edits()  # (before any slot is read: a list cleared holds none of them)
+        edits = self._rebound() + self._container_edits()  # (before any slot is read: a list cleared holds none of them)
         if edits:
             raise CaptureError(edits, headline="cannot lift the state the function reads")
         for slot in self.state.slots.values():  # (a place assigned under a torch.func transform: `_unwrap_escaped`)
@@ -2016,7 +2045,7 @@ class Substitution:
                 # rebound (`G = G[1:] + [v]`): its places are written back by their slots; a place no slot
                 # has (the list held one tensor twice, lifted once) would keep the old value
                 items = now.items() if type(now) is dict else enumerate(now) if type(now) is list else ()
-                found += [f"{var}[{k!r}] (rebound: its old list had no tensor of its own there)" for k, v in items
+                found += [f"{var}[{k!r}] (rebound: its old {type(container).__name__} had no tensor of its own there)" for k, v in items
                           if _holds_fake(v) and f"{var}.{k}" not in self.state.slots]
                 _rebind(read, container)
         for prefix, mod, _, _, _ in self._modules:  # a submodule made inside (`self.head = nn.Linear(...)`): the

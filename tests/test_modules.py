@@ -2794,6 +2794,58 @@ def test_a_global_list_rebound_as_a_window_is_kept_as_eager():
     assert _WINDOW[0] is zero and _WINDOW[1] is zero
 
 
+def test_a_global_or_closed_over_dict_rebound_is_kept_as_eager():
+    """`D = {"a": D["a"] + v}` (global or nonlocal): the new values are written back at every call
+    (the dict's slots read the one it held, so only the first call's output was right and the
+    dict stayed as it was, silently). One rebound with other keys, or a list rebound to another
+    length (`G = G[1:]`, which failed reading a place past its end), is refused and set back."""
+    def run(step, read, xs):
+        outs = [step(x) for x in xs]
+        return [o.full() if isinstance(o, hpfun.Sharded) else o for o in outs], read()
+
+    def make():
+        d = {"a": torch.zeros(2, dtype=torch.float64), "n": torch.ones(2, dtype=torch.float64)}
+
+        def step(x):
+            nonlocal d
+            d = {"a": d["a"] + x.sum(0), "n": d["n"] * 2}
+            return (x * d["a"]).sum() + d["n"].sum()
+        return step, lambda: d
+
+    xs = [torch.randn(4, 2, dtype=torch.float64) for _ in range(3)]
+    step, read = make()
+    got, kept = run(hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P()), read, xs)
+    want, eager = run(*make(), xs)
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    assert kept.keys() == eager.keys()
+    for k in eager:
+        torch.testing.assert_close(kept[k], eager[k])
+
+    global _WINDOW
+    _WINDOW = {"a": torch.zeros(2)}
+
+    def grows(x):
+        global _WINDOW
+        _WINDOW = {"a": _WINDOW["a"] + 1, "b": x.sum(0)}
+        return x.sum()
+
+    held = _WINDOW
+    with pytest.raises(hpfun.CaptureError, match=r"_WINDOW: is rebound to a new dict with other keys \(\['a'\] before"):
+        hpfun.shard(grows, mesh=DP, in_specs=P("dp"), out_specs=P())(xs[0])
+    assert _WINDOW is held and list(_WINDOW) == ["a"] and torch.equal(_WINDOW["a"], torch.zeros(2))
+    _WINDOW = [torch.zeros(2), torch.ones(2)]
+
+    def shrinks(x):
+        global _WINDOW
+        _WINDOW = _WINDOW[1:]
+        return (x * _WINDOW[0]).sum()
+
+    held = list(_WINDOW)
+    with pytest.raises(hpfun.CaptureError, match=r"another length \(2 items before, 1 now\)"):
+        hpfun.shard(shrinks, mesh=DP, in_specs=P("dp"), out_specs=P())(xs[0])
+    assert len(_WINDOW) == 2 and all(a is b for a, b in zip(_WINDOW, held))
+
+
 def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_refused_otherwise():
     """NLLB-MoE's router does `self.classifier = self.classifier.to(self.dtype)` at every
     forward: a conversion that changes nothing is the module itself (torch failed to swap the
