@@ -1441,7 +1441,47 @@ def _masked_write(x, mask, value) -> bool:
     return True
 
 
-_INDEX_PUTS = (torch.index_put, torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put_)
+def _base_name(func) -> str:
+    """An op's name whatever way it is called (`torch.index_add`, `Tensor.index_add_`,
+    `torch.ops.aten.index_add.default`): `index_add`."""
+    name = getattr(func, "__name__", "")
+    return name.split(".")[0].removesuffix("_").removeprefix("_").removesuffix("_impl")
+
+
+def _bound(args, kwargs, names) -> list:
+    """The arguments `names` (a schema's leading ones) from positions or keywords (None if absent)."""
+    return [args[i] if i < len(args) else (kwargs or {}).get(n) for i, n in enumerate(names)]
+
+
+def _put_fits(x, indices, values, *_) -> None:
+    if isinstance(indices, (list, tuple)):  # (a None: the whole dim)
+        _value_fits(x, tuple(slice(None) if i is None else i for i in indices), values)
+
+
+def _source_fits(x, dim, index, source, *_) -> None:
+    """index_add / index_reduce(x, dim, index, source): as eager checks, source is x's shape with
+    `dim` the index's length (torch's fake kernels check only that length: with x split on
+    another dim, each rank added its block of a source of another shape, silently)."""
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or not isinstance(dim, int) or \
+            source.ndim == 0 or x.ndim == 0:
+        return
+    dim %= x.ndim
+    want = [*x.shape[:dim], index.numel(), *x.shape[dim + 1:]]
+    if list(source.shape) != want:
+        raise RuntimeError(f"source of shape {list(source.shape)} does not match self of shape {list(x.shape)} "
+                           f"with dim {dim} the index's length {index.numel()}: expected {want}")
+
+
+def _taken_fits(x, index, source, *_) -> None:
+    """put(x, index, source): one source value per index, as eager checks."""
+    if all(isinstance(t, torch.Tensor) for t in (x, index, source)) and index.numel() != source.numel():
+        raise RuntimeError(f"put: source has {source.numel()} elements and index {index.numel()}: "
+                           "expected as many")
+
+
+_INDEX_WRITES = {"index_put": _put_fits, "index_add": _source_fits, "index_reduce": _source_fits, "put": _taken_fits}
+_WRITE_ARGS = {"index_put": ("self", "indices", "values"), "index_add": ("self", "dim", "index", "source"),
+               "index_reduce": ("self", "dim", "index", "source"), "put": ("self", "index", "source")}
 
 
 def _value_fits(x, index, value) -> None:
@@ -1843,8 +1883,8 @@ class _TensorScalars(TorchFunctionMode):
             return func(args[0], index, args[2])
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs:
             _value_fits(*args)
-        if func in _INDEX_PUTS and len(args) >= 3 and isinstance(args[1], (list, tuple)):  # (a None: the whole dim)
-            _value_fits(args[0], tuple(slice(None) if i is None else i for i in args[1]), args[2])
+        if (write_check := _INDEX_WRITES.get(_base_name(func))) is not None:
+            write_check(*_bound(args, kwargs, _WRITE_ARGS[_base_name(func)]))
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:

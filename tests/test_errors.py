@@ -4,6 +4,8 @@ import random
 import time
 
 import numpy as np
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -343,6 +345,32 @@ def test_a_written_value_that_does_not_broadcast_to_what_an_index_picks_raises_a
         g(x, v)
     fits = hpfun.shard(lambda x: f(x, torch.tensor([7.0])), mesh=MESH, in_specs=P(None, "dp"), out_specs=P(None, "dp"))
     torch.testing.assert_close(fits(x).full(), f(x, torch.tensor([7.0])))  # (one value broadcasts: as eager)
+
+
+@pytest.mark.parametrize("write", ["index_put keywords", "aten.index_put", "index_add", "index_add_ keywords",
+                                   "put"])
+def test_index_writes_of_a_source_of_another_shape_raise_as_eager_however_called(write):
+    """index_put with keywords or through torch.ops, index_add (in or out of place) and put of a
+    source of a shape eager refuses: raised as eager does. torch's fake kernels check only part
+    (index_add the source's length along dim), and with the columns split each rank wrote its
+    block of a source of another shape, silently."""
+    rows = torch.tensor([0, 1])
+    f = {"index_put keywords": lambda x, v: x.clone().index_put_(indices=(rows,), values=v),
+         "aten.index_put": lambda x, v: torch.ops.aten.index_put(x, [rows], v),
+         "index_add": lambda x, v: torch.index_add(x, 0, rows, v),
+         "index_add_ keywords": lambda x, v: x.clone().index_add_(dim=0, index=rows, source=v),
+         "put": lambda x, v: x.put(rows, v)}[write]
+    x = torch.tensor([[1.0, 2, 3, 4, 5, 6], [-1, 2, 3, 4, 5, 6]])
+    bad, good = {"index_put keywords": ((3,), (6,)), "aten.index_put": ((3,), (1,)), "index_add": ((2, 3), (2, 6)),
+                 "index_add_ keywords": ((2, 3), (2, 6)), "put": ((3,), None)}[write]
+    with pytest.raises((RuntimeError, IndexError)):
+        f(x, torch.ones(bad))
+    g = hpfun.shard(f, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P(None, "dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"shape mismatch|does not match self|source has 3 elements"):
+        g(x, torch.ones(bad))
+    if good is not None:  # (a source of the right shape runs, as eager)
+        v = torch.arange(float(math.prod(good))).reshape(good)
+        torch.testing.assert_close(g(x, v).full(), f(x, v))
 
 
 def test_a_mask_of_the_inputs_is_read_and_a_changing_one_warns_with_the_fix():
