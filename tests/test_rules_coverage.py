@@ -35,22 +35,24 @@ EXAMPLES = 5  # hypothesis examples per op case (each checks every strategy the 
 
 
 class _Forced:
-    """A registry answering like the built-in one, except that `op` offers only strategy `pick`."""
+    """A registry answering like the built-in one, except that `op` offers only `strategy`."""
 
-    def __init__(self, op, pick: int):
-        self.op, self.pick = op, pick
+    def __init__(self, op, strategy):
+        self.op, self.strategy = op, strategy
 
     def lookup(self, target):
         rule = REGISTRY.lookup(target)
-        return _Pick(rule, self.pick) if target == self.op else rule
+        return _Pick(rule, self.strategy) if target == self.op else rule
 
 
 class _Pick:
-    def __init__(self, rule, pick: int):
-        self.rule, self.pick = rule, pick
+    def __init__(self, rule, strategy):
+        self.rule, self.strategy = rule, strategy
 
     def strategies(self, call):
-        return [self.rule.strategies(call)[self.pick]]
+        # (the op's inputs may come in other layouts once it offers one strategy, where the ops
+        # before it choose by what it asks: the strategy is asked for all the same)
+        return [s for s in self.rule.strategies(call) if s == self.strategy] or [self.strategy]
 
     def emit(self, *args):
         return self.rule.emit(*args)
@@ -73,8 +75,8 @@ def _flat_outputs(value) -> list:
     return [value] if isinstance(value, torch.Tensor) else [v for v in value if isinstance(v, torch.Tensor)]
 
 
-def _run(gm, mesh, op, pick, tensors, layouts):
-    propagate(gm, mesh, layouts, registry=_Forced(op, pick))
+def _run(gm, mesh, op, strategy, tensors, layouts):
+    propagate(gm, mesh, layouts, registry=_Forced(op, strategy))
     program = lower(gm, mesh, [Layout.replicated(mesh)] * len(_graph_outputs(gm)))
     sharded = [hpfun.Sharded.from_global(t, l) for t, l in zip(tensors, layouts, strict=True)]
     outs = execute(program, sharded)
@@ -111,8 +113,8 @@ def check_op(draw, op, fn, inputs, partial=(), meshes=MESHES, tol=1e-5):
     expected = traced(*tensors)
     strategies = _strategies(gm, mesh, op, layouts)
     assert strategies, f"{op}: no strategy for {[l.placements_str() for l in layouts]}"
-    for pick, strategy in enumerate(strategies):
-        got = _run(gm, mesh, op, pick, tensors, layouts)
+    for strategy in strategies:
+        got = _run(gm, mesh, op, strategy, tensors, layouts)
         note = (f"{op} on {mesh}, inputs {[l.placements_str() for l in layouts]}, strategy "
                 f"{[l.placements_str() for l in strategy.inputs]} -> {[l.placements_str() for l in strategy.outputs]}")
         for g, e in zip(got, expected, strict=True):
