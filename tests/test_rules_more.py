@@ -626,3 +626,20 @@ def test_a_few_rows_of_a_split_dim_move_only_those_rows(name, rows, mesh_shape, 
     ids = torch.arange(16).reshape(2, 8)
     s = hpfun.shard(pick, mesh=mesh, in_specs=spec, out_specs=P())
     assert torch.equal(s(ids).full(), pick(ids))
+
+
+def test_an_async_assert_checks_the_whole_condition_on_every_rank():
+    """torch._assert_async (kornia's focal loss checks its labels so) on a condition of split
+    labels: the condition is made whole and every rank checks it; a false one raises at its line."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+
+    def f(logits, y):
+        torch._assert_async(y.min() >= 0, "Class values must be non-negative.")
+        torch._assert_async(y.max() < 4)
+        return F.cross_entropy(logits, y)
+
+    logits, y = _rand(8, 4), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
+    g = hpfun.shard(f, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
+    torch.testing.assert_close(g(logits, y).full(), f(logits, y), rtol=TOL, atol=TOL)
+    with pytest.raises(hpfun.ExecutionError, match="non-negative"):
+        g(logits, torch.tensor([0, 1, 2, 3, 3, 2, 1, -1]))
