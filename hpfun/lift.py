@@ -138,6 +138,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
                 key = k if _is_scalar(k) else f"<key {i}>"  # optimizer: by position, never by its printed values)
                 value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
+                if _is_user_object(k) and not callable(k):  # an object of the user's as a key: its numbers are read
+                    value(k, f"{name}.{key}", functools.partial(_key_at, obj, i), None)  # as any object's
         elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:
@@ -2211,6 +2213,11 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
 def _holds_fake(v) -> bool:
     return isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and \
         any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
+
+
+def _key_at(d: dict, i: int):
+    """The `i`th key of `d` (None once it has fewer)."""
+    return next(itertools.islice(iter(d), i, None), None)
 
 
 def _same(value):

@@ -2915,6 +2915,32 @@ def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
     assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
 
 
+class _Power:
+    def __init__(self, n):
+        self.n = n
+
+
+def test_numbers_on_the_objects_keying_a_dict_key_the_cache():
+    """A dict keyed by objects of the user's class, whose numbers the step reads (`v ** key.n`):
+    a number changed between calls compiles again (the first program ran, silently), as one on
+    an object the function reads directly does."""
+    k = _Power(1)
+    d = {k: torch.full((4,), 2.0, dtype=torch.float64)}
+
+    def step(x):
+        out = x
+        for key, v in d.items():
+            out = out * v ** key.n
+        return out.sum()
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for n in (1, 3, 3):
+        k.n = n
+        torch.testing.assert_close(f(x).full(), step(x))
+    assert f.trace_count == 2
+
+
 @pytest.mark.parametrize("under_grad", [False, True])
 def test_a_helpers_dict_appended_inside_is_refused_under_torch_func_grad_too(under_grad):
     """A list in a dict that a helper (the loss) closes over, appended inside: refused as a place
