@@ -1590,6 +1590,7 @@ class Substitution:
         self._tuples: dict = {}  # id -> each tuple of stand-ins put in a module in place of its tuple of tensors
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
+        self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
@@ -1676,6 +1677,8 @@ class Substitution:
                 except ValueError:  # an empty cell
                     continue
                 self._places.append((var, read))
+                if _is_plain_object(container) and not callable(container):
+                    self._plain_held.append((var, container, dict(vars(container))))
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
@@ -2060,6 +2063,18 @@ class Substitution:
                     mod._modules[key] = before[key]
                 else:
                     del mod._modules[key]
+        for var, _, container, items in self._watched:  # a module made inside, kept in a global or closed-over
+            inside = container.items() if type(container) is dict else enumerate(container)  # list or dict, or
+            made = [k for k, v in inside if _holds_fake_state(v)]  # on a plain object: taken out whole (its
+            if made:  # weights were taken out, leaving a Linear without weight for eager code)
+                found += [f"{var}[{k!r}] (a module made inside the function)" for k in made]
+                container.clear()
+                container.update(items) if type(container) is dict else container.extend(items)
+        for var, obj, held in self._plain_held:
+            for attr, v in list(vars(obj).items()):
+                if _holds_fake_state(v) and held.get(attr) is not v:
+                    found.append(f"{_join(var, attr)} (a module made inside the function)")
+                    setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:

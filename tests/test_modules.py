@@ -6,6 +6,7 @@ import collections
 import copy
 import functools
 import logging
+import re
 import types
 import warnings
 
@@ -2913,6 +2914,34 @@ def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
         torch.testing.assert_close(a, b)
     assert f.trace_count <= 2, f.trace_count  # (the first step creates the momentum buffers)
     assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
+
+
+_MADE: dict = {}
+
+
+@pytest.mark.parametrize("holder", ["global dict", "plain object"])
+def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(holder):
+    """A module made at the first call and kept in a global dict or on a plain object is refused
+    by name and taken out whole, the holder as it was (its weights were taken out, leaving a
+    Linear without weight: the eager step then failed)."""
+    _MADE.clear()
+    box = types.SimpleNamespace(m=None)
+
+    def step(x):
+        if holder == "global dict":
+            if "m" not in _MADE:
+                _MADE["m"] = torch.nn.Linear(4, 2, dtype=torch.float64)
+            return _MADE["m"](x).square().mean()
+        if box.m is None:
+            box.m = torch.nn.Linear(4, 2, dtype=torch.float64)
+        return box.m(x).square().mean()
+
+    x = torch.randn(4, 4, dtype=torch.float64)
+    name = "_MADE['m']" if holder == "global dict" else "box.m"
+    with pytest.raises(hpfun.CaptureError, match=re.escape(f"{name} (a module made inside the function)")):
+        hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert not _MADE and box.m is None
+    step(x)  # (eager runs after it)
 
 
 class _Power:
