@@ -198,7 +198,13 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 slot = state.slots[wb.slot]
                 if slot.follows in state.slots:
                     _meet(state.slots[slot.follows].read(), value)
-                slot.write(_new_tensor(value, like=slot.read()))
+                like = slot.read()
+                whole = False  # (a block held from an earlier call is a module's: no walk at every step)
+                if value.layout.mesh.runtime == "distributed" and slot.follows is None and \
+                        isinstance(like, torch.Tensor) and id(like) not in held:
+                    owned = module_state(state.roots, attributes=True) if owned is None else owned
+                    whole = id(like) not in owned  # a plain object's tensor, a dict's or list's: whole
+                slot.write(_new_tensor(value, like=like, whole=whole))
         if targets:
             _copy(targets, sources, scalars)
 
@@ -239,15 +245,18 @@ def clear(cleared, state) -> None:
         state.slots[name].write(value)
 
 
-def module_state(roots) -> set:
+def module_state(roots, attributes: bool = False) -> set:
     """ids of the parameters and buffers of the modules, and the state of the optimizers, among
     `roots`: the state hpfun holds as blocks between distributed calls (a plain object's
-    tensor, or one in a dict closed over, stays whole: eager code outside reads all of it)."""
+    tensor, or one in a dict closed over, stays whole: eager code outside reads all of it).
+    `attributes`: the tensors the modules keep as attributes too."""
     out = set()
     for root in roots:
         if isinstance(root.value, torch.nn.Module):
             out.update(map(id, root.value.parameters()))
             out.update(map(id, root.value.buffers()))
+            if attributes:
+                out.update(id(v) for m in root.value.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
         elif isinstance(root.value, torch.optim.Optimizer):
             out.update(id(t) for entries in root.value.state.values() for t in entries.values()
                        if isinstance(t, torch.Tensor))
@@ -304,9 +313,10 @@ def keep_blocks(read: list) -> None:
             _hold(tensor, layout, shape)
 
 
-def _new_tensor(value: Sharded, like=None) -> torch.Tensor:
-    """A new tensor for an assigned slot: the full value when simulated, the block otherwise."""
-    if value.layout.mesh.runtime == "simulated":
+def _new_tensor(value: Sharded, like=None, whole: bool = False) -> torch.Tensor:
+    """A new tensor for an assigned slot: the full value when simulated (or `whole`: gathered on
+    a distributed mesh, where the slot is not a module's or optimizer's), the block otherwise."""
+    if value.layout.mesh.runtime == "simulated" or whole:
         out = value.full()
     else:
         out = value.shards[0]

@@ -434,6 +434,16 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
         return x.sum()
 
     hpfun.shard(counted, mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})(x)
+    kept_outside = {"t": torch.linspace(1.0, 2.0, 8, dtype=torch.float64)}  # and ones assigned anew
+    counts.tab = torch.zeros(8, dtype=torch.float64)
+
+    def reassigned(x):
+        counts.tab = counts.seen * 1.5
+        kept_outside["t"] = kept_outside["t"] * 1.5
+        return (x * kept_outside["t"].unsqueeze(1)).sum()
+
+    run = hpfun.shard(reassigned, mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})
+    run(x), run(x)
     keeps = torch.nn.Linear(8, 16, dtype=torch.float64)  # a non-persistent buffer and a tensor attribute, split
     keeps.register_buffer("scale", torch.linspace(1.0, 2.0, 16, dtype=torch.float64), persistent=False)
     keeps.acc = torch.zeros(16, dtype=torch.float64)
@@ -448,7 +458,7 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     hpfun.gather_state(keeps, inplace=True)  # (the README: the module runs unsharded again)
     return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
             "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone()),
-            "written": counts.seen.clone()}
+            "written": counts.seen.clone(), "assigned": (counts.tab.clone(), kept_outside["t"].clone())}
 
 
 class _Keeps(torch.nn.Module):

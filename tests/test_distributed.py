@@ -248,6 +248,9 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         # kept its block, and a scheduler's add_noise outside the step read other rows)
         assert results["frozen"]["table"] == (16,), results["frozen"]["table"]
         torch.testing.assert_close(results["frozen"]["written"], x.sum(1))  # (written in place: whole, as eager's)
+        tab, t = results["frozen"]["assigned"]  # (assigned anew: whole too, each rank kept its block)
+        torch.testing.assert_close(tab, x.sum(1) * 1.5)
+        torch.testing.assert_close(t, torch.linspace(1.0, 2.0, 8, dtype=torch.float64) * 2.25)
         # gather_state(inplace=True) makes what state_dict leaves out whole too (a non-persistent buffer,
         # a tensor attribute the forward reassigns): each rank kept its block, and eager code then failed
         scale, acc = results["frozen"]["outside state_dict"]
