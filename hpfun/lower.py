@@ -458,6 +458,7 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
         outs.append(_in_dtype(ctx, producer, local(producer, dst, f"out_specs of {name}"), False))
         layouts.append(dst)
     ctx.graph.output(outs)
+    peephole.dedupe_collectives(ctx.graph, ctx.collectives, recomputed=frozenset(ctx.redraws))
     if op_by_op:
         peephole.simplify(ctx.graph)
         foreach.fuse(ctx.graph)

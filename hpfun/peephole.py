@@ -17,6 +17,14 @@ is left as it is), so a value may be read through any chain that computes it:
 
 The program's outputs are never made one tensor, nor an input: a value the output reads is
 left as it is, and so is an FSDP use's gathered copy (`hpfun.schedule` places it).
+
+`dedupe_collectives` runs on every program, compiled or not: a collective that moves the same
+value as an earlier one (its input computed by the same pure ops from the same values: a
+variance's backward takes the mean again, and both are all-reduced) is the earlier one's
+result, and leaves the report, where it holds at most `limit` bytes. The ranks all run the
+same program, so they all drop the same one. FSDP's gathers and larger values are kept: moving
+them again is the memory plan (a gathered weight freed after its use, a recomputed activation),
+and so are the moves of what `hpfun.checkpoint` recomputes.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 from hpfun.foreach import MIN_CAP, _constant, _mutates, _nbytes, _pure
 
 aten = torch.ops.aten
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 # views that may copy (reshape) are not free to share: two readers would hold the copy longer
 _MAY_COPY = {aten.reshape.default, aten._reshape_alias.default} if hasattr(aten, "_reshape_alias") else {aten.reshape.default}
 
@@ -112,5 +121,60 @@ def dedupe(graph: torch.fx.Graph, limit: int = MIN_CAP) -> int:
         if first is not node:
             node.replace_all_uses_with(first)
             graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def dedupe_collectives(graph: torch.fx.Graph, records: list, limit: int = MIN_CAP, recomputed=frozenset()) -> int:
+    """Run a collective once per value it moves (see the module's doc): a later one of the same
+    kind, over the same axes, of the same value, holding at most `limit` bytes, reads the
+    earlier one's result and leaves `records` (the program's report, matched by identity). One
+    for a node `hpfun.checkpoint` recomputes (by name) is kept: the recompute repeats its
+    forward's moves. How many went."""
+    if any(_mutates(n) for n in graph.nodes):
+        return 0
+    same: dict = {}  # node -> the earlier node computing its value
+    seen: dict = {}
+    dropped = []
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        record = node.meta.get("hpfun_collective")
+        if not (_pure(node) or record is not None or node.target is _WAIT):
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda n: same.get(n, n))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: same.get(n, n))
+        key = (node.target, _constant(tuple(args)), _constant(tuple(sorted(kwargs.items()))))
+        try:
+            first = seen.setdefault(key, node)
+        except TypeError:  # an argument that cannot be a key
+            continue
+        if first is node:
+            continue
+        if record is None:
+            same[node] = first
+        elif record.bytes <= limit and record.node not in recomputed and "hpfun_fsdp" not in node.meta and \
+                "hpfun_fsdp" not in first.meta:
+            same[node] = first
+            dropped.append(node)
+    removed = 0
+    for node in dropped:
+        for wait in [u for u in node.users if u.target is _WAIT]:
+            wait.replace_all_uses_with(same[wait])
+            graph.erase_node(wait)
+            removed += 1
+        if node.users:
+            continue
+        records[:] = [r for r in records if r is not node.meta["hpfun_collective"]]
+        unread, gone = list(node.all_input_nodes), set()
+        graph.erase_node(node)
+        removed += 1
+        while unread:  # what computed the dropped one's input, read by nothing else now
+            n = unread.pop()
+            if n in gone or n.users or n.op != "call_function" or not _pure(n):
+                continue
+            unread.extend(n.all_input_nodes)
+            graph.erase_node(n)
+            gone.add(n)
             removed += 1
     return removed

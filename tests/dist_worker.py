@@ -259,8 +259,9 @@ def lifted_dp(out: Path):
     padded(x[:, :4]), padded(x[:, :6])  # both lengths compiled on every rank
     got["cached mismatch"] = _error(lambda: padded(x[:, :4] if RANK == 0 else x[:, :6]))
     got["wrong size"] = _error(lambda: hpfun.Mesh.distributed((2, 2), ("dp", "tp")))
-    ws = [torch.ones(8, 3, dtype=torch.float64) for _ in range(3)]  # three gradients: bucketed on rank 0 only
-    grads = hpfun.shard(lambda x, ws: torch.func.grad(lambda ws: sum((x @ w).sum() for w in ws))(ws), mesh=mesh,
+    # three gradients, bucketed on rank 0 only (of three values: one value is all-reduced once)
+    ws = [torch.full((8, 3), i + 1.0, dtype=torch.float64) for i in range(3)]
+    grads = hpfun.shard(lambda x, ws: torch.func.grad(lambda ws: sum((x @ w).square().sum() for w in ws))(ws), mesh=mesh,
                         in_specs=(P("dp"), P()), out_specs=P(), bucket_bytes=0 if RANK else 1 << 20)
     got["plan mismatch"] = _error(lambda: grads(x, ws))
 

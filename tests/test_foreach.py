@@ -245,3 +245,35 @@ def test_composed_permutes_count_dims_from_either_end():
     a, b = hpfun.shard(f, mesh=ONE, in_specs=(P(),), out_specs=(P(), P()))(x)
     want_a, want_b = f(x)
     assert torch.equal(a.full(), want_a) and torch.equal(b.full(), want_b)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_value_is_all_reduced_once(compiled):
+    """The variance's backward takes the mean again: with the rows split, both means were
+    all-reduced (one bucket twice as large). The second reads the first's result, compiled or
+    not, and leaves the report; results equal eager."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    fn = torch.func.grad(lambda x: x.var(0).sum())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    f = hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), compile=compiled)
+    moved = f.lower(x).collectives
+    assert [c.kind for c in moved] == ["all_reduce"] and moved[0].bytes == 6 * 8
+    calls = [n.target for n in f.lower(x).program.module.graph.nodes]
+    assert calls.count(torch.ops._c10d_functional.all_reduce.default) == 1
+    torch.testing.assert_close(f(x).full(), fn(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_large_value_moved_again_is_kept():
+    """An all-gather of a weight that a checkpointed block gathers again in its backward holds
+    more than the limit: kept, as recomputing it is the memory plan."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    c10d = torch.ops._c10d_functional
+    records = []
+    for _ in range(2):
+        node = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "dp"))
+        node.meta["hpfun_collective"] = hpfun.lower.Collective("all_gather", ("dp",), 1 << 20, "w", "mm", "")
+        records.append(node.meta["hpfun_collective"])
+        g.output(g.call_function(c10d.wait_tensor.default, (node,))) if _ else g.call_function(
+            c10d.wait_tensor.default, (node,))
+    assert peephole.dedupe_collectives(g, records) == 0 and len(records) == 2
