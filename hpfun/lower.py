@@ -397,6 +397,8 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
         args, kwargs = _on_traced_storage(ctx, node, args, kwargs)
     before = ctx.graph._root.prev  # the last node so far: what the rule emits comes after it
     out = node.meta["hpfun_rule"].emit(ctx, call, strategy, args, kwargs)
+    if node.target in _REORDERS and _made_contiguous(node):
+        out = ctx.call(aten.contiguous.default, (out,))
     if "stack_trace" in node.meta:  # a rule's own steps (a bounds check) fail at the user's line too
         step = before.next
         while step is not out and step is not ctx.graph._root:
@@ -424,6 +426,19 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default)
+
+
+def _made_contiguous(node) -> bool:
+    """A transpose whose traced result is contiguous: its input's strides were transposed
+    (`(a + b).transpose(1, 2)` of an `a` transposed before), and the ops after it may need that
+    (group norm's kernel refuses another layout). A rank's block need not have those strides (a
+    gathered value is laid out in order), so the program makes it contiguous, a copy only where
+    it is not."""
+    val, source = node.meta.get("val"), node.args[0] if node.args else None
+    before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor) and val.is_contiguous() and \
+        not before.is_contiguous()
 
 
 def _keeps_wide(ctx: LowerContext, node) -> bool:

@@ -2916,6 +2916,50 @@ def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
     assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
 
 
+class _TransposedNorm(torch.nn.Module):
+    """GroupNorm of a residual sum transposed back: in eager the sum keeps its first term's
+    transposed strides, so the transpose GroupNorm reads is contiguous and the trace has no copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.fc = torch.nn.Conv1d(3, 8, 3, padding=1), torch.nn.Linear(8, 8)
+        self.gn, self.head = torch.nn.GroupNorm(2, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inp(x).transpose(1, 2)
+        h = h + torch.tanh(self.fc(h))
+        return self.head(self.gn(h.transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_transpose_made_contiguous_by_its_inputs_strides_stays_so_on_every_rank():
+    """Under ZeRO-3 on 4 ranks the residual sum is gathered, in order, so the transposed block
+    was not contiguous and group norm's kernel refused it (said to fail eagerly too); the program
+    makes it contiguous, and the step equals eager's."""
+    torch.manual_seed(0)
+    model = _TransposedNorm().double()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x, y):
+            loss = F.cross_entropy(m(x).reshape(-1, 4), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    x, y = torch.randn(8, 3, 4, dtype=torch.float64), torch.randint(0, 4, (8, 4))
+    f = hpfun.shard(make(model), mesh=hpfun.Mesh.simulated((4,), ("dp",)), in_specs=(P("dp"), P("dp")),
+                    out_specs=P(), state_specs={"*": P("dp")})
+    eager = make(ref)
+    for _ in range(2):
+        torch.testing.assert_close(f(x, y).full(), eager(x, y))
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 _MADE: dict = {}
 
 
