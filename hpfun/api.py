@@ -1550,7 +1550,7 @@ def _group(path: str, state: lift.State, signature: inspect.Signature | None) ->
             return "parameters"
         if slot.follows is not None:
             return "gradients" if path.endswith(".grad") else "optimizer state"
-        return "buffers"
+        return "optimizer state" if slot.scalar else "buffers"  # (a float lr or beta, read as a tensor)
     if path.startswith("kwargs["):
         return path[len("kwargs['"):].split("'", 1)[0]
     if path.startswith("args[") and signature is not None:

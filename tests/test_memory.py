@@ -106,7 +106,9 @@ def test_donated_state_is_freed_at_its_last_use_in_the_estimate_and_the_allocato
         est, got = _close(step, x, y)
         peaks[donate] = est
     kept, donated = peaks[False], peaks[True]
-    assert kept.donated == 0 and donated.donated == kept.inputs["parameters"] + kept.inputs["optimizer state"]
+    hyper = 3 * 8  # AdamW's lr and betas, read as float64 tensors: its state in the report, never donated
+    assert kept.donated == 0 and donated.donated == kept.inputs["parameters"] + kept.inputs["optimizer state"] - hyper
+    assert "buffers" not in kept.inputs  # (they were reported as the buffers of a model that has none)
     assert donated.held == kept.held  # the call is handed the same blocks
     assert kept.peak - donated.peak >= donated.donated // 2, (kept, donated)
     assert "donated inputs" in str(donated)
