@@ -24,6 +24,9 @@ from hpfun.runtime.distributed import runtime_for
 SPENT_HEADLINE = "a donated value read again"
 
 
+READ_HEADLINE = "cannot read this Sharded value that way"
+
+
 def spent_error(values) -> SpecError | None:
     """One error naming every value in `values` a call consumed (`donate_argnums`), or None."""
     problems = [x.shards.problem() for x in values if type(x) is Sharded and isinstance(x.shards, _Spent)]
@@ -197,7 +200,7 @@ class Sharded:
         then `.item()`, so on a distributed mesh every rank calls it."""
         if math.prod(self.global_shape) != 1:
             raise SpecError(Problem("Sharded.item", f"needs one element, this value has shape {tuple(self.global_shape)}",
-                                    "call .full() for the tensor"))
+                                    "call .full() for the tensor"), headline=READ_HEADLINE)
         return self.full().item()
 
     def __float__(self) -> float:
@@ -207,6 +210,10 @@ class Sharded:
         return int(self.item())
 
     def __bool__(self) -> bool:  # `if stop:` reads the value, as a tensor's does (an object was always true)
+        if math.prod(self.global_shape) != 1:
+            raise SpecError(Problem("bool(Sharded)", f"the truth value of a value of shape {tuple(self.global_shape)} "
+                                    "is ambiguous, as a tensor's is", "reduce it first (.any() or .all(), inside the "
+                                    "sharded function), or test .full()"), headline=READ_HEADLINE)
         return bool(self.item())
 
     def __index__(self) -> int:  # range(n), as of a one-element integer tensor
@@ -223,7 +230,7 @@ class Sharded:
     def backward(self, *args, **kwargs):
         raise SpecError(Problem("Sharded.backward", "a sharded function's outputs are not connected to autograd "
                                 "outside it", "compute gradients inside the function: loss.backward() there (on "
-                                "lifted parameters), or torch.func.grad of the loss"))
+                                "lifted parameters), or torch.func.grad of the loss"), headline=READ_HEADLINE)
 
     def __repr__(self) -> str:
         return f"Sharded({self.layout}, global_shape={self.global_shape}, dtype={self.dtype})"

@@ -512,7 +512,8 @@ def leaf_layout(mesh: Mesh, where: str, x, spec, problems: list) -> Layout | Non
             problems.append(Problem(where, f"is a Sharded value on mesh {other}{f' ({other.runtime})' if alike else ''}, "
                                     f"not {mesh}{f' ({mesh.runtime})' if alike else ''}",
                                     "make it on this mesh (hpfun.parse(text, mesh=...), or P(...).to_layout(mesh, ndim))"
-                                    if alike else ""))
+                                    if alike else "pass its global value (.full()), which this function's in_specs "
+                                    "split, or run both functions on one mesh"))
         return x.layout
     if not isinstance(x, torch.Tensor):
         return None

@@ -458,7 +458,12 @@ def test_a_one_element_sharded_value_reads_as_a_number():
     assert list(range(count)) == [0, 1, 2, 3] and round(loss) == 8 and bool(loss)
     zero = hpfun.shard(lambda x: (x < 0).any(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())(torch.ones(4))
     assert not zero and (True if not zero else False)  # `if stop:` reads the value (it was always true)
-    with pytest.raises(SpecError, match="needs one element"):
+    with pytest.raises(SpecError, match="(?s)cannot read this Sharded value that way.*needs one element"):
         hpfun.Sharded.from_global(torch.ones(4), P("dp").to_layout(mesh, 1)).item()
+    with pytest.raises(SpecError, match=r"shape \(4,\) is ambiguous, as a tensor's is\n.*fix: reduce it first"):
+        bool(hpfun.Sharded.from_global(torch.ones(4), P("dp").to_layout(mesh, 1)))  # (it said: bad sharding spec)
+    other = hpfun.Sharded.from_global(torch.ones(4), P("dp").to_layout(Mesh.simulated((4,), ("dp",)), 1))
+    with pytest.raises(SpecError, match=r"not \{dp: 2\}\n.*fix: pass its global value \(\.full\(\)\)"):
+        f(other)  # (a value of another mesh: the refusal had no fix)
     with pytest.raises(SpecError, match="not connected to autograd"):
         loss.backward()
