@@ -138,8 +138,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
                 key = k if _is_scalar(k) else f"<key {i}>"  # optimizer: by position, never by its printed values)
                 value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
-                if _is_user_object(k) and not callable(k):  # an object of the user's as a key: its numbers are read
-                    value(k, f"{name}.{key}", functools.partial(_key_at, obj, i), None)  # as any object's
+                parts = [(None, k)] if not isinstance(k, tuple) else list(enumerate(k))  # (a tuple key's parts)
+                for j, part in parts:  # an object of the user's as a key: its numbers are read as any object's
+                    if _is_user_object(part) and not callable(part):
+                        at = functools.partial(_key_at, obj, i)
+                        value(part, f"{name}.{key}" + (f".{j}" if j is not None else ""),
+                              at if j is None else functools.partial(_part_of, at, j), None)
         elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:
@@ -1843,7 +1847,7 @@ class Substitution:
                                         f"keep {keep}, or return the new values and rebind it after the call"))
                 _rebind(read, container)
             elif kind == "dict":
-                container.update(now)
+                _merge(container, now)
                 _rebind(read, container)
         return problems
 
@@ -2070,11 +2074,16 @@ class Substitution:
                 found += [f"{var}[{k!r}] (a module made inside the function)" for k in made]
                 container.clear()
                 container.update(items) if type(container) is dict else container.extend(items)
+            _drop_made_modules(container, var, found)  # (in a dict or list it holds)
         for var, obj, held in self._plain_held:
             for attr, v in list(vars(obj).items()):
                 if _holds_fake_state(v) and held.get(attr) is not v:
                     found.append(f"{_join(var, attr)} (a module made inside the function)")
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
+                elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
+                    found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
+                                 f"writes back into the places of the one it held; update that one in place)")
+                    setattr(obj, attr, held[attr])
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:
@@ -2230,9 +2239,45 @@ def _holds_fake(v) -> bool:
         any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
 
 
+def _merge(old: dict, new: dict) -> None:
+    """`new`'s values put in `old`, a dict in both with the same keys merged in its turn (the
+    places a rebound dict's slots write are the old dicts, nested ones too)."""
+    for key, v in new.items():
+        held = old.get(key)
+        if type(v) is dict and type(held) is dict and v is not held and v.keys() == held.keys():
+            _merge(held, v)
+        else:
+            old[key] = v
+
+
 def _key_at(d: dict, i: int):
     """The `i`th key of `d` (None once it has fewer)."""
     return next(itertools.islice(iter(d), i, None), None)
+
+
+def _drop_made_modules(container, path: str, found: list, depth: int = 3) -> None:
+    """Take out of the dicts and lists inside `container` every module made inside the function
+    (one holding the trace's stand-ins), naming each place in `found`."""
+    if depth == 0:
+        return
+    for key, v in list(container.items() if type(container) is dict else enumerate(container)):
+        place = f"{path}[{key!r}]"
+        if type(v) in (dict, list):
+            for inner, w in list(v.items() if type(v) is dict else enumerate(v)):
+                if _holds_fake_state(w):
+                    found.append(f"{place}[{inner!r}] (a module made inside the function)")
+            if type(v) is dict:
+                for inner in [k for k, w in v.items() if _holds_fake_state(w)]:
+                    del v[inner]
+            else:
+                v[:] = [w for w in v if not _holds_fake_state(w)]
+            _drop_made_modules(v, place, found, depth - 1)
+
+
+def _part_of(read, j: int):
+    """Part `j` of the tuple `read()` gives (None if it is no tuple that long)."""
+    held = read()
+    return held[j] if isinstance(held, tuple) and len(held) > j else None
 
 
 def _same(value):

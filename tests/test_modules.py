@@ -2805,12 +2805,13 @@ def test_a_global_or_closed_over_dict_rebound_is_kept_as_eager():
         return [o.full() if isinstance(o, hpfun.Sharded) else o for o in outs], read()
 
     def make():
-        d = {"a": torch.zeros(2, dtype=torch.float64), "n": torch.ones(2, dtype=torch.float64)}
+        d = {"a": torch.zeros(2, dtype=torch.float64), "n": torch.ones(2, dtype=torch.float64),
+             "in": {"b": torch.ones(2, dtype=torch.float64)}}  # (a dict inside it rebound too)
 
         def step(x):
             nonlocal d
-            d = {"a": d["a"] + x.sum(0), "n": d["n"] * 2}
-            return (x * d["a"]).sum() + d["n"].sum()
+            d = {"a": d["a"] + x.sum(0), "n": d["n"] * 2, "in": {"b": d["in"]["b"] - x.sum(0)}}
+            return (x * d["a"]).sum() + d["n"].sum() + (x * d["in"]["b"]).sum()
         return step, lambda: d
 
     xs = [torch.randn(4, 2, dtype=torch.float64) for _ in range(3)]
@@ -2819,8 +2820,7 @@ def test_a_global_or_closed_over_dict_rebound_is_kept_as_eager():
     want, eager = run(*make(), xs)
     torch.testing.assert_close(torch.stack(got), torch.stack(want))
     assert kept.keys() == eager.keys()
-    for k in eager:
-        torch.testing.assert_close(kept[k], eager[k])
+    torch.testing.assert_close(kept, eager)
 
     global _WINDOW
     _WINDOW = {"a": torch.zeros(2)}
@@ -2963,15 +2963,20 @@ def test_a_transpose_made_contiguous_by_its_inputs_strides_stays_so_on_every_ran
 _MADE: dict = {}
 
 
-@pytest.mark.parametrize("holder", ["global dict", "plain object"])
+@pytest.mark.parametrize("holder", ["global dict", "plain object", "nested dict"])
 def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(holder):
     """A module made at the first call and kept in a global dict or on a plain object is refused
     by name and taken out whole, the holder as it was (its weights were taken out, leaving a
     Linear without weight: the eager step then failed)."""
     _MADE.clear()
+    _MADE["sub"] = {}
     box = types.SimpleNamespace(m=None)
 
     def step(x):
+        if holder == "nested dict":
+            if "m" not in _MADE["sub"]:
+                _MADE["sub"]["m"] = torch.nn.Linear(4, 2, dtype=torch.float64)
+            return _MADE["sub"]["m"](x).square().mean()
         if holder == "global dict":
             if "m" not in _MADE:
                 _MADE["m"] = torch.nn.Linear(4, 2, dtype=torch.float64)
@@ -2981,11 +2986,26 @@ def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(ho
         return box.m(x).square().mean()
 
     x = torch.randn(4, 4, dtype=torch.float64)
-    name = "_MADE['m']" if holder == "global dict" else "box.m"
+    name = {"global dict": "_MADE['m']", "plain object": "box.m", "nested dict": "_MADE['sub']['m']"}[holder]
     with pytest.raises(hpfun.CaptureError, match=re.escape(f"{name} (a module made inside the function)")):
         hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
-    assert not _MADE and box.m is None
+    assert _MADE == {"sub": {}} and box.m is None
     step(x)  # (eager runs after it)
+
+
+def test_a_dict_on_a_plain_object_assigned_anew_is_refused_and_set_back():
+    """`st.d = {"a": st.d["a"] + v}` on a plain object: refused, naming it, and the dict it held
+    put back (the new one was left there, emptied of the trace's tensors: the user's lost)."""
+    held = {"a": torch.zeros(2, dtype=torch.float64)}
+    st = types.SimpleNamespace(d=held)
+
+    def step(x):
+        st.d = {"a": st.d["a"] + x.sum(0)}
+        return x.sum()
+
+    with pytest.raises(hpfun.CaptureError, match=re.escape("st.d (a dict assigned anew holding tensors")):
+        hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.randn(4, 2, dtype=torch.float64))
+    assert st.d is held and torch.equal(held["a"], torch.zeros(2, dtype=torch.float64))
 
 
 class _Power:
@@ -3012,6 +3032,17 @@ def test_numbers_on_the_objects_keying_a_dict_key_the_cache():
         k.n = n
         torch.testing.assert_close(f(x).full(), step(x))
     assert f.trace_count == 2
+    t = _Power(1)  # (an object inside a tuple key too)
+    pairs = {(t, 0): torch.full((4,), 2.0, dtype=torch.float64)}
+
+    def paired(x):
+        return sum((x * v ** key[0].n).sum() for key, v in pairs.items())
+
+    g = hpfun.shard(paired, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for n in (1, 3):
+        t.n = n
+        torch.testing.assert_close(g(x).full(), paired(x))
+    assert g.trace_count == 2
 
 
 @pytest.mark.parametrize("under_grad", [False, True])
