@@ -41,6 +41,8 @@ import operator
 import attrs
 import torch
 
+from hpfun.foreach import _mutates, _pure
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 aten = torch.ops.aten
@@ -70,11 +72,45 @@ class Bucket:
 def schedule(graph: torch.fx.Graph, bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True) -> tuple[Bucket, ...]:
     """Bucket the collectives of a lowered program under `bucket_bytes` (0: none), then move
     issues and waits apart when `overlap`; the buckets made."""
+    if overlap or bucket_bytes > 0:
+        hoist(graph)
     buckets = bucket(graph, bucket_bytes) if bucket_bytes > 0 else ()
     if overlap:
         spread(graph)
     _items_next_to_their_op(graph)
     return buckets  # (that every node still follows what it reads is checked by hpfun.verify)
+
+
+def hoist(graph: torch.fx.Graph) -> int:
+    """Compute what a collective moves as soon as it can be: the pure ops that feed only it (an
+    update's `lr * g` of a gradient whose sum, a linear op, waits for it: lowering places them at
+    the update, one by one, each followed by its parameter's `sub`) move up to right after their
+    own inputs. Their collectives are then ready together, where the backward made the
+    gradients: they bucket and overlap (each was waited on right after it was issued). FSDP's
+    gathers keep their place. How many nodes moved."""
+    if any(_mutates(n) for n in graph.nodes):
+        return 0
+    moved = 0
+
+    def lift(node: torch.fx.Node, reader: torch.fx.Node) -> None:
+        nonlocal moved
+        if node.op != "call_function" or not _pure(node) or is_collective(node) or node.target is WAIT or \
+                any(u is not reader for u in node.users):
+            return
+        for source in node.all_input_nodes:
+            lift(source, node)
+        latest = max(node.all_input_nodes, key=_LIVE.__getitem__, default=None)
+        if latest is not None and latest.next is not node and _LIVE[latest] < _LIVE[node]:
+            latest.append(node)
+            moved += 1
+
+    for collective in [n for n in graph.nodes if is_collective(n) and FSDP not in n.meta]:
+        group = issue_group(collective)
+        inside = set(group)
+        for source in {a for n in group for a in n.all_input_nodes if a not in inside}:
+            if all(u in inside for u in source.users):
+                lift(source, next(u for u in source.users))
+    return moved
 
 
 def _items_next_to_their_op(graph: torch.fx.Graph) -> None:

@@ -138,3 +138,49 @@ def test_a_partial_sum_kept_wide_buckets_apart_from_its_dtype():
     assert [(c.kind, c.dtype, c.bytes) for c in lowered.collectives] == [("all_gather", "float32", 32),
                                                                          ("all_gather", "bfloat16", 16)]
     assert lowered.to_dict()["buckets"] == [] or all(len(b["members"]) == 1 for b in lowered.to_dict()["buckets"])
+
+
+def _block_loss(p, x, heads=4):
+    """Notebook 03's transformer block: attention and a ReLU MLP, each behind a layer norm."""
+    b, t, d = x.shape
+    h = torch.nn.functional.layer_norm(x, (d,), p["ln1"])
+    q, k, v = ((h @ p[w]).view(b, t, heads, -1).transpose(1, 2) for w in ("wq", "wk", "wv"))
+    scores = (q @ k.transpose(-1, -2) / (d // heads) ** 0.5).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(),
+                                                                        float("-inf"))
+    x = x + (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, t, d) @ p["wo"]
+    x = x + torch.relu(torch.nn.functional.layer_norm(x, (d,), p["ln2"]) @ p["w1"]) @ p["w2"]
+    return x.pow(2).mean()
+
+
+def _block_step(p, x):
+    grads, loss = torch.func.grad_and_value(_block_loss)(p, x)
+    return {k: v - 0.1 * grads[k] for k, v in p.items()}, loss
+
+
+def test_an_updates_gradient_sums_bucket_where_the_backward_made_them():
+    """Notebook 03's Megatron block on dp x tp, whose update scales each gradient (`w - lr * g`)
+    before its dp sum (a linear op: the Partial passes). Lowering placed each `lr * g` at the
+    update, right before its parameter's `sub`, so each of the 7 all-reduces was waited on at
+    once, and at most two shared a bucket. Computed where the backward made the gradient, they go in one
+    bucket, bitwise the same."""
+    g = torch.Generator().manual_seed(0)
+    d = 32
+    params = {"ln1": torch.ones(d), "ln2": torch.ones(d), "w1": torch.randn(d, 4 * d, generator=g) / d ** 0.5,
+              "w2": torch.randn(4 * d, d, generator=g) / (4 * d) ** 0.5,
+              **{w: torch.randn(d, d, generator=g) / d ** 0.5 for w in ("wq", "wk", "wv", "wo")}}
+    x = torch.randn(4, 8, d, generator=g)
+    megatron = {"ln1": P(), "ln2": P(), "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(None, "tp"),
+                "wo": P("tp", None), "w1": P(None, "tp"), "w2": P("tp", None)}
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    out = {}
+    for cap in (0, 2**20):
+        f = hpfun.shard(_block_step, mesh=mesh, in_specs=(megatron, P("dp")), out_specs=(megatron, P()),
+                        bucket_bytes=cap)
+        new, loss = f(params, x)
+        out[cap] = ({k: v.full() for k, v in new.items()}, loss.full(), f.lower(params, x).to_dict()["buckets"])
+    (alone, loss0, _), (fused, loss1, issued) = out[0], out[2**20]
+    dp_sums = sorted(len(b["members"]) for b in issued if b["kind"] == "all_reduce" and b["axes"] == ["dp"])
+    assert dp_sums == [1, 7], issued  # the 7 gradients summed over dp alone, and the loss's average
+    assert all(torch.equal(fused[k], alone[k]) for k in alone) and torch.equal(loss0, loss1)
+    ref, _ = _block_step(params, x)
+    assert all(torch.allclose(fused[k], ref[k], atol=1e-5) for k in ref)
