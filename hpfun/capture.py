@@ -62,6 +62,10 @@ from hpfun.functionalize import functionalize
 from hpfun.optimizers import exact_step_scalars, traced_steps
 
 aten = torch.ops.aten
+# torch._assert_async(cond) without a message returns nothing, and fx counts only the form with one
+# as a side effect: every dead-code pass (ours, torch.compile's) dropped the check, and a false
+# condition ran on (silently). Both forms are checks.
+torch.fx.node._side_effectful_functions.add(aten._assert_async.default)
 
 # Fused kernels recorded whole (torch's core table would decompose them): their rules split
 # them where the kernel allows; a layout that needs more moves the data first, and is priced so

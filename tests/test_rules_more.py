@@ -643,3 +643,27 @@ def test_an_async_assert_checks_the_whole_condition_on_every_rank():
     torch.testing.assert_close(g(logits, y).full(), f(logits, y), rtol=TOL, atol=TOL)
     with pytest.raises(hpfun.ExecutionError, match="non-negative"):
         g(logits, torch.tensor([0, 1, 2, 3, 3, 2, 1, -1]))
+    bare = hpfun.shard(lambda y: torch._assert_async(y.max() < 4) or y.sum(), mesh=mesh, in_specs=P("dp"), out_specs=P())
+    assert int(bare(y)) == int(y.sum())
+    with pytest.raises(hpfun.ExecutionError):  # (the form without a message was dropped as dead code: it ran on)
+        bare(torch.tensor([0, 1, 2, 3, 3, 2, 1, 9]))
+
+
+def test_picked_rows_keep_the_sign_of_zero_and_a_slice_of_most_of_the_dim_is_gathered():
+    """A pick along a split dim (select, gather, an embedding of a vocabulary-split table) fills
+    the other ranks' rows with -0.0, so the sum over ranks is the value itself: 1 / x[:, 0] of a
+    -0.0 is -inf, as eager (+0.0 made it +inf). A slice of most of the dim (the label shift
+    `lg[:, :-1]` of sequence parallelism) is gathered, not all-reduced at full size."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    x = torch.tensor([[-0.0, 1.0, 2.0, 3.0], [0.0, -1.0, -0.0, 4.0]], dtype=torch.float64).repeat(1, 2)
+    ids = torch.tensor([[2, 0], [6, 5]])
+    cases = {"select": (lambda x: 1 / x[:, 0], P(None, "dp")),
+             "gather": (lambda x: 1 / torch.gather(x, 1, ids), P(None, "dp")),
+             "embedding": (lambda x: 1 / F.embedding(ids[0], x.t()), P(None, "dp"))}
+    for name, (fn, spec) in cases.items():
+        got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
+        assert torch.equal(got, fn(x)), name
+    lg = _rand(2, 16, 8)
+    shift = hpfun.shard(lambda lg: lg[:, :-1].exp().sum(), mesh=mesh, in_specs=P(None, "dp"), out_specs=P())
+    assert all(c.kind != "all_reduce" or c.bytes <= 8 for c in shift.lower(lg).collectives)
+    torch.testing.assert_close(shift(lg).full(), lg[:, :-1].exp().sum(), rtol=TOL, atol=TOL)
