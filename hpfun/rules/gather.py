@@ -39,8 +39,11 @@ def _masked_index(ctx, layout, shape, dim: int, index, local_size: int, fill: in
 
 def masked(ctx, inside, found, dtype: torch.dtype):
     """`found` where `inside`, else zero of its dtype (False for bool: a where with the integer 0
-    would promote a bool lookup to int64)."""
-    return ctx.call(aten.where.ScalarOther, (inside, found, False if dtype == torch.bool else 0))
+    would promote a bool lookup to int64). A float's zero is -0.0: the sum over ranks is then
+    exactly the one rank's value, a -0.0 too (+0.0 would turn it into +0.0: `1 / x` gave inf
+    where eager gives -inf)."""
+    zero = False if dtype == torch.bool else -0.0 if dtype.is_floating_point or dtype.is_complex else 0
+    return ctx.call(aten.where.ScalarOther, (inside, found, zero))
 
 
 def _dim(call: OpCall, x) -> int:
@@ -166,7 +169,7 @@ class Embedding(Rule):
         local_size = w_layout.local_shape(w.shape)[0]
         ids, inside = _masked_index(ctx, w_layout, w.shape, 0, args[1], local_size, 0)
         found = ctx.call(aten.embedding.default, (args[0], ids))
-        return ctx.call(aten.where.ScalarOther, (ctx.call(aten.unsqueeze.default, (inside, -1)), found, 0))
+        return masked(ctx, ctx.call(aten.unsqueeze.default, (inside, -1)), found, call.outputs[0].dtype)
 
 
 @attrs.frozen(kw_only=True)

@@ -155,9 +155,11 @@ class Slice(Rule):
             else:
                 ins.append(p), outs.append(p), picked.append(p)
         out = _with_fallback(call, ins, outs)
-        if picked != outs and call.op in _PICKS:
+        if picked != outs and call.op in _PICKS and 4 * math.prod(call.outputs[0].shape) <= math.prod(x.shape):
             # the dim split: each rank picks the rows its block holds and writes 0 for the others,
-            # so the slice is their sum; an all-reduce of the slice, not a gather of all of x
+            # so the slice is their sum; an all-reduce of the slice, not a gather of all of x. Only
+            # for a few rows (a CLS token): an all-reduce moves twice its size, and a slice of most
+            # of the dim (a label shift, `lg[:, :-1]`) is cheaper gathered
             layout = Layout(call.mesh, picked)
             if layout.fits(call.outputs[0].shape):
                 rest = tuple(t.layout for t in call.tensors[1:])
