@@ -667,3 +667,31 @@ def test_picked_rows_keep_the_sign_of_zero_and_a_slice_of_most_of_the_dim_is_gat
     shift = hpfun.shard(lambda lg: lg[:, :-1].exp().sum(), mesh=mesh, in_specs=P(None, "dp"), out_specs=P())
     assert all(c.kind != "all_reduce" or c.bytes <= 8 for c in shift.lower(lg).collectives)
     torch.testing.assert_close(shift(lg).full(), lg[:, :-1].exp().sum(), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_sorted_lookups_and_unfold_keep_the_splits_they_can(mesh_shape):
+    """bucketize and searchsorted are elementwise in the values looked up: their split dims pass
+    with the sorted table read whole (a batched table split along its rows with them);
+    Tensor.unfold keeps every dim but the windowed one split, and that one too where the
+    windows tile each block (patches). Each gathered the whole input; forward and backward equal
+    eager, the lookups exactly."""
+    names = ("dp", "tp")[: len(mesh_shape)]
+    mesh = hpfun.Mesh.simulated(mesh_shape, names)
+    x, bounds = _rand(8, 12), torch.linspace(-1, 1, 5, dtype=torch.float64)
+    rows = torch.sort(_rand(8, 5), -1).values
+    split = P(names) if len(names) > 1 else P("dp")
+    cases = [(lambda x, b: torch.bucketize(x, b, right=True), (x, bounds), (split, P())),
+             (lambda b, x: torch.searchsorted(b, x), (bounds, x), (P(), P(None, names[-1]))),
+             (lambda s, x: torch.searchsorted(s, x, out_int32=True), (rows, x), (split, split))]
+    for fn, args, specs in cases:
+        f = hpfun.shard(fn, mesh=mesh, in_specs=specs, out_specs=None)
+        assert f.lower(*args).collectives == [] and torch.equal(f(*args).full(), fn(*args))
+    for unfold, spec in [(lambda x: x.unfold(1, 4, 2), split), (lambda x: x.unfold(0, 2, 2), split)]:
+        fn = lambda x: unfold(x).sin()  # noqa: E731
+        f = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=None)
+        assert f.lower(x).collectives == []
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
+        g = torch.func.grad(lambda x: fn(x).square().sum())  # noqa: B023
+        torch.testing.assert_close(hpfun.shard(g, mesh=mesh, in_specs=spec, out_specs=spec)(x).full(), g(x),
+                                   rtol=TOL, atol=TOL)

@@ -249,3 +249,30 @@ class IndexSelect(Rule):
             return ctx.call(aten.view.default, (inside, [-1] + [1] * (x.ndim - _dim(call, x) - 1)))
 
         return _masked_lookup(self, ctx, call, strategy, args, kwargs, along_dim)
+
+
+@attrs.frozen(kw_only=True)
+class SortedLookup(Rule):
+    """bucketize(input, boundaries) and searchsorted(sorted_sequence, input): each element of
+    input looked up in a sorted table, elementwise in input. The table is read whole along its
+    last dim; input's split dims pass to the output. A batched table (searchsorted's N-D
+    sequence: one sorted row per leading index) is split along a leading dim with input.
+    `table`: the table's position among the tensors (1 for bucketize, 0 for searchsorted); a
+    `sorter` (a third tensor) runs replicated."""
+
+    table: int = 1
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        if len(call.tensors) != 2:
+            return combine_axes(call, [[replicated_option(call)] for _ in range(call.mesh.ndim)])
+        table, x = call.tensors[self.table], call.tensors[1 - self.table]
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p = x.layout.placements[a]
+            options = [replicated_option(call)]
+            if isinstance(p, Shard):
+                batched = table.ndim > 1 and p.dim < x.ndim - 1  # (a leading dim: the table's rows follow)
+                pair = [p, p if batched else R]
+                options.insert(0, (tuple(pair[1] if i == self.table else pair[0] for i in range(2)), (p,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)

@@ -329,6 +329,25 @@ class Diagonal(Rule):
 
 
 @attrs.frozen(kw_only=True)
+class Unfold(Rule):
+    """Tensor.unfold(dim, size, step): overlapping windows along `dim`, a view with a new last
+    dim. Windows that cross the blocks of a split `dim` need it whole; windows that tile each
+    block (step == size, the block a multiple of it: patches) keep it split. Every other dim
+    keeps its split, and Partial passes (a view of a sum is the sum of views)."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x = call.tensors[0]
+        dim = call.arg(1, "dimension", 0) % max(x.ndim, 1)
+        size, step = call.arg(2, "size"), call.arg(3, "step")
+        tiles = x.ndim > 0 and size == step and (x.shape[dim] // x.layout.shard_factor(dim)) % size == 0
+        ins, outs = [], []
+        for p in x.layout.placements:
+            keep = isinstance(p, Partial) or isinstance(p, Shard) and (p.dim != dim or tiles)
+            ins.append(p if keep else R), outs.append(p if keep else R)
+        return _with_fallback(call, ins, outs)
+
+
+@attrs.frozen(kw_only=True)
 class SliceScatter(Rule):
     """slice_scatter / select_scatter(x, src, dim, ...): x with a slice along `dim` replaced by
     src. `dim` must be whole; every other dim of x is split like src's matching dim. The op
