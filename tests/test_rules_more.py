@@ -695,3 +695,24 @@ def test_sorted_lookups_and_unfold_keep_the_splits_they_can(mesh_shape):
         g = torch.func.grad(lambda x: fn(x).square().sum())  # noqa: B023
         torch.testing.assert_close(hpfun.shard(g, mesh=mesh, in_specs=spec, out_specs=spec)(x).full(), g(x),
                                    rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_a_strided_slice_whose_step_tiles_each_block_keeps_the_split(mesh_shape):
+    """x[::2] and x[1::2] of a split dim whose blocks the step tiles (even and odd positions, as
+    rotary embeddings and polyphase filters take them): each block's own rows, with no
+    collective forward or backward (the forward gathered x, the backward its gradient). A step
+    that does not tile the blocks still equals eager."""
+    names = ("dp", "tp")[: len(mesh_shape)]
+    mesh = hpfun.Mesh.simulated(mesh_shape, names)
+    spec = P(names)
+    x = _rand(16, 4)
+    for sl, free in ((slice(None, None, 2), True), (slice(1, None, 2), True), (slice(1, 16, 4), True),
+                     (slice(2, None, 2), False), (slice(0, None, 3), False)):
+        fn = lambda x: x[sl].exp()  # noqa: E731,B023
+        g = torch.func.grad(lambda x: fn(x).square().sum())  # noqa: B023
+        f, sg = (hpfun.shard(h, mesh=mesh, in_specs=spec, out_specs=None) for h in (fn, g))
+        if free:
+            assert f.lower(x).collectives == [] and sg.lower(x).collectives == [], sl
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(sg(x).full(), g(x), rtol=TOL, atol=TOL)

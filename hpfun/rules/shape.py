@@ -144,7 +144,7 @@ class Slice(Rule):
         # a slice of the whole dim (a cat's backward for its one input) copies each block; one of
         # none of it (`x[:0]`) is empty in any layout: the dim may stay split
         kept = call.op is aten.slice.Tensor and call.outputs[0].shape[dim] in (0, x.shape[dim]) and \
-            call.arg(4, "step", 1) in (1, None) or self._one_piece(call, dim)
+            call.arg(4, "step", 1) in (1, None) or self._one_piece(call, dim) or self._tiles(call, dim)
         ins, outs, picked = [], [], []
         for p in x.layout.placements:
             if isinstance(p, Shard) and (p.dim != dim or kept):
@@ -166,7 +166,23 @@ class Slice(Rule):
                 out.insert(0, Strategy((x.layout,) + rest, (layout,), note="picked"))
         return out
 
+    def _tiles(self, call: OpCall, dim: int) -> bool:
+        """`x[start::step]` along a split dim whose blocks the step tiles (`x[::2]`, `x[1::2]` of
+        blocks of even length): each block holds its share of the rows at the same local
+        offsets, so the slice of each block is the block of the slice."""
+        x = call.tensors[0]
+        if call.op is not aten.slice.Tensor or not x.layout.shard_axes(dim):
+            return False
+        rows, block = _picked_rows(call, x.shape[dim]), x.shape[dim] // x.layout.shard_factor(dim)
+        return rows.step > 1 and len(rows) > 0 and rows.start < rows.step and block % rows.step == 0 and \
+            rows == range(rows.start, x.shape[dim], rows.step)
+
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        x = call.tensors[0]
+        if strategy.note != "picked" and call.op is aten.slice.Tensor and \
+                strategy.inputs[0].shard_axes(dim := call.arg(self.dim_arg, "dim", 0) % x.ndim) and \
+                (rows := _picked_rows(call, x.shape[dim])).step > 1:  # tiled: the block's own rows
+            return ctx.call(aten.slice.Tensor, (args[0], dim, rows.start, None, rows.step))
         if strategy.note != "picked":
             return super().emit(ctx, call, strategy, args, kwargs)
         x_layout, x = strategy.inputs[0], call.tensors[0]
@@ -362,8 +378,11 @@ class SliceScatter(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         x, src = call.tensors[0], call.tensors[1]
         dim = call.arg(self.dim_arg, default=0) % x.ndim
-        # src covering the whole dim (a whole slice's backward): the output is src, block for block
-        whole = not self.drops_dim and src.shape[dim] == x.shape[dim] and call.arg(5, "step", 1) in (1, None)
+        # src covering the whole dim (a whole slice's backward): the output is src, block for block;
+        # or the rows `x[start::step]` whose step tiles each block (`x[::2]`'s backward): each block's own
+        copies = not self.drops_dim and src.shape[dim] == x.shape[dim] and call.arg(5, "step", 1) in (1, None)
+        tiles = not copies and self._tiles(call, dim)
+        whole = copies or tiles
         per_axis = []
         for a in range(call.mesh.ndim):
             p, q = x.layout.placements[a], src.layout.placements[a]
@@ -375,12 +394,39 @@ class SliceScatter(Rule):
             if partial is not None:
                 options.insert(0, ((partial, partial), (partial,)))
             per_axis.append(options)
-        return combine_axes(call, per_axis)
+        out = combine_axes(call, per_axis)
+        if tiles:  # (each layout's own blocks along dim: the step must tile them)
+            step = self._rows(call, dim).step
+            out = [st for st in out if (x.shape[dim] // st.outputs[0].shard_factor(dim)) % step == 0]
+        return out
 
     def _x_dim(self, q, dim: int) -> int | None:
         if not isinstance(q, Shard):
             return None
         return q.dim + (self.drops_dim and q.dim >= dim)
+
+    def _rows(self, call: OpCall, dim: int) -> range:
+        x = call.tensors[0]
+        start, end, step = call.arg(3, "start", None), call.arg(4, "end", None), call.arg(5, "step", 1)
+        return range(x.shape[dim])[slice(start, end, step)]
+
+    def _tiles(self, call: OpCall, dim: int) -> bool:
+        """src holds the rows `x[start::step]`, a step that tiles every block of a split dim (see
+        `Slice._tiles`), src split along it alike."""
+        x, src = call.tensors[0], call.tensors[1]
+        factor = max(x.layout.shard_factor(dim), src.layout.shard_factor(dim))
+        rows = self._rows(call, dim)
+        return call.op is aten.slice_scatter.default and rows.step > 1 and len(rows) > 0 and \
+            rows.start < rows.step and (x.shape[dim] // factor) % rows.step == 0 and \
+            rows == range(rows.start, x.shape[dim], rows.step) and factor > 1
+
+    def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
+        x = call.tensors[0]
+        dim = call.arg(self.dim_arg, default=0) % x.ndim
+        rows = self._rows(call, dim) if call.op is aten.slice_scatter.default else None
+        if rows is not None and rows.step > 1 and strategy.inputs[0].shard_axes(dim):  # tiled: each block's rows
+            return ctx.call(aten.slice_scatter.default, (args[0], args[1], dim, rows.start, None, rows.step))
+        return super().emit(ctx, call, strategy, args, kwargs)
 
 
 @attrs.frozen(kw_only=True)
