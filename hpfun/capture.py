@@ -2461,8 +2461,11 @@ def _describe(err: Exception) -> str:
     hint = ""
     if "data-dependent" in str(err).lower() or "DataDependent" in kind or "DynamicOutputShape" in kind:
         hint = (" — the function reads tensor values to decide Python control flow or a shape "
-                "(e.g. .item(), if x.sum() > 0, nonzero); hpfun traces once on shapes only, so "
-                "compute such values outside the sharded function or use torch.where")
+                "(e.g. .item(), if x.sum() > 0, nonzero, torch.equal). hpfun reads values made from the "
+                "arguments, buffers and constants, but not from parameters, optimizer state (they change at "
+                "every step: reading them would run the step's arithmetic twice) or random numbers drawn "
+                "inside, and this one depends on such a value: compute it outside the sharded function and "
+                "pass it in, or use torch.where")
         stack = traceback.extract_tb(err.__traceback__)
         frames = {os.path.basename(f.filename) for f in stack}
         reader = next((f for f in reversed(stack) if _public_torch_file(f.filename)), None)

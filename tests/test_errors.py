@@ -1173,3 +1173,23 @@ def test_a_read_in_an_autograd_functions_backward_is_read_as_in_its_forward():
     w.grad = None
     step(x)
     torch.testing.assert_close(got / 2, w.grad)  # (two backwards: the sharded one, then eager's)
+
+
+def test_a_read_of_a_value_made_from_a_parameter_says_why_it_is_not_read():
+    """torch.equal of values made from a parameter (gpytorch's covar_dist compares x / lengthscale
+    with itself): refused at its line, saying that values made from parameters, optimizer state or
+    random numbers are not read where the arguments' are (it said hpfun reads no values at all, which
+    the same read of an argument's values contradicts)."""
+    w = torch.nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def kernel(x):
+        a = x / w
+        return torch.cdist(a, a).pow(2).sum() if torch.equal(a, x / w) else x.sum()
+
+    _, text = _raise(hpfun.shard(kernel, mesh=MESH, in_specs=P("dp"), out_specs=P()),
+                     torch.rand(8, 2, dtype=torch.float64), error=hpfun.CaptureError)
+    assert "torch.equal(a, x / w)" in text and "but not from parameters, optimizer state" in text, text
+    args_only = hpfun.shard(lambda x: x.sum() * (2.0 if torch.equal(x, x.clone()) else 1.0), mesh=MESH,
+                            in_specs=P("dp"), out_specs=P())
+    x = torch.rand(8, 2, dtype=torch.float64)
+    torch.testing.assert_close(args_only(x).full(), x.sum() * 2.0)
