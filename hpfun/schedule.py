@@ -86,8 +86,9 @@ def hoist(graph: torch.fx.Graph) -> int:
     update's `lr * g` of a gradient whose sum, a linear op, waits for it: lowering places them at
     the update, one by one, each followed by its parameter's `sub`) move up to right after their
     own inputs. Their collectives are then ready together, where the backward made the
-    gradients: they bucket and overlap (each was waited on right after it was issued). FSDP's
-    gathers keep their place. How many nodes moved."""
+    gradients: they bucket and overlap (each was waited on right after it was issued). Only a
+    node that is the last reader of the values it reads moves (those are freed as it is made, so
+    the memory held stays the same); FSDP's gathers keep their place. How many nodes moved."""
     if any(_mutates(n) for n in graph.nodes):
         return 0
     moved = 0
@@ -95,8 +96,9 @@ def hoist(graph: torch.fx.Graph) -> int:
     def lift(node: torch.fx.Node, reader: torch.fx.Node) -> None:
         nonlocal moved
         if node.op != "call_function" or not _pure(node) or is_collective(node) or node.target is WAIT or \
-                any(u is not reader for u in node.users):
-            return
+                any(u is not reader for u in node.users) or \
+                any(a.op == "call_function" and len(a.users) > 1 for a in node.all_input_nodes):
+            return  # (moved up, a node whose inputs live on for other readers would hold both: more memory)
         for source in node.all_input_nodes:
             lift(source, node)
         latest = max(node.all_input_nodes, key=_LIVE.__getitem__, default=None)
