@@ -777,6 +777,29 @@ class ShardedFunction:
                                         "traceback (HPFUN_DEBUG=1 adds the program); fallback='replicate' or other "
                                         "specs may avoid it")) from err
 
+    def _check_patterns_after_trace(self, call: _Call, traced: "_Traced", updated: set) -> None:
+        """A state_specs pattern excused before the trace because it could name an optimizer's
+        state not made yet, matching no name once the trace made what it makes (an optimizer
+        that updated its parameters without making state, plain SGD, never will; an AdamW's first
+        step made its moments) is an error, as any pattern that matches nothing: it was never checked again
+        while the program ran from the cache (the plan silently not applied)."""
+        patterns = [p for p in self.state_specs or {} if isinstance(p, str) and p not in self._patterns_seen]
+        names = [*call.lifted, *traced.new_state, *_pending_gradients(call.state)]  # (a first backward's too)
+        missing = [p for p in patterns if not any(pattern_matches(p, n) for n in names)]
+        if not missing:
+            return
+        stepped = {id(root.value) for root in call.state.roots if isinstance(root.value, torch.optim.Optimizer) and
+                   any(call.state.param_names.get(id(p)) in updated for g in root.value.param_groups for p in g["params"])}
+        pending = [prefix for root in call.state.roots if isinstance(root.value, torch.optim.Optimizer)
+                   and id(root.value) not in stepped for prefix in _pending_state_prefixes(call.state)
+                   if prefix.startswith(lift._join(root.name, "state") + ".")]
+        problems: list = []
+        match_patterns({p: self.state_specs[p] for p in missing if not _may_name_state(p, pending)}, names, problems,
+                       "state_specs", self.mesh, aliases=_tied_names(call.state, set(names)),
+                       hint=_optimizer_names_hint(call.state))
+        if problems:
+            raise SpecError(problems)
+
     def _compile_graph(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
         self.trace_count += 1
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
@@ -797,6 +820,8 @@ class ShardedFunction:
             n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
             arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
             raise lift.unlifted_tensor_error(call.state, str(err), arguments) from None
+        paths = call.paths()
+        self._check_patterns_after_trace(call, traced, {paths[tensor_pos[j]] for j in captured.mutated})
         _check_configs_unchanged(call, leaves)
         gm = captured.gm  # (on a distributed mesh, the ranks compare what they read after compiling)
         self._stage = "planning the layouts"

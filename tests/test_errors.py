@@ -857,6 +857,11 @@ def test_mistakes_that_ran_without_a_word_are_named():
     _, text = _raise(typo, *data, error=hpfun.SpecError)
     assert "state_specs['0.weihgt']: matches no name; closest: model.0.weight" in text
     assert "momentum_buffer" not in text  # a pattern for state not made yet is checked once it is
+    only_opt = hpfun.shard(lambda: opt.step(), mesh=mesh, in_specs=(), out_specs=None,
+                           state_specs={"0.weight": P("dp")})  # (its parameters are named opt.params.0.*)
+    F.cross_entropy(model(data[0]), data[1]).backward()
+    _, text = _raise(only_opt, error=hpfun.SpecError)  # plain SGD makes no state: it never matched, and the
+    assert "state_specs['0.weight']: matches no name" in text  # cached program ran without the plan, silently
     grads = hpfun.shard(lambda x, y: F.cross_entropy(model(x), y).backward(), mesh=mesh, in_specs=(P("dp"), P("dp")),
                         state_specs={"*.grad": P("dp")})  # ZeRO-2 accumulation: no gradient before the first call
     grads(*data)
