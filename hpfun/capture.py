@@ -1457,6 +1457,19 @@ def _bound(args, kwargs, names) -> list:
     return [args[i] if i < len(args) else (kwargs or {}).get(n) for i, n in enumerate(names)]
 
 
+def _target_fits(func, logits, target) -> None:
+    """cross_entropy / nll_loss's target: class indices (integers) or, for cross_entropy,
+    probabilities of the input's shape, as eager checks (the trace's decomposition reached a
+    gather of float indices, and said that instead)."""
+    if not isinstance(target, torch.Tensor) or not isinstance(logits, torch.Tensor) or \
+            not target.is_floating_point() or \
+            func is torch.nn.functional.cross_entropy and tuple(target.shape) == tuple(logits.shape):
+        return
+    kind = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half"}.get(target.dtype, str(target.dtype))
+    raise RuntimeError(f"expected target dtype to be Long or Byte, but got {kind} (class indices; cross_entropy "
+                       "also takes probabilities of the input's shape)")
+
+
 def _put_fits(x, indices, values, *_) -> None:
     if isinstance(indices, (list, tuple)):  # (a None: the whole dim)
         _value_fits(x, tuple(slice(None) if i is None else i for i in indices), values)
@@ -1887,6 +1900,8 @@ class _TensorScalars(TorchFunctionMode):
             return func(args[0], index, args[2])
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs:
             _value_fits(*args)
+        if func in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss):
+            _target_fits(func, *_bound(args, kwargs, ("input", "target")))
         if (write_check := _INDEX_WRITES.get(_base_name(func))) is not None:
             write_check(*_bound(args, kwargs, _WRITE_ARGS[_base_name(func)]))
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:

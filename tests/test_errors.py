@@ -1198,3 +1198,17 @@ def test_a_read_of_a_value_made_from_a_parameter_says_why_it_is_not_read():
                             in_specs=P("dp"), out_specs=P())
     x = torch.rand(8, 2, dtype=torch.float64)
     torch.testing.assert_close(args_only(x).full(), x.sum() * 2.0)
+
+
+def test_float_class_labels_are_refused_as_eager_refuses_them():
+    """F.cross_entropy and F.nll_loss with float class labels: eager's message (hpfun said gather()
+    wanted integer indices, from its decomposition); probabilities of the input's shape still
+    run."""
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 8, (8,))
+    for loss in (F.cross_entropy, lambda a, t: F.nll_loss(a.log_softmax(-1), t)):
+        f = hpfun.shard(loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+        _, text = _raise(f, x, y.double(), error=hpfun.CaptureError)
+        assert "expected target dtype to be Long or Byte, but got Double" in text, text
+    probs = torch.softmax(torch.randn(8, 8, dtype=torch.float64), -1)
+    f = hpfun.shard(F.cross_entropy, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    torch.testing.assert_close(f(x, probs).full(), F.cross_entropy(x, probs))
