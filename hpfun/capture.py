@@ -433,6 +433,8 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         gm = _trace(flat_fn, fakes)
     _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []
+    if _mutates(gm):
+        _refuse_input_metadata_writes(gm, only_resize=True)  # (x.resize_(...) of an input: the rewrite takes it)
     if _mutates(gm) and (written := functionalize(gm)) is not None:
         mutated = written  # rewritten out of place where it is: no write is seen through a view
     elif _mutates(gm):
@@ -1994,15 +1996,19 @@ def _mutates(gm: torch.fx.GraphModule) -> bool:
 _RESHAPE_FIX = "make a new tensor instead (`y = x.t()`, `y = x.unsqueeze(0)`: not x.t_(), x.unsqueeze_(0), x.resize_(...))"
 
 
-def _refuse_input_metadata_writes(gm: torch.fx.GraphModule) -> None:
+def _refuse_input_metadata_writes(gm: torch.fx.GraphModule, only_resize: bool = False) -> None:
     """An op changing an input's shape or strides in place (`x.t_()`, `x.unsqueeze_(0)` on an
     argument or a parameter), named at the user's line: the program's results are new tensors,
     and what is written back into an input is its values, never a new shape. (On a tensor the
     function made, such an op is rewritten like any other.)"""
     problems = []
     for n in gm.graph.nodes:
+        resized = n.op == "call_function" and n.target in (aten.resize.default, aten.resize_.default) and \
+            isinstance(n.args[0], torch.fx.Node) and "val" in n.args[0].meta and \
+            tuple(n.args[0].meta["val"].shape) != tuple(n.args[1])  # (functionalized x.resize_(...))
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-                torch.Tag.inplace_view in n.target.tags and _base(n.args[0]).op == "placeholder":
+                (torch.Tag.inplace_view in n.target.tags and not only_resize or resized) and \
+                _base(n.args[0]).op == "placeholder":
             line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
             problems.append(Problem(f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}",
                                     "changes the shape or strides of an input (an argument or lifted state) in place, "

@@ -938,6 +938,15 @@ def test_writes_that_cannot_be_handed_back_are_named_at_the_users_line():
                      error=hpfun.CaptureError)
     assert "t_ at " in text and "a.t_()" in text and "changes the shape or strides of an input" in text
 
+    def resized(a):
+        a.resize_(2, 12)
+        return a.sum(0)
+
+    for fallback in (None, "replicate"):  # (a missing rule, and with the fallback torch failed writing it back)
+        _, text = _raise(hpfun.shard(resized, mesh=mesh, in_specs=(P("x"),), out_specs=P(), fallback=fallback),
+                         torch.randn(4, 6), error=hpfun.CaptureError)
+        assert "resize_ at " in text and "changes the shape or strides of an input" in text, text
+
     def made(a):
         b = a * 2
         b.t_()
