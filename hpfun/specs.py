@@ -466,12 +466,13 @@ def misfit(mesh: Mesh, x, spec) -> str | None:
 def warn_kept_whole(where: str, kept: dict, state: bool = False) -> None:
     """One WildcardWarning listing the tensors (name -> shape and why) a wildcard left whole,
     attributed to the user's call."""
-    example = ".".join(next(iter(kept)).split(".")[-2:])
+    first = next(iter(kept)).split(".")  # (the name's last two parts after `*.`; a name of two parts as it is:
+    example = ".".join(first) if len(first) <= 2 else "*." + ".".join(first[-2:])  # `*.` would need a third)
     level = user_stacklevel()
     warnings.warn(f"{where}: {len(kept)} tensor(s) matched only by wildcard patterns cannot take their spec and are "
                   "kept whole (replicated) on every rank" + (", with their gradients and optimizer state" * state) +
                   ":\n" + "\n".join(f"  {n} {why}" for n, why in kept.items()) +
-                  f"\nname them with a more specific pattern to choose their layout (e.g. '*.{example}': P() beside "
+                  f"\nname them with a more specific pattern to choose their layout (e.g. '{example}': P() beside "
                   "the wildcard keeps that one whole and silences this), or pad them", WildcardWarning, stacklevel=level)
 
 

@@ -457,6 +457,7 @@ def test_a_wildcard_in_a_dict_of_specs_keeps_whole_what_it_cannot_split():
     messages = [str(w.message) for w in caught if w.category is hpfun.WildcardWarning]
     assert [m.split(":")[0] for m in messages] == ["args[0]", "outputs"], messages
     assert all("2.weight (4, 16): dim 0 of size 4 is not divisible" in m and "0.weight" not in m for m in messages)
+    assert all("(e.g. '2.weight': P() beside the wildcard" in m for m in messages)  # ('*.2.weight' matched nothing)
     assert all(w.filename == __file__ for w in caught if w.category is hpfun.WildcardWarning)
     assert new["0.weight"].layout.placements_str() == "[S(0)]" and new["2.weight"].layout.placements_str() == "[R]"
     ref_grads = torch.autograd.grad(F.cross_entropy(ref(x), y), list(ref.parameters()))
