@@ -10,7 +10,8 @@ that, in this order:
   up to `bucket_bytes`; a bucket takes a member only if every member's input exists before any
   member's result is first used (so the fused collective creates no cycle: no member's input
   can depend on another member's output). Sums are elementwise, so a bucketed all-reduce gives
-  bitwise the result of its members' all-reduces.
+  the result of its members' all-reduces: bitwise on a simulated mesh and over 2 ranks (over
+  more, torch.distributed may add an element's terms in another order at another offset).
 - `overlap` moves each collective, with the glue that only feeds it (a cast to the reduce dtype,
   the bucket's flatten and cat), up to right after its inputs exist, and its wait, with the
   glue that only reads it (the split, a cast back), down to right before its first user. The
