@@ -155,6 +155,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     scalar_names = state.scalar_names if state is not None else ()
     held = _LOCAL._entries
     owned = None  # on a distributed mesh, the ids of modules' and optimizers' state (`module_state`)
+    kept = None  # and with the tensors modules keep as attributes (an assigned slot's owner)
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -202,8 +203,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 whole = False  # (a block held from an earlier call is a module's: no walk at every step)
                 if value.layout.mesh.runtime == "distributed" and slot.follows is None and \
                         isinstance(like, torch.Tensor) and id(like) not in held:
-                    owned = module_state(state.roots, attributes=True) if owned is None else owned
-                    whole = id(like) not in owned  # a plain object's tensor, a dict's or list's: whole
+                    kept = module_state(state.roots, attributes=True) if kept is None else kept
+                    whole = id(like) not in kept  # a plain object's tensor, a dict's or list's: whole
                 slot.write(_new_tensor(value, like=like, whole=whole))
         if targets:
             _copy(targets, sources, scalars)
