@@ -2261,17 +2261,17 @@ def _drop_made_modules(container, path: str, found: list, depth: int = 3) -> Non
     if depth == 0:
         return
     for key, v in list(container.items() if type(container) is dict else enumerate(container)):
+        if type(v) not in (dict, list):
+            continue
         place = f"{path}[{key!r}]"
-        if type(v) in (dict, list):
-            for inner, w in list(v.items() if type(v) is dict else enumerate(v)):
-                if _holds_fake_state(w):
-                    found.append(f"{place}[{inner!r}] (a module made inside the function)")
-            if type(v) is dict:
-                for inner in [k for k, w in v.items() if _holds_fake_state(w)]:
-                    del v[inner]
-            else:
-                v[:] = [w for w in v if not _holds_fake_state(w)]
-            _drop_made_modules(v, place, found, depth - 1)
+        made = [k for k, w in (v.items() if type(v) is dict else enumerate(v)) if _holds_fake_state(w)]
+        found += [f"{place}[{k!r}] (a module made inside the function)" for k in made]
+        if type(v) is dict:
+            for k in made:
+                del v[k]
+        elif made:
+            v[:] = [w for w in v if not _holds_fake_state(w)]
+        _drop_made_modules(v, place, found, depth - 1)
 
 
 def _part_of(read, j: int):
