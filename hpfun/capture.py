@@ -1906,6 +1906,11 @@ class _TensorScalars(TorchFunctionMode):
             _target_fits(func, *_bound(args, kwargs, ("input", "target")))
         if (write_check := _INDEX_WRITES.get(_base_name(func))) is not None:
             write_check(*_bound(args, kwargs, _WRITE_ARGS[_base_name(func)]))
+        if _base_name(func) == "index_add":  # a 0-d index, which eager takes and torch's decomposition does not
+            if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].ndim == 0:
+                args = (*args[:2], args[2].reshape(1), *args[3:])
+            elif isinstance((kwargs or {}).get("index"), torch.Tensor) and kwargs["index"].ndim == 0:
+                kwargs = {**kwargs, "index": kwargs["index"].reshape(1)}
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:

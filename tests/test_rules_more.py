@@ -716,3 +716,18 @@ def test_a_strided_slice_whose_step_tiles_each_block_keeps_the_split(mesh_shape)
             assert f.lower(x).collectives == [] and sg.lower(x).collectives == [], sl
         torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
         torch.testing.assert_close(sg(x).full(), g(x), rtol=TOL, atol=TOL)
+
+
+def test_index_add_of_a_zero_dim_index_runs_as_eager():
+    """x.index_add(dim, i, source) with a 0-d index (one row, as eager takes it), in or out of
+    place, keywords too: torch's decomposition made it an index_put whose value did not fit the
+    row, and every rank's program failed."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    x, i = _rand(8, 6), torch.tensor(3)
+    cases = [lambda x: x.index_add(0, i, torch.ones(1, 6, dtype=torch.float64)),
+             lambda x: x.clone().index_add_(1, i, torch.ones(8, 1, dtype=torch.float64), alpha=3),
+             lambda x: torch.index_add(x, dim=0, index=i, source=torch.ones(1, 6, dtype=torch.float64))]
+    for fn in cases:
+        for spec in (P("dp"), P(None, "dp")):
+            got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
+            torch.testing.assert_close(got, fn(x), rtol=TOL, atol=TOL)
