@@ -28,7 +28,9 @@ weight and bias), and each use's gathers are issued right before the previous us
 at a time, the one computing and the one in flight. Where parameters are gathered, the
 reduce-scatters of their gradients carry the key too (the op that made the gradient): issued
 as soon as the gradient exists, as any collective, they bucket only with gradients of that op,
-so each whole gradient is freed during the backward instead of waiting for a bucket to fill.
+so each whole gradient is freed during the backward instead of waiting for a bucket to fill. A
+whole gradient all-reduced there (an optimizer that reads it whole, as Adafactor's row and
+column factors do) of `FSDP_ALONE` bytes or more is not bucketed either.
 
 Both passes only reorder and fuse: one program for every rank, the same collectives in the same
 order on all of them.
@@ -53,6 +55,7 @@ COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10
                c10d.all_to_all_single.default)
 _BUCKETABLE = COLLECTIVES[:3]  # all-to-all's splits do not concatenate
 FSDP = "hpfun_fsdp"  # on FSDP's gathers (hpfun.fsdp.META): the name of the use they serve
+FSDP_ALONE = 64 << 10  # under FSDP's schedule, a collective of no use's this large is not bucketed
 
 
 @attrs.frozen(eq=False)
@@ -342,6 +345,9 @@ def bucket(graph: torch.fx.Graph, cap: int) -> tuple[Bucket, ...]:
     pos = _positions(graph)
     candidates = [_candidate(n, pos) for n in graph.nodes
                   if n.op == "call_function" and n.target in _BUCKETABLE and "hpfun_collective" in n.meta]
+    if any(FSDP in c.collective.meta for c in candidates):  # FSDP's schedule: a whole gradient all-reduced (an
+        candidates = [c for c in candidates if FSDP in c.collective.meta  # optimizer reading it whole: Adafactor's
+                      or c.record.bytes < FSDP_ALONE]  # factors) goes alone, freed at once, not held for a bucket
     candidates.sort(key=lambda c: (c.ready, pos[c.collective]))
     open_: dict = {}
     closed: list[list[_Candidate]] = []
