@@ -2490,8 +2490,8 @@ def _describe(err: Exception) -> str:
                 "(e.g. .item(), if x.sum() > 0, nonzero, torch.equal). hpfun reads values made from the "
                 "arguments, buffers and constants, but not from parameters, optimizer state (they change at "
                 "every step: reading them would run the step's arithmetic twice) or random numbers drawn "
-                "inside, and this one depends on such a value: compute it outside the sharded function and "
-                "pass it in, or use torch.where")
+                "inside, nor what torch's own backward reads (a prod's zeros), and this is such a value: "
+                "compute it outside the sharded function and pass it in, or use torch.where")
         stack = traceback.extract_tb(err.__traceback__)
         frames = {os.path.basename(f.filename) for f in stack}
         reader = next((f for f in reversed(stack) if _public_torch_file(f.filename)), None)

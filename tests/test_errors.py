@@ -1203,6 +1203,10 @@ def test_a_read_of_a_value_made_from_a_parameter_says_why_it_is_not_read():
     _, text = _raise(hpfun.shard(kernel, mesh=MESH, in_specs=P("dp"), out_specs=P()),
                      torch.rand(8, 2, dtype=torch.float64), error=hpfun.CaptureError)
     assert "torch.equal(a, x / w)" in text and "but not from parameters, optimizer state" in text, text
+    prod = torch.func.grad(lambda x: x.scatter_reduce(0, torch.zeros(2, 2, dtype=torch.long), x, "prod").sum())
+    _, text = _raise(hpfun.shard(prod, mesh=MESH, in_specs=P(), out_specs=P()), torch.rand(2, 2, dtype=torch.float64),
+                     error=hpfun.CaptureError)  # (read by torch's backward of a prod: not said to be a parameter's)
+    assert "nor what torch's own backward reads" in text, text
     args_only = hpfun.shard(lambda x: x.sum() * (2.0 if torch.equal(x, x.clone()) else 1.0), mesh=MESH,
                             in_specs=P("dp"), out_specs=P())
     x = torch.rand(8, 2, dtype=torch.float64)
