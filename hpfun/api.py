@@ -780,9 +780,9 @@ class ShardedFunction:
     def _check_patterns_after_trace(self, call: _Call, traced: "_Traced", updated: set) -> None:
         """A state_specs pattern excused before the trace because it could name an optimizer's
         state not made yet, matching no name once the trace made what it makes (an optimizer
-        that updated its parameters without making state, plain SGD, never will; an AdamW's first
-        step made its moments) is an error, as any pattern that matches nothing: it was never checked again
-        while the program ran from the cache (the plan silently not applied)."""
+        that updated its parameters without making state, plain SGD, never will; an AdamW's
+        first step made its moments) is an error, as any pattern that matches nothing: it was
+        never checked again while the program ran from the cache (the plan silently not applied)."""
         patterns = [p for p in self.state_specs or {} if isinstance(p, str) and p not in self._patterns_seen]
         names = [*call.lifted, *traced.new_state, *_pending_gradients(call.state)]  # (a first backward's too)
         missing = [p for p in patterns if not any(pattern_matches(p, n) for n in names)]

@@ -1904,9 +1904,9 @@ class _TensorScalars(TorchFunctionMode):
             _value_fits(*args)
         if func in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss):
             _target_fits(func, *_bound(args, kwargs, ("input", "target")))
-        if (write_check := _INDEX_WRITES.get(_base_name(func))) is not None:
-            write_check(*_bound(args, kwargs, _WRITE_ARGS[_base_name(func)]))
-        if _base_name(func) == "index_add":  # a 0-d index, which eager takes and torch's decomposition does not
+        if (write_check := _INDEX_WRITES.get(written := _base_name(func))) is not None:
+            write_check(*_bound(args, kwargs, _WRITE_ARGS[written]))
+        if written == "index_add":  # a 0-d index, which eager takes and torch's decomposition does not
             if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].ndim == 0:
                 args = (*args[:2], args[2].reshape(1), *args[3:])
             elif isinstance((kwargs or {}).get("index"), torch.Tensor) and kwargs["index"].ndim == 0:

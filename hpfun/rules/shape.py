@@ -173,9 +173,7 @@ class Slice(Rule):
         x = call.tensors[0]
         if call.op is not aten.slice.Tensor or not x.layout.shard_axes(dim):
             return False
-        rows, block = _picked_rows(call, x.shape[dim]), x.shape[dim] // x.layout.shard_factor(dim)
-        return rows.step > 1 and len(rows) > 0 and rows.start < rows.step and block % rows.step == 0 and \
-            rows == range(rows.start, x.shape[dim], rows.step)
+        return _tiling(_picked_rows(call, x.shape[dim]), x.shape[dim], x.layout.shard_factor(dim))
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
         x = call.tensors[0]
@@ -310,6 +308,13 @@ class Cat(Rule):
 _PICKS = (aten.select.int, aten.slice.Tensor, aten.narrow.default)
 
 
+def _tiling(rows: range, size: int, factor: int) -> bool:
+    """Whether `rows` are `start::step` of a dim of `size` split into `factor` blocks that the
+    step tiles: each block holds its share of them at the same local offsets."""
+    return rows.step > 1 and len(rows) > 0 and rows.start < rows.step and (size // factor) % rows.step == 0 and \
+        rows == range(rows.start, size, rows.step)
+
+
 def _picked_rows(call: OpCall, size: int) -> range:
     """The global rows along the dim that select, slice or narrow takes."""
     if call.op is aten.select.int:
@@ -415,10 +420,8 @@ class SliceScatter(Rule):
         `Slice._tiles`), src split along it alike."""
         x, src = call.tensors[0], call.tensors[1]
         factor = max(x.layout.shard_factor(dim), src.layout.shard_factor(dim))
-        rows = self._rows(call, dim)
-        return call.op is aten.slice_scatter.default and rows.step > 1 and len(rows) > 0 and \
-            rows.start < rows.step and (x.shape[dim] // factor) % rows.step == 0 and \
-            rows == range(rows.start, x.shape[dim], rows.step) and factor > 1
+        return call.op is aten.slice_scatter.default and factor > 1 and \
+            _tiling(self._rows(call, dim), x.shape[dim], factor)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args: tuple, kwargs: dict):
         x = call.tensors[0]
