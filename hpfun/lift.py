@@ -152,7 +152,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             else:
                 note(None)
             for i, v in enumerate(obj):
-                value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, write))
+                value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, read, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
         elif isinstance(getattr(obj, "__wrapped__", None), types.FunctionType) and callable(obj):
@@ -729,14 +729,15 @@ def _item_reader(read_seq, i: int):
     return lambda: read_seq()[i]
 
 
-def _sequence_writer(seq, i: int, write_seq):
+def _sequence_writer(seq, i: int, read_seq, write_seq):
     if isinstance(seq, list):
         return functools.partial(seq.__setitem__, i)
     if write_seq is None:
         return None
 
-    def write(v):  # a tuple is rebuilt at its own place
-        items = list(seq)
+    def write(v):  # a tuple is rebuilt at its own place, from the one there now (a write to
+        current = read_seq()  # another of its items may have rebuilt it since the walk)
+        items = list(current if isinstance(current, tuple) and len(current) == len(seq) else seq)
         items[i] = v
         write_seq(type(seq)(items) if type(seq) is tuple else type(seq)(*items))
 

@@ -590,6 +590,36 @@ def test_closed_over_global_and_created_tensors():
     assert {"SCALE", "offsets.a", "offsets.b", "shift"} <= set(names) and "constants.0" in names
 
 
+PAIR = (torch.tensor([2.0, 3.0], dtype=torch.float64), torch.tensor([0.5, -1.0], dtype=torch.float64), 3)
+Point = collections.namedtuple("Point", "a b")
+
+
+def test_every_tensor_of_a_global_or_closed_over_tuple_is_read_and_written_back():
+    """A tuple is rebuilt at its place to hold each stand-in: the second tensor's write rebuilt
+    it from the tuple the walk saw, putting the first one's real tensor back, and its read then
+    failed as an unknown tensor (a global tuple of two tensors could not be read at all)."""
+    nested = {"t": (torch.ones(2, dtype=torch.float64), Point(torch.full((2,), 2.0, dtype=torch.float64),
+                                                               torch.full((2,), -1.0, dtype=torch.float64)))}
+
+    def fn(x):
+        PAIR[0].add_(1.0)
+        nested["t"][1].b.mul_(2.0)
+        return x * PAIR[0] * PAIR[1] * PAIR[2] + nested["t"][0] + nested["t"][1].a * nested["t"][1].b
+
+    before = copy.deepcopy((PAIR, nested))
+    f = hpfun.shard(fn, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.randn(4, 2, dtype=torch.float64)
+    outs = [f(x).full() for _ in range(3)]
+    after, tensors = copy.deepcopy((PAIR, nested)), (PAIR[0], nested["t"][1].b)
+    PAIR[0].copy_(before[0][0])
+    nested["t"][1].b.copy_(before[1]["t"][1].b)
+    for out in outs:
+        assert torch.allclose(out, fn(x), rtol=1e-13, atol=0)
+    assert torch.equal(after[0][0], PAIR[0]) and torch.equal(after[1]["t"][1].b, nested["t"][1].b)
+    assert PAIR[0] is tensors[0] and nested["t"][1].b is tensors[1]
+    assert type(nested["t"][1]) is Point and f.trace_count == 1
+
+
 class Counter(torch.nn.Module):
     """A module that updates its buffers in place, as BatchNorm's running statistics do."""
 
