@@ -495,6 +495,11 @@ LOOKUPS = {
                            (_rand(4, 8), _ids(8, 4, 4), _rand(4, 4)), ()),
     "scatter_reduce_amax": (aten.scatter_reduce.two, lambda x, i, s: aten.scatter_reduce.two(x, 0, i, s, "amax", include_self=False),
                             (_rand(8, 4), _ids(8, 4, 4), _rand(4, 4)), ()),
+    "index_reduce_prod": (aten.index_reduce.default, lambda x, i, s: aten.index_reduce.default(x, 0, i, s, "prod"),
+                          (_rand(8, 4), _ids(8, 6), _rand(6, 4)), ()),
+    "index_reduce_mean": (aten.index_reduce.default,
+                          lambda x, i, s: aten.index_reduce.default(x, 1, i, s, "mean", include_self=False),
+                          (_rand(4, 8), _ids(8, 6), _rand(4, 6)), ()),
 }
 INDEX = {  # name: (x[indices] with these index tensors at these dims, x's shape)
     "first": ([_ids(8, 4)], (8, 4, 2)),
@@ -873,6 +878,7 @@ REPLICATED = {
     "searchsorted": (aten.searchsorted.Tensor, lambda s, x: aten.searchsorted.Tensor(s.sort().values, x),
                      (_rand(4), _rand(4, 4))),
     "unfold": (aten.unfold.default, lambda x: aten.unfold.default(x, 1, 2, 1), (_rand(4, 4),)),
+    "put": (aten.put.default, lambda x, i, s: aten.put.default(x, i, s, True), (_rand(4, 4), _ids(16, 6), _rand(6))),
     # nn.Embedding(max_norm=1.5): rows named by an index scaled down to the norm (some are above it)
     "embedding_renorm": (aten.embedding_renorm.default,
                          lambda w, i: aten.embedding_renorm.default(w, i, 1.5, 2.0), (_rand(8, 4), _ids(4, 8))),

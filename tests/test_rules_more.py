@@ -731,3 +731,26 @@ def test_index_add_of_a_zero_dim_index_runs_as_eager():
         for spec in (P("dp"), P(None, "dp")):
             got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
             torch.testing.assert_close(got, fn(x), rtol=TOL, atol=TOL)
+
+
+def test_index_reduce_and_put_run_as_eager_and_index_reduce_keeps_the_split():
+    """index_reduce (in place too, and amax's gradient) and put had no rule, so a step using
+    them was refused. index_reduce keeps self's split, along the reduced dim too (masked rows,
+    no collective); put runs whole (its indices name elements of the flattened tensor)."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    x, i, src = _rand(8, 6), torch.tensor([0, 3, 5, 7, 3]), _rand(5, 6)
+
+    def amax_grad(x):
+        return torch.func.grad(lambda x: x.index_reduce(0, i, src, "amax").square().sum())(x)
+
+    cases = [(lambda x: x.index_reduce(0, i, src, "prod"), True),
+             (lambda x: x.clone().index_reduce_(0, i, src, "mean", include_self=False), True),
+             (amax_grad, False),
+             (lambda x: x.put(torch.tensor([1, 40, 1]), torch.tensor([9.0, 8.0, 1.0], dtype=torch.float64),
+                              accumulate=True), False)]
+    for fn, free in cases:
+        for spec in (P("dp"), P(None, "dp")):
+            f = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=spec)
+            torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
+            if free:
+                assert f.lower(x).collectives == [], f.lower(x)

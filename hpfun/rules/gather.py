@@ -137,6 +137,30 @@ class Scatter(Rule):
 
 
 @attrs.frozen(kw_only=True)
+class IndexReduce(Scatter):
+    """index_reduce(self, dim, index, source, reduce, include_self): each row of `self` along
+    `dim` that `index` names reduced (prod, mean, amax, amin) with the rows of `source` naming
+    it. `self` split along `dim`: each rank reduces the rows its block holds, the others sent to
+    a padding row that is cut off (as scatter); split along another dim: `source` split alike
+    (its other dims are self's), rows independent. No Partial passes: none of the four
+    reductions is a sum of the terms' results."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        x, index, source = call.tensors[:3]
+        sdim = _dim(call, x)
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            p = x.layout.placements[a]
+            options = [replicated_option(call)]
+            if isinstance(p, Shard) and p.dim == sdim:
+                options.insert(0, ((p, R, R), (p,)))
+            elif isinstance(p, Shard) and source.ndim == x.ndim and source.shape[p.dim] == x.shape[p.dim]:
+                options.insert(0, ((p, R, p), (p,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
 class Embedding(Rule):
     """embedding(weight, ids): rows of weight (V, D) picked by ids; output ids.shape + (D,).
 
