@@ -754,3 +754,18 @@ def test_index_reduce_and_put_run_as_eager_and_index_reduce_keeps_the_split():
             torch.testing.assert_close(f(x).full(), fn(x), rtol=TOL, atol=TOL)
             if free:
                 assert f.lower(x).collectives == [], f.lower(x)
+
+
+def test_any_and_all_over_a_split_dim_all_reduce_the_blocks_booleans():
+    """any (and all, which torch writes as any) over a split dim is the max of the blocks'
+    booleans: one all-reduce of the result's size, where the input was gathered whole. NaN is
+    true, as in eager."""
+    mesh = hpfun.Mesh.simulated((2,), ("dp",))
+    x = _rand(8, 6)
+    x[2, 3] = float("nan")
+    for fn in (lambda x: (x > 1.0).any(0), lambda x: (x > -1.0).all(0), lambda x: x.isnan().any(),
+               lambda x: (x > 1.0).any(dim=(0, 1), keepdim=True)):
+        f = hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P())
+        assert torch.equal(f(x).full(), fn(x))
+        (move,) = f.lower(x).collectives
+        assert move.kind == "all_reduce" and move.bytes == fn(x).numel(), move
