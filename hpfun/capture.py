@@ -903,30 +903,47 @@ def _trace(fn, fakes) -> torch.fx.GraphModule:
         return _make_fx(fn, fakes)
 
 
+# The torch-function modes a trace runs under (`_TensorScalars`, and `lift.ScalarSigns` while an
+# optimizer's step may run), outermost first: the Python the autograd engine runs holds them too.
+_BACKWARD_MODES: list = []
+
+
 @contextlib.contextmanager
-def _in_custom_backwards(mode):
-    """`mode` in the backward of an autograd.Function too (torchdiffeq's adjoint checks its time
-    points there): the autograd engine runs it without the torch-function modes of the call
-    that started the backward, so a read of the arguments' values there was refused."""
-    cls = torch.autograd.function.BackwardCFunction
-    originals = {name: vars(cls)[name] for name in ("apply", "apply_boxed") if name in vars(cls)}
-
-    def under_mode(original):
-        @functools.wraps(original)
-        def run(self, *args):
-            if mode in torch.overrides._get_current_function_mode_stack():
-                return original(self, *args)
-            with mode:
-                return original(self, *args)
-        return run
-
-    for name, original in originals.items():
-        setattr(cls, name, under_mode(original))
+def in_backwards(mode):
+    """`mode` also in the Python the autograd engine runs while a trace backpropagates: a custom
+    autograd.Function's backward (torchdiffeq's adjoint checks its time points there), a
+    tensor's or module's backward hook, and a parameter's post-accumulate-grad hook (an
+    optimizer stepped per parameter as its gradient is ready: its hyperparameters are traced
+    stand-ins). A mode handling `backward` is off the stack while it runs, so the engine ran
+    that Python without any: a read of the arguments' values there was refused, and a stand-in
+    learning rate given as an op's number was read with `.item()`."""
+    _BACKWARD_MODES.append(mode)
     try:
-        yield
+        yield mode
     finally:
-        for name, original in originals.items():
-            setattr(cls, name, original)
+        _BACKWARD_MODES.remove(mode)
+
+
+@contextlib.contextmanager
+def _modes_in_backwards():
+    """While tracing, the autograd engine runs under the modes of `_BACKWARD_MODES` not on the
+    stack (see `in_backwards`)."""
+    from torch.autograd import graph
+
+    original = graph._engine_run_backward
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            active = torch.overrides._get_current_function_mode_stack()
+            for mode in list(_BACKWARD_MODES):
+                if not any(m is mode for m in active):
+                    stack.enter_context(mode)
+            return original(*args, **kwargs)
+
+    with mock.patch.object(graph, "_engine_run_backward", run), \
+            mock.patch.object(torch.autograd, "_engine_run_backward", run):
+        yield
 
 
 def _make_fx(fn, fakes) -> torch.fx.GraphModule:
@@ -942,7 +959,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
         with mock.patch.object(proxy_tensor.PythonKeyTracer, "_filter_traceback_frames", _innermost_user_frame), \
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
-                _compiled_code_runs_as_written(), torch_checkpoints(), scalars, _in_custom_backwards(scalars), \
+                _compiled_code_runs_as_written(), torch_checkpoints(), scalars, in_backwards(scalars), _modes_in_backwards(), \
                 _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused():
             gm = traced(list(fakes))
     except CaptureError:

@@ -38,7 +38,7 @@ import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR
+from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, in_backwards
 from hpfun.optimizers import PythonFloats, read_as_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
@@ -727,6 +727,13 @@ def _holds_state(container) -> bool:
 
 def _item_reader(read_seq, i: int):
     return lambda: read_seq()[i]
+
+
+def _rekeyed_back(container: dict, real: dict) -> None:
+    """A dict keyed by stand-ins during a trace keyed by the tensors they stood in for, in its order."""
+    items = list(container.items())
+    container.clear()
+    container.update((real.get(id(k), k), v) for k, v in items)
 
 
 def _sequence_writer(seq, i: int, read_seq, write_seq):
@@ -1438,10 +1445,13 @@ class ScalarSigns(torch.overrides.TorchFunctionMode):
     def __enter__(self):
         self._outer = PythonFloats.active
         PythonFloats.active = self.floats
+        self._backwards = in_backwards(self)  # (an optimizer stepped in a gradient hook)
+        self._backwards.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         PythonFloats.active = self._outer
+        self._backwards.__exit__(None, None, None)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -1597,6 +1607,7 @@ class Substitution:
         self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
+        self._reached: list = []  # the user's objects a method the function or a hook is holds (`self`)
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1610,6 +1621,7 @@ class Substitution:
                     raise CaptureError(Problem(root.name, "is a tensor bound in a functools.partial, where hpfun cannot "
                                                "lift it", "pass it as an argument, or close over it in a def"))
                 self._set(root.write, root.value, swap[id(root.value)])
+        self._rekey()
         for real_id, grad in grads.items():  # stand-in parameters get their gradients' stand-ins
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
@@ -1623,6 +1635,27 @@ class Substitution:
     def _set(self, write, old, new):
         write(new)
         self._undo.append(functools.partial(write, old))
+
+    def _rekey(self) -> None:
+        """A dict keyed by lifted tensors (one optimizer per parameter, `{p: torch.optim.AdamW([p])}`
+        stepped in a gradient hook; a learning-rate scale per parameter) is keyed by their
+        stand-ins while the trace runs, in its order, and by the tensors again after: the dicts
+        the function and its hooks reach, and those held by the objects they reach (the
+        function's `self`, a closed-over trainer) and by the modules."""
+        holders = [obj for _, obj, _ in self._plain_held] + self._reached
+        holders += [m for root in self.state.roots if isinstance(root.value, torch.nn.Module) for m in root.value.modules()]
+        dicts = [c for _, _, c, _ in self._watched if type(c) is dict]
+        dicts += [v for obj in holders for k, v in vars(obj).items() if type(v) is dict and not k.startswith("_")]
+        seen: set = set()
+        for container in dicts:
+            if id(container) in seen or not any(isinstance(k, torch.Tensor) and id(k) in self.swap for k in container):
+                continue
+            seen.add(id(container))
+            real = {id(self.swap[id(k)]): k for k in container if isinstance(k, torch.Tensor) and id(k) in self.swap}
+            items = list(container.items())
+            container.clear()
+            container.update((self.swap.get(id(k), k) if isinstance(k, torch.Tensor) else k, v) for k, v in items)
+            self._undo.append(functools.partial(_rekeyed_back, container, real))
 
     def _module(self, module):
         for mod in module.modules():
@@ -1664,6 +1697,8 @@ class Substitution:
         seen: set = set()
         for f in functions:
             while isinstance(f, (functools.partial, types.MethodType)):
+                if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
+                    self._reached.append(f.__self__)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or f.__code__ in seen:
                 continue

@@ -294,6 +294,7 @@ def lifted_dp(out: Path):
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
@@ -402,6 +403,36 @@ def hooks_and_attributes(mesh, x, y) -> list:
         step(x, y)
         states.append(_snapshot(hpfun.gather_state(model)))
     return states
+
+
+def optimizers_in_backward(model) -> dict:
+    """One AdamW per parameter in a dict keyed by it, stepped by the parameter's post-accumulate-grad
+    hook (torchtune's optimizer in the backward)."""
+    opts = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return opts
+
+
+def backward_only(model, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+
+def stepped_in_backward(mesh, x, y) -> list:
+    """The optimizers of `optimizers_in_backward` on a weight each rank holds a block of: the
+    losses, then the gathered state."""
+    model = lifted_model()
+    optimizers_in_backward(model)
+    step = hpfun.shard(lambda x, y: backward_only(model, x, y), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       out_specs=P(), state_specs={"0.weight": P("dp")})
+    return [step(x, y).full() for _ in range(STEPS)] + [_snapshot(hpfun.gather_state(model))]
 
 
 FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call

@@ -295,6 +295,22 @@ def test_hooks_and_attributes_of_a_held_block_are_read(lifted_dp_job):
             _close(results["hooks and attributes"][call], model.state_dict(), f"rank {rank}, call {call}")
 
 
+def test_an_optimizer_per_parameter_stepped_in_its_gradient_hook_runs_as_eager(lifted_dp_job):
+    """torchtune's optimizer in the backward on a weight each rank holds a block of: the dict
+    keyed by parameters is keyed by their stand-ins in the trace, and the hooks run under
+    hpfun's modes (the step read its traced hyperparameters with .item()). Losses and state
+    equal eager's on every rank."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    w.optimizers_in_backward(model)
+    losses = [w.backward_only(model, x, y).detach() for _ in range(w.STEPS)]
+    for rank, results in enumerate(lifted_dp_job):
+        *got, state = results["stepped in backward"]
+        torch.testing.assert_close(torch.stack(got), torch.stack(losses), rtol=1e-12, atol=0)
+        _close(state, model.state_dict(), f"rank {rank}")
+
+
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
     """donate_state=True hands parameters and AdamW's state over to the program (each rank's
     tensors give up their storage at every call, where without it new values are copied into

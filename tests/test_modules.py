@@ -2947,6 +2947,84 @@ def test_optimizers_in_a_dict_keyed_by_their_parameters_compile_once():
     assert any(i["path"].startswith("opts.<key 0>.") for i in f.lower(x, y).inputs)
 
 
+def _optimizer_in_backward(seed: int):
+    """torchtune's optimizer in the backward: one AdamW per parameter, keyed by it, stepped by the
+    parameter's post-accumulate-grad hook as soon as its gradient is ready."""
+    model = mlp(seed)
+    opts = {p: torch.optim.AdamW([p], lr=0.01) for p in model.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return model, step, lambda: [opts[p].state[p] for p in model.parameters()]
+
+
+def _scales_by_parameter(seed: int):
+    """SGD by hand with a learning-rate scale per parameter in a dict keyed by the parameter."""
+    model = mlp(seed)
+    scales = {p: 0.5 + i for i, p in enumerate(model.parameters())}
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * scales[p] * p.grad
+                p.grad = None
+        return loss
+    return model, step, lambda: []
+
+
+class _ScaledTrainer:
+    def __init__(self, seed: int):
+        self.model = mlp(seed)
+        self.scales = {p: 2.0 - i / 4 for i, p in enumerate(self.model.parameters())}
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p -= 0.1 * self.scales[p] * p.grad
+                p.grad = None
+        return loss
+
+
+def _trainer_scales(seed: int):
+    """The same scales on a trainer whose bound method is the step (`self.scales[p]`)."""
+    trainer = _ScaledTrainer(seed)
+    return trainer.model, trainer.step, lambda: []
+
+
+@pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
+@pytest.mark.parametrize("make", [_optimizer_in_backward, _scales_by_parameter, _trainer_scales],
+                         ids=["optimizer-in-backward", "scales", "trainer-scales"])
+def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
+    """A dict keyed by parameters that the function, its hooks or the object whose method it is
+    holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
+    KeyError); the hooks of the backward run under hpfun's torch-function modes (an optimizer
+    stepped in a post-accumulate-grad hook read its traced hyperparameters with .item())."""
+    (model, step, state), (ref, eager, ref_state) = make(0), make(0)
+    f = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    **({"state_specs": specs} if specs else {}))
+    for i in range(3):
+        x, y = batch(i)
+        torch.testing.assert_close(f(x, y).full(), eager(x, y).detach(), rtol=1e-12, atol=0)
+    assert max_diff(model, ref) < 1e-12
+    for ours, theirs in zip(state(), ref_state(), strict=True):
+        assert ours.keys() == theirs.keys() and all(torch.allclose(ours[k], theirs[k], rtol=1e-12, atol=1e-15)
+                                                    for k in ours)
+    assert all(p.grad is None for p in model.parameters()) and f.trace_count <= 2
+
+
 class _TransposedNorm(torch.nn.Module):
     """GroupNorm of a residual sum transposed back: in eager the sum keeps its first term's
     transposed strides, so the transpose GroupNorm reads is contiguous and the trace has no copy."""
