@@ -608,8 +608,8 @@ def test_a_whole_slice_or_one_piece_split_keeps_its_dim_split_backward_too(name)
 def test_a_few_rows_of_a_split_dim_move_only_those_rows(name, rows, mesh_shape, spec):
     """select, narrow and slice along a split dim (BERT's CLS pooling or a last-token head under
     sequence parallelism): each rank picks the rows its block holds and writes 0 for the others,
-    so the result is their sum: one all-reduce of the picked rows, not an all-gather of the
-    whole sequence; forward and backward equal eager, integers exactly."""
+    so the result is their sum: one all-reduce of the picked rows at the pick, not an all-gather
+    of the whole sequence; forward and backward equal eager, integers exactly."""
     mesh = hpfun.Mesh.simulated(mesh_shape, ("dp", "tp")[: len(mesh_shape)])
     pick = {"cls token": lambda h: h[:, 0], "last token": lambda h: h[:, -1],
             "narrow": lambda h: h.narrow(1, 3, 2), "strided slice": lambda h: h[:, 1::5]}[name]
@@ -617,7 +617,7 @@ def test_a_few_rows_of_a_split_dim_move_only_those_rows(name, rows, mesh_shape, 
     fn = lambda h, w: pick(h) @ w  # noqa: E731
     f = hpfun.shard(fn, mesh=mesh, in_specs=(spec, P()), out_specs=P())
     moved = f.lower(h, w).collectives
-    assert [c.kind for c in moved] == ["all_reduce"] and moved[0].bytes == 2 * rows * 3 * 8
+    assert [c.kind for c in moved] == ["all_reduce"] and moved[0].bytes == 2 * rows * 4 * 8
     torch.testing.assert_close(f(h, w).full(), fn(h, w), rtol=TOL, atol=TOL)
     g = torch.func.grad(lambda h, w: fn(h, w).square().sum(), argnums=(0, 1))
     sg = hpfun.shard(g, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, P()))
@@ -652,14 +652,19 @@ def test_an_async_assert_checks_the_whole_condition_on_every_rank():
 def test_picked_rows_keep_the_sign_of_zero_and_a_slice_of_most_of_the_dim_is_gathered():
     """A pick along a split dim (select, gather, an embedding of a vocabulary-split table) fills
     the other ranks' rows with -0.0, so the sum over ranks is the value itself: 1 / x[:, 0] of a
-    -0.0 is -inf, as eager (+0.0 made it +inf). A slice of most of the dim (the label shift
-    `lg[:, :-1]` of sequence parallelism) is gathered, not all-reduced at full size."""
+    -0.0 is -inf, as eager (+0.0 made it +inf). A picked row is summed at the pick, so a sign
+    change or a factor of inf after it is exact too (a pending sum gave 1 / -x[:, 0] of +0.0 as
+    +inf, the other ranks' -0.0 negated, and x[:, 0] * inf NaN). A slice of most of the dim (the
+    label shift `lg[:, :-1]` of sequence parallelism) is gathered, not all-reduced at full size."""
     mesh = hpfun.Mesh.simulated((2,), ("dp",))
     x = torch.tensor([[-0.0, 1.0, 2.0, 3.0], [0.0, -1.0, -0.0, 4.0]], dtype=torch.float64).repeat(1, 2)
     ids = torch.tensor([[2, 0], [6, 5]])
     cases = {"select": (lambda x: 1 / x[:, 0], P(None, "dp")),
              "gather": (lambda x: 1 / torch.gather(x, 1, ids), P(None, "dp")),
-             "embedding": (lambda x: 1 / F.embedding(ids[0], x.t()), P(None, "dp"))}
+             "embedding": (lambda x: 1 / F.embedding(ids[0], x.t()), P(None, "dp")),
+             "negated": (lambda x: 1 / -x[:, 4], P(None, "dp")),
+             "scaled": (lambda x: 1 / (x[:, 4] * -2.0), P(None, "dp")),
+             "times inf": (lambda x: x[:, 1] * torch.tensor([math.inf, -math.inf], dtype=torch.float64), P(None, "dp"))}
     for name, (fn, spec) in cases.items():
         got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
         assert torch.equal(got, fn(x)), name

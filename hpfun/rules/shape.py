@@ -156,15 +156,29 @@ class Slice(Rule):
                 ins.append(p), outs.append(p), picked.append(p)
         out = _with_fallback(call, ins, outs)
         if picked != outs and call.op in _PICKS and 4 * math.prod(call.outputs[0].shape) <= math.prod(x.shape):
-            # the dim split: each rank picks the rows its block holds and writes 0 for the others,
-            # so the slice is their sum; an all-reduce of the slice, not a gather of all of x. Only
-            # for a few rows (a CLS token): an all-reduce moves twice its size, and a slice of most
-            # of the dim (a label shift, `lg[:, :-1]`) is cheaper gathered
+            # the dim split: each rank picks the rows its block holds and writes -0.0 for the
+            # others, so the slice is their sum, all-reduced at once (`inner_moves`): not a gather
+            # of all of x. Summed at once it is exactly the picked value (x + -0.0 is x, -0.0 and
+            # inf too); a Partial left pending would not be through a sign change or a factor of
+            # inf (the other ranks' -0.0 made +0.0, or NaN). Only for a few rows (a CLS token): an
+            # all-reduce moves twice its size, and a slice of most of the dim (a label shift,
+            # `lg[:, :-1]`) is cheaper gathered
             layout = Layout(call.mesh, picked)
             if layout.fits(call.outputs[0].shape):
                 rest = tuple(t.layout for t in call.tensors[1:])
-                out.insert(0, Strategy((x.layout,) + rest, (layout,), note="picked"))
+                out.insert(0, Strategy((x.layout,) + rest, (Layout(call.mesh, tuple(outs)),), note="picked"))
         return out
+
+    def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
+        """A pick's all-reduce of the rows each block holds: (from, to, global shape, dtype)."""
+        if strategy.note != "picked":
+            return []
+        dst = strategy.outputs[0]
+        dim = call.arg(self.dim_arg, "dim", 0) % call.tensors[0].ndim
+        axes = strategy.inputs[0].shard_axes(dim)
+        src = Layout(dst.mesh, tuple(Partial("sum") if a in axes else p for a, p in enumerate(dst.placements)),
+                     dst.order)
+        return [(src, dst, tuple(call.outputs[0].shape), call.outputs[0].dtype)]
 
     def _tiles(self, call: OpCall, dim: int) -> bool:
         """`x[start::step]` along a split dim whose blocks the step tiles (`x[::2]`, `x[1::2]` of
@@ -197,7 +211,12 @@ class Slice(Rule):
         shape = [1] * x.ndim
         shape[dim] = len(rows)
         out = masked(ctx, ctx.call(aten.view.default, (inside, shape)), found, call.outputs[0].dtype)
-        return ctx.call(aten.squeeze.dim, (out, dim)) if self.drops_dim else out
+        if self.drops_dim:
+            out = ctx.call(aten.squeeze.dim, (out, dim))
+        (src, dst, shape, dtype), = self.inner_moves(call, strategy)
+        ctx.annotate(out, src, shape, dtype)
+        ctx.consumer = (*ctx.consumer[:2], f"{call.op} of rows of split dim {dim}: each block's rows, summed")
+        return ctx.redistribute(out, src, dst, shape, dtype)
 
     def _one_piece(self, call: OpCall, dim: int) -> bool:
         """A split into one piece, the whole dim (einops.unpack of one tensor): a copy of each block."""
