@@ -1719,6 +1719,8 @@ class Substitution:
                 self._places.append((var, read))
                 if _is_plain_object(container) and not callable(container):
                     self._plain_held.append((var, container, dict(vars(container))))
+                    self._plain_held += [(_join(var, k), v, dict(vars(v))) for k, v in vars(container).items()
+                                         if _is_plain_object(v) and not callable(v)]  # (`cfg.sub.m = ...`)
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
@@ -1790,9 +1792,11 @@ class Substitution:
                 appended.add(id(container))
                 for i, v in enumerate(container[len(items):]):
                     out.update(_created_items(f"{var}[+{i}]", v, ("append", read)))
-            else:  # (only new keys: a tensor held before is lifted state, its assignment written back as such)
-                for key, v in container.items():
-                    if key not in items:
+            else:  # (only new keys, and dicts of tensors put where one held none: a tensor held before is
+                for key, v in container.items():  # lifted state, its assignment written back as such)
+                    was = items.get(key)
+                    if key not in items or was is None and _holds_fake(v) or type(was) is dict and type(v) is dict \
+                            and v is not was and not _holds_tensor(was) and _holds_fake(v):  # (None: `d = {"w": None}`)
                         out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 
@@ -1865,22 +1869,42 @@ class Substitution:
         by position. One rebound with other keys or another length is refused (the places the
         program writes are the old ones), and set back to the one it held."""
         problems = []
-        for var, read, container, _ in self._watched:
+
+        def refused(var, kind, what, keep):
+            problems.append(Problem(var, f"is rebound to a new {kind} with {what}: hpfun writes a rebound {kind} "
+                                    "back into the one it held, place by place",
+                                    f"keep {keep}, or return the new values and rebind it after the call"))
+
+        dict_keep = "its keys (or assign `D[key] = ...` into the dict it holds)"
+        for var, read, container, items in self._watched:
             try:
                 now = read()
             except ValueError:
                 continue
-            if now is container or type(now) is not type(container) or not _holds_fake(now):
+            if now is container:  # a dict in one of its places given a new dict (`L[0] = {"a": L[0]["a"] + v}`):
+                places = items.items() if type(items) is dict else enumerate(items)  # merged into the old one
+                for key, was in list(places):
+                    new = container.get(key) if type(container) is dict else \
+                        container[key] if key < len(container) else None
+                    if type(was) is not dict or type(new) is not dict or new is was or not _holds_fake(new):
+                        continue
+                    if type(container) is dict and not _holds_tensor(was):  # (`D["cache"] = {"k": t}` where it held
+                        continue  # none: state the step makes, put whole at every call, `created`)
+                    if (other := _other_keys(was, new, f"{var}[{key!r}]")) is not None:
+                        refused(*other, dict_keep)
+                    else:
+                        _merge(was, new)
+                    container[key] = was
+                continue
+            if type(now) is not type(container) or not _holds_fake(now):
                 continue
             kind = type(container).__name__
-            if (now.keys() != container.keys()) if kind == "dict" else len(now) != len(container):
-                what = (f"other keys ({list(container)} before, {list(now)} now)" if kind == "dict"
-                        else f"another length ({len(container)} items before, {len(now)} now)")
-                keep = ("its keys (or assign `D[key] = ...` into the dict it holds)" if kind == "dict"
-                        else "its length (a window: `G = G[1:] + [v]`)")
-                problems.append(Problem(var, f"is rebound to a new {kind} with {what}: hpfun writes a rebound {kind} "
-                                        "back into the one it held, place by place",
-                                        f"keep {keep}, or return the new values and rebind it after the call"))
+            if kind == "dict" and (other := _other_keys(container, now, var)) is not None:
+                refused(*other, dict_keep)
+                _rebind(read, container)
+            elif kind != "dict" and len(now) != len(container):
+                refused(var, kind, f"another length ({len(container)} items before, {len(now)} now)",
+                        "its length (a window: `G = G[1:] + [v]`)")
                 _rebind(read, container)
             elif kind == "dict":
                 _merge(container, now)
@@ -2105,7 +2129,9 @@ class Substitution:
                     del mod._modules[key]
         for var, _, container, items in self._watched:  # a module made inside, kept in a global or closed-over
             inside = container.items() if type(container) is dict else enumerate(container)  # list or dict, or
-            made = [k for k, v in inside if _holds_fake_state(v)]  # on a plain object: taken out whole (its
+            made = [k for k, v in inside if v is not (items.get(k) if type(items) is dict else  # on a plain object:
+                                                      items[k] if k < len(items) else None)  # taken out whole (its
+                    and _holds_made_module(v)]
             if made:  # weights were taken out, leaving a Linear without weight for eager code)
                 found += [f"{var}[{k!r}] (a module made inside the function)" for k in made]
                 container.clear()
@@ -2113,9 +2139,11 @@ class Substitution:
             _drop_made_modules(container, var, found)  # (in a dict or list it holds)
         for var, obj, held in self._plain_held:
             for attr, v in list(vars(obj).items()):
-                if _holds_fake_state(v) and held.get(attr) is not v:
+                if _holds_made_module(v) and held.get(attr) is not v:
                     found.append(f"{_join(var, attr)} (a module made inside the function)")
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
+                elif type(v) in (dict, list) and held.get(attr) is v:  # (one it held, a module added to it)
+                    _drop_made_modules(v, _join(var, attr), found)
                 elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")
@@ -2199,6 +2227,16 @@ def _holds_fake_state(module) -> bool:
         isinstance(t, FakeTensor) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()))
 
 
+def _holds_made_module(v, depth: int = 3) -> bool:
+    """Whether `v` is a module made inside the function (`_holds_fake_state`) or holds one in a
+    tuple, list or dict (nested to `depth`)."""
+    if _holds_fake_state(v):
+        return True
+    if depth and type(v) in (tuple, list, dict):
+        return any(_holds_made_module(w, depth - 1) for w in (v.values() if type(v) is dict else v))
+    return False
+
+
 def _rebind(read, value) -> None:
     """Put `value` back where `read` (a closure cell's or a module global's reader) reads."""
     target = getattr(read, "func", None)
@@ -2275,6 +2313,19 @@ def _holds_fake(v) -> bool:
         any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
 
 
+def _other_keys(old: dict, new: dict, var: str):
+    """(where, "dict", what) for the first dict of `new` (itself, or one nested in it holding the
+    trace's tensors) whose keys are not those of the dict at its place in `old`; None if none."""
+    if new.keys() != old.keys():
+        return var, "dict", f"other keys ({list(old)} before, {list(new)} now)"
+    for key, v in new.items():
+        held = old[key]
+        if type(v) is dict and type(held) is dict and v is not held and _holds_fake(v):
+            if (other := _other_keys(held, v, f"{var}[{key!r}]")) is not None:
+                return other
+    return None
+
+
 def _merge(old: dict, new: dict) -> None:
     """`new`'s values put in `old`, a dict in both with the same keys merged in its turn (the
     places a rebound dict's slots write are the old dicts, nested ones too)."""
@@ -2292,22 +2343,22 @@ def _key_at(d: dict, i: int):
 
 
 def _drop_made_modules(container, path: str, found: list, depth: int = 3) -> None:
-    """Take out of the dicts and lists inside `container` every module made inside the function
-    (one holding the trace's stand-ins), naming each place in `found`."""
+    """Take out of `container` (a dict or list) and the dicts and lists inside it every module
+    made inside the function (one holding the trace's stand-ins, or a tuple holding one), naming
+    each place in `found`."""
+    made = [k for k, w in (container.items() if type(container) is dict else enumerate(container))
+            if _holds_fake_state(w) or type(w) is tuple and _holds_made_module(w)]
+    found += [f"{path}[{k!r}] (a module made inside the function)" for k in made]
+    if type(container) is dict:
+        for k in made:
+            del container[k]
+    elif made:
+        container[:] = [w for i, w in enumerate(container) if i not in made]
     if depth == 0:
         return
     for key, v in list(container.items() if type(container) is dict else enumerate(container)):
-        if type(v) not in (dict, list):
-            continue
-        place = f"{path}[{key!r}]"
-        made = [k for k, w in (v.items() if type(v) is dict else enumerate(v)) if _holds_fake_state(w)]
-        found += [f"{place}[{k!r}] (a module made inside the function)" for k in made]
-        if type(v) is dict:
-            for k in made:
-                del v[k]
-        elif made:
-            v[:] = [w for w in v if not _holds_fake_state(w)]
-        _drop_made_modules(v, place, found, depth - 1)
+        if type(v) in (dict, list):
+            _drop_made_modules(v, f"{path}[{key!r}]", found, depth - 1)
 
 
 def _part_of(read, j: int):

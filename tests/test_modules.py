@@ -2878,6 +2878,49 @@ def test_a_global_or_closed_over_dict_rebound_is_kept_as_eager():
     assert len(_WINDOW) == 2 and all(a is b for a, b in zip(_WINDOW, held))
 
 
+def test_a_dict_given_anew_in_a_place_of_a_global_list_or_dict_is_kept_as_eager():
+    """`L[0] = {"a": L[0]["a"] + v}` and `D["k"] = {...}`: a dict of tensors put in a place of a
+    list or dict the function reaches is merged into the one it held, whose slots the program
+    writes (only the first call was right and the list kept its old dict, silently); one where
+    the place held no tensors (`D["cache"] = {"k": t}` over `{}`) is state the step makes, put
+    whole at every call (the place stayed `{}`, silently), as a tensor put where the dict held
+    None (`d = {"last": None}`: it stayed None). A dict nested in a rebound one given
+    other keys is refused and the whole set back (the new values were lost, silently)."""
+    def make():
+        lst = [{"a": torch.zeros(2, dtype=torch.float64)}]
+        d = {"cache": {}, "w": {"b": torch.ones(2, dtype=torch.float64)}, "last": None}
+
+        def step(x):
+            d["last"] = x.sum(0) * 2
+            lst[0] = {"a": lst[0]["a"] + x.sum(0)}
+            d["w"] = {"b": d["w"]["b"] * 2}
+            y = x * d["cache"]["k"] if "k" in d["cache"] else x
+            d["cache"] = {"k": x.sum(0)}
+            return (x * lst[0]["a"]).sum() + (y * d["w"]["b"]).sum()
+        return step, lambda: (lst, d)
+
+    xs = [torch.randn(4, 2, dtype=torch.float64) for _ in range(4)]
+    step, read = make()
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    got = [f(x).full() for x in xs]
+    eager, eager_read = make()
+    want = [eager(x) for x in xs]
+    torch.testing.assert_close(torch.stack(got), torch.stack(want))
+    torch.testing.assert_close(read(), eager_read())
+
+    nested = {"a": torch.zeros(2, dtype=torch.float64), "in": {"b": torch.ones(2, dtype=torch.float64)}}
+
+    def grows(x):
+        nonlocal nested
+        nested = {"a": nested["a"] + 1, "in": {"b": nested["in"]["b"] - 1, "c": x.sum(0)}}
+        return (x * nested["in"]["b"]).sum()
+
+    held = nested
+    with pytest.raises(hpfun.CaptureError, match=r"nested\['in'\]: is rebound to a new dict with other keys \(\['b'\] before"):
+        hpfun.shard(grows, mesh=DP, in_specs=P("dp"), out_specs=P())(xs[0])
+    assert nested is held and list(nested["in"]) == ["b"] and torch.equal(nested["in"]["b"], torch.ones(2, dtype=torch.float64))
+
+
 def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_refused_otherwise():
     """NLLB-MoE's router does `self.classifier = self.classifier.to(self.dtype)` at every
     forward: a conversion that changes nothing is the module itself (torch failed to swap the
@@ -3072,16 +3115,31 @@ def test_a_transpose_made_contiguous_by_its_inputs_strides_stays_so_on_every_ran
 _MADE: dict = {}
 
 
-@pytest.mark.parametrize("holder", ["global dict", "plain object", "nested dict"])
+@pytest.mark.parametrize("holder", ["global dict", "plain object", "nested dict", "tuple in a dict", "list in a dict",
+                                    "list on an object", "nested object"])
 def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(holder):
-    """A module made at the first call and kept in a global dict or on a plain object is refused
-    by name and taken out whole, the holder as it was (its weights were taken out, leaving a
-    Linear without weight: the eager step then failed)."""
+    """A module made at the first call and kept in a global dict or on a plain object, in a
+    tuple or list there, or on an object one of those holds, is refused by name and taken out
+    whole, the holder as it was (its weights were taken out, leaving a Linear without weight, or
+    an emptied list under its key: the eager step then failed)."""
     _MADE.clear()
     _MADE["sub"] = {}
-    box = types.SimpleNamespace(m=None)
+    box = types.SimpleNamespace(m=None, ms=[], inner=types.SimpleNamespace(m=None))
 
     def step(x):
+        if holder in ("tuple in a dict", "list in a dict"):
+            if "t" not in _MADE:
+                made = torch.nn.Linear(4, 2, dtype=torch.float64)
+                _MADE["t"] = (made,) if holder == "tuple in a dict" else [made]
+            return _MADE["t"][0](x).square().mean()
+        if holder == "list on an object":
+            if not box.ms:
+                box.ms.append(torch.nn.Linear(4, 2, dtype=torch.float64))
+            return box.ms[0](x).square().mean()
+        if holder == "nested object":
+            if box.inner.m is None:
+                box.inner.m = torch.nn.Linear(4, 2, dtype=torch.float64)
+            return box.inner.m(x).square().mean()
         if holder == "nested dict":
             if "m" not in _MADE["sub"]:
                 _MADE["sub"]["m"] = torch.nn.Linear(4, 2, dtype=torch.float64)
@@ -3095,10 +3153,12 @@ def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(ho
         return box.m(x).square().mean()
 
     x = torch.randn(4, 4, dtype=torch.float64)
-    name = {"global dict": "_MADE['m']", "plain object": "box.m", "nested dict": "_MADE['sub']['m']"}[holder]
+    name = {"global dict": "_MADE['m']", "plain object": "box.m", "nested dict": "_MADE['sub']['m']",
+            "tuple in a dict": "_MADE['t']", "list in a dict": "_MADE['t']", "list on an object": "box.ms[0]",
+            "nested object": "box.inner.m"}[holder]
     with pytest.raises(hpfun.CaptureError, match=re.escape(f"{name} (a module made inside the function)")):
         hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
-    assert _MADE == {"sub": {}} and box.m is None
+    assert _MADE == {"sub": {}} and box.m is None and box.ms == [] and box.inner.m is None
     step(x)  # (eager runs after it)
 
 
