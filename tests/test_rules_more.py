@@ -109,6 +109,8 @@ ALONG = {  # name: (fn of x (4, 6, 4), the dim it works along, whether the outpu
     "kthvalue_last_dim": (lambda x: tuple(x.kthvalue(2)), 2, True),
     "median_dim": (lambda x: tuple(x.median(1)), 1, True),
     "nanmedian_dim": (lambda x: tuple(x.nanmedian(1, keepdim=True)), 1, False),
+    "mode": (lambda x: tuple(x.round().mode(1)), 1, True),
+    "mode_last_dim_keepdim": (lambda x: tuple(torch.mode(x.round(), keepdim=True)), 2, False),
 }
 
 
