@@ -256,6 +256,7 @@ class _Leaf:
     device: torch.device | None = None  # where the program runs; tensors it creates go there
     requires_grad: bool = False  # a lifted parameter: autograd fills its .grad
     strides: tuple | None = None  # a tensor that is not contiguous: its strides, traced with it
+    exact: object = None  # a static's `lift.exact_key`: its type and a zero's sign too
 
     def describe(self) -> str:
         if self.kind == "static":
@@ -1939,7 +1940,7 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     elif lift.is_config(x):  # its values, read into the program, key it
         key.append(("config", kind, lift.object_key(x)))
     else:
-        key.append(("static", kind, x))
+        key.append(("static", lift.exact_key(x)))
     flat.append(x)
     return True
 
@@ -2132,7 +2133,9 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
                      requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point,
                      strides=None if x.is_contiguous() else tuple(x.stride()))
-    return _Leaf("static", value=_Config(lift.object_key(x), repr(x)) if lift.is_config(x) else x)
+    if lift.is_config(x):
+        return _Leaf("static", value=_Config(lift.object_key(x), repr(x)))
+    return _Leaf("static", value=x, exact=lift.exact_key(x))  # (1, 1.0 and True equal, and trace three programs)
 
 
 @attrs.frozen

@@ -27,6 +27,7 @@ import dis
 import enum
 import functools
 import itertools
+import math
 import numbers
 import operator
 import os
@@ -884,7 +885,7 @@ def statics(roots, known: dict | None = None) -> dict:
     out: dict[str, object] = torch_state()  # (a step called under torch.no_grad or autocast traces another program)
     for root in roots:
         if root.value is _SCALAR:
-            out[root.name] = root.read()
+            out[root.name] = Exact(root.read())
         elif isinstance(root.value, torch.nn.Module):
             name = training_key(root.name)
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
@@ -1102,6 +1103,44 @@ def _watch_held(snapshot, v, depth: int = 3) -> None:
         return
     for w in items if depth > 1 else ():
         _watch_held(snapshot, w, depth - 1)
+
+
+def exact_key(v, depth: int = 6):
+    """A Python value as a cache key equal only to the same value of the same type: 1, 1.0 and
+    True are three (an integer tensor times each is int64, float32 and int64), 0.0 and -0.0 two
+    (`1 / (x * -0.0)`), and NaN equals NaN; lists, tuples, sets and dicts item by item."""
+    kind = type(v)
+    if kind is float:
+        return float, "nan" if v != v else v, math.copysign(1.0, v) if v == 0 else 0
+    if kind is complex:
+        return complex, exact_key(v.real), exact_key(v.imag)
+    if depth and (kind is tuple or kind is list):
+        return kind, tuple(exact_key(x, depth - 1) for x in v)
+    if depth and (kind is frozenset or kind is set):
+        return kind, frozenset(exact_key(x, depth - 1) for x in v)
+    if depth and kind is dict:
+        return kind, tuple((exact_key(k, depth - 1), exact_key(x, depth - 1)) for k, x in v.items())
+    return kind, v
+
+
+class Exact:
+    """A Python value the trace read, in the statics of a cache key: equal by `exact_key`,
+    shown as the value."""
+
+    __slots__ = ("value", "_key", "_hash")
+
+    def __init__(self, value):
+        self.value, self._key = value, exact_key(value)
+        self._hash = hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Exact and self._hash == other._hash and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 def expand_statics(statics: dict) -> dict:

@@ -192,6 +192,33 @@ def test_unhashable_python_arguments_are_named_not_unhashable_type():
         assert "args[1]['a']: is {1, 2}, which is not hashable" in text and "frozenset" in text
 
 
+_FACTOR = 1.0
+
+
+def test_python_values_key_the_cache_by_type_and_sign_not_by_equality():
+    """1.0, 1 and True are equal in Python but not to torch (an int64 tensor times each is
+    float32, int64, int64), nor 0.0 and -0.0 (`1 / (x * -0.0)`): each is its own program, as an
+    argument, inside a list argument and as a global the function reads (each ran the program
+    of the first, silently); a NaN is itself (one program)."""
+    global _FACTOR
+    x = torch.arange(8).reshape(4, 2)
+    nan = float("nan")
+    def times(x, n):
+        return x * n, 1 / (x * n)
+
+    arg = hpfun.shard(times, mesh=MESH, in_specs=(P("dp"), None), out_specs=P("dp"))
+    listed = hpfun.shard(lambda x, c: times(x, c[0]), mesh=MESH, in_specs=(P("dp"), None), out_specs=P("dp"))
+    glob = hpfun.shard(lambda x: times(x, _FACTOR), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    values = (1.0, 1, True, -0.0, 0.0, nan, float("nan"))
+    for n in values:
+        _FACTOR = n
+        for outs in (arg(x, n), listed(x, [n]), glob(x)):
+            for got, want in zip(outs, times(x, n), strict=True):
+                got = got.full()
+                assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (n, got, want)
+    assert arg.trace_count == listed.trace_count == glob.trace_count == len(values) - 1
+
+
 def test_a_print_inside_runs_once_at_the_trace(capsys):
     """What the README says: a print shows a fake tensor, once, at the trace, and a
     TracingWarning at the user's line says so."""
