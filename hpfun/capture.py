@@ -1957,6 +1957,8 @@ class _TensorScalars(TorchFunctionMode):
                 return func(*args, **kwargs)
         if func is torch.nn.functional.one_hot:
             return _one_hot(func, *args, **kwargs)
+        if func is torch.nn.functional.gaussian_nll_loss:
+            return _gaussian_nll_loss(func, args, kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):
             return _bincount(func, *args, **kwargs)
         if func in (torch.cov, torch.Tensor.cov) and isinstance(args[0], torch.Tensor):
@@ -2002,6 +2004,32 @@ class _TensorScalars(TorchFunctionMode):
             # computed in float, value * t1 is rounded once more; float copies would cost memory)
             out = _VALUE[func](x, torch.mul(t1, value), t2)
             return x.copy_(out) if func.__name__.endswith("_") else _as_eager(out, x, t1, t2)
+        return func(*args, **kwargs)
+
+
+class _CheckedAtRun:
+    """`torch.any(var < 0)` in F.gaussian_nll_loss's `if ...: raise ValueError(...)`: as a
+    condition, false, with the check recorded in the program (`_assert_async`), which raises
+    at every call where a variance is negative."""
+
+    def __init__(self, found: torch.Tensor, message: str):
+        self.found, self.message = found, message
+
+    def __bool__(self) -> bool:
+        torch._assert_async(torch.logical_not(self.found), self.message)
+        return False
+
+
+def _gaussian_nll_loss(func, args, kwargs):
+    """F.gaussian_nll_loss with its check that no variance is negative made at run time: it
+    reads the variances' values (`if torch.any(var < 0)`), which a trace on shapes cannot, and
+    the variances are mostly made from parameters (a network's softplus output)."""
+    real_any = torch.any
+
+    def any_checked(x, *rest, **kw):
+        return _CheckedAtRun(real_any(x, *rest, **kw), "var has negative entry/entries")
+
+    with mock.patch.object(torch, "any", any_checked):
         return func(*args, **kwargs)
 
 
@@ -2474,9 +2502,6 @@ _PACKED = (" — a packed sequence is laid out by the lengths' values, which a t
            "rather than h_n)")
 # torch functions that read their arguments' values, by name: what to write instead
 _READER_HINTS = {
-    "gaussian_nll_loss": (" — F.gaussian_nll_loss checks that no variance is negative (a read of its values): write "
-                          "the loss out, 0.5 * (torch.log(var.clamp(min=eps)) + (input - target) ** 2 / "
-                          "var.clamp(min=eps)), averaged as its reduction says"),
     "pack_padded_sequence": _PACKED,
     "pack_sequence": _PACKED,
     "ctc_loss": (" — torch's CTC loss kernel sizes its work from the target lengths' values, so it cannot be traced "

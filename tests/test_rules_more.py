@@ -776,3 +776,33 @@ def test_any_and_all_over_a_split_dim_all_reduce_the_blocks_booleans():
         assert torch.equal(f(x).full(), fn(x))
         (move,) = f.lower(x).collectives
         assert move.kind == "all_reduce" and move.bytes == fn(x).numel(), move
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_gaussian_nll_loss_checks_its_variance_at_every_call(mesh_shape):
+    """F.gaussian_nll_loss reads its variances (`if torch.any(var < 0): raise`), mostly made
+    by a network from parameters: the check is made in the program, at every call (it was
+    refused as a read of values), and the loss and gradients equal eager's for each reduction,
+    `full=True` and a variance of one dim fewer (homoscedastic)."""
+    names = ("dp", "tp")[: len(mesh_shape)]
+    mesh = hpfun.Mesh.simulated(mesh_shape, names)
+    x, t = _rand(8, 6), _rand(8, 3)
+    w = _rand(6, 6)
+
+    def loss(w, x, t, reduction, full, homoscedastic):
+        out = x @ w
+        var = F.softplus(out[:, 3:])
+        return F.gaussian_nll_loss(out[:, :3], t, var[:, :1].squeeze(1) if homoscedastic else var,
+                                   full=full, reduction=reduction).sum()
+
+    for reduction, full, homoscedastic in (("mean", False, False), ("sum", True, False), ("none", False, True)):
+        g = torch.func.grad_and_value(lambda w, x, t: loss(w, x, t, reduction, full, homoscedastic))  # noqa: B023
+        f = hpfun.shard(g, mesh=mesh, in_specs=(P(None, names[-1]), P(names[0]), P(names[0])), out_specs=P())
+        for got, want in zip(f(w, x, t), g(w, x, t), strict=True):
+            torch.testing.assert_close(got.full(), want, rtol=TOL, atol=TOL)
+    direct = hpfun.shard(lambda m, t, v: F.gaussian_nll_loss(m, t, v), mesh=mesh, in_specs=P(names[0]), out_specs=P())
+    v = _rand(8, 3).abs()
+    torch.testing.assert_close(direct(x[:, :3], t, v).full(), F.gaussian_nll_loss(x[:, :3], t, v), rtol=TOL, atol=TOL)
+    v[5, 1] = -1.0
+    with pytest.raises(hpfun.ExecutionError, match="var has negative entry"):
+        direct(x[:, :3], t, v)
