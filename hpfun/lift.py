@@ -86,6 +86,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     opaque: list[tuple[str, object]] = []
     seen_objects: set[int] = set()
     seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
+    seen_hooks: set = set()  # (id of an owner, its hook dicts) walked
     seen_places: set = set()  # (id of a cell or a globals dict, name): a variable two functions read is one root
     seen_classes: set = set()  # the user's classes whose methods and values were walked
     names: set[str] = set()
@@ -129,6 +130,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             roots.append(Root(unique(name, owner) if name else name, obj))
             if isinstance(obj, torch.nn.Module):
                 module_code(obj)
+            else:  # its step hooks, its own and every optimizer's
+                hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
+                hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
         elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
@@ -204,10 +208,26 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     holder = instance if instance is not None else c
                     value(v, _join(name, k), functools.partial(getattr, holder, k), functools.partial(setattr, c, k))
 
+    def hooks_code(owner, kinds: tuple, name: str) -> None:
+        """The hooks in `owner`'s hook dicts (an optimizer's step hooks, the hooks torch runs for
+        every module or optimizer), each bound by identity, the dicts guarded: one added, removed
+        or replaced compiles again (they ran as the trace found them, silently)."""
+        if (id(owner), kinds) in seen_hooks:
+            return
+        seen_hooks.add((id(owner), kinds))
+        note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
+        for kind in kinds:
+            hooks = getattr(owner, kind, None)
+            if isinstance(hooks, dict):
+                note(_Unchanged(hooks))
+                for h in list(hooks.values()):
+                    value(h, _join(name, kind.lstrip("_")), _constant(h), None)
+
     def module_code(module: torch.nn.Module) -> None:
         """A module tree's code: each module's own class (a user's `forward` reading a global)
         and the hooks it holds, each bound by identity (a hook added or removed compiles
         again); the walk is done again when a submodule or a hook is added, removed or replaced."""
+        hooks_code(torch.nn.modules.module, _GLOBAL_HOOK_DICTS, "torch.nn.modules.module")  # every module's
         note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
         attributes_of = []  # each tensor's attribute dict: one set or added between calls is walked again
         for mod_name, mod in module.named_modules(remove_duplicate=True):  # (a submodule replaced: `RootCache`)
@@ -385,6 +405,12 @@ class Bindings:
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# the hooks torch runs for every module (`register_module_forward_hook`...), and their flags
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called")
+_OPTIMIZER_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+_GLOBAL_OPTIMIZER_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
@@ -952,7 +978,36 @@ def torch_state() -> dict:
             "torch.is_autocast_enabled('cpu')": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
             "torch.is_autocast_enabled('cuda')": (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
             "torch.get_default_dtype()": torch.get_default_dtype(),
-            "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled()}
+            "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+            SAVED_TENSORS_HOOKS: _saved_tensors_hooks()}
+
+
+SAVED_TENSORS_HOOKS = "torch.autograd.graph.saved_tensors_hooks"
+
+
+def _saved_tensors_hooks():
+    """The pack and unpack hooks of a `torch.autograd.graph.saved_tensors_hooks` (or
+    `save_on_cpu`) the caller holds around a call, which the trace runs and bakes in: by their
+    code and the numbers, flags and strings they close over (a `save_on_cpu()` made at every
+    step makes new functions of the same code), None without."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+
+    def key(fn):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return fn
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                v = None
+            cells.append(exact_key(v) if _is_scalar(v) else type(v))
+        return code, tuple(cells)
+
+    return tuple(map(key, hooks))
 
 
 def training_key(root: str) -> str:

@@ -3,6 +3,7 @@
 Every result is compared with the same code run eagerly, unsharded, on an identical copy."""
 
 import collections
+import contextlib
 import copy
 import functools
 import logging
@@ -3242,3 +3243,94 @@ def test_a_tensor_read_inside_a_modules_container_of_containers_names_it():
     with pytest.raises(hpfun.CaptureError, match=r"model.ll \(a list of containers\): holds tensors inside "
                                                  r"model.ll\[0\], model.ll\[1\].*one level deep"):
         f(torch.randn(4, 2))
+
+
+def _global_forward_hook(mod, inp, out):
+    return out * 1.5 if isinstance(mod, torch.nn.Linear) else None
+
+
+def _halve_weights(opt, args, kwargs):
+    with torch.no_grad():
+        for p in opt.param_groups[0]["params"]:
+            p.mul_(0.5)
+
+
+def _triple_gradients(opt, args, kwargs):
+    for p in opt.param_groups[0]["params"]:
+        p.grad.mul_(3.0)
+
+
+def _register(kind: str, opt):
+    """A hook of `kind` that changes the step's result, registered now; its handle."""
+    module = torch.nn.modules.module
+    if kind == "global forward hook":
+        return module.register_module_forward_hook(_global_forward_hook)
+    if kind == "global forward pre-hook":
+        return module.register_module_forward_pre_hook(lambda mod, inp: (inp[0] * 2,) if isinstance(mod, torch.nn.Linear)
+                                                        else None)
+    if kind == "optimizer post-hook":
+        return opt.register_step_post_hook(_halve_weights)
+    if kind == "optimizer pre-hook":
+        return opt.register_step_pre_hook(_triple_gradients)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(_halve_weights)
+
+
+@pytest.mark.parametrize("kind", ["global forward hook", "global forward pre-hook", "optimizer post-hook",
+                                  "optimizer pre-hook", "global optimizer post-hook"])
+def test_hooks_torch_runs_for_every_module_or_optimizer_key_the_program(kind):
+    """A hook torch runs for every module (`register_module_forward_hook`), an optimizer's step
+    hooks and those run for every optimizer, added or removed between calls: the next call runs
+    as eager does (the program kept running the hooks of its trace, silently)."""
+    def make():
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return model, opt, step
+
+    (model, opt, step), (ref, ref_opt, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    global_hook = kind.startswith("global")
+    for call in range(4):
+        if call == 1:
+            handles = [_register(kind, opt)] + ([] if global_hook else [_register(kind, ref_opt)])
+        if call == 3:
+            for h in handles:
+                h.remove()
+        x, y = batch(call)
+        torch.testing.assert_close(f(x, y).full(), eager(x, y).detach(), rtol=1e-12, atol=0)
+        assert max_diff(model, ref) < 1e-12, call
+
+
+def test_saved_tensor_hooks_held_around_the_call_key_the_program():
+    """`torch.autograd.graph.saved_tensors_hooks` (activation compression) held around a call:
+    the trace runs the hooks, so a call with other hooks, or none, is another program (the first
+    one's ran, silently); a `save_on_cpu()` made anew at every call is one program."""
+    (model, _), (ref, _) = (mlp(), None), (mlp(), None)
+
+    def make(m):
+        def step(x, y):
+            F.cross_entropy(m(x), y).backward()
+            grads = [p.grad.clone() for p in m.parameters()]
+            m.zero_grad()
+            return grads
+        return step
+
+    f, eager = hpfun.shard(make(model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P()), make(ref)
+    x, y = batch(0)
+    lossy = (lambda t: t.half() if t.is_floating_point() else t, lambda t: t.double() if t.is_floating_point() else t)
+    for hooks in (None, lossy, None, "cpu", "cpu"):
+        held = contextlib.nullcontext() if hooks is None else torch.autograd.graph.save_on_cpu() if hooks == "cpu" \
+            else torch.autograd.graph.saved_tensors_hooks(*hooks)
+        with held:
+            got, want = f(x, y), eager(x, y)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.full(), w, rtol=1e-12, atol=1e-15)
+    assert f.trace_count == 3
