@@ -3297,16 +3297,20 @@ def test_hooks_torch_runs_for_every_module_or_optimizer_key_the_program(kind):
 
     (model, opt, step), (ref, ref_opt, eager) = make(), make()
     f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    global_hook = kind.startswith("global")
-    for call in range(4):
-        if call == 1:
-            handles = [_register(kind, opt)] + ([] if global_hook else [_register(kind, ref_opt)])
-        if call == 3:
-            for h in handles:
-                h.remove()
-        x, y = batch(call)
-        torch.testing.assert_close(f(x, y).full(), eager(x, y).detach(), rtol=1e-12, atol=0)
-        assert max_diff(model, ref) < 1e-12, call
+    global_hook, handles = kind.startswith("global"), []
+    try:
+        for call in range(4):
+            if call == 1:
+                handles = [_register(kind, opt)] + ([] if global_hook else [_register(kind, ref_opt)])
+            if call == 3:
+                for h in handles:
+                    h.remove()
+            x, y = batch(call)
+            torch.testing.assert_close(f(x, y).full(), eager(x, y).detach(), rtol=1e-12, atol=0)
+            assert max_diff(model, ref) < 1e-12, call
+    finally:  # (a global hook left behind would run in every later test)
+        for h in handles:
+            h.remove()
 
 
 def test_saved_tensor_hooks_held_around_the_call_key_the_program():
