@@ -279,7 +279,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if not isinstance(fn, types.FunctionType):
                 return
         code = fn.__code__
-        key = (code, tuple(map(id, fn.__closure__ or ())))
+        key = (code, tuple(map(id, fn.__closure__ or ())), id(fn.__defaults__), id(fn.__kwdefaults__))  # (a hook
+        # made in a loop, `def hook(p, o=o)`: one code, each with its own optimizer as a default)
         if key in seen_functions:
             return
         if not given and _is_library(code.co_filename):
@@ -1794,9 +1795,9 @@ class Substitution:
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
                     self._reached.append(f.__self__)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
-            if not isinstance(f, types.FunctionType) or f.__code__ in seen:
+            if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue
-            seen.add(f.__code__)
+            seen.add(key)
             places = [(var, functools.partial(getattr, cell, "cell_contents"))
                       for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True)]
             places += [(var, functools.partial(f.__globals__.get, var)) for var in _global_names(f.__code__)

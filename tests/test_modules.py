@@ -3011,6 +3011,27 @@ def _optimizer_in_backward(seed: int):
     return model, step, lambda: [opts[p].state[p] for p in model.parameters()]
 
 
+def _optimizer_in_backward_by_default(seed: int):
+    """The same with each optimizer bound as its hook's default argument (`def hook(p, o=o)` in
+    a loop: one code, and each hook's own optimizer; the second hook's was never lifted)."""
+    model = mlp(seed)
+    opts = []
+    for p in model.parameters():
+        opts.append(o := torch.optim.SGD([p], lr=0.1, momentum=0.9))
+
+        def hook(p, o=o):
+            o.step()
+            o.zero_grad()
+
+        p.register_post_accumulate_grad_hook(hook)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return model, step, lambda: [o.state[p] for o, p in zip(opts, model.parameters(), strict=True)]
+
+
 def _scales_by_parameter(seed: int):
     """SGD by hand with a learning-rate scale per parameter in a dict keyed by the parameter."""
     model = mlp(seed)
@@ -3049,8 +3070,9 @@ def _trainer_scales(seed: int):
 
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
-@pytest.mark.parametrize("make", [_optimizer_in_backward, _scales_by_parameter, _trainer_scales],
-                         ids=["optimizer-in-backward", "scales", "trainer-scales"])
+@pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_default, _scales_by_parameter,
+                                  _trainer_scales],
+                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
     holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
