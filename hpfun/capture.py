@@ -1476,17 +1476,33 @@ def _bound(args, kwargs, names) -> list:
     return [args[i] if i < len(args) else (kwargs or {}).get(n) for i, n in enumerate(names)]
 
 
+_TARGET_KINDS = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                 torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.bool: "Bool"}
+
+
 def _target_fits(func, logits, target) -> None:
-    """cross_entropy / nll_loss's target: class indices (integers) or, for cross_entropy,
+    """cross_entropy / nll_loss's target: class indices (int64 or uint8) or, for cross_entropy,
     probabilities of the input's shape, as eager checks (the trace's decomposition reached a
-    gather of float indices, and said that instead)."""
+    gather of float indices, and said that instead; an int32 or bool one ran, where eager
+    refuses it)."""
     if not isinstance(target, torch.Tensor) or not isinstance(logits, torch.Tensor) or \
-            not target.is_floating_point() or \
-            func is torch.nn.functional.cross_entropy and tuple(target.shape) == tuple(logits.shape):
+            target.dtype in (torch.int64, torch.uint8) or \
+            func is torch.nn.functional.cross_entropy and target.is_floating_point() and \
+            tuple(target.shape) == tuple(logits.shape):
         return
-    kind = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half"}.get(target.dtype, str(target.dtype))
+    kind = _TARGET_KINDS.get(target.dtype, str(target.dtype))
     raise RuntimeError(f"expected target dtype to be Long or Byte, but got {kind} (class indices; cross_entropy "
                        "also takes probabilities of the input's shape)")
+
+
+def _long_target(args, kwargs):
+    """cross_entropy / nll_loss's uint8 class indices (which eager takes) as int64: the trace's
+    decomposition gathers by them, and gather takes int64 indices only."""
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.uint8:
+        return (args[0], args[1].long(), *args[2:]), kwargs
+    if isinstance(t := (kwargs or {}).get("target"), torch.Tensor) and t.dtype == torch.uint8:
+        return args, {**kwargs, "target": t.long()}
+    return args, kwargs
 
 
 def _put_fits(x, indices, values, *_) -> None:
@@ -1498,9 +1514,11 @@ def _source_fits(x, dim, index, source, *_) -> None:
     """index_add / index_reduce(x, dim, index, source): as eager checks, source is x's shape with
     `dim` the index's length (torch's fake kernels check only that length: with x split on
     another dim, each rank added its block of a source of another shape, silently)."""
-    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or not isinstance(dim, int) or \
-            source.ndim == 0 or x.ndim == 0:
+    if not all(isinstance(t, torch.Tensor) for t in (x, index, source)) or not isinstance(dim, int) or x.ndim == 0:
         return
+    if source.ndim == 0:  # (a 0-d index too: one row, but a source of none of x's dims)
+        raise RuntimeError(f"source tensor shape must match self tensor shape, excluding the specified dimension: "
+                           f"a 0-d source for self of shape {list(x.shape)}")
     dim %= x.ndim
     want = [*x.shape[:dim], index.numel(), *x.shape[dim + 1:]]
     if list(source.shape) != want:
@@ -1921,6 +1939,7 @@ class _TensorScalars(TorchFunctionMode):
             _value_fits(*args)
         if func in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss):
             _target_fits(func, *_bound(args, kwargs, ("input", "target")))
+            args, kwargs = _long_target(args, kwargs)
         if (write_check := _INDEX_WRITES.get(written := _base_name(func))) is not None:
             write_check(*_bound(args, kwargs, _WRITE_ARGS[written]))
         if written == "index_add":  # a 0-d index, which eager takes and torch's decomposition does not

@@ -1214,13 +1214,19 @@ def test_a_read_of_a_value_made_from_a_parameter_says_why_it_is_not_read():
 
 def test_float_class_labels_are_refused_as_eager_refuses_them():
     """F.cross_entropy and F.nll_loss with float class labels: eager's message (hpfun said gather()
-    wanted integer indices, from its decomposition); probabilities of the input's shape still
-    run."""
+    wanted integer indices, from its decomposition), and with int32, int8 or bool ones too (they
+    ran, where eager refuses them); uint8 ones run as eager (refused as gather() indices), and
+    probabilities of the input's shape still run."""
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 8, (8,))
     for loss in (F.cross_entropy, lambda a, t: F.nll_loss(a.log_softmax(-1), t)):
         f = hpfun.shard(loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
-        _, text = _raise(f, x, y.double(), error=hpfun.CaptureError)
-        assert "expected target dtype to be Long or Byte, but got Double" in text, text
+        for target, kind in ((y.double(), "Double"), (y.int(), "Int"), (y.to(torch.int8), "Char"), (y > 3, "Bool")):
+            _, text = _raise(f, x, target, error=hpfun.CaptureError)
+            assert f"expected target dtype to be Long or Byte, but got {kind}" in text, text
+        torch.testing.assert_close(f(x, y.to(torch.uint8)).full(), loss(x, y))
+    keyword = hpfun.shard(lambda a, t: F.cross_entropy(a, target=t), mesh=MESH, in_specs=(P("dp"), P("dp")),
+                          out_specs=P())
+    torch.testing.assert_close(keyword(x, y.to(torch.uint8)).full(), F.cross_entropy(x, y))
     probs = torch.softmax(torch.randn(8, 8, dtype=torch.float64), -1)
     f = hpfun.shard(F.cross_entropy, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
     torch.testing.assert_close(f(x, probs).full(), F.cross_entropy(x, probs))

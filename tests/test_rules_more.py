@@ -738,6 +738,11 @@ def test_index_add_of_a_zero_dim_index_runs_as_eager():
         for spec in (P("dp"), P(None, "dp")):
             got = hpfun.shard(fn, mesh=mesh, in_specs=spec, out_specs=P())(x).full()
             torch.testing.assert_close(got, fn(x), rtol=TOL, atol=TOL)
+    zero_d = lambda x: x.index_add(0, i, torch.tensor(0.7, dtype=torch.float64))  # noqa: E731
+    with pytest.raises(RuntimeError, match="source tensor shape must match"):  # (a 0-d source: eager refuses it,
+        zero_d(x)  # and the sharded run broadcast it over the row)
+    with pytest.raises(hpfun.CaptureError, match="source tensor shape must match"):
+        hpfun.shard(zero_d, mesh=mesh, in_specs=P(None, "dp"), out_specs=P())(x)
 
 
 def test_index_reduce_and_put_run_as_eager_and_index_reduce_keeps_the_split():
