@@ -1576,7 +1576,9 @@ def _group(path: str, state: lift.State, signature: inspect.Signature | None) ->
             return "parameters"
         if slot.follows is not None:
             return "gradients" if path.endswith(".grad") else "optimizer state"
-        return "optimizer state" if slot.scalar else "buffers"  # (a float lr or beta, read as a tensor)
+        groups = tuple(f"{r.name}.param_groups." for r in state.roots if isinstance(r.value, torch.optim.Optimizer))
+        # (a float lr or beta read as a tensor, or a tensor one the group holds)
+        return "optimizer state" if slot.scalar or path.startswith(groups) else "buffers"
     if path.startswith("kwargs["):
         return path[len("kwargs['"):].split("'", 1)[0]
     if path.startswith("args[") and signature is not None:

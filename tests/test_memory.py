@@ -257,3 +257,26 @@ def test_the_meta_run_gives_the_fake_runs_estimate(case, monkeypatch):
 
     meta_run, fake_run = verify.meta_run, verify.fake_run
     assert estimate_by(meta_run) == estimate_by(fake_run)
+
+
+def test_tensor_hyperparameters_an_optimizer_holds_are_its_state_in_the_report():
+    """AdamW given tensor lr and betas: the tensors its param group holds are its state in the
+    memory report, not the buffers of a model that has none."""
+    model = torch.nn.Linear(4, 4).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3),
+                            betas=(torch.tensor(0.9), torch.tensor(0.999)))
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(step, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=P("dp"), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    f(x), f(x)
+    memory = f.lower(x).memory()
+    assert "buffers" not in memory.inputs, memory
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert memory.inputs["optimizer state"] == state + 3 * 4, memory  # (lr and the betas: float32 0-d tensors)
