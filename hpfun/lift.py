@@ -143,12 +143,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
                 key = k if _is_scalar(k) else f"<key {i}>"  # optimizer: by position, never by its printed values)
                 value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
-                parts = [(None, k)] if not isinstance(k, tuple) else list(enumerate(k))  # (a tuple key's parts)
-                for j, part in parts:  # an object of the user's as a key: its numbers are read as any object's
-                    if _is_user_object(part) and not callable(part):
-                        at = functools.partial(_key_at, obj, i)
-                        value(part, f"{name}.{key}" + (f".{j}" if j is not None else ""),
-                              at if j is None else functools.partial(_part_of, at, j), None)
+                at = functools.partial(_key_at, obj, i)
+                for suffix, part, read_part in _key_objects(k, at):  # an object of the user's in a key (a tuple's or
+                    value(part, f"{name}.{key}{suffix}", read_part, None)  # frozenset's part too): its numbers are read
         elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:
@@ -2457,9 +2454,22 @@ def _drop_made_modules(container, path: str, found: list, depth: int = 3) -> Non
 
 
 def _part_of(read, j: int):
-    """Part `j` of the tuple `read()` gives (None if it is no tuple that long)."""
+    """Part `j` of the tuple (or frozenset, in its order) `read()` gives (None if it is none that long)."""
     held = read()
+    if isinstance(held, frozenset):
+        held = tuple(held)
     return held[j] if isinstance(held, tuple) and len(held) > j else None
+
+
+def _key_objects(key, read, suffix: str = "", depth: int = 3) -> list:
+    """(name suffix, object, reader) of each object of the user's in a dict key: the key itself, or
+    a part of a tuple or frozenset key, nested to `depth` (`((k,), 0)`)."""
+    if _is_user_object(key) and not callable(key):
+        return [(suffix, key, read)]
+    if not depth or not isinstance(key, (tuple, frozenset)):
+        return []
+    return [found for j, part in enumerate(key)
+            for found in _key_objects(part, functools.partial(_part_of, read, j), f"{suffix}.{j}", depth - 1)]
 
 
 def _same(value):

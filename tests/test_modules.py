@@ -3235,6 +3235,19 @@ def test_numbers_on_the_objects_keying_a_dict_key_the_cache():
         t.n = n
         torch.testing.assert_close(g(x).full(), paired(x))
     assert g.trace_count == 2
+    inner, member = _Power(1), _Power(1)  # (deeper: a tuple inside the tuple key, a frozenset key's member)
+    nested = {((inner,), 0): torch.full((4,), 2.0, dtype=torch.float64),
+              frozenset([member]): torch.full((4,), 3.0, dtype=torch.float64)}
+
+    def deeper(x):
+        return sum((x * v ** (key[0][0].n if isinstance(key, tuple) else next(iter(key)).n)).sum()
+                   for key, v in nested.items())
+
+    h = hpfun.shard(deeper, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for n, m in ((1, 1), (3, 1), (3, 2), (3, 2)):
+        inner.n, member.n = n, m
+        torch.testing.assert_close(h(x).full(), deeper(x))
+    assert h.trace_count == 3
 
 
 @pytest.mark.parametrize("under_grad", [False, True])
