@@ -2069,8 +2069,8 @@ def _check_configs_unchanged(call: _Call, leaves) -> None:
                                         "the function was traced", "a traced program cannot repeat Python side "
                                         "effects: make this change outside the sharded function, or pass the value "
                                         "as a tensor and return its new value"))
-                if lift._is_scalar(before[name]):
-                    setattr(x, name, before[name])  # as it was: the call that changed it is refused
+                if isinstance(before[name], lift.Exact):
+                    setattr(x, name, before[name].value)  # as it was: the call that changed it is refused
         if len(problems) == found:  # an attribute added or removed
             problems.append(Problem(path, "changed while the function was traced", "a traced program cannot repeat "
                                     "Python side effects: make this change outside the sharded function"))

@@ -35,6 +35,7 @@ import functools
 import io
 import logging
 import math
+import numbers
 import operator
 import os
 import pickle
@@ -1719,9 +1720,29 @@ class _Input:
     i: int
 
 
+def exact_key(v, depth: int = 6):
+    """A Python value as a cache key equal only to the same value of the same type: 1, 1.0 and
+    True are three (an integer tensor times each is int64, float32 and int64), 0.0 and -0.0 two
+    (`1 / (x * -0.0)`), and NaN equals NaN; lists, tuples, sets and dicts item by item."""
+    kind = type(v)
+    if isinstance(v, float) or isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral):
+        # (NumPy's float64 and float32 and the user's subclasses too, by their own type)
+        return kind, "nan" if v != v else float(v), math.copysign(1.0, float(v)) if v == 0 else 0
+    if isinstance(v, complex):
+        return kind, exact_key(v.real), exact_key(v.imag)
+    if depth and (kind is tuple or kind is list):
+        return kind, tuple(exact_key(x, depth - 1) for x in v)
+    if depth and (kind is frozenset or kind is set):
+        return kind, frozenset(exact_key(x, depth - 1) for x in v)
+    if depth and kind is dict:
+        return kind, tuple((exact_key(k, depth - 1), exact_key(x, depth - 1)) for k, x in v.items())
+    return kind, v
+
+
 def same_value(a, b) -> bool:
-    """Whether two values read into Python are the same."""
-    return a == b or (a != a and b != b)  # (NaN read twice is the same value)
+    """Whether two values read into Python are the same: by `exact_key` (a -0.0 read where the
+    trace read 0.0 is another value: `1 / (x * t.item())`), NaN read twice the same."""
+    return exact_key(a) == exact_key(b)
 
 
 def _constant_value(t):

@@ -27,7 +27,6 @@ import dis
 import enum
 import functools
 import itertools
-import math
 import numbers
 import operator
 import os
@@ -39,7 +38,7 @@ import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, in_backwards
+from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, exact_key, in_backwards
 from hpfun.optimizers import PythonFloats, read_as_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
@@ -68,6 +67,22 @@ class Root:
     value: object
     read: object = None  # for tensors (and Sharded values): the value at its place now
     write: object = None  # and how to replace it
+
+
+class _Keyed:
+    """A Root's value for a dict keyed by tensors (or by their ids) or a set of tensors the walk
+    found (`{p: torch.optim.AdamW([p])}`, `no_decay = {bias, norm.weight}`): keyed by the
+    stand-ins while a trace runs (`Substitution._rekey`), so its lookups find them."""
+
+    __slots__ = ("container",)
+
+    def __init__(self, container):
+        self.container = container
+
+
+def _keyed_by_tensors(container) -> bool:
+    """Whether a dict's keys or a set's members include a tensor, or an address-sized int (`id(p)`)."""
+    return any(isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 for k in container)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +122,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
             return
+        if type(obj) is set and id(obj) not in seen_objects and _keyed_by_tensors(obj):
+            seen_objects.add(id(obj))  # (`p in no_decay`)
+            roots.append(Root(unique(name, owner), _Keyed(obj)))
+            note(None)  # (its members change in place)
+            return
         if type(obj) is set and len(obj) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, obj)):
             if name and read is not None:  # (`if k in NAMES`): its members key the cache, read anew at every call
                 roots.append(Root(unique(name, owner), _SCALAR, _frozen_reader(read)))
@@ -135,6 +155,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
         elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
+            if _keyed_by_tensors(obj):  # (`scales[p]`, `scales.get(p, 1.0)`, `buf[id(p)]`)
+                roots.append(Root(unique(f"{name}.<keys>", owner), _Keyed(obj)))
             if not holds:  # watched too: a tensor the trace leaves in it is an error (`ObjectValues`)
                 opaque.append((name, obj))
                 guard_seen(obj)
@@ -726,11 +748,11 @@ def object_key(x, depth: int = 4):
     levels, containers to PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
     other by identity. Equal snapshots: a trace reading it records the same program."""
     if _is_scalar(x):
-        return x
+        return Exact(x)  # (1, 1.0 and True: three programs, as arguments are)
     if _is_numbers_array(x):
-        return _array_values(x)
+        return Exact(_array_values(x))
     if depth and isinstance(x, dict) and len(x) <= PLAIN_CONTAINER_ITEMS:
-        return ("dict", tuple((k, object_key(v, depth - 1)) for k, v in x.items()))
+        return ("dict", tuple((Exact(k), object_key(v, depth - 1)) for k, v in x.items()))
     if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
     if depth and is_config(x):
@@ -754,11 +776,22 @@ def _item_reader(read_seq, i: int):
     return lambda: read_seq()[i]
 
 
-def _rekeyed_back(container: dict, real: dict) -> None:
-    """A dict keyed by stand-ins during a trace keyed by the tensors they stood in for, in its order."""
+def _key_identity(k):
+    """A dict key by what `_rekey` put: a tensor by identity, an int (a tensor's id) by value."""
+    return ("int", k) if type(k) is int else id(k)
+
+
+def _rekeyed_back(container, real: dict) -> None:
+    """A dict or set keyed by stand-ins during a trace keyed by what they stood in for (`real`:
+    `_key_identity` of a stand-in key -> the key), in its order."""
+    if type(container) is set:
+        members = list(container)
+        container.clear()
+        container.update(real.get(_key_identity(k), k) for k in members)
+        return
     items = list(container.items())
     container.clear()
-    container.update((real.get(id(k), k), v) for k, v in items)
+    container.update((real.get(_key_identity(k), k), v) for k, v in items)
 
 
 def _sequence_writer(seq, i: int, read_seq, write_seq):
@@ -884,7 +917,8 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     for root in sorted(roots, key=lambda r: isinstance(r.value, torch.optim.Optimizer)):
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems, snapshot, opaque)
-        elif root.value is not _SCALAR and not isinstance(root.value, torch.nn.Module) and id(root.value) not in names:
+        elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed)) and \
+                id(root.value) not in names:
             leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
             if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
                 # a tensor made with requires_grad=True (a from-scratch model: `w -= lr * w.grad`): its gradient too
@@ -1156,24 +1190,6 @@ def _watch_held(snapshot, v, depth: int = 3) -> None:
         return
     for w in items if depth > 1 else ():
         _watch_held(snapshot, w, depth - 1)
-
-
-def exact_key(v, depth: int = 6):
-    """A Python value as a cache key equal only to the same value of the same type: 1, 1.0 and
-    True are three (an integer tensor times each is int64, float32 and int64), 0.0 and -0.0 two
-    (`1 / (x * -0.0)`), and NaN equals NaN; lists, tuples, sets and dicts item by item."""
-    kind = type(v)
-    if kind is float:
-        return float, "nan" if v != v else v, math.copysign(1.0, v) if v == 0 else 0
-    if kind is complex:
-        return complex, exact_key(v.real), exact_key(v.imag)
-    if depth and (kind is tuple or kind is list):
-        return kind, tuple(exact_key(x, depth - 1) for x in v)
-    if depth and (kind is frozenset or kind is set):
-        return kind, frozenset(exact_key(x, depth - 1) for x in v)
-    if depth and kind is dict:
-        return kind, tuple((exact_key(k, depth - 1), exact_key(x, depth - 1)) for k, x in v.items())
-    return kind, v
 
 
 class Exact:
@@ -1700,6 +1716,8 @@ class Substitution:
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
         self._reached: list = []  # the user's objects a method the function or a hook is holds (`self`)
+        self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
+        self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1730,24 +1748,49 @@ class Substitution:
 
     def _rekey(self) -> None:
         """A dict keyed by lifted tensors (one optimizer per parameter, `{p: torch.optim.AdamW([p])}`
-        stepped in a gradient hook; a learning-rate scale per parameter) is keyed by their
-        stand-ins while the trace runs, in its order, and by the tensors again after: the dicts
-        the function and its hooks reach, and those held by the objects they reach (the
-        function's `self`, a closed-over trainer) and by the modules."""
+        stepped in a gradient hook; a learning-rate scale per parameter), or by their ids, and a
+        set of them (`p in no_decay`), is keyed by their stand-ins while the trace runs, in its
+        order, and by the tensors again after (`_keys_back`): those the walk found (`_Keyed`),
+        the dicts the function and its hooks reach, and those held by the objects they reach
+        (the function's `self`, a closed-over trainer) and by the modules."""
         holders = [obj for _, obj, _ in self._plain_held] + self._reached
         holders += [m for root in self.state.roots if isinstance(root.value, torch.nn.Module) for m in root.value.modules()]
-        dicts = [c for _, _, c, _ in self._watched if type(c) is dict]
-        dicts += [v for obj in holders for k, v in vars(obj).items() if type(v) is dict and not k.startswith("_")]
+        found = [root.value.container for root in self.state.roots if isinstance(root.value, _Keyed)]
+        found += [c for _, _, c, _ in self._watched if type(c) is dict]
+        found += [v for obj in holders for k, v in vars(obj).items() if type(v) in (dict, set) and not k.startswith("_")]
+        ids = {real_id: id(stand_in) for real_id, stand_in in self.swap.items()}
+
+        def stand_in_for(k):
+            if isinstance(k, torch.Tensor):
+                return self.swap.get(id(k), k)
+            return ids.get(k, k) if type(k) is int else k
+
         seen: set = set()
-        for container in dicts:
-            if id(container) in seen or not any(isinstance(k, torch.Tensor) and id(k) in self.swap for k in container):
+        for container in found:
+            if id(container) in seen:
                 continue
             seen.add(id(container))
-            real = {id(self.swap[id(k)]): k for k in container if isinstance(k, torch.Tensor) and id(k) in self.swap}
-            items = list(container.items())
-            container.clear()
-            container.update((self.swap.get(id(k), k) if isinstance(k, torch.Tensor) else k, v) for k, v in items)
-            self._undo.append(functools.partial(_rekeyed_back, container, real))
+            pairs = [(k, stand_in_for(k)) for k in container]
+            if all(new is old for old, new in pairs):
+                continue
+            if type(container) is set:
+                container.clear()
+                container.update(new for _, new in pairs)
+            else:
+                items = list(container.values())
+                container.clear()
+                container.update((new, v) for (_, new), v in zip(pairs, items, strict=True))
+            self._rekeyed.append((container, {_key_identity(new): old for old, new in pairs if new is not old}))
+        if self._rekeyed:
+            self._undo.append(self._keys_back)
+
+    def _keys_back(self) -> None:
+        """The dicts `_rekey` keyed by stand-ins keyed by the tensors again, once the trace has
+        run: before the slots are read (a tensor value's slot reads it by the tensor, `buf[p]`)
+        and what the trace added is looked for."""
+        for container, real in self._rekeyed:
+            _rekeyed_back(container, real)
+        self._rekeyed.clear()
 
     def _module(self, module):
         for mod in module.modules():
@@ -1809,6 +1852,8 @@ class Substitution:
                 except ValueError:  # an empty cell
                     continue
                 self._places.append((var, read))
+                if type(container) is tuple and _holds_tensor(container):  # (rebound to another length: refused)
+                    self._tuples_held.append((var, read, container))
                 if _is_plain_object(container) and not callable(container):
                     self._plain_held.append((var, container, dict(vars(container))))
                     self._plain_held += [(_join(var, k), v, dict(vars(v))) for k, v in vars(container).items()
@@ -1839,6 +1884,7 @@ class Substitution:
         """name -> (value, place) of each tensor the trace put into a module that was not there
         (`self.cos_cached = ...`, `register_buffer` in a forward, `self.last_loss = loss.detach()`):
         state the step makes, written back after every call as eager leaves it (`put`)."""
+        self._keys_back()
         out, appended = {}, set()  # (ids of the lists whose appends are taken: one list held twice counts once)
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
@@ -1968,6 +2014,15 @@ class Substitution:
                                     f"keep {keep}, or return the new values and rebind it after the call"))
 
         dict_keep = "its keys (or assign `D[key] = ...` into the dict it holds)"
+        for var, read, held in self._tuples_held:  # (its slots write a tuple of its length at its place)
+            try:
+                now = read()
+            except ValueError:
+                continue
+            if type(now) is tuple and len(now) != len(held) and _holds_fake(now):
+                refused(var, "tuple", f"another length ({len(held)} items before, {len(now)} now)",
+                        "its length, or keep a growing sequence in a list the function appends to")
+                _rebind(read, held)
         for var, read, container, items in self._watched:
             try:
                 now = read()
@@ -2099,6 +2154,7 @@ class Substitution:
         """What the traced function left in each slot, read in the substituted world: name ->
         value (None where it emptied a slot); and, for an optimizer's state it created, name ->
         (optimizer, parameter, key), the place to create it at."""
+        self._keys_back()
         self._unwrap_escaped()
         edits = self._rebound() + self._container_edits()  # (before any slot is read: a list cleared holds none of them)
         if edits:

@@ -1063,24 +1063,24 @@ def test_public_constructors_given_a_wrong_type_say_what_to_pass(case):
 
 
 def test_a_dict_keyed_by_parameters_names_the_ways_to_key_it():
-    """A dict keyed by parameters inside another container, looked up inside the step
-    (per-parameter scales): the trace's stand-ins are not its keys (one the function reaches
-    itself is keyed by them: tests/test_modules.py). The KeyError names the line and the two
-    ways that work (the attribute way: tests/test_modules.py), not the stand-in."""
+    """A dict keyed by parameters where hpfun does not look (in a dict a module holds), looked up
+    inside the step (per-parameter scales): the trace's stand-ins are not its keys (one the
+    function reaches is keyed by them: tests/test_modules.py). The KeyError names the line and
+    the two ways that work (the attribute way: tests/test_modules.py), not the stand-in."""
     model = torch.nn.Linear(4, 2)
-    config = {"scales": {p: 0.5 for p in model.parameters()}}
+    model.config = {"scales": {p: 0.5 for p in model.parameters()}}
 
     def step(x):
         model(x).square().mean().backward()
         with torch.no_grad():
             for p in model.parameters():
-                p.sub_(0.1 * config["scales"][p] * p.grad)
+                p.sub_(0.1 * model.config["scales"][p] * p.grad)
                 p.grad = None
         return model.weight
 
     _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
                      error=hpfun.CaptureError)
-    assert "KeyError at" in text and 'config["scales"][p]' in text and "p.lr_scale = 0.5" in text
+    assert "KeyError at" in text and 'model.config["scales"][p]' in text and "p.lr_scale = 0.5" in text
     assert "FakeTensor" not in text
 
 

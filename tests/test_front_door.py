@@ -3,6 +3,7 @@ spec mistakes with their paths and fixes, and rule tables that fail to load."""
 
 import dataclasses
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -217,6 +218,15 @@ def test_python_values_key_the_cache_by_type_and_sign_not_by_equality():
                 got = got.full()
                 assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (n, got, want)
     assert arg.trace_count == listed.trace_count == glob.trace_count == len(values) - 1
+    config = hpfun.shard(lambda x, c: times(x, c.alpha), mesh=MESH, in_specs=(P("dp"), None), out_specs=P("dp"))
+    read = hpfun.shard(lambda x, t: times(x, t.item()), mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    for n in (0.0, -0.0, np.float32(0.0), np.float32(-0.0), np.float64(-0.0), 1, 1.0):
+        # (a config object's values, NumPy's floats, a value read from an argument with .item())
+        for outs in (config(x, types.SimpleNamespace(alpha=n)), read(x, torch.tensor(float(n), dtype=torch.float64))):
+            want = times(x, n)
+            for got, w in zip(outs, want, strict=True):
+                got = got.full()
+                assert torch.equal(got.nan_to_num(7.0), w.to(got.dtype).nan_to_num(7.0)), (n, got, w)
 
 
 def test_a_print_inside_runs_once_at_the_trace(capsys):

@@ -619,6 +619,17 @@ def test_every_tensor_of_a_global_or_closed_over_tuple_is_read_and_written_back(
     assert torch.equal(after[0][0], PAIR[0]) and torch.equal(after[1]["t"][1].b, nested["t"][1].b)
     assert PAIR[0] is tensors[0] and nested["t"][1].b is tensors[1]
     assert type(nested["t"][1]) is Point and f.trace_count == 1
+    window = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+
+    def shifts(x):  # (a tuple rebound to another length: refused by name and set back, where the longer one
+        nonlocal window  # was dropped, silently, and a shorter one failed with a bare IndexError)
+        window = window[1:] + (window[-1] * 2, x.sum(0))
+        return (x * window[-1]).sum()
+
+    held = window
+    with pytest.raises(hpfun.CaptureError, match=r"window: is rebound to a new tuple with another length \(2 items"):
+        hpfun.shard(shifts, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert len(window) == 2 and all(a is b for a, b in zip(window, held, strict=True))
 
 
 class Counter(torch.nn.Module):
@@ -3048,6 +3059,32 @@ def _scales_by_parameter(seed: int):
     return model, step, lambda: []
 
 
+def _by_parameter_elsewhere(seed: int):
+    """Momentum kept by hand in a dict keyed by the parameters (its values lifted state), scales
+    in a dict inside a dict and in one keyed by `id(p)`, reached through a helper, and a set of
+    parameters without weight decay (`p in no_decay`): each lookup by a parameter finds it (the
+    dict of tensors was left keyed by stand-ins, the others took their default, silently)."""
+    model = mlp(seed)
+    momentum = {p: torch.zeros_like(p) for p in model.parameters()}
+    config = {"scales": {p: 0.5 + i for i, p in enumerate(model.parameters())}}
+    by_id = {id(p): 1.0 - i / 8 for i, p in enumerate(model.parameters())}
+    no_decay = {model[0].bias, model[2].bias}
+
+    def rate(p):
+        return 0.1 * config["scales"].get(p, 1.0) * by_id.get(id(p), 3.0)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                momentum[p].mul_(0.9).add_(p.grad if p in no_decay else p.grad + 0.01 * p)
+                p -= rate(p) * momentum[p]
+                p.grad = None
+        return loss
+    return model, step, lambda: [dict(enumerate(momentum.values()))]
+
+
 class _ScaledTrainer:
     def __init__(self, seed: int):
         self.model = mlp(seed)
@@ -3071,8 +3108,8 @@ def _trainer_scales(seed: int):
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
 @pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_default, _scales_by_parameter,
-                                  _trainer_scales],
-                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales"])
+                                  _trainer_scales, _by_parameter_elsewhere],
+                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales", "elsewhere"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
     holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
