@@ -579,6 +579,25 @@ def _compiled_code_runs_as_written():
 
 
 @contextlib.contextmanager
+def _library_checks_keep_their_messages():
+    """transformers' `torch_compilable_check(cond, msg, error_type)` drops its message and error
+    type while compiling (they only hint the compiler), and hpfun traces as if compiling: a false
+    check (BART's `All examples must have the same number of <eos> tokens.`) said only `Expected
+    cond to be True` at transformers' own file. It checks as it does in eager instead."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_tracing", None)
+    if original is None:
+        yield
+        return
+
+    def is_tracing(tensor=None) -> bool:
+        return False if tensor is None else original(tensor)
+
+    with mock.patch.object(utils, "is_tracing", is_tracing):
+        yield
+
+
+@contextlib.contextmanager
 def _lstm_as_matmuls():
     """`nn.LSTM` traced as torch's composite one-layer LSTM (a matmul and gates per step), which
     has rules: with oneDNN on, CPU LSTMs whose input needs no gradient (a model's first layer)
@@ -961,7 +980,8 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
                 mock.patch.object(torch.fx.proxy, "CapturedTraceback", _UserFrame), \
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), scalars, in_backwards(scalars), _modes_in_backwards(), \
-                _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused():
+                _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused(), \
+                _library_checks_keep_their_messages():
             gm = traced(list(fakes))
     except CaptureError:
         raise

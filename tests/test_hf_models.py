@@ -524,3 +524,24 @@ def test_a_cache_passed_as_an_argument_names_its_tensors_and_the_way_out():
         got = hpfun.shard(rebuilt, mesh=mesh, in_specs=(P("dp"), P("dp")))(nxt, kv)
         want = model(nxt[:, None], past_key_values=transformers.DynamicCache(kv), use_cache=True).logits[:, -1]
     torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_transformers_check_that_fails_keeps_its_message():
+    """transformers' `torch_compilable_check` drops its message while compiling, and hpfun
+    traces as if compiling: BART's classification head with rows of different numbers of <eos>
+    said only `Expected cond to be True`. The error now says what eager's does; equal rows run."""
+    torch.manual_seed(0)
+    model = transformers.BartForSequenceClassification(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=0,
+        eos_token_id=2, num_labels=3)).double().eval()
+    ids, y = torch.randint(3, 64, (2, 8)), torch.tensor([0, 1])
+    ids[:, -1] = 2
+    f = hpfun.shard(lambda ids, y: model(input_ids=ids, labels=y).loss, mesh=hpfun.Mesh.simulated((2,), ("dp",)),
+                    in_specs=(P("dp"), P("dp")), out_specs=P())
+    torch.testing.assert_close(f(ids, y).full(), model(input_ids=ids, labels=y).loss, rtol=1e-12, atol=0)
+    ids[1, 3] = 2  # (row 1: two <eos>)
+    with pytest.raises(ValueError, match="same number of <eos> tokens"):
+        model(input_ids=ids, labels=y)
+    with pytest.raises(hpfun.CaptureError, match="ValueError .*same number of <eos> tokens"):
+        f(ids, y)
