@@ -1834,6 +1834,7 @@ class Substitution:
             while isinstance(f, (functools.partial, types.MethodType)):
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
                     self._reached.append(f.__self__)
+                    self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue
@@ -1855,9 +1856,10 @@ class Substitution:
                 if type(container) is tuple and _holds_tensor(container):  # (rebound to another length: refused)
                     self._tuples_held.append((var, read, container))
                 if _is_plain_object(container) and not callable(container):
-                    self._plain_held.append((var, container, dict(vars(container))))
-                    self._plain_held += [(_join(var, k), v, dict(vars(v))) for k, v in vars(container).items()
-                                         if _is_plain_object(v) and not callable(v)]  # (`cfg.sub.m = ...`)
+                    self._hold_plain(var, container)
+                    for k, v in vars(container).items():  # (`cfg.sub.m = ...`)
+                        if _is_plain_object(v) and not callable(v):
+                            self._hold_plain(_join(var, k), v)
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
@@ -1865,6 +1867,17 @@ class Substitution:
                         self._watched += [(f"{var}[{key!r}]", functools.partial(_same, lst), lst, list(lst))
                                           for key, lst in container.items() if type(lst) is list
                                           and not any(c is lst for _, _, c, _ in self._watched)]
+
+    def _hold_plain(self, var: str, obj) -> None:
+        """A plain object the function reaches: its attributes as they are, and its dicts watched
+        as a global dict is (`o.st["k"] = {...}` merged into the dict held there, new keys put at
+        every call)."""
+        if any(held is obj for _, held, _ in self._plain_held):
+            return
+        self._plain_held.append((var, obj, dict(vars(obj))))
+        for k, v in vars(obj).items():
+            if type(v) is dict and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
+                self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
 
     def _keep(self, prefix: str, module) -> None:
         """What each module holds before the trace, to find and take back what the trace left in it."""
@@ -2014,6 +2027,16 @@ class Substitution:
                                     f"keep {keep}, or return the new values and rebind it after the call"))
 
         dict_keep = "its keys (or assign `D[key] = ...` into the dict it holds)"
+        for var, obj, held in self._plain_held:  # a plain object's dict given a new one (`self.stats = {...}`):
+            for attr, was in held.items():  # merged into the one it held, whose slots the program writes
+                now = vars(obj).get(attr)
+                if type(was) is not dict or type(now) is not dict or now is was or not _holds_fake(now):
+                    continue
+                if (other := _other_keys(was, now, _join(var, attr))) is not None:
+                    refused(*other, dict_keep)
+                else:
+                    _merge(was, now)
+                setattr(obj, attr, was)
         for var, read, held in self._tuples_held:  # (its slots write a tuple of its length at its place)
             try:
                 now = read()
