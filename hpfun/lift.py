@@ -353,6 +353,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         module_code(fn)
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the saved_tensors_hooks around the
+    note(_SavedTensorsHooks(hooks))  # call: what they read keys the program too (`self.scale` of a hook's object)
+    for kind, hook in zip(("pack", "unpack"), hooks or (), strict=False):
+        value(hook, f"saved_tensors_hooks.{kind}", _constant(hook), None)
     if bound:  # one static for all of them, made once per walk (every binding it read is in the guard)
         roots.append(Root(BINDINGS, _SCALAR, _constant(Bindings(tuple(bound)))))
     return roots, opaque
@@ -634,10 +638,24 @@ except Exception:  # (a build or Python without it: every entry compared, as wri
     _dict_version = None
 
 
+class _SavedTensorsHooks:
+    """A guard on the saved_tensors_hooks held around a call: the same pack and unpack objects."""
+
+    __slots__ = ("ids", "_hooks")
+
+    def __init__(self, hooks):
+        self.ids = None if hooks is None else tuple(map(id, hooks))
+        self._hooks = hooks  # (kept alive: their ids stay theirs)
+
+    def holds(self) -> bool:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return (None if hooks is None else tuple(map(id, hooks))) == self.ids
+
+
 def _holds(guard: list) -> bool:
     """Every place a walk read still holds the object it held then."""
     for entry in guard:
-        if type(entry) is _Unchanged or type(entry) is _AllUnchanged:
+        if type(entry) is _Unchanged or type(entry) is _AllUnchanged or type(entry) is _SavedTensorsHooks:
             if not entry.holds():
                 return False
             continue
@@ -1019,27 +1037,14 @@ SAVED_TENSORS_HOOKS = "torch.autograd.graph.saved_tensors_hooks"
 
 def _saved_tensors_hooks():
     """The pack and unpack hooks of a `torch.autograd.graph.saved_tensors_hooks` (or
-    `save_on_cpu`) the caller holds around a call, which the trace runs and bakes in: by their
-    code and the numbers, flags and strings they close over (a `save_on_cpu()` made at every
-    step makes new functions of the same code), None without."""
+    `save_on_cpu`) the caller holds around a call, which the trace runs and bakes in: a function
+    by its code, a partial by its function, an object of the user's by its class (the numbers
+    they read are walked and key the program on their own: `find_roots`; a `save_on_cpu()` made
+    at every step makes new functions of the same code), None without."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return None
-
-    def key(fn):
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return fn
-        cells = []
-        for cell in fn.__closure__ or ():
-            try:
-                v = cell.cell_contents
-            except ValueError:
-                v = None
-            cells.append(exact_key(v) if _is_scalar(v) else type(v))
-        return code, tuple(cells)
-
-    return tuple(map(key, hooks))
+    return tuple(_binding(h) or _Same(type(h)) for h in hooks)
 
 
 def training_key(root: str) -> str:

@@ -3436,7 +3436,8 @@ def test_hooks_torch_runs_for_every_module_or_optimizer_key_the_program(kind):
 def test_saved_tensor_hooks_held_around_the_call_key_the_program():
     """`torch.autograd.graph.saved_tensors_hooks` (activation compression) held around a call:
     the trace runs the hooks, so a call with other hooks, or none, is another program (the first
-    one's ran, silently); a `save_on_cpu()` made anew at every call is one program."""
+    one's ran, silently), and so is one whose hooks read another number (`self.scale`); a
+    `save_on_cpu()` or a partial made anew at every call is one program."""
     (model, _), (ref, _) = (mlp(), None), (mlp(), None)
 
     def make(m):
@@ -3458,3 +3459,23 @@ def test_saved_tensor_hooks_held_around_the_call_key_the_program():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.full(), w, rtol=1e-12, atol=1e-15)
     assert f.trace_count == 3
+    scaler = _PackScaled(0.5)  # (a hook reading a number of its own object: that number keys the program)
+    for scale in (0.5, 0.5, 2.0):
+        scaler.scale = scale
+        with torch.autograd.graph.saved_tensors_hooks(scaler.pack, functools.partial(_unpack_scaled, scaler)):
+            got, want = f(x, y), eager(x, y)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.full(), w, rtol=1e-12, atol=1e-15)
+    assert f.trace_count == 5
+
+
+class _PackScaled:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def pack(self, t):
+        return t * self.scale if t.is_floating_point() else t
+
+
+def _unpack_scaled(scaler, t):
+    return t  # (the gradients come out scaled: a stale scale would show)
