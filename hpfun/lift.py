@@ -240,7 +240,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if isinstance(hooks, dict):
                 note(_Unchanged(hooks))
                 for h in list(hooks.values()):
-                    value(h, _join(name, kind.lstrip("_")), _constant(h), None)
+                    if not isinstance(h, bool):  # (a flags dict, `with_kwargs`: torch leaves a removed hook's
+                        value(h, _join(name, kind.lstrip("_")), _constant(h), None)  # flag behind; the hook keys it)
 
     def module_code(module: torch.nn.Module) -> None:
         """A module tree's code: each module's own class (a user's `forward` reading a global)

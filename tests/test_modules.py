@@ -3479,3 +3479,22 @@ class _PackScaled:
 
 def _unpack_scaled(scaler, t):
     return t  # (the gradients come out scaled: a stale scale would show)
+
+
+def test_a_removed_global_hook_with_kwargs_reuses_the_program_without_it():
+    """torch leaves a removed global forward hook's `with_kwargs` flag behind: the program
+    without the hook is reused (the flag keyed the cache, and it compiled again)."""
+    from torch.nn.modules import module
+
+    model = mlp()
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = batch(0)[0]
+    want = model(x).sum()
+    torch.testing.assert_close(f(x).full(), want)
+    handle = module.register_module_forward_hook(lambda m, args, kwargs, out: out * 2, with_kwargs=True)
+    try:
+        torch.testing.assert_close(f(x).full(), model(x).sum())
+    finally:
+        handle.remove()
+    torch.testing.assert_close(f(x).full(), want)
+    assert f.trace_count == 2
