@@ -74,14 +74,17 @@ def run(module: torch.fx.GraphModule, mesh: Mesh, inputs_per_rank: list[list[tor
         elif node.op == "call_module" and node.meta.get("hpfun_collective_piece"):
             _run_piece_in_lockstep(getattr(top, node.target), node, mesh, envs)
         elif node.op in ("call_module", "call_function"):
-            fn = getattr(top, node.target) if node.op == "call_module" else node.target
+            target = getattr(top, node.target) if node.op == "call_module" else node.target
+            # a piece's forward, not its __call__: the hooks torch runs for every module (a user's
+            # `register_module_forward_hook`) are not the program's to run (a compiled piece as it is)
+            fn = target.forward if isinstance(target, torch.fx.GraphModule) else target
             for r in ranks:
                 env = envs[r]
                 args = torch.fx.node.map_arg(node.args, env.__getitem__)
                 try:
                     env[node] = fn(*args, **torch.fx.node.map_arg(node.kwargs, env.__getitem__))
                 except Exception as err:  # any op's error: re-raised naming the op, the line, the layouts
-                    failed, inputs = failure.rerun(fn, args) if node.op == "call_module" else (None, None)
+                    failed, inputs = failure.rerun(target, args) if node.op == "call_module" else (None, None)
                     raise failure.execution_error(failed, f"mesh rank {r} {mesh.coords(r)}", err, inputs) from err
         elif node.op == "output":
             return [list(torch.fx.node.map_arg(node.args[0], envs[r].__getitem__)) for r in ranks]
