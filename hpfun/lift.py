@@ -80,6 +80,11 @@ class _Keyed:
         self.container = container
 
 
+def _member_ids(container) -> frozenset:
+    """Which objects a set holds, by identity (a parameter taken out of `no_decay` between calls)."""
+    return frozenset(map(id, container))
+
+
 def _keyed_by_tensors(container) -> bool:
     """Whether a dict's keys or a set's members include a tensor, or an address-sized int (`id(p)`)."""
     return any(isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 for k in container)
@@ -125,7 +130,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         if type(obj) is set and id(obj) not in seen_objects and _keyed_by_tensors(obj):
             seen_objects.add(id(obj))  # (`p in no_decay`)
             roots.append(Root(unique(name, owner), _Keyed(obj)))
-            note(None)  # (its members change in place)
+            note(None)  # (its members change in place; which they are keys the program, by identity)
+            roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
             return
         if type(obj) is set and len(obj) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, obj)):
             if name and read is not None:  # (`if k in NAMES`): its members key the cache, read anew at every call
@@ -163,7 +169,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             else:
                 note(None)
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
-                key = k if _is_scalar(k) else f"<key {i}>"  # optimizer: by position, never by its printed values)
+                key = k if _is_scalar(k) and not (type(k) is int and k >= 1 << 32) else f"<key {i}>"  # optimizer:
+                # by position, never by its printed values; an id(p), each process's own: by position too)
                 value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
                 at = functools.partial(_key_at, obj, i)
                 for suffix, part, read_part in _key_objects(k, at):  # an object of the user's in a key (a tuple's or
@@ -1724,6 +1731,7 @@ class Substitution:
         self._reached: list = []  # the user's objects a method the function or a hook is holds (`self`)
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
+        self._real = {id(v): v for v in state.values().values()}  # (before anything is swapped)
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1789,6 +1797,11 @@ class Substitution:
             self._rekeyed.append((container, {_key_identity(new): old for old, new in pairs if new is not old}))
         if self._rekeyed:
             self._undo.append(self._keys_back)
+            added = {_key_identity(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items()
+                     if real_id in self._real}
+            for _, back in self._rekeyed:  # (a key the trace adds, `seen.add(p)`: the tensor it stands for)
+                for k, real in added.items():
+                    back.setdefault(k, real)
 
     def _keys_back(self) -> None:
         """The dicts `_rekey` keyed by stand-ins keyed by the tensors again, once the trace has
@@ -1884,6 +1897,8 @@ class Substitution:
         for k, v in vars(obj).items():
             if type(v) is dict and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
+            elif type(v) is tuple and _holds_tensor(v):  # (rebound to another length: refused)
+                self._tuples_held.append((_join(var, k), functools.partial(getattr, obj, k), v))
 
     def _keep(self, prefix: str, module) -> None:
         """What each module holds before the trace, to find and take back what the trace left in it."""
@@ -2261,6 +2276,16 @@ class Substitution:
                 continue
 
     def restore(self) -> None:
+        stood_for = {id(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items() if real_id in self._real}
+        for _, read in self._places:  # a set the trace added a stand-in to (`seen.add(p)`): the tensor it stands for
+            try:
+                held = read()
+            except ValueError:
+                continue
+            if type(held) is set and any(isinstance(v, FakeTensor) for v in held):
+                members = [stood_for.get(id(v), v) for v in held]
+                held.clear()
+                held.update(v for v in members if not isinstance(v, FakeTensor))
         for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
             if not self._kept_prefix(lst, held):
                 lst[:] = [self.swap.get(id(v), v) for v in held]
@@ -2419,6 +2444,8 @@ def _rebind(read, value) -> None:
     target = getattr(read, "func", None)
     if isinstance(read, functools.partial) and target is getattr and read.args[1:] == ("cell_contents",):
         read.args[0].cell_contents = value
+    elif isinstance(read, functools.partial) and target is getattr and len(read.args) == 2:
+        setattr(*read.args, value)  # (a plain object's attribute)
     elif isinstance(read, functools.partial) and getattr(target, "__name__", "") == "get" \
             and isinstance(getattr(target, "__self__", None), dict):
         target.__self__[read.args[0]] = value

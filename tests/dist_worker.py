@@ -294,6 +294,7 @@ def lifted_dp(out: Path):
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["keyed by id"] = stepped_by_id(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
@@ -432,6 +433,26 @@ def stepped_in_backward(mesh, x, y) -> list:
     optimizers_in_backward(model)
     step = hpfun.shard(lambda x, y: backward_only(model, x, y), mesh=mesh, in_specs=(P("dp"), P("dp")),
                        out_specs=P(), state_specs={"0.weight": P("dp")})
+    return [step(x, y).full() for _ in range(STEPS)] + [_snapshot(hpfun.gather_state(model))]
+
+
+def scaled_by_id(model, scales, x, y):
+    """A hand update scaled per parameter from a dict keyed by id(p) (each process's own ids)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * scales[id(p)] * p.grad)
+            p.grad = None
+    return loss
+
+
+def stepped_by_id(mesh, x, y) -> list:
+    """`scaled_by_id` sharded: the losses, then the gathered state."""
+    model = lifted_model()
+    scales = {id(p): 0.5 + i for i, p in enumerate(model.parameters())}
+    step = hpfun.shard(lambda x, y: scaled_by_id(model, scales, x, y), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       out_specs=P())
     return [step(x, y).full() for _ in range(STEPS)] + [_snapshot(hpfun.gather_state(model))]
 
 

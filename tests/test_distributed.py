@@ -311,6 +311,20 @@ def test_an_optimizer_per_parameter_stepped_in_its_gradient_hook_runs_as_eager(l
         _close(state, model.state_dict(), f"rank {rank}")
 
 
+def test_a_dict_keyed_by_parameter_ids_runs_on_every_rank(lifted_dp_job):
+    """A dict keyed by id(p): its entries are named by position, not by each process's own ids
+    (the ranks were said to have been called with different arguments)."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    scales = {id(p): 0.5 + i for i, p in enumerate(model.parameters())}
+    losses = [w.scaled_by_id(model, scales, x, y).detach() for _ in range(w.STEPS)]
+    for rank, results in enumerate(lifted_dp_job):
+        *got, state = results["keyed by id"]
+        torch.testing.assert_close(torch.stack(got), torch.stack(losses), rtol=1e-12, atol=0)
+        _close(state, model.state_dict(), f"rank {rank}")
+
+
 def test_donated_state_equals_kept_state_and_a_failed_call_loses_it(lifted_dp_job):
     """donate_state=True hands parameters and AdamW's state over to the program (each rank's
     tensors give up their storage at every call, where without it new values are copied into

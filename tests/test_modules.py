@@ -2967,6 +2967,16 @@ def test_a_plain_objects_dicts_given_anew_are_kept_as_eager():
     with pytest.raises(hpfun.CaptureError, match=r"self\.lst \(a list assigned anew holding tensors"):
         hpfun.shard(trainer.rebinds_list, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert trainer.lst is held and torch.equal(held[0], torch.zeros(2, dtype=torch.float64))
+    trainer.pair = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    pair = trainer.pair
+
+    def grows(x):  # (a tuple on self rebound to another length: refused, as a global one is)
+        trainer.pair = trainer.pair + (x.sum(0),)
+        return x.sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"trainer\.pair: is rebound to a new tuple with another length"):
+        hpfun.shard(grows, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert len(trainer.pair) == 2 and all(a is b for a, b in zip(trainer.pair, pair, strict=True))
 
 
 def test_a_module_converted_inside_the_step_runs_when_nothing_changes_and_is_refused_otherwise():
@@ -3119,6 +3129,47 @@ def _by_parameter_elsewhere(seed: int):
                 p.grad = None
         return loss
     return model, step, lambda: [dict(enumerate(momentum.values()))]
+
+
+def test_which_parameters_a_set_holds_keys_the_program():
+    """`p in active` of a set of parameters: one taken out between calls is another program (the
+    first ran, silently); a parameter the step adds to a set is the parameter there after (its
+    stand-in was left in the user's set)."""
+    def make():
+        model = mlp()
+        active, seen = set(model.parameters()), set()
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p in active:
+                        p -= 0.1 * p.grad
+                    p.grad = None
+            return loss
+        return model, active, seen, step
+
+    (model, active, _, step), (ref, ref_active, _, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for call in range(3):
+        if call == 1:
+            active.discard(model[2].weight)
+            ref_active.discard(ref[2].weight)
+        x, y = batch(call)
+        torch.testing.assert_close(f(x, y).full(), eager(x, y))
+        assert max_diff(model, ref) < 1e-12, call
+    assert f.trace_count == 2
+    seen = set()
+
+    def adds(x):
+        for p in model.parameters():
+            seen.add(p)
+        return model(x).sum()
+
+    with pytest.raises(hpfun.CaptureError):  # (a set changed while traced: refused, as a changed global is)
+        hpfun.shard(adds, mesh=DP, in_specs=P("dp"), out_specs=P())(batch(0)[0])
+    assert seen == set(model.parameters())
 
 
 class _ScaledTrainer:
