@@ -969,7 +969,8 @@ def statics(roots, known: dict | None = None) -> dict:
     out: dict[str, object] = torch_state()  # (a step called under torch.no_grad or autocast traces another program)
     for root in roots:
         if root.value is _SCALAR:
-            out[root.name] = Exact(root.read())
+            value = root.read()  # (a number by its type and sign; the bindings read as they are, shown by name)
+            out[root.name] = value if type(value) is Bindings else Exact(value)
         elif isinstance(root.value, torch.nn.Module):
             name = training_key(root.name)
             out[name] = known[name] if known is not None else tuple(m.training for m in root.value.modules())
