@@ -127,9 +127,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if name and read is not None:
                 roots.append(Root(unique(name, owner), _SCALAR, read))
             return
-        if type(obj) is set and id(obj) not in seen_objects and _keyed_by_tensors(obj):
-            seen_objects.add(id(obj))  # (`p in no_decay`)
-            roots.append(Root(unique(name, owner), _Keyed(obj)))
+        if type(obj) in (set, frozenset) and id(obj) not in seen_objects and _keyed_by_tensors(obj):
+            seen_objects.add(id(obj))  # (`p in no_decay`; a frozenset is put anew at its place, `write`)
+            roots.append(Root(unique(name, owner), _Keyed(obj), read, write))
             note(None)  # (its members change in place; which they are keys the program, by identity)
             roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
             return
@@ -1780,9 +1780,13 @@ class Substitution:
                 return self.swap.get(id(k), k)
             return ids.get(k, k) if type(k) is int else k
 
+        for root in self.state.roots:  # a frozenset of parameters: one of their stand-ins at its place
+            if isinstance(root.value, _Keyed) and type(root.value.container) is frozenset and root.write is not None:
+                frozen = root.value.container
+                self._set(root.write, frozen, frozenset(map(stand_in_for, frozen)))
         seen: set = set()
         for container in found:
-            if id(container) in seen:
+            if id(container) in seen or type(container) is frozenset:
                 continue
             seen.add(id(container))
             pairs = [(k, stand_in_for(k)) for k in container]

@@ -3107,17 +3107,19 @@ def _scales_by_parameter(seed: int):
 
 def _by_parameter_elsewhere(seed: int):
     """Momentum kept by hand in a dict keyed by the parameters (its values lifted state), scales
-    in a dict inside a dict and in one keyed by `id(p)`, reached through a helper, and a set of
-    parameters without weight decay (`p in no_decay`): each lookup by a parameter finds it (the
-    dict of tensors was left keyed by stand-ins, the others took their default, silently)."""
+    in a dict inside a dict and in one keyed by `id(p)`, reached through a helper, a set of
+    parameters without weight decay (`p in no_decay`) and a frozenset: each lookup by a parameter
+    finds it (the dict of tensors was left keyed by stand-ins, the others took their default,
+    silently)."""
     model = mlp(seed)
     momentum = {p: torch.zeros_like(p) for p in model.parameters()}
     config = {"scales": {p: 0.5 + i for i, p in enumerate(model.parameters())}}
     by_id = {id(p): 1.0 - i / 8 for i, p in enumerate(model.parameters())}
     no_decay = {model[0].bias, model[2].bias}
+    halved = frozenset({model[2].weight})  # (a frozenset: put anew at its place while traced)
 
     def rate(p):
-        return 0.1 * config["scales"].get(p, 1.0) * by_id.get(id(p), 3.0)
+        return 0.1 * config["scales"].get(p, 1.0) * by_id.get(id(p), 3.0) * (0.5 if p in halved else 1.0)
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
