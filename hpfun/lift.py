@@ -1924,6 +1924,7 @@ class Substitution:
         (`self.cos_cached = ...`, `register_buffer` in a forward, `self.last_loss = loss.detach()`):
         state the step makes, written back after every call as eager leaves it (`put`)."""
         self._keys_back()
+        stood_for = {id(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items() if real_id in self._real}
         out, appended = {}, set()  # (ids of the lists whose appends are taken: one list held twice counts once)
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
@@ -1974,6 +1975,18 @@ class Substitution:
                     was = items.get(key)
                     if key not in items or was is None and _holds_fake(v) or type(was) is dict and type(v) is dict \
                             and v is not was and not _holds_tensor(was) and _holds_fake(v):  # (None: `d = {"w": None}`)
+                        if isinstance(key, FakeTensor):  # keyed by a parameter (`bufs.setdefault(p, ...)`): by the
+                            real = stood_for.get(id(key))  # parameter it stands for, named by its name
+                            if real is None:
+                                continue
+                            named = self.state.param_names.get(id(real), "<tensor>")
+                            out.update(_created_items(f"{var}[{named}]", v, ("key", read, real)))
+                            continue
+                        if type(key) is int and key in stood_for:  # (`bufs.setdefault(id(p), ...)`: its id)
+                            real = stood_for[key]
+                            named = self.state.param_names.get(id(real), "<tensor>")
+                            out.update(_created_items(f"{var}[id({named})]", v, ("key", read, id(real))))
+                            continue
                         out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 

@@ -3174,6 +3174,26 @@ def test_which_parameters_a_set_holds_keys_the_program():
     assert seen == set(model.parameters())
 
 
+def _lazy_momentum(seed: int):
+    """Momentum made at the first step in empty dicts, keyed by the parameter and by its id
+    (`bufs.setdefault(p, ...)`): kept under the parameters (the trace's stand-ins were left as
+    keys, and every call compiled again without the state growing)."""
+    model = mlp(seed)
+    by_param, by_id = {}, {}
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                m = by_param.setdefault(p, torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                v = by_id.setdefault(id(p), torch.zeros_like(p)).mul_(0.5).add_(p.grad)
+                p -= 0.1 * (m + v)
+                p.grad = None
+        return loss
+    return model, step, lambda: [dict(enumerate(by_param.values())), dict(enumerate(by_id.values()))]
+
+
 class _ScaledTrainer:
     def __init__(self, seed: int):
         self.model = mlp(seed)
@@ -3197,8 +3217,9 @@ def _trainer_scales(seed: int):
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
 @pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_default, _scales_by_parameter,
-                                  _trainer_scales, _by_parameter_elsewhere],
-                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales", "elsewhere"])
+                                  _trainer_scales, _by_parameter_elsewhere, _lazy_momentum],
+                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales", "elsewhere",
+                              "lazy"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
     holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
