@@ -1729,10 +1729,11 @@ class Substitution:
         self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
-        self._reached: list = []  # the user's objects a method the function or a hook is holds (`self`)
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
-        self._real = {id(v): v for v in state.values().values()}  # (before anything is swapped)
+        real = {id(v): v for v in state.values().values()}  # (read before anything is swapped)
+        # id(a stand-in) -> the tensor it stands for: a key or member the trace put (`seen.add(p)`)
+        self._stood_for = {id(stand_in): real[real_id] for real_id, stand_in in swap.items() if real_id in real}
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
         for root in state.roots:
@@ -1768,7 +1769,7 @@ class Substitution:
         order, and by the tensors again after (`_keys_back`): those the walk found (`_Keyed`),
         the dicts the function and its hooks reach, and those held by the objects they reach
         (the function's `self`, a closed-over trainer) and by the modules."""
-        holders = [obj for _, obj, _ in self._plain_held] + self._reached
+        holders = [obj for _, obj, _ in self._plain_held]  # (the function's `self` among them)
         holders += [m for root in self.state.roots if isinstance(root.value, torch.nn.Module) for m in root.value.modules()]
         found = [root.value.container for root in self.state.roots if isinstance(root.value, _Keyed)]
         found += [c for _, _, c, _ in self._watched if type(c) is dict]
@@ -1802,18 +1803,13 @@ class Substitution:
             self._rekeyed.append((container, {_key_identity(new): old for old, new in pairs if new is not old}))
         if self._rekeyed:
             self._undo.append(self._keys_back)
-            added = {_key_identity(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items()
-                     if real_id in self._real}
-            for _, back in self._rekeyed:  # (a key the trace adds, `seen.add(p)`: the tensor it stands for)
-                for k, real in added.items():
-                    back.setdefault(k, real)
 
     def _keys_back(self) -> None:
         """The dicts `_rekey` keyed by stand-ins keyed by the tensors again, once the trace has
         run: before the slots are read (a tensor value's slot reads it by the tensor, `buf[p]`)
         and what the trace added is looked for."""
-        for container, real in self._rekeyed:
-            _rekeyed_back(container, real)
+        for container, real in self._rekeyed:  # (a key the trace added, `seen.add(p)`: the tensor it stands for)
+            _rekeyed_back(container, {**self._stood_for, **real})
         self._rekeyed.clear()
 
     def _module(self, module):
@@ -1857,7 +1853,6 @@ class Substitution:
         for f in functions:
             while isinstance(f, (functools.partial, types.MethodType)):
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
-                    self._reached.append(f.__self__)
                     self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
@@ -1924,7 +1919,6 @@ class Substitution:
         (`self.cos_cached = ...`, `register_buffer` in a forward, `self.last_loss = loss.detach()`):
         state the step makes, written back after every call as eager leaves it (`put`)."""
         self._keys_back()
-        stood_for = {id(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items() if real_id in self._real}
         out, appended = {}, set()  # (ids of the lists whose appends are taken: one list held twice counts once)
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
@@ -1975,19 +1969,16 @@ class Substitution:
                     was = items.get(key)
                     if key not in items or was is None and _holds_fake(v) or type(was) is dict and type(v) is dict \
                             and v is not was and not _holds_tensor(was) and _holds_fake(v):  # (None: `d = {"w": None}`)
-                        if isinstance(key, FakeTensor):  # keyed by a parameter (`bufs.setdefault(p, ...)`): by the
-                            real = stood_for.get(id(key))  # parameter it stands for, named by its name
-                            if real is None:
-                                continue
+                        # keyed by a parameter or its id (`bufs.setdefault(p, ...)`): by the parameter it stands for
+                        real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
+                            if isinstance(key, FakeTensor) or type(key) is int else None
+                        if real is not None:
                             named = self.state.param_names.get(id(real), "<tensor>")
-                            out.update(_created_items(f"{var}[{named}]", v, ("key", read, real)))
-                            continue
-                        if type(key) is int and key in stood_for:  # (`bufs.setdefault(id(p), ...)`: its id)
-                            real = stood_for[key]
-                            named = self.state.param_names.get(id(real), "<tensor>")
-                            out.update(_created_items(f"{var}[id({named})]", v, ("key", read, id(real))))
-                            continue
-                        out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
+                            by_id = type(key) is int
+                            out.update(_created_items(f"{var}[id({named})]" if by_id else f"{var}[{named}]", v,
+                                                      ("key", read, id(real) if by_id else real)))
+                        elif not isinstance(key, FakeTensor):
+                            out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 
     def _module_lists(self):
@@ -2294,14 +2285,13 @@ class Substitution:
                 continue
 
     def restore(self) -> None:
-        stood_for = {id(stand_in): self._real[real_id] for real_id, stand_in in self.swap.items() if real_id in self._real}
         for _, read in self._places:  # a set the trace added a stand-in to (`seen.add(p)`): the tensor it stands for
             try:
                 held = read()
             except ValueError:
                 continue
             if type(held) is set and any(isinstance(v, FakeTensor) for v in held):
-                members = [stood_for.get(id(v), v) for v in held]
+                members = [self._stood_for.get(id(v), v) for v in held]
                 held.clear()
                 held.update(v for v in members if not isinstance(v, FakeTensor))
         for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
