@@ -965,8 +965,10 @@ class ShardedFunction:
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
                  if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
+        # (a scheduler's counters: a change is an error; read before the substitution keys dicts and
+        # sets by stand-ins, so that a refused trace sets them back keyed by the tensors)
+        objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots))
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
-        objects = lift.ObjectValues(call.state.opaque)  # (a scheduler's counters: a change is an error)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
@@ -1066,8 +1068,10 @@ class ShardedFunction:
                             and k.startswith(f"{r.name}.param_groups." if r.name else "param_groups.")), None)
                 if opt is not None:  # a counter the optimizer keeps in its group (timm's Adan, Lookahead)
                     return lift.changed_state(k, opt, call.state.statics[k], statics_after[k])
-                return Problem(k, f"changed from {call.state.statics[k]!r} to {statics_after[k]!r} while the "
-                               "function was traced", side_effect)
+                names = {id(t): name for name, slot in call.state.slots.items()
+                         if isinstance(t := slot.read(), torch.Tensor)}
+                return Problem(k, f"changed from {_short(call.state.statics[k], 200, names)} to "
+                               f"{_short(statics_after[k], 200, names)} while the function was traced", side_effect)
             raise CaptureError([static_changed(k) for k in changed] +
                                [Problem(f"{name} (a {type(obj).__name__})" + _stepped_at(self.fn, name, obj),
                                         "changed " + ", ".join(
@@ -1975,9 +1979,29 @@ def _is_tensor(x) -> bool:
     return isinstance(x, (torch.Tensor, Sharded))
 
 
-def _short(x, n: int = 60) -> str:
-    text = repr(x)
+def _short(x, n: int = 60, names: dict | None = None) -> str:
+    """`x` for a message, cut at `n` characters: a tensor as its name (`names`: id -> name) or
+    its shape and dtype, not its values, also inside sets, tuples, lists and dicts."""
+    text = _render(x, names or {})
     return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _render(x, names: dict) -> str:
+    if type(x) is lift.Exact:
+        x = x.value
+    if isinstance(x, torch.Tensor):
+        if id(x) in names:
+            return names[id(x)]
+        kind = "Parameter" if isinstance(x, torch.nn.Parameter) else "tensor"
+        return f"{kind}(shape {tuple(x.shape)}, {str(x.dtype).removeprefix('torch.')})"
+    if isinstance(x, (set, frozenset)):
+        return "{" + ", ".join(sorted(_render(v, names) for v in x)) + "}" if x else "an empty set"
+    if type(x) in (tuple, list):
+        inner = ", ".join(_render(v, names) for v in x)
+        return f"({inner},)" if type(x) is tuple and len(x) == 1 else (f"({inner})" if type(x) is tuple else f"[{inner}]")
+    if type(x) is dict:
+        return "{" + ", ".join(f"{_render(k, names)}: {_render(v, names)}" for k, v in x.items()) + "}"
+    return repr(x)
 
 
 def _check_unaliased(call: _Call, entry, arguments: int) -> None:

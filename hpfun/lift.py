@@ -473,8 +473,29 @@ def attributes(obj) -> dict:
     return out
 
 
+def _frozen(read) -> frozenset:
+    return frozenset(read())
+
+
 def _frozen_reader(read):
-    return lambda: frozenset(read())
+    return functools.partial(_frozen, read)
+
+
+def held_sets(roots) -> list:
+    """The sets the walk found (of numbers or strings, keying the cache by their members, or of
+    tensors, `_Keyed`), each once: what a refused trace sets back (`ObjectValues`)."""
+    out = {}
+    for root in roots:
+        if isinstance(root.value, _Keyed) and type(root.value.container) is set:
+            out[id(root.value.container)] = root.value.container
+        elif type(root.read) is functools.partial and root.read.func is _frozen:
+            try:
+                held = root.read.args[0]()
+            except Exception:  # noqa: BLE001 - a place gone since the walk: nothing to set back there
+                continue
+            if type(held) is set:
+                out[id(held)] = held
+    return list(out.values())
 
 
 def _is_user_class(cls: type) -> bool:
@@ -2679,9 +2700,10 @@ class ObjectValues:
     leaves no side effect. A change of a private attribute alone is not an error: it is
     bookkeeping a call may fill (a logger's `_cache` of enabled levels)."""
 
-    def __init__(self, opaque):
+    def __init__(self, opaque, sets=()):
         self.held = []  # (name, object, attribute, the value held, a copy of it)
         self.objects = []  # (name, object, its attributes, {attribute: (dict or list, a copy)})
+        self.sets = [(s, list(s)) for s in sets]  # (a set the function reaches, its members)
         for name, obj in opaque:
             if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))
@@ -2742,11 +2764,15 @@ class ObjectValues:
             if obj is None:
                 (container, was), = containers.values()
                 _refill(container, was)
+        for container, was in self.sets:
+            _refill(container, was)
 
     def undo(self) -> None:
         """Set every object back as it was before a trace that raised: its attributes (added ones
         removed), the contents of its dicts and lists (a GradScaler's per-optimizer state), and
         the plain containers: the eager code after the error finds no stand-in in them."""
+        for container, was in self.sets:
+            _refill(container, was)
         for _, obj, before, containers in self.objects:
             for container, was in containers.values():
                 _refill(container, was)
@@ -2760,7 +2786,7 @@ class ObjectValues:
 
 def _refill(container, was) -> None:
     container.clear()
-    container.update(was) if isinstance(container, dict) else container.extend(was)
+    container.extend(was) if isinstance(container, list) else container.update(was)
 
 
 GRAD_SCALER_FIX = ("a torch.amp.GradScaler keeps its scale in a tensor of its own, which hpfun does not lift: "

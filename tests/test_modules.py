@@ -1078,6 +1078,17 @@ def test_numbers_in_a_config_dict_or_namespace_key_the_cache_and_changes_while_t
     text = _error(hpfun.shard(counting, mesh=DP, in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
     assert "counts.n: changed from 0 to 1 while the function was traced" in text and counts == {"n": 0}
 
+    lin, seen = torch.nn.Linear(4, 4), set()
+
+    def remembering(x):  # the change names the parameters, not their values (it printed each tensor)
+        seen.update(lin.parameters())
+        return lin(x).sum()
+
+    text = _error(hpfun.shard(remembering, mesh=DP, in_specs=P("dp"), out_specs=P()), torch.ones(2, 4),
+                  error=hpfun.CaptureError)
+    assert "seen: changed from an empty set to {lin.bias, lin.weight} while the function was traced" in text
+    assert "tensor(" not in text and not seen
+
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     held = {"schedule": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)}
@@ -3135,8 +3146,8 @@ def _by_parameter_elsewhere(seed: int):
 
 def test_which_parameters_a_set_holds_keys_the_program():
     """`p in active` of a set of parameters: one taken out between calls is another program (the
-    first ran, silently); a parameter the step adds to a set is the parameter there after (its
-    stand-in was left in the user's set)."""
+    first ran, silently); a set the step adds a parameter to is refused and set back as it was
+    (its stand-in was left in the user's set)."""
     def make():
         model = mlp()
         active, seen = set(model.parameters()), set()
@@ -3171,7 +3182,7 @@ def test_which_parameters_a_set_holds_keys_the_program():
 
     with pytest.raises(hpfun.CaptureError):  # (a set changed while traced: refused, as a changed global is)
         hpfun.shard(adds, mesh=DP, in_specs=P("dp"), out_specs=P())(batch(0)[0])
-    assert seen == set(model.parameters())
+    assert seen == set()
 
 
 def _lazy_momentum(seed: int):
@@ -3357,6 +3368,32 @@ def test_a_dict_on_a_plain_object_assigned_anew_is_kept_and_one_of_other_keys_re
     with pytest.raises(hpfun.CaptureError, match=re.escape("st.d: is rebound to a new dict with other keys")):
         hpfun.shard(grows, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert st.d is held and list(held) == ["a"] and torch.allclose(held["a"], 2 * x.sum(0))
+
+
+def test_a_refused_trace_leaves_dicts_and_sets_keyed_by_parameters_keyed_by_them():
+    """A trace refused for a side effect sets the function's containers back: a dict keyed by
+    the parameters was put back keyed by their stand-ins (the next eager lookup `scale[p]` raised
+    KeyError, and the next call could not be traced), and a set the function added to kept
+    what it added (a counter in a dict was already set back)."""
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    scale, counts, seen, no_decay = {lin.weight: 2.0, lin.bias: 1.0}, {"n": 0}, set(), {lin.bias}
+
+    def counting(x):
+        counts["n"] += 1
+        seen.add(3)
+        no_decay.add(lin.weight)
+        return lin(x).sum() * scale[lin.weight] * (2.0 if lin.weight in no_decay else 1.0)
+
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with pytest.raises(hpfun.CaptureError, match="changed from"):
+        hpfun.shard(counting, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert counts == {"n": 0} and seen == set() and len(no_decay) == 1 and next(iter(no_decay)) is lin.bias
+    assert [k is p for k, p in zip(scale, (lin.weight, lin.bias), strict=True)] == [True, True]
+
+    def scaled(x):
+        return lin(x).sum() * scale[lin.weight]
+
+    torch.testing.assert_close(hpfun.shard(scaled, mesh=DP, in_specs=P("dp"), out_specs=P())(x).full(), scaled(x))
 
 
 class _Power:
