@@ -220,15 +220,18 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for k, v in list(vars(c).items()):
                 if k.startswith("__") and k != "__call__":
                     continue
-                if isinstance(v, types.FunctionType):
-                    note((c, k, v))  # (a method patched on the class: walked again)
+                held = v
                 if isinstance(v, (staticmethod, classmethod)):
                     v = v.__func__
                 elif isinstance(v, property):
                     v = v.fget
                 if isinstance(v, types.FunctionType):
+                    note((c, k, held))  # (a method patched on the class: walked again)
                     bound.append((f"{c.__qualname__}.{k}", _binding(v)))  # (patched on the class: compiled again)
                     function(v, name)
+                elif callable(v) and (token := _binding(v)) is not None:  # a builtin or partial held by the class
+                    note((c, k, held))  # (`act = staticmethod(torch.relu)`, later torch.tanh: compiled again)
+                    bound.append((f"{c.__qualname__}.{k}", token))
                 elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
                     note((c, k, v))  # (an attribute set to another object: walked again)
                     holder = instance if instance is not None else c

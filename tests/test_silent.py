@@ -163,6 +163,7 @@ ACT = torch.relu
 class Config:  # a class used as a namespace of settings
     scale = 2.0
     names = {"a"}
+    act = staticmethod(torch.relu)  # (a builtin it holds: patched between calls, compiled again)
 
 
 def _act(x):
@@ -171,7 +172,8 @@ def _act(x):
 
 def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
     """What else a trace reads from Python and bakes in keys the cache too, each change compiling
-    again (explain_cache_miss names it): a global dtype, a class attribute, a set's members,
+    again (explain_cache_miss names it): a global dtype, a class attribute (a builtin it holds
+    too), a set's members,
     which function a global name holds (one a helper calls too), and the caller's grad mode.
     A lambda made anew by the same code is the same function: no compile."""
     global DTYPE, ACT
@@ -192,6 +194,10 @@ def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
         assert torch.equal(f(x).full(), fn(x))
         Config.names.add("b")
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 4
+        k = hpfun.shard(lambda x: Config.act(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+        assert torch.equal(k(x).full(), torch.relu(x))
+        Config.act = staticmethod(torch.tanh)  # (the first program ran relu, silently)
+        assert torch.equal(k(x).full(), torch.tanh(x)) and k.trace_count == 2
         ACT = torch.tanh
         assert "ACT: value torch.tanh, cached torch.relu" in str(hpfun.explain_cache_miss(g, x))
         assert torch.equal(g(x).full(), (torch.tanh(x) + 1) * 2)
@@ -209,6 +215,7 @@ def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
         assert h.trace_count == 1
     finally:
         DTYPE, ACT, Config.scale, Config.names = torch.float64, torch.relu, 2.0, {"a"}
+        Config.act = staticmethod(torch.relu)
 
 
 def test_a_value_redistributed_once_serves_every_consumer():
