@@ -133,6 +133,15 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             note(None)  # (its members change in place; which they are keys the program, by identity)
             roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
             return
+        if type(obj) in (set, frozenset) and id(obj) not in seen_objects and len(obj) <= PLAIN_CONTAINER_ITEMS \
+                and any(_is_user_object(m) and not callable(m) for m in obj):  # objects of the user's (`{k}`):
+            seen_objects.add(id(obj))  # which they are keys the program, and their numbers are read
+            note(None)
+            roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
+            for i, member in enumerate(obj):
+                if _is_user_object(member) and not callable(member):
+                    value(member, f"{name}.<member {i}>", functools.partial(_key_at, obj, i), None)
+            return
         if type(obj) is set and len(obj) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, obj)):
             if name and read is not None:  # (`if k in NAMES`): its members key the cache, read anew at every call
                 roots.append(Root(unique(name, owner), _SCALAR, _frozen_reader(read)))

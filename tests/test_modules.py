@@ -3404,7 +3404,8 @@ class _Power:
 def test_numbers_on_the_objects_keying_a_dict_key_the_cache():
     """A dict keyed by objects of the user's class, whose numbers the step reads (`v ** key.n`):
     a number changed between calls compiles again (the first program ran, silently), as one on
-    an object the function reads directly does."""
+    an object the function reads directly does; so do those a set or frozenset holds, and which
+    they are."""
     k = _Power(1)
     d = {k: torch.full((4,), 2.0, dtype=torch.float64)}
 
@@ -3444,6 +3445,18 @@ def test_numbers_on_the_objects_keying_a_dict_key_the_cache():
         inner.n, member.n = n, m
         torch.testing.assert_close(h(x).full(), deeper(x))
     assert h.trace_count == 3
+    a, b = _Power(1), _Power(2)  # (a set and a frozenset of them: their numbers and which they are)
+    powers, frozen = {a}, frozenset([b])
+
+    def held(x):
+        return sum((x ** k.n).sum() for k in powers) + sum((x * k.n).sum() for k in frozen)
+
+    k = hpfun.shard(held, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for change in (lambda: None, lambda: setattr(a, "n", 3), lambda: setattr(b, "n", 5),
+                   lambda: powers.add(_Power(2)), lambda: None):
+        change()
+        torch.testing.assert_close(k(x).full(), held(x))
+    assert k.trace_count == 4
 
 
 @pytest.mark.parametrize("under_grad", [False, True])
