@@ -2119,6 +2119,11 @@ class Substitution:
                 for key, was in list(places):
                     new = container.get(key) if type(container) is dict else \
                         container[key] if key < len(container) else None
+                    if type(was) is tuple and type(new) is tuple and len(new) != len(was) and _holds_fake(new):
+                        refused(f"{var}[{key!r}]", "tuple", f"another length ({len(was)} items before, {len(new)} "
+                                "now)", "its length, or keep a growing sequence in a list the function appends to")
+                        container[key] = was  # (its slots write a tuple of its length at its place)
+                        continue
                     if type(was) is not dict or type(new) is not dict or new is was or not _holds_fake(new):
                         continue
                     if type(container) is dict and not _holds_tensor(was):  # (`D["cache"] = {"k": t}` where it held

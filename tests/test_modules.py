@@ -630,6 +630,18 @@ def test_every_tensor_of_a_global_or_closed_over_tuple_is_read_and_written_back(
     with pytest.raises(hpfun.CaptureError, match=r"window: is rebound to a new tuple with another length \(2 items"):
         hpfun.shard(shifts, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert len(window) == 2 and all(a is b for a, b in zip(window, held, strict=True))
+    slots, listed = {"t": (torch.zeros(2, dtype=torch.float64),)}, [(torch.zeros(2, dtype=torch.float64),)]
+
+    def appends(x):  # (in a dict's or a list's place too: it ran, and the tuple kept its length, silently)
+        slots["t"] = slots["t"] + (x.sum(0),)
+        listed[0] = listed[0] + (x.sum(0),)
+        return x.sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"slots\['t'\]: is rebound to a new tuple with another length "
+                       r"\(1 items before, 2 now\)") as info:
+        hpfun.shard(appends, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert "listed[0]: is rebound to a new tuple" in str(info.value)
+    assert len(slots["t"]) == 1 and len(listed[0]) == 1 and type(slots["t"][0]) is torch.Tensor
 
 
 class Counter(torch.nn.Module):
