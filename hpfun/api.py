@@ -2160,8 +2160,19 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
                      requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point,
                      strides=None if x.is_contiguous() else tuple(x.stride()))
     if lift.is_config(x):
-        return _Leaf("static", value=_Config(lift.object_key(x), repr(x)))
+        return _Leaf("static", value=_Config(lift.object_key(x), _config_text(x)))
     return _Leaf("static", value=x, exact=lift.exact_key(x))  # (1, 1.0 and True equal, and trace three programs)
+
+
+def _config_text(x) -> str:
+    """A config object as ranks compare it and messages show it: its repr, or where its class
+    has none of its own (`object.__repr__` names the address, each process's own) its class
+    and the values it holds."""
+    if type(x).__repr__ is not object.__repr__:
+        return repr(x)
+    held = getattr(x, "__dict__", None)
+    values = ", ".join(f"{k}={_canonical_repr(v)}" for k, v in held.items()) if isinstance(held, dict) else "..."
+    return f"{type(x).__qualname__}({values})"
 
 
 @attrs.frozen

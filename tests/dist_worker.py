@@ -311,6 +311,11 @@ def _telemetry():
     return SESSION_ID
 
 
+class _Settings:  # a config object of the user's own class: no repr of its own (the default names its address)
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+
 def per_process_globals(mesh, x) -> dict:
     """A global set (each process orders it its own way) and a per-process string the reachable
     code names but the step never reads compile and run; a global the step reads, different
@@ -330,7 +335,9 @@ def per_process_globals(mesh, x) -> dict:
     by_argument = hpfun.shard(lambda x, names: x.sum() * (2 if "beta" in names else 3), mesh=mesh,
                               in_specs=(P("dp"), None), out_specs=P())
     names = frozenset({"alpha", "beta", "gamma", "delta", "eps", "zeta"})  # (an argument: ordered per process)
-    return {"runs": [fn(x).full(), fn(x).full(), by_argument(x, names).full()], "want": 2 * x.sum(),
+    configured = hpfun.shard(lambda x, cfg: x.sum() * cfg.alpha, mesh=mesh, in_specs=(P("dp"), None), out_specs=P())
+    return {"runs": [fn(x).full(), fn(x).full(), by_argument(x, names).full(), configured(x, _Settings(2.0)).full()],
+            "want": 2 * x.sum(),
             "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)),
             "made into a tensor": _error(lambda: hpfun.shard(weighted, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
 
