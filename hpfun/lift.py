@@ -1953,9 +1953,14 @@ class Substitution:
         state the step makes, written back after every call as eager leaves it (`put`)."""
         self._keys_back()
         out, appended = {}, set()  # (ids of the lists whose appends are taken: one list held twice counts once)
+        swap = self.swap
+
+        def put_there(v, before) -> bool:  # (not the stand-in of the tensor it held: one held by two
+            return before is not v and swap.get(id(before)) is not v  # modules is lifted once, by one name)
+
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
-                if isinstance(v, FakeTensor) and held.get(attr) is not v:
+                if isinstance(v, FakeTensor) and put_there(v, held.get(attr)):
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
                 elif isinstance(v, (list, tuple, dict)) and not attr.startswith("_") and held.get(attr) is not v \
                         and _holds_fake(v) and self._tuples.get(id(v)) is not v:
@@ -1964,7 +1969,7 @@ class Substitution:
                     # too: kept as the trace's, it held the first call's value at every later call)
                     out.update(_created_items(_join(prefix, attr), v, ("attribute", prefix, attr)))
             for attr, v in list(mod._buffers.items()):
-                if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
+                if isinstance(v, FakeTensor) and put_there(v, buffers.get(attr)):
                     out[_join(prefix, attr)] = (v, ("buffer", prefix, attr))
             for attr, (container, items) in containers.items():  # a cache dict the forward filled
                 if isinstance(container, dict) and vars(mod).get(attr) is container:

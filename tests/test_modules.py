@@ -670,6 +670,38 @@ def test_buffer_updates_round_trip():
     assert counter.total is total and f.trace_count == 1
 
 
+class _SharedCount(torch.nn.Module):
+    """One tensor held by two submodules, a buffer of both or an attribute of both: counted
+    through one, read through the other."""
+
+    def __init__(self, as_buffer: bool):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 2).double()
+        count = torch.zeros(2, dtype=torch.float64)
+        for mod in (self.a, self.b):
+            mod.register_buffer("count", count) if as_buffer else setattr(mod, "count", count)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.count.add_(1)
+        return self.b(self.a(x)) * self.b.count
+
+
+@pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
+def test_a_tensor_two_modules_hold_stays_one_tensor(as_buffer):
+    """The second module's place was taken for a tensor the step put there: after the first
+    call it held a copy, frozen at that call's value, while the first counted on (silently)."""
+    model, ref = _SharedCount(as_buffer), _SharedCount(as_buffer)
+    ref.load_state_dict(model.state_dict())
+    count = model.a.count
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
+    assert model.a.count is count and model.b.count is count and torch.equal(count, torch.full((2,), 3.0).double())
+    assert f.trace_count == 1
+
+
 def test_in_place_updates_of_arguments():
     """p.add_ on a global tensor argument updates it; on a Sharded argument, its shards."""
     f = hpfun.shard(lambda p, g: p.add_(g, alpha=-0.5), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
