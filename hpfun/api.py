@@ -953,7 +953,7 @@ class ShardedFunction:
             real = call.flat[i]
             swap[id(real)] = fake
             # (a block a distributed call left stands for its tensor, which holds the hooks and attributes)
-            owner = real.shards[0] if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed" else real
+            owner = _held_owner(real)
             if isinstance(owner, torch.Tensor) and (owner._backward_hooks or getattr(owner, "_post_accumulate_grad_hooks", None)):
                 _hooks_onto(owner, fake)
             if isinstance(owner, torch.Tensor) and type(owner) is not Sharded and owner.__dict__:  # `p.no_decay = True`,
@@ -987,9 +987,10 @@ class ShardedFunction:
             if statics_after is not None:
                 traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots)
         # a lifted tensor frozen or unfrozen inside (`p.requires_grad_(False)`): set by every call, as eager's
+        # (a block a distributed call left: its module's tensor, which holds the flag)
         flags = [(None, real, fake.requires_grad) for i, fake in zip(tensor_pos, fakes, strict=True)
-                 if isinstance(real := call.flat[i], torch.Tensor) and type(real) is not Sharded and real.is_leaf
-                 and fake.is_leaf and fake.requires_grad != real.requires_grad]
+                 if isinstance(real := _held_owner(call.flat[i]), torch.Tensor) and type(real) is not Sharded
+                 and real.is_leaf and fake.is_leaf and fake.requires_grad != real.requires_grad]
         traced.effects = (*traced.effects, *flags)
         paths = call.paths()
         hooked = [paths[i] for i, fake in zip(tensor_pos, fakes, strict=True)
@@ -2162,6 +2163,12 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
     if lift.is_config(x):
         return _Leaf("static", value=_Config(lift.object_key(x), _config_text(x)))
     return _Leaf("static", value=x, exact=lift.exact_key(x))  # (1, 1.0 and True equal, and trace three programs)
+
+
+def _held_owner(x):
+    """The tensor a block a distributed call left stands for (the module's, which holds its
+    flags and hooks); `x` itself otherwise."""
+    return x.shards[0] if isinstance(x, Sharded) and x.layout.mesh.runtime == "distributed" else x
 
 
 def _config_text(x) -> str:

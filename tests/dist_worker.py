@@ -292,6 +292,7 @@ def lifted_dp(out: Path):
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     got["kept"] = kept_by_the_forward(mesh)
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
+    got["frozen inside"] = frozen_inside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["hooks and attributes"] = hooks_and_attributes(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["keyed by id"] = stepped_by_id(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
@@ -464,6 +465,29 @@ def stepped_by_id(mesh, x, y) -> list:
 
 
 FREEZES = (False, True, True, False, False)  # the first layer's weight frozen at each call
+
+
+INSIDE = (True, False, True, None, None)  # the step itself freezes the first weight, unfreezes it, or leaves it
+
+
+def frozen_inside(mesh, x, y) -> list:
+    """The step flips requires_grad of a weight each rank holds a block of, by a flag argument:
+    (the flag after each call, the model's state gathered)."""
+    model = lifted_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def step(x, y, freeze):
+        if freeze is not None:
+            model[0].weight.requires_grad_(not freeze)
+        return eager_step(model, opt, x, y)
+
+    f = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp"), None), out_specs=P(),
+                    state_specs={"0.weight": P("dp")})
+    out = []
+    for freeze in INSIDE:
+        f(x, y, freeze)
+        out.append((model[0].weight.requires_grad, _snapshot(hpfun.gather_state(model))))
+    return out
 
 
 def freeze_then_unfreeze(mesh, x, y) -> list:

@@ -259,6 +259,24 @@ def test_freezing_a_held_block_between_calls_compiles_the_frozen_step(lifted_dp_
         _close(results["frozen"]["frozen"], base.state_dict(), f"rank {rank}: frozen from the start")
 
 
+def test_a_held_block_the_step_freezes_and_unfreezes_is_flipped_at_every_call(lifted_dp_job):
+    """requires_grad_ called inside the step on a weight each rank holds a block of: the flag is
+    set by every call of the program, as on a whole tensor (it was recorded only for a tensor
+    not yet held split: the flag stayed as the first call left it, and frozen weights trained)."""
+    w = _worker()
+    x, y = w.lifted_data()
+    model = w.lifted_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for call, freeze in enumerate(w.INSIDE):
+        if freeze is not None:
+            model[0].weight.requires_grad_(not freeze)
+        w.eager_step(model, opt, x, y)
+        for rank, results in enumerate(lifted_dp_job):
+            flag, state = results["frozen inside"][call]
+            assert flag == model[0].weight.requires_grad, (rank, call, flag)
+            _close(state, model.state_dict(), f"rank {rank}, call {call} (freeze: {freeze})")
+
+
 def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_dp_job):
     """AdamW stepped outside the sharded function makes its moments from the blocks the split
     parameters hold: gather_state(opt) gathers them with their parameter's layout (it returned
