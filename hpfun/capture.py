@@ -273,6 +273,11 @@ def _foreach_loop(name: str, *args, **kwargs):
             op = getattr(aten, base + "_" if inplace else base).default
             results.append(op(a[0], aten.mul.Tensor(a[1], scale), a[2]))
             continue
+        if base in ("maximum", "minimum") and not isinstance(a[1], torch.Tensor):  # a number (the .Scalar and
+            # .ScalarList overloads): torch's kernels are clamp_min and clamp_max, which take one
+            op = getattr(aten, ("clamp_min" if base == "maximum" else "clamp_max") + ("_" if inplace else ""))
+            results.append(op(*a, **kw))
+            continue
         if inplace and not hasattr(aten, base + "_"):  # no in-place form (maximum, minimum): out of place, copied in
             results.append(aten.copy_.default(a[0], getattr(aten, base)(*a, **kw)))
             continue

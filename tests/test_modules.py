@@ -883,6 +883,23 @@ def test_an_optimizer_subclass_with_amsgrads_foreach_maximum_equals_eager():
     assert "opt.param_groups.0.lr" not in [i["path"] for i in step.lower(x, y).inputs]
 
 
+def test_foreach_maximum_and_minimum_of_numbers_equal_eager():
+    """`_foreach_maximum_(xs, 0.5)` (pytorch_optimizer's ADOPT) and the other number forms:
+    torch's kernels are clamp_min and clamp_max (capture failed: maximum takes no number)."""
+    def fn(a, b):
+        xs, ys = [a * 1.0, b * 1.0], [a * 2.0, b * 2.0]
+        torch._foreach_maximum_(xs, 0.5)
+        torch._foreach_minimum_(ys, [0.25, -0.5])
+        lo, hi = torch._foreach_maximum([a, b], [-0.5, 0.0]), torch._foreach_minimum([a, b], 0.1)
+        return (*xs, *ys, *lo, *hi)
+
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    a[0, 0] = float("nan")
+    got = hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=(P("dp"),) * 8)(a, b)
+    for g, want in zip(got, fn(a, b), strict=True):
+        assert torch.equal(g.full(), want) or torch.allclose(g.full(), want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     """A scheduler stepping the learning rate (a float, or a tensor it steps in place) changes
     an input: the step compiles once more for the optimizer's first state, then never, and
