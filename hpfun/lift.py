@@ -1471,6 +1471,13 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                                 "decays the moments of rows the batch does not touch, where SparseAdam leaves them)"))
         return
     for p, entries in opt.state.items():
+        if not isinstance(p, torch.Tensor):  # a key of the optimizer's own (MADGRAD's `self.state["k"]`, a step count)
+            if isinstance(entries, torch.Tensor) and _is_name(p):
+                add(f"{_join(prefix, 'state')}.{p}", functools.partial(opt.state.get, p),
+                    functools.partial(opt.state.__setitem__, p))
+            elif not _is_scalar(entries):
+                opaque.append((f"{_join(prefix, 'state')}.{p!r}", entries))
+            continue
         snapshot.dict(entries)
         owner = names.get(id(p))
         if owner is None:
@@ -2239,6 +2246,9 @@ class Substitution:
         entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
         stand_in_state = collections.defaultdict(entry_type)
         for p, entries in opt.state.items():
+            if not isinstance(entries, dict):  # (a tensor under a key of the optimizer's own: its stand-in)
+                stand_in_state[p] = self.swap.get(id(entries), entries) if isinstance(entries, torch.Tensor) else entries
+                continue
             stand_in_state[self.swap.get(id(p), p)] = entry_type(
                 {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()})
         real_state = opt.state
@@ -2267,6 +2277,16 @@ class Substitution:
             prefix = next(r.name for r in self.state.roots if r.value is opt)
             seen = set()
             for p, entries in stand_in_state.items():
+                if not isinstance(p, torch.Tensor):  # a key of the optimizer's own
+                    if isinstance(entries, torch.Tensor) and _is_name(p):
+                        name = f"{_join(prefix, 'state')}.{p}"
+                        out[name] = _unwrapped(entries)
+                        if name not in self.state.slots:  # made by the step: put there after every call
+                            new_state[name] = (None, None, ("optimizer state", prefix, p))
+                    elif isinstance(entries, torch.Tensor) or _holds_fake(entries):
+                        problems.append(Problem(f"{_join(prefix, 'state')}[{p!r}]", "holds a tensor the step made, "
+                                                "under a key hpfun cannot name", "key it by a string"))
+                    continue
                 entries = entries.stored() if isinstance(entries, _Float64Scalars) else entries
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
                 real_p = self._real_params.get(id(p))
@@ -2688,6 +2708,9 @@ def put(state: State, place: tuple, value) -> None:
     if place[0] == "group":
         _, name, g, key = place
         state.root(name).param_groups[g][key] = value
+        return
+    if place[0] == "optimizer state":  # under a key of the optimizer's own
+        state.root(place[1]).state[place[2]] = value
         return
     kind, fqn, attr, *key = place
     for root in state.roots:

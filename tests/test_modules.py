@@ -1182,6 +1182,37 @@ class CountingSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] / state["step"])
 
 
+class SharedCountSGD(torch.optim.Optimizer):
+    """An optimizer keeping a tensor in its state under a key of its own, not a parameter's
+    (pytorch_optimizer's MADGRAD: `self.state["k"]`), made at its first step."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        if "k" not in self.state:
+            self.state["k"] = torch.zeros((), dtype=torch.float64)
+        self.state["k"] += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad / self.state["k"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("mesh,specs", [(DP, {}), (DP_TP, MEGATRON)], ids=["dp", "dp_x_tp"])
+def test_an_optimizers_tensor_under_a_key_of_its_own_is_its_state(mesh, specs):
+    """Made by the first step, then read and written back at every call as eager does (capture
+    failed: 'FakeTensor' object has no attribute 'items')."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = SharedCountSGD(model.parameters()), SharedCountSGD(ref.parameters())
+    step = stock_step(model, opt, mesh, specs)
+    for i in range(4):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12 and opt.state["k"].item() == ref_opt.state["k"].item() == i + 1
+    assert step.trace_count == 2 and type(opt.state["k"]) is torch.Tensor
+
+
 class _StepConfig:  # a user's own config class (not a dataclass: read by its attributes)
     def __init__(self, scale, inner):
         self.scale, self.steps, self.inner = scale, 0, inner
