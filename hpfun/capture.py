@@ -30,6 +30,7 @@ Composites, decided one by one (each choice is tested in tests/test_composites.p
 from __future__ import annotations
 
 import contextlib
+import copy
 import contextvars
 import functools
 import io
@@ -1930,6 +1931,30 @@ def _warn_printed(tensor) -> None:
         "after the call (`print(step(x, y).full())`)", TracingWarning, f.filename, f.lineno)
 
 
+def _deepcopy_traced(x, memo=None):
+    """`copy.deepcopy` of a tensor while tracing (torch-optimizer's AccSGD makes its state with
+    `copy.deepcopy(p.data)`): a copy of its values, with its flag, gradient and attributes, as
+    eager's; torch's own copies the storage, which a stand-in has none of (it failed as
+    'Mixing fake modes NYI')."""
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)]
+    if not x.is_leaf:
+        raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol "
+                           "at the moment")
+    with torch.no_grad():
+        out = x.clone()
+    out.requires_grad_(x.requires_grad)
+    memo[id(x)] = out
+    if x.grad is not None:
+        out.grad = _deepcopy_traced(x.grad, memo)
+    own = vars(out)  # (a stand-in's own bookkeeping, its fake mode, is the copy's already)
+    for key, value in vars(x).items():
+        if key not in own:  # the user's (`p.no_decay = True`)
+            setattr(out, key, copy.deepcopy(value, memo))
+    return out
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -1938,6 +1963,8 @@ class _TensorScalars(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
+            return _deepcopy_traced(*args, **kwargs)
         _refuse_overlapping_write(func, args)
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)
