@@ -1898,7 +1898,10 @@ def _writes_into(node: torch.fx.Node) -> list | None:
         seen.add(n)
         for user in n.users:
             target = user.target
-            if target is operator.getitem:  # one output of a multi-output op (`x.max(0).values`): none written
+            if target is operator.getitem:  # one output of a multi-output op (`x.max(0).values`): none written,
+                if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.returns \
+                        and n.target._schema.returns[0].alias_info is not None:  # but one of a list of views
+                    stack.append(user)  # (`x.split(2)[0].add_(1)`) is a view: its writes are ours
                 continue
             if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
                 return None
