@@ -1524,6 +1524,28 @@ def test_a_value_read_from_the_arguments_is_read_as_eager_reads_it():
         hpfun.shard(one_line, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(x, torch.tensor([1, 2, 3, 7] * 2))
 
 
+def test_a_value_read_after_a_write_through_a_split_or_chunk_sees_the_write():
+    """`x.split(2)[0].add_(1.5)` then `(x > 0).nonzero()`: the read was computed from x without
+    the write made through one of the views split and chunk return (silently another answer;
+    narrow's and unbind's were seen)."""
+    x = torch.tensor([-1.0, -0.5, -1.2, 0.3, -0.9, -2.0], dtype=torch.float64)
+
+    def split(x):
+        x = x + 0.0
+        x.split(2)[0].add_(1.5)
+        return (x > 0).nonzero(as_tuple=True)[0]
+
+    def chunked(x):  # (into the argument itself)
+        x.chunk(3)[1].add_(3.0)
+        return torch.where(x > 0.3)[0]
+
+    for fn in (split, chunked):
+        for spec in (P(), P("dp")):
+            want, arg = fn(x.clone()), x.clone()
+            assert torch.equal(hpfun.shard(fn, mesh=DP, in_specs=spec, out_specs=P())(arg).full(), want), (fn, spec)
+    assert torch.equal(arg, x + torch.tensor([0, 0, 3.0, 3.0, 0, 0], dtype=torch.float64))
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
