@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import ON_META, UnliftedTensor, same_value, trace, tracing, unguarded_draws, user_line
+from hpfun.capture import (ON_META, TracingWarning, UnliftedTensor, same_value, trace, tracing, unguarded_draws,
+                           user_line)
 from hpfun.capture import _at_user_line as capture_at_user_line
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
@@ -448,8 +449,10 @@ class ShardedFunction:
             writeback.clear(entry.cleared, call.state)
         if entry.effects:
             _replay(entry.effects, call.state.statics)
-        return entry.unflatten([unchecked(lay, shape, s, token) for (lay, shape, token), s in
-                                zip(entry.outputs, shards[:n], strict=True)])
+        results = [unchecked(lay, shape, s, token) for (lay, shape, token), s in zip(entry.outputs, shards[:n], strict=True)]
+        if entry.edits:
+            results = _put_edits(entry.edits, call, results)
+        return entry.unflatten(results)
 
     def _check_same_entry(self, call: _Call, entry) -> None:
         """A function compiled for arguments of several shapes (batches padded to a few lengths)
@@ -837,6 +840,9 @@ class ShardedFunction:
         fed = _prune_unused_state(gm, len(tensor_pos), {lifted_index[n] for n in lifted_index}, captured.mutated)
         in_layouts = [input_layouts_[j] for j in fed] + [Layout.replicated(self.mesh)] * len(captured.constants)
         out_layouts, out_paths = _output_layouts(self.mesh, self.out_specs, traced.out_example, traced.out_tensors)
+        out_layouts += [None] * len(traced.edit_tensors)  # (in the layouts hpfun chose, as out_specs=None keeps)
+        out_paths += [f"{edit.where()} (put in the caller's {edit.kind()})" for edit in traced.edits
+                      for _ in range(edit.tensors)]
         out_layouts += [w.layout for w in writes]
         out_paths += [f"{w.name} (written back)" for w in writes]
         in_names = [names[j] for j in fed] + [f"constants.{i}" for i in range(len(captured.constants))]
@@ -886,7 +892,7 @@ class ShardedFunction:
         entry = _Entry(program, tuple(leaves), tuple(fed), captured.constants, traced.out_tree, traced.out_statics,
                        len(out_layouts) - len(writes), tuple(writes), tuple(traced.cleared), tuple(out_paths), chosen,
                        tuple((i, names[j]) for i, j in enumerate(fed) if j in donated_args), traced.effects,
-                       captured.reads)
+                       captured.reads, traced.edits)
         if level := log.level():  # HPFUN_DEBUG, read at each compile
             log.log_compile(getattr(self.fn, "__qualname__", repr(self.fn)), gm, self._lowered(call, entry), level)
         return entry
@@ -969,11 +975,13 @@ class ShardedFunction:
         # sets by stand-ins, so that a refused trace sets them back keyed by the tensors)
         objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots))
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
+        given = _argument_containers(args, kwonly)  # (what the function puts in them is put in the caller's)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
                     _scheduler_steps() as stepped:
                 out = self.fn(*args, **kwonly)
+            traced.argument_edits(given)
             assigned, new_state = substitution.assigned()
         except BaseException:  # what it set in the objects it reads (a GradScaler's lazy scale) is set back too
             objects.undo()
@@ -1292,6 +1300,38 @@ class _Traced:
     it assigned to lifted slots."""
 
     effects: tuple = ()  # (statics key, name, value) of each Python value of a module it changed
+    edits: tuple = ()  # ArgumentEdit: what the function put in the dicts and lists it was given
+    edit_tensors: tuple = ()  # their tensors, program outputs after the function's own
+
+    def argument_edits(self, given: list) -> None:
+        """What the function put in the dicts and lists passed to it (sentence-transformers'
+        forward stores its embeddings in the features dict it is given): each is written into
+        the caller's container after every call, as eager leaves it (the caller's was left as
+        it was, silently)."""
+        edits, tensors = [], []
+        for path, at, container, before in given:
+            if type(container) is list:
+                changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
+                removed = () if len(container) >= len(before) else (len(container),)
+            else:
+                changed = [(k, v) for k, v in container.items() if k not in before or v is not before[k]]
+                removed = tuple(k for k in before if k not in container)
+            for key, value in changed:
+                where = path + pytree.keystr((pytree.SequenceKey(key) if type(container) is list
+                                              else pytree.MappingKey(key),))
+                leaves, tree = pytree.tree_flatten(value)
+                if hidden := [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor) and _tensors_inside(leaf)]:
+                    warnings.warn(f"hpfun.shard: the function puts a {type(hidden[0]).__name__} holding tensors in "
+                                  f"{where}, an argument, which hpfun cannot pass back to the caller's: it is left as "
+                                  "it was (return the value instead)", TracingWarning, stacklevel=2)
+                    continue
+                statics = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+                tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+                edits.append(ArgumentEdit(path, at, key, tree, statics, len(leaves) - len(statics),
+                                          in_list=type(container) is list))
+            if removed:
+                edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, in_list=type(container) is list))
+        self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
@@ -1314,7 +1354,7 @@ class _Traced:
                 # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))
-        return self.out_tensors + [v for _, v in self.assigned]
+        return self.out_tensors + list(self.edit_tensors) + [v for _, v in self.assigned]
 
 
 def _without_caches(out, flat: list, tree):
@@ -1355,6 +1395,7 @@ class _Entry:
     spent: tuple = ()  # (program input, path) of each donated argument leaf (donate_argnums)
     effects: tuple = ()  # Python values of modules the function sets, set again at every call (`_replay`)
     reads: tuple = ()  # capture.InputReads: values read from the inputs that the program is right for
+    edits: tuple = ()  # ArgumentEdit: what the function puts in the containers it is given, after its outputs
 
     # derived once, for cache-hit calls
     tensor_pos: tuple = attrs.field(init=False)  # flat input positions of the tensor leaves
@@ -2163,6 +2204,88 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
     if lift.is_config(x):
         return _Leaf("static", value=_Config(lift.object_key(x), _config_text(x)))
     return _Leaf("static", value=x, exact=lift.exact_key(x))  # (1, 1.0 and True equal, and trace three programs)
+
+
+@attrs.frozen
+class ArgumentEdit:
+    """A value the function put in a dict or list passed to it, at `key` of the container the
+    keys `at` reach from the arguments (`path` names it), rebuilt from `tree` with its tensors
+    (program outputs, Sharded as returned ones are) and `statics`; or the keys it removed."""
+
+    path: str
+    at: tuple  # ("args", i, key, ...) or ("kwargs", name, key, ...)
+    key: object
+    tree: object
+    statics: dict
+    tensors: int
+    removed: tuple = ()
+    in_list: bool = False
+
+    def where(self) -> str:
+        return self.path + (pytree.keystr((pytree.MappingKey(self.key),)) if self.key is not None else "")
+
+    def kind(self) -> str:
+        return "list" if self.in_list else "dict"
+
+
+def _argument_containers(args: tuple, kwonly: dict) -> list:
+    """(path, keys reaching it, container, a copy of its items) of every dict and list among
+    the arguments the function gets, nested ones too (paths as `call.paths()` names them)."""
+    out = []
+
+    def walk(x, path: str, at: tuple, depth: int) -> None:
+        if depth > 8:
+            return
+        if type(x) is list:
+            out.append((path, at, x, list(x)))
+            items = enumerate(x)
+        elif isinstance(x, dict):
+            out.append((path, at, x, dict(x)))
+            items = x.items()
+        elif type(x) is tuple:
+            items = enumerate(x)
+        else:
+            return
+        for k, v in list(items):
+            key = pytree.SequenceKey(k) if type(x) in (list, tuple) else pytree.MappingKey(k)
+            walk(v, path + pytree.keystr((key,)), (*at, k), depth + 1)
+
+    for i, a in enumerate(args):
+        walk(a, f"args[{i}]", ("args", i), 0)
+    for k, v in kwonly.items():
+        walk(v, f"kwargs[{k!r}]", ("kwargs", k), 0)
+    return out
+
+
+def _argument_at(call: _Call, at: tuple):
+    """The caller's container the keys `at` reach."""
+    x = call.args if at[0] == "args" else call.kwonly
+    for key in at[1:]:
+        x = x[key]
+    return x
+
+
+def _put_edits(edits: tuple, call: _Call, results: list) -> list:
+    """Put what the function put in its argument containers in the caller's (their tensors
+    the results after the function's own outputs); the function's own results."""
+    k = len(results) - sum(edit.tensors for edit in edits)
+    own, it = results[:k], iter(results[k:])
+    for edit in edits:
+        container = _argument_at(call, edit.at)
+        if edit.removed:
+            if type(container) is list:
+                del container[edit.removed[0]:]
+            else:
+                for key in edit.removed:
+                    container.pop(key, None)
+            continue
+        leaves = [edit.statics[i] if i in edit.statics else next(it) for i in range(edit.tree.num_leaves)]
+        value = pytree.tree_unflatten(leaves, edit.tree)
+        if type(container) is list and edit.key >= len(container):
+            container.append(value)
+        else:
+            container[edit.key] = value
+    return own
 
 
 def _held_owner(x):

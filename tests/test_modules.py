@@ -1546,6 +1546,45 @@ def test_a_value_read_after_a_write_through_a_split_or_chunk_sees_the_write():
     assert torch.equal(arg, x + torch.tensor([0, 0, 3.0, 3.0, 0, 0], dtype=torch.float64))
 
 
+def test_what_the_function_puts_in_the_dicts_and_lists_it_is_given_is_put_in_the_callers():
+    """sentence-transformers' forward stores its embeddings in the features dict it is given:
+    keys added, rebound or removed, in nested dicts and lists and keyword arguments too, are
+    put in the caller's containers after every call (tensors as Sharded values, in the layouts
+    the plan gives them, as a returned one is with out_specs=None), where they were left as they
+    were, silently."""
+    def fn(feats, xs, *, extra):
+        feats["emb"] = feats["x"] * 2
+        feats["x"] = feats["x"] + 1
+        feats["nested"]["n"] = 3
+        feats["pair"] = (feats["x"], "tag")
+        del feats["gone"]
+        xs.append(xs[0] * 3)
+        xs[0] = xs[0] - 1
+        extra["k"] = extra["k"] * 10
+        return feats["emb"].sum()
+
+    def given(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        return {"x": x, "nested": {"n": 1}, "gone": x + 1}, [x * 2], {"k": x[0]}
+
+    def full(v):
+        return v.full() if isinstance(v, hpfun.Sharded) else v
+
+    f = hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for seed in range(3):
+        (feats, xs, extra), (want_feats, want_xs, want_extra) = given(seed), given(seed)
+        torch.testing.assert_close(f(feats, xs, extra=extra).full(), fn(want_feats, want_xs, extra=want_extra))
+        assert list(feats) == list(want_feats) and feats["nested"] == {"n": 3} and feats["pair"][1] == "tag"
+        for got, want in ((feats["x"], want_feats["x"]), (feats["emb"], want_feats["emb"]),
+                          (feats["pair"][0], want_feats["pair"][0]), (extra["k"], want_extra["k"]), *zip(xs, want_xs)):
+            assert isinstance(got, hpfun.Sharded) and torch.equal(full(got), want)
+        assert len(xs) == 2
+    assert f.trace_count == 1
+    outputs = [o["path"] for o in f.lower(*given(0)[:2], extra=given(0)[2]).outputs]
+    assert "args[0]['emb'] (put in the caller's dict)" in outputs and "args[1][1] (put in the caller's list)" in outputs
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
