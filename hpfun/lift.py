@@ -85,9 +85,14 @@ def _member_ids(container) -> frozenset:
     return frozenset(map(id, container))
 
 
+def _is_tensor_key(k) -> bool:
+    """A tensor, or an address-sized int (`id(p)`), as a dict's key or a set's member."""
+    return isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32
+
+
 def _keyed_by_tensors(container) -> bool:
     """Whether a dict's keys or a set's members include a tensor, or an address-sized int (`id(p)`)."""
-    return any(isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 for k in container)
+    return any(map(_is_tensor_key, container))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1383,9 +1388,12 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     isinstance(t, torch.Tensor) or _tensor_list(t) or type(t) is tuple and _holds_tensor(t)
                     for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
-                for key, t in list(v.items()):  # (an empty one is watched: filled, the walk is done again)
+                for i, (key, t) in enumerate(list(v.items())):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_name(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
+                    elif isinstance(t, torch.Tensor) and _is_tensor_key(key):  # keyed by a parameter or its id
+                        add(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position
+                            functools.partial(v.__setitem__, key))
                     elif _tensor_list(t) and _is_name(key):  # a list in it a metric appends to
                         for i, u in enumerate(t):
                             if isinstance(u, torch.Tensor):
@@ -1922,10 +1930,12 @@ class Substitution:
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
-                    if type(container) is dict:  # its lists too (`D["l"].append(t)`)
-                        self._watched += [(f"{var}[{key!r}]", functools.partial(_same, lst), lst, list(lst))
-                                          for key, lst in container.items() if type(lst) is list
-                                          and not any(c is lst for _, _, c, _ in self._watched)]
+                    if type(container) is dict:  # its lists too (`D["l"].append(t)`), and its empty dicts
+                        self._watched += [(f"{var}[{key!r}]", functools.partial(_same, inner), inner,  # (state made
+                                           list(inner) if type(inner) is list else {})  # lazily: `D["bufs"].setdefault(p, ...)`)
+                                          for key, inner in container.items()
+                                          if (type(inner) is list or type(inner) is dict and not inner)
+                                          and not any(c is inner for _, _, c, _ in self._watched)]
 
     def _hold_plain(self, var: str, obj) -> None:
         """A plain object the function reaches: its attributes as they are, and its dicts watched
@@ -1983,6 +1993,10 @@ class Substitution:
                     for key, v in container.items():
                         if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
                             out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+                        elif key not in items and _holds_fake(v) and (found := self._real_key(key)) is not None:
+                            # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`)
+                            out.update(_created_items(f"{_join(prefix, attr)}[{found[0]}]", v, (
+                                "key", functools.partial(vars(mod).get, attr), found[1])))
                         elif items.get(key) is not v and _is_name(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
                             # put whole at every call, each tensor as that call computes it
@@ -2015,16 +2029,21 @@ class Substitution:
                     if key not in items or was is None and _holds_fake(v) or type(was) is dict and type(v) is dict \
                             and v is not was and not _holds_tensor(was) and _holds_fake(v):  # (None: `d = {"w": None}`)
                         # keyed by a parameter or its id (`bufs.setdefault(p, ...)`): by the parameter it stands for
-                        real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
-                            if isinstance(key, FakeTensor) or type(key) is int else None
-                        if real is not None:
-                            named = self.state.param_names.get(id(real), "<tensor>")
-                            by_id = type(key) is int
-                            out.update(_created_items(f"{var}[id({named})]" if by_id else f"{var}[{named}]", v,
-                                                      ("key", read, id(real) if by_id else real)))
+                        if (found := self._real_key(key)) is not None:
+                            out.update(_created_items(f"{var}[{found[0]}]", v, ("key", read, found[1])))
                         elif not isinstance(key, FakeTensor):
                             out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
+
+    def _real_key(self, key):
+        """(its name, the key eager has) of a key the trace put under a stand-in or its id: the
+        parameter it stands for, or that one's id; None for any other key."""
+        real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
+            if isinstance(key, FakeTensor) or type(key) is int else None
+        if real is None:
+            return None
+        named = self.state.param_names.get(id(real), "<tensor>")
+        return (f"id({named})", id(real)) if type(key) is int else (named, real)
 
     def _module_lists(self):
         """(name, list, its items before the trace) of each list a module holds (an attribute, or

@@ -3399,6 +3399,45 @@ def _lazy_momentum(seed: int):
     return model, step, lambda: [dict(enumerate(by_param.values())), dict(enumerate(by_id.values()))]
 
 
+def _module_momentum(seed: int):
+    """Momentum kept in dicts a module holds: one made at the first step (`model.bufs.setdefault(p,
+    ...)`: it stayed empty, every call starting from zeros, silently), one filled before the first
+    call, keyed by the parameters' ids (it was refused, saying to keep it in a module)."""
+    model = mlp(seed)
+    model.bufs, model.by_id = {}, {id(p): torch.zeros_like(p) for p in model.parameters()}
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                m = model.bufs.setdefault(p, torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                v = model.by_id[id(p)].mul_(0.5).add_(p.grad)
+                p -= 0.1 * (m + v)
+                p.grad = None
+        return loss
+    return model, step, lambda: [dict(enumerate(model.bufs.values())), dict(enumerate(model.by_id.values()))]
+
+
+def _nested_momentum(seed: int):
+    """Momentum made at the first step in an empty dict inside a global or closed-over dict
+    (`STATE["bufs"].setdefault(p, ...)`, and by name): kept (it was refused, naming stand-ins)."""
+    model = mlp(seed)
+    state = {"bufs": {}, "named": {}}
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                m = state["bufs"].setdefault(p, torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                state["named"][name] = m * 2
+                p -= 0.1 * m
+                p.grad = None
+        return loss
+    return model, step, lambda: [dict(enumerate(state["bufs"].values())), state["named"]]
+
+
 class _ScaledTrainer:
     def __init__(self, seed: int):
         self.model = mlp(seed)
@@ -3422,9 +3461,10 @@ def _trainer_scales(seed: int):
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
 @pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_default, _scales_by_parameter,
-                                  _trainer_scales, _by_parameter_elsewhere, _lazy_momentum],
+                                  _trainer_scales, _by_parameter_elsewhere, _lazy_momentum, _module_momentum,
+                                  _nested_momentum],
                          ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales", "elsewhere",
-                              "lazy"])
+                              "lazy", "module", "nested"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
     holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
