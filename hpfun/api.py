@@ -680,7 +680,8 @@ class ShardedFunction:
         grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
         names = [None] * (len(call.flat) - len(call.lifted)) + list(call.lifted)
         leaves = tuple(_leaf(x, layout, name in grads) for x, layout, name in zip(call.flat, layouts, names, strict=True))
-        key = (call.tree, leaves, tuple(call.state.statics.items()), self.mesh, self.options)
+        key = (call.tree, leaves, tuple(call.state.statics.items()), self.mesh, self.options,
+               _dict_keys(call.inputs[:2]))
         try:
             hash(key)
         except TypeError as err:
@@ -1961,8 +1962,8 @@ def _flatten(tree, flat: list, key: list) -> bool:
     kind = type(tree)
     if kind is tuple or kind is list:
         key.append((kind, len(tree)))
-    elif kind is dict:
-        key.append((dict, *tree))
+    elif kind is dict:  # (a key other than a string by type and zero's sign: {0.0: a} and {-0.0: a} are two)
+        key.append((dict, *(k if type(k) is str else lift.exact_key(k) for k in tree)))
         tree = tree.values()
     else:
         return _flatten_leaf(tree, flat, key)
@@ -1973,6 +1974,16 @@ def _flatten(tree, flat: list, key: list) -> bool:
         elif not _flatten(x, flat, key):
             return False
     return True
+
+
+def _dict_keys(tree, depth: int = 8) -> tuple:
+    """The keys other than strings of the dicts in `tree`, by `exact_key` (the pytree structure
+    compares them by ==: {0.0: a} and {-0.0: a} were one program)."""
+    if depth and isinstance(tree, dict):
+        return tuple((lift.exact_key(k) if type(k) is not str else k, _dict_keys(v, depth - 1)) for k, v in tree.items())
+    if depth and isinstance(tree, (tuple, list)):
+        return tuple(_dict_keys(v, depth - 1) for v in tree)
+    return ()
 
 
 def _flatten_leaf(x, flat: list, key: list) -> bool:

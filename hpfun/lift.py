@@ -1114,14 +1114,16 @@ class ModuleValues:
     `objects` names where the values live (module FQN, or FQN.attribute for a held object), for
     writing a value back (`replay`)."""
 
-    __slots__ = ("items", "objects", "extra", "_hash")
+    __slots__ = ("items", "objects", "extra", "_key", "_hash")
 
     def __init__(self, items: tuple, objects: dict, extra: tuple = ()):
         # `extra`: what else a module holds that a trace bakes in, compared but never written back:
         # which function an attribute holds (`self.act = torch.relu`), lists, sets and nested dicts
         # of numbers, NumPy arrays, a config's nested objects
         self.items, self.objects, self.extra = items, objects, extra
-        self._hash = hash((items, extra))
+        # (by type and zero's sign, as every Python value keys the cache: 1, 1.0 and True are three)
+        self._key = tuple((name, exact_key(v)) for name, v in items)
+        self._hash = hash((self._key, extra))
 
     @classmethod
     def of(cls, prefix: str, module: torch.nn.Module) -> "ModuleValues":
@@ -1161,7 +1163,7 @@ class ModuleValues:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return self is other or (type(other) is ModuleValues and self._hash == other._hash and self.items == other.items
+        return self is other or (type(other) is ModuleValues and self._hash == other._hash and self._key == other._key
                                  and self.extra == other.extra)
 
     def __repr__(self) -> str:
@@ -1171,7 +1173,7 @@ class ModuleValues:
         """(name, value here, value in `after`) of each value that differs; _MISSING where absent."""
         before, now = dict(self.items), dict(after.items)
         return [(k, before.get(k, _MISSING), now.get(k, _MISSING)) for k in dict.fromkeys([*before, *now])
-                if before.get(k, _MISSING) != now.get(k, _MISSING) or type(before.get(k)) is not type(now.get(k))]
+                if exact_key(before.get(k, _MISSING)) != exact_key(now.get(k, _MISSING))]
 
     def set(self, name: str, value) -> None:
         """Write one value at its place (deleting it for _MISSING)."""

@@ -227,6 +227,17 @@ def test_python_values_key_the_cache_by_type_and_sign_not_by_equality():
             for got, w in zip(outs, want, strict=True):
                 got = got.full()
                 assert torch.equal(got.nan_to_num(7.0), w.to(got.dtype).nan_to_num(7.0)), (n, got, w)
+    held = torch.nn.Module()  # (a module's number, and a dict argument's key: they ran the first program)
+    held.n = 1
+    module = hpfun.shard(lambda x: times(x, held.n), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    keyed = hpfun.shard(lambda x, d: times(x, next(iter(d))), mesh=MESH, in_specs=(P("dp"), None), out_specs=P("dp"))
+    for n in (1, 1.0, True, 0.0, -0.0):
+        held.n = n
+        for outs in (module(x), keyed(x, {n: "n"})):
+            for got, want in zip(outs, times(x, n), strict=True):
+                got = got.full()
+                assert got.dtype == want.dtype and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (n, got, want)
+    assert module.trace_count == keyed.trace_count == 5
 
 
 def test_a_print_inside_runs_once_at_the_trace(capsys):
