@@ -85,9 +85,11 @@ def _member_ids(container) -> frozenset:
     return frozenset(map(id, container))
 
 
-def _is_tensor_key(k) -> bool:
-    """A tensor, or an address-sized int (`id(p)`), as a dict's key or a set's member."""
-    return isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32
+def _is_tensor_key(k, depth: int = 3) -> bool:
+    """A tensor, or an address-sized int (`id(p)`), as a dict's key or a set's member, or a
+    tuple holding one (`(p, "w")`)."""
+    return isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 or \
+        bool(depth) and type(k) is tuple and any(_is_tensor_key(x, depth - 1) for x in k)
 
 
 def _keyed_by_tensors(container) -> bool:
@@ -1829,6 +1831,9 @@ class Substitution:
         def stand_in_for(k):
             if isinstance(k, torch.Tensor):
                 return self.swap.get(id(k), k)
+            if type(k) is tuple:  # (`scales[(p, "w")]`)
+                parts = tuple(map(stand_in_for, k))
+                return parts if any(a is not b for a, b in zip(parts, k)) else k
             return ids.get(k, k) if type(k) is int else k
 
         for root in self.state.roots:  # a frozenset of parameters: one of their stand-ins at its place
