@@ -806,6 +806,7 @@ class ShardedFunction:
             raise SpecError(problems)
 
     def _compile_graph(self, call: _Call, leaves, fitting: "auto.Fitting | None" = None) -> "_Entry":
+        _check_grad_shapes(call)
         self.trace_count += 1
         tensor_pos = [i for i, l in enumerate(leaves) if l.kind != "static"]
         traced = _Traced()
@@ -2297,6 +2298,21 @@ def _put_edits(edits: tuple, call: _Call, results: list) -> list:
         else:
             container[edit.key] = value
     return own
+
+
+def _check_grad_shapes(call: _Call) -> None:
+    """A gradient of another shape than its parameter (left from before the parameter was
+    resized) cannot be given to the trace's stand-in: refused by name before tracing."""
+    lifted = call.lifted
+    if stale := [name for name, slot in call.state.slots.items() if name in lifted and name.endswith(".grad")
+                 and slot.follows in lifted and isinstance(lifted[name], (torch.Tensor, Sharded))
+                 and tuple(lifted[name].shape) != tuple(lifted[slot.follows].shape)]:
+        raise SpecError([Problem(name, f"has shape {tuple(lifted[name].shape)} where its parameter has "
+                                 f"{tuple(lifted[name[:-len('.grad')]].shape)} (a gradient left from before the "
+                                 "parameter was resized: resize_token_embeddings keeps the Parameter and swaps "
+                                 "its data), which a trace cannot give the parameter",
+                                 "set it to None before the call (opt.zero_grad() or model.zero_grad())")
+                         for name in stale], headline="gradients of another shape than their parameters")
 
 
 def _held_owner(x):
