@@ -1512,6 +1512,9 @@ def _target_fits(func, logits, target) -> None:
     probabilities of the input's shape, as eager checks (the trace's decomposition reached a
     gather of float indices, and said that instead; an int32 or bool one ran, where eager
     refuses it)."""
+    if isinstance(target, torch.Tensor) and isinstance(logits, torch.Tensor) and target.dtype == torch.uint8 \
+            and logits.dim() > 2:  # (eager's kernel over extra dims, nll_loss2d's, takes int64 only)
+        raise RuntimeError("expected scalar type Long but found Byte")
     if not isinstance(target, torch.Tensor) or not isinstance(logits, torch.Tensor) or \
             target.dtype in (torch.int64, torch.uint8) or \
             func is torch.nn.functional.cross_entropy and target.is_floating_point() and \

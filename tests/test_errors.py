@@ -1215,8 +1215,8 @@ def test_a_read_of_a_value_made_from_a_parameter_says_why_it_is_not_read():
 def test_float_class_labels_are_refused_as_eager_refuses_them():
     """F.cross_entropy and F.nll_loss with float class labels: eager's message (hpfun said gather()
     wanted integer indices, from its decomposition), and with int32, int8 or bool ones too (they
-    ran, where eager refuses them); uint8 ones run as eager (refused as gather() indices), and
-    probabilities of the input's shape still run."""
+    ran, where eager refuses them); uint8 ones run as eager (refused as gather() indices), but
+    not over extra dims (eager refuses them there), and probabilities of the input's shape still run."""
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 8, (8,))
     for loss in (F.cross_entropy, lambda a, t: F.nll_loss(a.log_softmax(-1), t)):
         f = hpfun.shard(loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
@@ -1227,6 +1227,13 @@ def test_float_class_labels_are_refused_as_eager_refuses_them():
     keyword = hpfun.shard(lambda a, t: F.cross_entropy(a, target=t), mesh=MESH, in_specs=(P("dp"), P("dp")),
                           out_specs=P())
     torch.testing.assert_close(keyword(x, y.to(torch.uint8)).full(), F.cross_entropy(x, y))
+    spatial = torch.randn(8, 8, 3, dtype=torch.float64)  # (over extra dims eager takes int64 only: uint8 ran)
+    for loss in (F.cross_entropy, lambda a, t: F.nll_loss(a.log_softmax(1), t)):
+        with pytest.raises(RuntimeError, match="expected scalar type Long but found Byte"):
+            loss(spatial, torch.randint(0, 8, (8, 3), dtype=torch.uint8))
+        f = hpfun.shard(loss, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+        _, text = _raise(f, spatial, torch.randint(0, 8, (8, 3), dtype=torch.uint8), error=hpfun.CaptureError)
+        assert "expected scalar type Long but found Byte" in text, text
     probs = torch.softmax(torch.randn(8, 8, dtype=torch.float64), -1)
     f = hpfun.shard(F.cross_entropy, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
     torch.testing.assert_close(f(x, probs).full(), F.cross_entropy(x, probs))
