@@ -1783,6 +1783,7 @@ class Substitution:
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
+        self._writers: dict = {}  # id(a dict a plain object holds) -> how to give the object another one there
         real = {id(v): v for v in state.values().values()}  # (read before anything is swapped)
         # id(a stand-in) -> the tensor it stands for: a key or member the trace put (`seen.add(p)`)
         self._stood_for = {id(stand_in): real[real_id] for real_id, stand_in in swap.items() if real_id in real}
@@ -1954,6 +1955,7 @@ class Substitution:
         for k, v in vars(obj).items():
             if type(v) is dict and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
+                self._writers[id(v)] = functools.partial(setattr, obj, k)
             elif type(v) is tuple and _holds_tensor(v):  # (rebound to another length: refused)
                 self._tuples_held.append((_join(var, k), functools.partial(getattr, obj, k), v))
 
@@ -2030,6 +2032,9 @@ class Substitution:
                 appended.add(id(container))
                 for i, v in enumerate(container[len(items):]):
                     out.update(_created_items(f"{var}[+{i}]", v, ("append", read)))
+            elif (write := self._writers.get(id(container))) is not None and type(now := read()) is dict \
+                    and now is not container and _holds_fake(now) and not _holds_tensor(items):
+                out.update(_created_items(var, now, ("set", write)))  # (`self.stats = {"m": t}` where it held none)
             else:  # (only new keys, and dicts of tensors put where one held none: a tensor held before is
                 for key, v in container.items():  # lifted state, its assignment written back as such)
                     was = items.get(key)
@@ -2133,6 +2138,8 @@ class Substitution:
                 now = vars(obj).get(attr)
                 if type(was) is not dict or type(now) is not dict or now is was or not _holds_fake(now):
                     continue
+                if not _holds_tensor(was):  # (where it held none, `self.stats = {}` before: state the step
+                    continue  # makes, put whole at every call, `created`)
                 if (other := _other_keys(was, now, _join(var, attr))) is not None:
                     refused(*other, dict_keep)
                 else:
@@ -2174,6 +2181,8 @@ class Substitution:
                 continue
             if type(now) is not type(container) or not _holds_fake(now):
                 continue
+            if id(container) in self._writers and not _holds_tensor(items):  # (a plain object's dict that held
+                continue  # none given one of tensors: state the step makes, put whole at every call, `created`)
             kind = type(container).__name__
             if kind == "dict" and (other := _other_keys(container, now, var)) is not None:
                 refused(*other, dict_keep)
@@ -2404,10 +2413,14 @@ class Substitution:
         or dict rebound is set back to the one it held."""
         found: list[str] = []
         seen: set = set()
-        for var, read, container, _ in self._watched:
+        for var, read, container, held in self._watched:
             try:
                 now = read()
             except ValueError:
+                continue
+            if now is not container and _holds_fake(now) and id(container) in self._writers \
+                    and not _holds_tensor(held):  # (put whole at every call: `created`)
+                _rebind(read, container)
                 continue
             if now is not container and _holds_fake(now):
                 # rebound (`G = G[1:] + [v]`): its places are written back by their slots; a place no slot
@@ -2730,6 +2743,9 @@ def put(state: State, place: tuple, value) -> None:
         return
     if place[0] == "key":
         place[1]()[place[2]] = value
+        return
+    if place[0] == "set":  # a plain object's dict attribute given a dict of tensors where it held none
+        place[1](value)
         return
     if place[0] == "group":
         _, name, g, key = place

@@ -3597,7 +3597,8 @@ def test_a_module_made_inside_and_kept_in_a_dict_or_object_is_taken_out_whole(ho
 def test_a_dict_on_a_plain_object_assigned_anew_is_kept_and_one_of_other_keys_refused():
     """`st.d = {"a": st.d["a"] + v}` on a plain object: merged into the dict it held, as for a
     global dict (it was refused). One given other keys is refused, naming it, and the dict it
-    held put back (the new one was left there, emptied of the trace's tensors: the user's lost)."""
+    held put back (the new one was left there, emptied of the trace's tensors: the user's lost).
+    One given where the object held a dict of no tensor is put there at every call."""
     held = {"a": torch.zeros(2, dtype=torch.float64)}
     st = types.SimpleNamespace(d=held)
     x = torch.randn(4, 2, dtype=torch.float64)
@@ -3619,6 +3620,18 @@ def test_a_dict_on_a_plain_object_assigned_anew_is_kept_and_one_of_other_keys_re
     with pytest.raises(hpfun.CaptureError, match=re.escape("st.d: is rebound to a new dict with other keys")):
         hpfun.shard(grows, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert st.d is held and list(held) == ["a"] and torch.allclose(held["a"], 2 * x.sum(0))
+    st.stats = {}  # (one given a dict of tensors where it held none: put there by every call, as eager;
+
+    def logs(x):  # it was refused as a rebinding with other keys)
+        st.stats = {"sum": x.sum(0), "n": 3}
+        return x.sum()
+
+    f = hpfun.shard(logs, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for scale in (1.0, 2.0, 3.0):
+        f(x * scale)
+        assert st.stats.keys() == {"sum", "n"} and st.stats["n"] == 3
+        torch.testing.assert_close(st.stats["sum"], (x * scale).sum(0))
+    assert f.trace_count == 2
 
 
 def test_a_refused_trace_leaves_dicts_and_sets_keyed_by_parameters_keyed_by_them():
