@@ -1439,6 +1439,9 @@ def _repeated(x, repeats=None, dim=None, *, output_size=None):
     return flat.index_select(axis, _unlisted(where).to(x.device))
 
 
+_INDEX_PUTS = frozenset([torch.index_put, torch.index_put_, torch.Tensor.index_put, torch.Tensor.index_put_])
+
+
 def _mask_as_positions(index):
     """`x[mask]` (BART's `hidden_states[eos_mask, :]`) with a boolean mask made from constants or
     readable inputs: the same index as the positions of its True values, read like
@@ -2016,6 +2019,11 @@ class _TensorScalars(TorchFunctionMode):
             return func(args[0], index, args[2])
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs:
             _value_fits(*args)
+        if func in _INDEX_PUTS and len(args) >= 3 and isinstance(args[1], (tuple, list)) \
+                and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]) \
+                and (index := _mask_as_positions(tuple(args[1]))) is not None:
+            args = (args[0], index, *args[2:])  # (a readable mask as its positions: its gradient, `grad[mask]`,
+            # is then a gather by them, where torch's backward counts the mask, which a trace cannot)
         if func in (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss):
             _target_fits(func, *_bound(args, kwargs, ("input", "target")))
             args, kwargs = _long_target(args, kwargs)

@@ -1600,6 +1600,25 @@ def test_a_gradient_left_from_before_its_parameter_was_resized_is_refused_by_nam
     assert f(torch.ones(2, 4, dtype=torch.float64)).full().item() == 0.0
 
 
+def test_the_gradient_of_an_index_put_by_a_mask_of_the_arguments_is_traced():
+    """`x.index_put((mask,), v)` with a mask made from the arguments: written by the mask's
+    positions, read as `x[mask]` is, so its gradient is a gather by them (refused: torch's
+    backward counts the mask, `nonzero`, which a trace cannot)."""
+    g = torch.Generator().manual_seed(0)
+    x, m = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.rand(4, 6, generator=g) < 0.5
+    vals = torch.randn(int(m.sum()), generator=g, dtype=torch.float64)
+
+    def loss(x, m, vals, accumulate):
+        return (x.index_put((m,), vals * 2, accumulate=accumulate) ** 2).sum()
+
+    for accumulate in (False, True):
+        grad = torch.func.grad(functools.partial(loss, accumulate=accumulate), argnums=(0, 2))
+        for spec in (P(), P("dp")):
+            got = hpfun.shard(grad, mesh=DP, in_specs=(spec, spec, P()), out_specs=(spec, P()))(x, m, vals)
+            for a, b in zip(got, grad(x, m, vals), strict=True):
+                torch.testing.assert_close(a.full(), b, rtol=1e-12, atol=1e-12)
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
