@@ -1439,6 +1439,31 @@ def _repeated(x, repeats=None, dim=None, *, output_size=None):
     return flat.index_select(axis, _unlisted(where).to(x.device))
 
 
+_ISTFT = frozenset([torch.istft, torch.Tensor.istft])
+
+
+def _istft(input, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False,  # noqa: A002
+           onesided=None, length=None, return_complex=False):
+    """torch.istft as torch's reference computes it (its kernel reads the window's overlap-added
+    envelope to check it has no zero, which a trace cannot): the check made here, from the
+    envelope's value where it is readable (a window made from constants or the arguments), as
+    eager's error; a window made from parameters is divided by as it is."""
+    out = torch._refs.istft(input, n_fft, hop_length, win_length, window, center, normalized, onesided, length,
+                            return_complex)
+    hop, width = hop_length or n_fft // 4, win_length or n_fft
+    w = window if window is not None else torch.ones(width, dtype=out.real.dtype, device=out.device)
+    left = (n_fft - width) // 2
+    w = torch.nn.functional.pad(w, (left, n_fft - width - left)) if width < n_fft else w
+    frames = input.shape[-1]
+    total = n_fft + hop * (frames - 1)
+    envelope = aten.unfold_backward(w.detach().pow(2).expand(1, frames, n_fft), (1, total), 1, n_fft, hop)
+    start = n_fft // 2 if center else 0
+    end = start + length if length is not None else total - n_fft // 2 if center else total
+    ok = _read(torch.Tensor.__bool__, envelope[:, start:min(end, total)].abs().min() >= 1e-11)
+    if ok is False:
+        raise RuntimeError(f"istft(n_fft={n_fft}, hop_length={hop}, win_length={width}): window overlap add min: "
+                           "0 (the window's squares summed over the frames are zero somewhere)")
+    return out
 _INDEX_PUTS = frozenset([torch.index_put, torch.index_put_, torch.Tensor.index_put, torch.Tensor.index_put_])
 
 
@@ -1974,6 +1999,8 @@ class _TensorScalars(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
             return _deepcopy_traced(*args, **kwargs)
+        if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
+            return _istft(*args, **kwargs)  # envelope by reading it, which its reference divides by)
         _refuse_overlapping_write(func, args)
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)

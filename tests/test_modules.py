@@ -1619,6 +1619,26 @@ def test_the_gradient_of_an_index_put_by_a_mask_of_the_arguments_is_traced():
                 torch.testing.assert_close(a.full(), b, rtol=1e-12, atol=1e-12)
 
 
+def test_istft_runs_as_eager_and_refuses_a_window_that_leaves_gaps():
+    """torch.istft (BS-RoFormer's decoder): torch's kernel reads the window's overlap-added
+    envelope to check it, so a step using it was refused; computed as torch's reference, with
+    eager's error where the envelope, readable from a window of constants, has a zero."""
+    x = torch.randn(4, 128, dtype=torch.float64)
+    scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 17, dtype=torch.float64).unsqueeze(1))
+
+    def f(x, hop, width):
+        window = torch.hann_window(width, dtype=torch.float64)
+        spec = torch.stft(x, 32, hop_length=hop, win_length=width, window=window, return_complex=True)
+        return torch.istft(spec * scale, 32, hop_length=hop, win_length=width, window=window, length=120)
+
+    g = hpfun.shard(f, mesh=DP, in_specs=(P("dp"), None, None), out_specs=P("dp"))
+    for hop, width in ((8, 32), (8, 16)):
+        torch.testing.assert_close(g(x, hop, width).full(), f(x, hop, width), rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="window overlap add min"):
+        f(x, 32, 32)
+    assert "window overlap add min" in _error(g, x, 32, 32, error=hpfun.CaptureError)
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
