@@ -981,7 +981,7 @@ class ShardedFunction:
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
-                    _scheduler_steps() as stepped:
+                    _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm():
                 out = self.fn(*args, **kwonly)
             traced.argument_edits(given)
             assigned, new_state = substitution.assigned()
@@ -1485,6 +1485,20 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+@contextlib.contextmanager
+def _sync_batch_norm_as_batch_norm():
+    """nn.SyncBatchNorm traced as the BatchNorm it is over the global batch: hpfun's batch norm of
+    a split batch already sums its statistics over the ranks, and SyncBatchNorm's own forward
+    refuses a CPU tensor once a process group runs (a gloo job failed where a simulated mesh ran)."""
+    sync = torch.nn.SyncBatchNorm
+    own = vars(sync)["forward"]
+    sync.forward = torch.nn.modules.batchnorm._BatchNorm.forward
+    try:
+        yield
+    finally:
+        sync.forward = own
 
 
 @contextlib.contextmanager

@@ -250,6 +250,11 @@ def lifted_dp(out: Path):
     step = sharded_step(mesh, model, opt, (P("dp"), P("dp")), None)
     losses = [step(x, y).full() for _ in range(STEPS)]
     got = {"losses": losses, "model": _snapshot(hpfun.gather_state(model))}
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(lifted_model(batchnorm=True))  # (it refused a CPU
+    synced_step = sharded_step(mesh, synced, torch.optim.SGD(synced.parameters(), lr=0.1, momentum=0.9),  # tensor)
+                               (P("dp"), P("dp")), None)
+    got["synced losses"] = [synced_step(x, y).full() for _ in range(STEPS)]
+    got["synced"] = _snapshot(hpfun.gather_state(synced))
 
     other = torch.nn.Linear(8, 4 if RANK == 0 else 2).double()  # rank 1's module is narrower
     odd = hpfun.shard(lambda x: other(x).sum(), mesh=mesh, in_specs=P("dp"), out_specs=P())

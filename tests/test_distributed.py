@@ -192,7 +192,7 @@ def test_an_adopted_sub_mesh_runs_on_its_own_rows_groups(lifted_job):
 
 def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
     """BatchNorm in train mode, batch split over dp: running statistics, the batch count and
-    parameters equal eager's (the batch statistics are the global batch's)."""
+    parameters equal eager's (the batch statistics are the global batch's); SyncBatchNorm's too."""
     w = _worker()
     x, y = w.lifted_data()
     model = w.lifted_model(batchnorm=True)
@@ -203,6 +203,8 @@ def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
     for rank, got in enumerate(lifted_dp_job):
         _close(got["model"], state, f"rank {rank}")
         _close(torch.stack(got["losses"]), losses, f"rank {rank}: losses")
+        _close(got["synced"], state, f"rank {rank}: SyncBatchNorm")  # (its forward refused a CPU tensor)
+        _close(torch.stack(got["synced losses"]), losses, f"rank {rank}: SyncBatchNorm's losses")
         _close(got["after mismatch"], next_loss, f"rank {rank}: the step after the ranks' failed call")
 
 
