@@ -80,6 +80,9 @@ def tp_plan(model: torch.nn.Module, axis: str = "tp") -> dict:
                 # a PEFT adapter around the layer (LoRA's `q_proj.base_layer`): its frozen weight is split,
                 # the small adapter matrices stay whole
                 inner, owner_name, owner = f"{inner}.base_layer", f"{owner_name}.base_layer", owner.base_layer
+            if (child := _wrapped_layer(owner, style)) is not None:  # a wrapper of the user's around the layer (a
+                # hand-written LoRA's `self.base` beside its own A and B): the layer is split, the wrapper's own
+                inner, owner_name, owner = f"{inner}.{child}", f"{owner_name}.{child}", owner.get_submodule(child)
             # a tied weight (the head's, the embedding's) goes by the name torch lists first
             targets = [(f"{pattern}{inner}.{name}", p) for name, p in owner.named_parameters(recurse=False)
                        if f"{owner_name}.{name}" in params]
@@ -120,6 +123,17 @@ def _matching(pattern: str, named: dict) -> list:
     """(name, object) of the entries whose name the plan pattern matches (`*`: a layer number)."""
     regex = re.compile(fnmatch.translate(pattern).replace(".*", r"[^.]*"))
     return [(name, obj) for name, obj in named.items() if regex.fullmatch(name)]
+
+
+def _wrapped_layer(owner: torch.nn.Module, style: str) -> str | None:
+    """The name of the one layer a module of the user's that the plan names wraps, where the
+    module is not that kind of layer itself (a Linear for the column and row styles, an Embedding for the embedding
+    ones) but holds exactly one directly; None otherwise."""
+    kind = torch.nn.Embedding if style in _EMBEDDING else torch.nn.Linear
+    if isinstance(owner, kind) or type(owner).__module__.startswith(("torch.", "transformers.")):
+        return None  # (a layer of torch's or the model's own is planned as it is)
+    children = [name for name, child in owner.named_children() if isinstance(child, kind)]
+    return children[0] if len(children) == 1 else None
 
 
 def _spec(style: str, param: torch.Tensor, axis: str) -> P | None:

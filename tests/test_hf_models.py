@@ -407,6 +407,31 @@ def test_the_plan_of_a_model_a_peft_wrapper_holds_names_the_wrapped_weights():
     assert worst(model, ref) < 1e-6
 
 
+class _OwnLoRA(torch.nn.Module):
+    """A LoRA written by hand: the layer as `base`, the adapters as its own parameters."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 2):
+        super().__init__()
+        self.base = base
+        self.A = torch.nn.Parameter(torch.zeros(r, base.in_features, dtype=torch.float64))
+        self.B = torch.nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+def test_the_plan_of_a_layer_wrapped_by_the_users_own_module_splits_the_layer():
+    """A hand-written LoRA around q_proj (the layer as `self.base`, the adapters its own
+    parameters): the layer's weight is split, the adapters stay whole (they were split as if
+    they were the layer's weight, and the layer left whole, silently)."""
+    model = build("llama", "sdpa")
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _OwnLoRA(layer.self_attn.q_proj)
+    plan = hpfun.tp_plan(model)
+    assert plan["model.layers.*.self_attn.q_proj.base.weight"] == P("tp", None)
+    assert not any(k.endswith((".A", ".B")) for k in plan)
+
+
 def test_the_architecture_sweep_reports_ok_cases_and_what_it_kept_whole():
     """`python -m hpfun.testing.hf_sweep` (make hf-nightly) on one architecture: data parallel
     equals eager; so does ZeRO-3 by wildcard on GPT-NeoX, whose rotary `inv_freq` buffer (1 row at
