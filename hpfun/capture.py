@@ -2399,6 +2399,18 @@ def _as_strided_as_views(gm: torch.fx.GraphModule) -> None:
         size, stride = list(n.args[at]), list(n.args[at + 1])
         offset = n.args[at + 2] if len(n.args) > at + 2 and n.args[at + 2] is not None else val.storage_offset()
         box = _box_of(tuple(val.shape), val.stride(), val.storage_offset(), size, stride, offset)
+        if box is None and _reshapes_whole(val, size, stride, offset):  # every element, in order, in another
+            src = n.args[1] if scatter else n.args[0]  # shape (adaptive pooling's backward writes a batch's
+            src_val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None  # gradient so): a view,
+            if isinstance(src_val, torch.Tensor) and src_val.is_contiguous():  # which keeps its split
+                shape = list(val.shape) if scatter else size
+                with graph.inserting_before(n):
+                    x = call(aten.view.default, (src, shape), aten.view.default(src_val, shape), n)
+                    if scatter:  # (a tensor of its own, as the scatter's is)
+                        x = call(aten.clone.default, (x,), aten.clone.default(x.meta["val"]), n)
+                n.replace_all_uses_with(x)
+                graph.erase_node(n)
+            continue
         if box is None:
             continue
         steps = [(aten.slice.Tensor, (d, start, start + size[t])) for d, (start, t) in enumerate(box)
@@ -2440,6 +2452,18 @@ def _as_strided_as_views(gm: torch.fx.GraphModule) -> None:
                 x = src if steps else call(aten.clone.default, (src,), src_val, n)
         n.replace_all_uses_with(x)
         graph.erase_node(n)
+
+
+def _reshapes_whole(val, size, stride, offset) -> bool:
+    """Whether `as_strided(val, size, stride, offset)` takes every element of a contiguous `val`
+    in its order: a reshape of it."""
+    if not val.is_contiguous() or offset != val.storage_offset() or math.prod(size) != val.numel():
+        return False
+    expected, step = [], 1
+    for n in reversed(size):
+        expected.append(step)
+        step *= n
+    return all(n == 1 or s == e for n, s, e in zip(size, stride, reversed(expected), strict=True))
 
 
 _INDEXING = {aten.index.Tensor: 1, aten._unsafe_index.Tensor: 1, aten.index_put.default: 1,

@@ -3554,6 +3554,25 @@ class _TransposedNorm(torch.nn.Module):
         return self.head(self.gn(h.transpose(1, 2)).transpose(1, 2))
 
 
+def test_adaptive_pooling_of_a_split_batch_keeps_its_gradient_split():
+    """Swin's pooler (LayerNorm, AdaptiveAvgPool1d(1) over the tokens, a head) under data
+    parallel: the pooling's backward writes the batch's gradient through an as_strided view of
+    all of it, now the reshape it is (the gradient was gathered whole for it, each rank taking
+    its rows back); equal to eager."""
+    torch.manual_seed(0)
+    norm, head = torch.nn.LayerNorm(8).double(), torch.nn.Linear(8, 3).double()
+    pool = torch.nn.AdaptiveAvgPool1d(1)
+
+    def loss(x, y, norm=norm, head=head):
+        return F.cross_entropy(head(torch.flatten(pool(norm(x).transpose(1, 2)), 1)), y)
+
+    x, y = torch.randn(4, 5, 8, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    grad = torch.func.grad(lambda x, y: loss(x, y))
+    f = hpfun.shard(grad, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    torch.testing.assert_close(f(x, y).full(), grad(x, y), rtol=1e-12, atol=1e-14)
+    assert not [c for c in f.lower(x, y).collectives if c.kind == "all_gather"]
+
+
 def test_a_transpose_made_contiguous_by_its_inputs_strides_stays_so_on_every_rank():
     """Under ZeRO-3 on 4 ranks the residual sum is gathered, in order, so the transposed block
     was not contiguous and group norm's kernel refused it (said to fail eagerly too); the program
