@@ -1735,14 +1735,17 @@ class InputRead:
 
     def evaluate(self, inputs: list):
         made: list = []
+        given: dict = {}  # (one copy of each input: a write through a view of it is seen by a later read of it)
         cpu = torch.device("cpu")
 
         def arg(a):
             if isinstance(a, _Made):
                 return made[a.k]
             if isinstance(a, _Input):
-                value = _whole(inputs[a.i]).detach().to(cpu)
-                return value.clone() if self.copies else value
+                if a.i not in given:
+                    value = _whole(inputs[a.i]).detach().to(cpu)
+                    given[a.i] = value.clone() if self.copies else value
+                return given[a.i]
             if isinstance(a, torch.Tensor) and self.copies:  # a constant of the trace, written by a step
                 return a.clone()
             return cpu if isinstance(a, torch.device) else a

@@ -1639,6 +1639,29 @@ def test_istft_runs_as_eager_and_refuses_a_window_that_leaves_gaps():
     assert "window overlap add min" in _error(g, x, 32, 32, error=hpfun.CaptureError)
 
 
+class _ViewCounter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.count.split(2)[0].add_(1.0)
+        return x * 10 if self.count[0] > 2 else x
+
+
+def test_a_buffer_read_after_a_write_through_its_view_is_checked_with_the_write():
+    """A buffer counted through a view (`count.split(2)[0].add_(1)`) then read for a branch: each
+    later call checked the read on a fresh copy of the buffer for each step, losing the write, so
+    the program changed one call late (silently)."""
+    model, ref = _ViewCounter(), _ViewCounter()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for _ in range(4):
+        assert torch.equal(f(x).full(), ref(x))
+    assert torch.equal(model.count, ref.count)
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
