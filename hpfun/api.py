@@ -956,6 +956,7 @@ class ShardedFunction:
         for i, fake in zip(tensor_pos, fakes, strict=True):
             full[i] = fake
         args, kwonly, lifted = pytree.tree_unflatten(full, call.tree)
+        args, kwonly = _shared_as_given((call.args, call.kwonly), (args, kwonly), {})  # (`f(xs, xs)`: one list)
         swap = {}
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
@@ -1322,7 +1323,8 @@ class _Traced:
                 where = path + pytree.keystr((pytree.SequenceKey(key) if type(container) is list
                                               else pytree.MappingKey(key),))
                 leaves, tree = pytree.tree_flatten(value)
-                if hidden := [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor) and _tensors_inside(leaf)]:
+                if hidden := [leaf for leaf in leaves if isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
+                              or not isinstance(leaf, torch.Tensor) and _tensors_inside(leaf)]:
                     warnings.warn(f"hpfun.shard: the function puts a {type(hidden[0]).__name__} holding tensors in "
                                   f"{where}, an argument, which hpfun cannot pass back to the caller's: it is left as "
                                   "it was (return the value instead)", TracingWarning, stacklevel=2)
@@ -1839,8 +1841,8 @@ def _from_numpy(args: tuple, kwonly: dict) -> tuple[tuple, dict]:
     """NumPy arrays among the arguments are read as tensors (`torch.as_tensor`: sharing their
     memory, float64 stays float64); one torch cannot hold is an error naming its path."""
     np = sys.modules.get("numpy")
-    if np is None:
-        return args, kwonly
+    if np is None or not any(isinstance(leaf, np.ndarray) for leaf in pytree.tree_leaves((args, kwonly))):
+        return args, kwonly  # (the caller's own containers kept: what the function puts in them is put there)
     problems: list[Problem] = []
 
     def convert(path, x):
@@ -2257,11 +2259,13 @@ class ArgumentEdit:
 def _argument_containers(args: tuple, kwonly: dict) -> list:
     """(path, keys reaching it, container, a copy of its items) of every dict and list among
     the arguments the function gets, nested ones too (paths as `call.paths()` names them)."""
-    out = []
+    out, seen = [], set()
 
     def walk(x, path: str, at: tuple, depth: int) -> None:
-        if depth > 8:
+        if depth > 8 or id(x) in seen:
             return
+        if isinstance(x, (list, dict)):
+            seen.add(id(x))
         if type(x) is list:
             out.append((path, at, x, list(x)))
             items = enumerate(x)
@@ -2283,6 +2287,25 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
     return out
 
 
+def _shared_as_given(given, rebuilt, seen: dict):
+    """`rebuilt` (the arguments as the trace gets them, rebuilt from their leaves) with a dict or
+    list the caller passed in several places one object in all of them, as the caller's is: an
+    edit through one is seen through the other, as in eager."""
+    if isinstance(given, (dict, list)):
+        if id(given) in seen:
+            return seen[id(given)]
+        seen[id(given)] = rebuilt
+        if isinstance(given, dict) and isinstance(rebuilt, dict) and given.keys() == rebuilt.keys():
+            for key in given:
+                rebuilt[key] = _shared_as_given(given[key], rebuilt[key], seen)
+        elif type(given) is list and type(rebuilt) is list and len(given) == len(rebuilt):
+            rebuilt[:] = [_shared_as_given(g, r, seen) for g, r in zip(given, rebuilt, strict=True)]
+        return rebuilt
+    if type(given) is tuple and type(rebuilt) is tuple and len(given) == len(rebuilt):
+        return tuple(_shared_as_given(g, r, seen) for g, r in zip(given, rebuilt, strict=True))
+    return rebuilt
+
+
 def _argument_at(call: _Call, at: tuple):
     """The caller's container the keys `at` reach."""
     x = call.args if at[0] == "args" else call.kwonly
@@ -2296,8 +2319,8 @@ def _put_edits(edits: tuple, call: _Call, results: list) -> list:
     the results after the function's own outputs); the function's own results."""
     k = len(results) - sum(edit.tensors for edit in edits)
     own, it = results[:k], iter(results[k:])
-    for edit in edits:
-        container = _argument_at(call, edit.at)
+    targets = [_argument_at(call, edit.at) for edit in edits]  # (each found before any edit moves it)
+    for edit, container in zip(edits, targets, strict=True):
         if edit.removed:
             if type(container) is list:
                 del container[edit.removed[0]:]

@@ -1551,7 +1551,9 @@ def test_what_the_function_puts_in_the_dicts_and_lists_it_is_given_is_put_in_the
     keys added, rebound or removed, in nested dicts and lists and keyword arguments too, are
     put in the caller's containers after every call (tensors as Sharded values, in the layouts
     the plan gives them, as a returned one is with out_specs=None), where they were left as they
-    were, silently."""
+    were, silently. A container passed twice is one in the trace too, each container the edits
+    name is found before any is made, a dict subclass's are put in the caller's own (it was
+    rebuilt), and a module put in is left out with a warning (the trace's was put there)."""
     def fn(feats, xs, *, extra):
         feats["emb"] = feats["x"] * 2
         feats["x"] = feats["x"] + 1
@@ -1583,6 +1585,36 @@ def test_what_the_function_puts_in_the_dicts_and_lists_it_is_given_is_put_in_the
     assert f.trace_count == 1
     outputs = [o["path"] for o in f.lower(*given(0)[:2], extra=given(0)[2]).outputs]
     assert "args[0]['emb'] (put in the caller's dict)" in outputs and "args[1][1] (put in the caller's list)" in outputs
+
+    def tricky(a, b, od):  # the same list passed twice, a list appended to then rebound away, a dict popped and
+        a.append(a[0] * 2)  # then written into, a dict subclass, a module put in (left out, with a warning)
+        b.append(a[-1] + 1)
+        od["e"] = od["x"] + 1
+        od["hist"].append(od["x"])
+        od["hist"] = od["hist"][-1:]
+        inner = od.pop("cache")
+        inner["k"] = od["x"] * 3
+        od["m"] = torch.nn.Linear(2, 2)
+        return a[-1].sum() + b[-1].sum()
+
+    def made(seed):
+        x = given(seed)[0]["x"]
+        xs = [x]
+        return (xs, xs, collections.OrderedDict(x=x, hist=[x], cache={"c": 1}))
+
+    g = hpfun.shard(tricky, mesh=DP, in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P())
+    for seed in range(2):
+        (a, b, od), (want_a, want_b, want_od) = made(seed), made(seed)
+        old_hist, old_cache, want_hist, want_cache = od["hist"], od["cache"], want_od["hist"], want_od["cache"]
+        with pytest.warns(hpfun.TracingWarning, match=r"puts a Linear holding tensors in args\[2\]\['m'\]") \
+                if seed == 0 else contextlib.nullcontext():
+            torch.testing.assert_close(g(a, b, od).full(), tricky(want_a, want_b, want_od))
+        assert a is b and len(a) == len(want_a) == 3 and type(od) is collections.OrderedDict
+        assert list(od) == [k for k in want_od if k != "m"] and len(od["hist"]) == 1 and len(old_hist) == 2
+        assert list(old_cache) == list(want_cache) == ["c", "k"]
+        for got, want in ((od["e"], want_od["e"]), (old_cache["k"], want_cache["k"]), (a[1], want_a[1]),
+                          (a[2], want_a[2]), (od["hist"][0], want_od["hist"][0])):
+            torch.testing.assert_close(full(got), want)
 
 
 def test_a_gradient_left_from_before_its_parameter_was_resized_is_refused_by_name():
