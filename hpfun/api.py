@@ -2362,11 +2362,26 @@ def _config_text(x) -> str:
     """A config object as ranks compare it and messages show it: its repr, or where its class
     has none of its own (`object.__repr__` names the address, each process's own) its class
     and the values it holds."""
-    if type(x).__repr__ is not object.__repr__:
-        return repr(x)
-    held = getattr(x, "__dict__", None)
-    values = ", ".join(f"{k}={_canonical_repr(v)}" for k, v in held.items()) if isinstance(held, dict) else "..."
-    return f"{type(x).__qualname__}({values})"
+    return _config_value_text(x, 0)
+
+
+def _config_value_text(x, depth: int) -> str:
+    if depth > 6:
+        return "..."
+    if isinstance(x, (set, frozenset)):
+        return f"{type(x).__name__}({{{', '.join(sorted(_config_value_text(v, depth + 1) for v in x))}}})"
+    if type(x) in (list, tuple):
+        inner = ", ".join(_config_value_text(v, depth + 1) for v in x)
+        return f"[{inner}]" if type(x) is list else f"({inner}{',' * (len(x) == 1)})"
+    if type(x) is dict:
+        return "{" + ", ".join(f"{_config_value_text(k, depth + 1)}: {_config_value_text(v, depth + 1)}"
+                               for k, v in x.items()) + "}"
+    if type(x).__repr__ is object.__repr__ or isinstance(x, types.SimpleNamespace):  # (SimpleNamespace's repr
+        held = getattr(x, "__dict__", None)  # shows a set as it is ordered in this process)
+        values = ", ".join(f"{k}={_config_value_text(v, depth + 1)}" for k, v in held.items()) \
+            if isinstance(held, dict) else "..."
+        return f"{type(x).__qualname__}({values})"
+    return repr(x)
 
 
 @attrs.frozen

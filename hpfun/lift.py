@@ -248,6 +248,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 elif callable(v) and (token := _binding(v)) is not None:  # a builtin or partial held by the class
                     note((c, k, held))  # (`act = staticmethod(torch.relu)`, later torch.tanh: compiled again)
                     bound.append((f"{c.__qualname__}.{k}", token))
+                    if isinstance(v, functools.partial):  # (its arguments too, as a global partial's)
+                        holder = instance if instance is not None else c
+                        value(v, _join(name, k), functools.partial(getattr, holder, k), None)
                 elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
                     note((c, k, v))  # (an attribute set to another object: walked again)
                     holder = instance if instance is not None else c
@@ -1393,7 +1396,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for i, (key, t) in enumerate(list(v.items())):  # (an empty one is watched: filled, the walk is done again)
-                    if isinstance(t, torch.Tensor) and _is_name(key):
+                    if isinstance(t, torch.Tensor) and _is_name(key) and not _is_tensor_key(key):
                         add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
                     elif isinstance(t, torch.Tensor) and _is_tensor_key(key):  # keyed by a parameter or its id
                         add(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position

@@ -359,12 +359,13 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
         return out
     if isinstance(obj, torch.optim.Optimizer):
         sd = obj.state_dict()  # its state holds the optimizer's own tensors, keyed by index
-        _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() for k, v in entries.items()
-                      if isinstance(v, torch.Tensor)})
+        _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() if isinstance(entries, dict)
+                      for k, v in entries.items() if isinstance(v, torch.Tensor)})
         params = [p for group in obj.param_groups for p in group["params"]]  # (the indices number them so)
         sd["state"] = {i: {k: _full(v, inplace, params[i] if i < len(params) else None) if isinstance(v, torch.Tensor)
-                           else v for k, v in entries.items()}
-                       for i, entries in sd["state"].items()}
+                           else v for k, v in entries.items()} if isinstance(entries, dict) else
+                       _full(entries, inplace) if isinstance(entries, torch.Tensor) else entries  # (under a key of
+                       for i, entries in sd["state"].items()}  # its own: MADGRAD's `state["k"]`)
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 

@@ -317,9 +317,14 @@ def _telemetry():
     return SESSION_ID
 
 
+class _Inner:  # (a config's section: no repr of its own either)
+    def __init__(self):
+        self.beta = 1.0
+
+
 class _Settings:  # a config object of the user's own class: no repr of its own (the default names its address)
     def __init__(self, alpha):
-        self.alpha = alpha
+        self.alpha, self.inner, self.names = alpha, _Inner(), {"alpha", "beta", "gamma", "delta", "eps"}
 
 
 def per_process_globals(mesh, x) -> dict:

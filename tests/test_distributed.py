@@ -488,7 +488,7 @@ def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
 def test_python_values_of_each_process_compare_by_the_programs_they_make(lifted_dp_job):
     """A global frozenset of strings (ordered per process), one passed as an argument, a config
     object of the user's class passed as one (its default repr names its address, which ranks
-    compared: ShardingError), and a per-process id the step's code names but never reads
+    compared: ShardingError; so did a section of it, and a set it holds is ordered per process), and a per-process id the step's code names but never reads
     (diffusers' session id) do not fail the ranks' comparison; a global
     the step reads, different on each rank, fails every rank where the programs part, naming it,
     and so does one it makes into a tensor (`torch.tensor(WEIGHTS)`, fed as an input)."""

@@ -1211,6 +1211,7 @@ def test_an_optimizers_tensor_under_a_key_of_its_own_is_its_state(mesh, specs):
         assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
         assert max_diff(model, ref) < 1e-12 and opt.state["k"].item() == ref_opt.state["k"].item() == i + 1
     assert step.trace_count == 2 and type(opt.state["k"]) is torch.Tensor
+    assert hpfun.gather_state(opt)["state"]["k"].item() == 4  # (it failed: a tensor has no items)
 
 
 class DeepcopySGD(torch.optim.Optimizer):
@@ -3528,6 +3529,15 @@ def _module_momentum(seed: int):
                 p.grad = None
         return loss
     return model, step, lambda: [dict(enumerate(model.bufs.values())), dict(enumerate(model.by_id.values()))]
+
+
+def test_a_module_dict_keyed_by_parameter_ids_names_its_entries_by_position():
+    """Its state is named by the entries' positions, not by the ids (each process's own: the
+    ranks of a torchrun job named them differently, and failed as given different state)."""
+    model, step, _ = _module_momentum(0)
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    names = [i["path"] for i in f.lower(*batch(0)).inputs]
+    assert "model.by_id.<key 0>" in names and not any(str(id(p)) in n for p in model.parameters() for n in names)
 
 
 def _nested_momentum(seed: int):

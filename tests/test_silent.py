@@ -2,6 +2,7 @@
 or failed inside the run, where every op's own rule check passed."""
 
 import dataclasses
+import functools
 import math
 import subprocess
 import sys
@@ -198,6 +199,10 @@ def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
         assert torch.equal(k(x).full(), torch.relu(x))
         Config.act = staticmethod(torch.tanh)  # (the first program ran relu, silently)
         assert torch.equal(k(x).full(), torch.tanh(x)) and k.trace_count == 2
+        Config.act = functools.partial(torch.clamp, min=-0.5)  # (a partial's arguments too)
+        assert torch.equal(k(x).full(), x.clamp(min=-0.5))
+        Config.act = functools.partial(torch.clamp, min=0.25)
+        assert torch.equal(k(x).full(), x.clamp(min=0.25)) and k.trace_count == 4
         ACT = torch.tanh
         assert "ACT: value torch.tanh, cached torch.relu" in str(hpfun.explain_cache_miss(g, x))
         assert torch.equal(g(x).full(), (torch.tanh(x) + 1) * 2)
