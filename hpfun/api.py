@@ -982,7 +982,7 @@ class ShardedFunction:
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
-                    _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm():
+                    _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm(), _parameters_set_to_themselves():
                 out = self.fn(*args, **kwonly)
             traced.argument_edits(given)
             assigned, new_state = substitution.assigned()
@@ -1487,6 +1487,27 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
         if source in lifted_index and tuple(call.lifted[source].shape) == shape:
             return layouts[lifted_index[source]]
     return Layout.replicated(mesh)
+
+
+@contextlib.contextmanager
+def _parameters_set_to_themselves():
+    """`model.weight -= lr * model.weight.grad` (in place, then the same tensor set back on the
+    module): torch's Module.__setattr__ refuses a tensor that is not a Parameter where a
+    parameter is, and the trace's stand-in is not one; set to itself, nothing changes."""
+    module = torch.nn.Module
+    own = module.__setattr__
+
+    def setattr_(self, name, value):
+        params = self.__dict__.get("_parameters")
+        if params is not None and name in params and params[name] is value:
+            return
+        own(self, name, value)
+
+    module.__setattr__ = setattr_
+    try:
+        yield
+    finally:
+        module.__setattr__ = own
 
 
 @contextlib.contextmanager

@@ -1695,6 +1695,33 @@ def test_a_buffer_read_after_a_write_through_its_view_is_checked_with_the_write(
     assert torch.equal(model.count, ref.count)
 
 
+@pytest.mark.parametrize("specs", [None, {"weight": P("dp", None)}], ids=["whole", "split"])
+def test_a_parameter_updated_by_augmented_assignment_to_its_attribute(specs):
+    """`model.weight -= lr * model.weight.grad` under no_grad: an in-place update, then the same
+    tensor set back on the module, which torch refused for the trace's stand-in (not a
+    Parameter): set to itself, it changes nothing, as in eager."""
+    model, ref = mlp(), mlp()
+
+    def make(m):
+        def step(x, y):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            with torch.no_grad():
+                m[0].weight -= 0.1 * m[0].weight.grad
+                m[2].bias -= 0.1 * m[2].bias.grad
+            m.zero_grad()
+            return loss
+        return step
+
+    f, eager = hpfun.shard(make(model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                           state_specs={f"0.{k}": v for k, v in (specs or {}).items()} or None), make(ref)
+    weight = model[0].weight
+    for i in range(3):
+        x, y = batch(i)
+        torch.testing.assert_close(f(x, y).full(), eager(x, y).detach(), rtol=1e-12, atol=1e-14)
+    assert max_diff(model, ref) < 1e-12 and model[0].weight is weight and isinstance(weight, torch.nn.Parameter)
+
+
 def test_a_counter_buffer_is_read_as_eager_reads_it():
     """torch.optim.swa_utils.AveragedModel branches on its `n_averaged` buffer (`if n_averaged ==
     0`: copy, else average): a read of lifted state that is not a parameter, computed from the
