@@ -1619,8 +1619,9 @@ def _optimizer_names_hint(state: lift.State) -> str:
     """Where patterns name optimizer state: the optimizers' own names (in a tuple or a dict,
     `opt.0`, `opt.1`...), which their state's names start with."""
     found = [root.name for root in state.roots if isinstance(root.value, torch.optim.Optimizer)]
-    if not found:
-        return ""
+    if not found:  # (ZeRO-1's `*.exp_avg` given to a forward/backward of accumulation over calls too)
+        return ("; this function reaches no optimizer, so a pattern for optimizer state (`*.exp_avg`, "
+                "`*.momentum_buffer`) names nothing here: give it to the sharded function that steps the optimizer")
     return (f"; the optimizer{'s are' if len(found) > 1 else ' is'} named {', '.join(found)}: "
             f"{'their' if len(found) > 1 else 'its'} state is named {found[0]}.state.<parameter>.<key>")
 
