@@ -342,6 +342,7 @@ class ShardedFunction:
         self._read_variants: dict = {}  # cache key -> the programs compiled for other values read from inputs
         self._read_changes: dict = {}  # where a value is read from the inputs -> compiles its changes caused
         self._lifted_names: frozenset | None = None  # the lifted tensors' names at the last compile
+        self._names_ever: set = set()  # every lifted name any compile has seen
         self._state_growth: dict = {}  # a container of lifted tensors -> compiles it held new ones for
         self.trace_count = 0
         self._signature_obj = _signature(fn)
@@ -632,8 +633,10 @@ class ShardedFunction:
         names, before = frozenset(call.lifted), self._lifted_names
         self._lifted_names = names
         if before is None:
+            self._names_ever = set(names)
             return
-        added = sorted(names - before)
+        added = sorted(names - before - self._names_ever)  # (a gradient back after zero_grad, a parameter
+        self._names_ever |= names  # unfrozen again: nothing grew)
         for container in dict.fromkeys(name.rpartition(".")[0] for name in added):
             self._state_growth[container] = seen = self._state_growth.get(container, 0) + 1
             if seen == RETRACE_WARNING_AFTER:

@@ -989,6 +989,27 @@ def test_a_scheduled_learning_rate_compiles_once_a_changing_static_warns():
     assert k.trace_count == 6 and len(history) == 6 and len(retraces) == 1, retraces
     assert "3 times because history holds new tensors (last: history.2)" in retraces[0] and "history.append(loss)" in retraces[0]
 
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))  # gradients back
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # after zero_grad, layers frozen and unfrozen
+
+    def accumulated(x, y, freeze):  # in calls and between them: no container grew, so no warning (it blamed a log)
+        net[0].weight.requires_grad_(not freeze)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
+    t = hpfun.shard(accumulated, mesh=DP, in_specs=(P("dp"), P("dp"), None), out_specs=P())
+    stepped = hpfun.shard(lambda: (sgd.step(), sgd.zero_grad()), mesh=DP, in_specs=(), out_specs=None)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(8):
+            net[2].weight.requires_grad_(s not in (1, 2))
+            for _ in range(2):
+                t(x, y, s % 2 == 1)
+            stepped()
+    assert not [w for w in caught if issubclass(w.category, hpfun.RetraceWarning)]
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors: before anything runs, naming the path and the fix, no torch internals
