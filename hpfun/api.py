@@ -862,7 +862,8 @@ class ShardedFunction:
                     call, traced, gm, in_layouts, out_layouts, in_names, out_paths, writes,
                     fitting.planning, fitting.deadline)
             except ShardingError as err:
-                if fitting.budget is not None and getattr(err, "out_of_time", False) and fitting.peaks:
+                if fitting.budget is not None and getattr(err, "out_of_time", False) \
+                        and (fitting.peaks or fitting.least is not None):
                     # (planned below memory_budget after a plan that did not fit it: said with the budget given)
                     raise fitting.error(out_of_time=True) from err
                 if fitting.budget is None or getattr(err, "least", None) is None:

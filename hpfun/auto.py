@@ -531,11 +531,12 @@ class Fitting:
                     f"{'s' * (len(self.peaks) != 1)} hpfun found and lowered is {need} B per rank")
         else:
             need = math.ceil(least if least is not None else self.least or 0)
-            what = f"no plan fits {self.budget} B per rank: the least memory a plan needs is about {need} B per rank"
+            what = (f"no plan fits {self.budget} B per rank: the plan of least memory the search found needs about "
+                    f"{need} B per rank (a search in limited time, by an estimate: not a bound)")
         fix = (f"give memory_budget >= {need}, with some headroom, which that plan fits (a smaller budget may fit a "
                f"plan the search did not reach: it plans by an estimate and then checks the lowered program, so under "
                f"exactly {need} B it may take another path and miss that plan){self.hint}") if self.peaks \
-            else f"give memory_budget >= {need}{self.hint}"
+            else f"give memory_budget >= {need} (a smaller one may fit a plan the search did not reach){self.hint}"
         if out_of_time:
             what += f" (the search stopped when AUTO's {self.deadline.seconds:g} s ran out)"
             fix += ", or more time (auto_time_limit=...)"
