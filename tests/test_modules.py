@@ -1188,36 +1188,44 @@ def test_numbers_in_a_config_dict_or_namespace_key_the_cache_and_changes_while_t
     assert held["schedule"].last_epoch == 0
 
 
-class CountingSGD(torch.optim.Optimizer):
-    """An optimizer that keeps its step count as a Python int: not liftable."""
+class _HandSGD(torch.optim.Optimizer):
+    """SGD written by hand, as third-party optimizers are: `update` of each parameter, after
+    `begin` of the step; the subclasses keep their state in their own ways."""
 
     def __init__(self, params):
         super().__init__(params, {"lr": 0.1})
 
+    def begin(self):
+        pass
+
     @torch.no_grad()
     def step(self):
+        self.begin()
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                p.add_(p.grad, alpha=-group["lr"] / state["step"])
+                self.update(p, group["lr"])
 
 
-class SharedCountSGD(torch.optim.Optimizer):
+class CountingSGD(_HandSGD):
+    """An optimizer that keeps its step count as a Python int: not liftable."""
+
+    def update(self, p, lr):
+        state = self.state[p]
+        state["step"] = state.get("step", 0) + 1
+        p.add_(p.grad, alpha=-lr / state["step"])
+
+
+class SharedCountSGD(_HandSGD):
     """An optimizer keeping a tensor in its state under a key of its own, not a parameter's
     (pytorch_optimizer's MADGRAD: `self.state["k"]`), made at its first step."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self):
+    def begin(self):
         if "k" not in self.state:
             self.state["k"] = torch.zeros((), dtype=torch.float64)
         self.state["k"] += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.add_(p.grad / self.state["k"], alpha=-group["lr"])
+
+    def update(self, p, lr):
+        p.add_(p.grad / self.state["k"], alpha=-lr)
 
 
 @pytest.mark.parametrize("mesh,specs", [(DP, {}), (DP_TP, MEGATRON)], ids=["dp", "dp_x_tp"])
@@ -1235,21 +1243,15 @@ def test_an_optimizers_tensor_under_a_key_of_its_own_is_its_state(mesh, specs):
     assert hpfun.gather_state(opt)["state"]["k"].item() == 4  # (it failed: a tensor has no items)
 
 
-class DeepcopySGD(torch.optim.Optimizer):
+class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "buf" not in state:
-                    state["buf"] = copy.deepcopy(p.data)
-                state["buf"].mul_(0.5).add_(p.grad)
-                p.add_(state["buf"], alpha=-group["lr"])
+    def update(self, p, lr):
+        state = self.state[p]
+        if "buf" not in state:
+            state["buf"] = copy.deepcopy(p.data)
+        state["buf"].mul_(0.5).add_(p.grad)
+        p.add_(state["buf"], alpha=-lr)
 
 
 def test_a_tensor_deep_copied_inside_the_step_is_a_copy_of_its_values():
@@ -3965,14 +3967,7 @@ def test_hooks_torch_runs_for_every_module_or_optimizer_key_the_program(kind):
     def make():
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return model, opt, step
+        return model, opt, functools.partial(eager_step, model, opt)
 
     (model, opt, step), (ref, ref_opt, eager) = make(), make()
     f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
