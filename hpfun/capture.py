@@ -2076,7 +2076,8 @@ class _TensorScalars(TorchFunctionMode):
         if func is torch.where and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             func, kwargs = torch.nonzero, {"as_tuple": True}  # torch.where(mask): the positions of its True values
         if func in _SHAPE_READS and args and isinstance(args[0], torch.Tensor):
-            result = _read(functools.partial(_listed, func), args[0], args[1:], kwargs)
+            read = args[0].clone() if args[0]._version else args[0]  # (written in place since it was made:
+            result = _read(functools.partial(_listed, func), read, args[1:], kwargs)  # its copy is read, writes too)
             if result is not _UNREADABLE:
                 return _unlisted(result)
         if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and (out := _repeated(*args, **kwargs)) \
