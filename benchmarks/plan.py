@@ -166,7 +166,8 @@ def main():
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--meshes", nargs="+", default=["2x4", "8x8"])
     parser.add_argument("--budget-gb", type=float, default=80.0)
-    parser.add_argument("--only", nargs="+", default=None, help="layouts to plan (default: all)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="layouts to plan, by their names in the table (default: all)")
     parser.add_argument("--donate-state", action="store_true",
                         help="plan with donate_state=True: the updated state is freed at its last use")
     parser.add_argument("--out", default=None, help="append the tables to this markdown file")
@@ -176,6 +177,9 @@ def main():
     args = parser.parse_args()
     spent = _timed_stages() if args.stages else None
     budget = int(args.budget_gb * 1e9)
+    if args.only and (unknown := [name for name in args.only if name not in layouts(budget)]):
+        parser.error(f"--only: no layout named {', '.join(map(repr, unknown))}; the layouts are "
+                     f"{', '.join(map(repr, layouts(budget)))}")
     donating = " --donate-state" if args.donate_state else ""
     out = [f"## Planning a Llama-3-8B-sized step at full scale ({args.layers} layers, meta tensors)", "",
            f"`python benchmarks/plan.py --layers {args.layers} --meshes {' '.join(args.meshes)} "
