@@ -683,8 +683,8 @@ class ShardedFunction:
         grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
         names = [None] * (len(call.flat) - len(call.lifted)) + list(call.lifted)
         leaves = tuple(_leaf(x, layout, name in grads) for x, layout, name in zip(call.flat, layouts, names, strict=True))
-        key = (call.tree, leaves, tuple(call.state.statics.items()), self.mesh, self.options,
-               _dict_keys(call.inputs[:2]))
+        key = (call.tree, leaves, tuple(call.state.statics.items()), _dict_keys(call.inputs[:2]), self.mesh,
+               self.options)
         try:
             hash(key)
         except TypeError as err:
