@@ -1036,7 +1036,23 @@ def statics(roots, known: dict | None = None) -> dict:
                         if (sign := _tensor_sign(x)) is not None:
                             out[_join(root.name, f"param_groups.{g}.{key}{'' if i is None else f'.{i}'}.sign")] = sign
             out.update(_state_numbers(root.name, root.value, known))
+    if keyed := [root for root in roots if isinstance(root.value, _Keyed)]:
+        # which keys of a dict or set keyed by tensors are the tensors lifted now: a parameter replaced
+        # by another between calls is no longer the key (eager's lookup misses; the program hit it)
+        lifted = {id(t) for root in roots if isinstance(root.value, torch.nn.Module)
+                  for t in itertools.chain(root.value.parameters(), root.value.buffers())}
+        lifted |= {id(root.value) for root in roots if isinstance(root.value, torch.Tensor)}
+        for root in keyed:
+            out[f"{root.name}.<lifted keys>"] = tuple(_key_lifted(k, lifted) for k in root.value.container)
     return out
+
+
+def _key_lifted(key, lifted: set) -> bool:
+    if isinstance(key, torch.Tensor):
+        return id(key) in lifted
+    if type(key) is int:
+        return key in lifted
+    return type(key) is tuple and any(_key_lifted(k, lifted) for k in key)
 
 
 class _Identities(tuple):

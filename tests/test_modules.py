@@ -3587,6 +3587,35 @@ def _module_momentum(seed: int):
     return model, step, lambda: [dict(enumerate(model.bufs.values())), dict(enumerate(model.by_id.values()))]
 
 
+@pytest.mark.parametrize("kind", ["dict", "set", "id"])
+def test_a_parameter_replaced_between_calls_is_no_longer_the_key_it_was(kind):
+    """A dict or set keyed by a parameter, or a dict keyed by its id: replaced by a new Parameter
+    between calls, eager's lookup misses; the program traced with the hit ran again (silently)."""
+    def make():
+        model = torch.nn.Linear(4, 1, bias=False).double()
+        torch.nn.init.ones_(model.weight)
+        table = {"dict": {model.weight: 5.0}, "set": {model.weight}, "id": {id(model.weight): 5.0}}[kind]
+
+        def step(x):
+            model(x).sum().backward()
+            with torch.no_grad():
+                p = model.weight
+                scale = table.get(p, 1.0) if kind == "dict" else (5.0 if p in table else 1.0) if kind == "set" \
+                    else table.get(id(p), 1.0)
+                p.sub_(scale * p.grad)
+                p.grad = None
+            return model.weight.sum()
+        return model, step
+
+    (model, step), (ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.ones(4, 4, dtype=torch.float64)
+    assert f(x).full().item() == eager(x).item()
+    for m in (model, ref):
+        m.weight = torch.nn.Parameter(torch.zeros(1, 4, dtype=torch.float64))
+    assert f(x).full().item() == eager(x).item() == -16.0 and f.trace_count == 2
+
+
 def test_a_module_dict_keyed_by_parameter_ids_names_its_entries_by_position():
     """Its state is named by the entries' positions, not by the ids (each process's own: the
     ranks of a torchrun job named them differently, and failed as given different state)."""
