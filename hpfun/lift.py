@@ -2986,7 +2986,7 @@ def _objects_modules_hold(state: State | None) -> list[Problem]:
 
 
 def _tensor_attributes(obj, name: str, depth: int = 2) -> list[str]:
-    if type(obj) in (list, tuple, dict):
+    if type(obj) in (list, tuple, dict, collections.deque):  # (a deque: a queue of recent values)
         items = list(obj.items() if type(obj) is dict else enumerate(obj))
         found = [f"{name}[{k!r}]" for k, v in items if isinstance(v, torch.Tensor)][:1]
         if not found and depth > 1 and items:  # a list of objects holding tensors (a cache's layers): the first

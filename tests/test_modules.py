@@ -1120,6 +1120,9 @@ def test_tensor_in_an_object_hpfun_cannot_lift():
     f = hpfun.shard(lambda x: x + holder.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
     text = _error(f, torch.randn(8, 4), error=hpfun.CaptureError)
     assert "holder (a Template) holds tensors: holder.table" in text
+    recent = collections.deque([torch.randn(4)])  # (a deque's items too: it named only the line)
+    f = hpfun.shard(lambda x: x + recent[0], mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    assert "recent (a deque) holds tensors: recent[0]" in _error(f, torch.randn(8, 4), error=hpfun.CaptureError)
     # a namespace (a config, parsed arguments) is walked like the user's own objects: its tensor is lifted
     spaced = types.SimpleNamespace(table=torch.randn(4))
     g = hpfun.shard(lambda x: x + spaced.table, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
