@@ -1317,15 +1317,18 @@ class _Traced:
         it was, silently)."""
         edits, tensors = [], []
         for path, at, container, before in given:
-            if type(container) is list:
+            kind = "list" if type(container) is list else "dict" \
+                if isinstance(container, collections.abc.MutableMapping) else "object"
+            if kind == "list":
                 changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
                 removed = () if len(container) >= len(before) else (len(container),)
             else:
-                changed = [(k, v) for k, v in container.items() if k not in before or v is not before[k]]
-                removed = tuple(k for k in before if k not in container)
+                now = dict(container.items()) if kind == "dict" else vars(container)
+                changed = [(k, v) for k, v in now.items() if k not in before or v is not before[k]]
+                removed = tuple(k for k in before if k not in now)
             for key, value in changed:
-                where = path + pytree.keystr((pytree.SequenceKey(key) if type(container) is list
-                                              else pytree.MappingKey(key),))
+                where = path + pytree.keystr(({"list": pytree.SequenceKey, "dict": pytree.MappingKey,
+                                               "object": pytree.GetAttrKey}[kind](key),))
                 leaves, tree = pytree.tree_flatten(value)
                 if hidden := [leaf for leaf in leaves if isinstance(leaf, (torch.nn.Module, torch.optim.Optimizer))
                               or not isinstance(leaf, torch.Tensor) and _tensors_inside(leaf)]:
@@ -1335,10 +1338,9 @@ class _Traced:
                     continue
                 statics = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
                 tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-                edits.append(ArgumentEdit(path, at, key, tree, statics, len(leaves) - len(statics),
-                                          in_list=type(container) is list))
+                edits.append(ArgumentEdit(path, at, key, tree, statics, len(leaves) - len(statics), container=kind))
             if removed:
-                edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, in_list=type(container) is list))
+                edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, container=kind))
         self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
@@ -2273,38 +2275,45 @@ class ArgumentEdit:
     statics: dict
     tensors: int
     removed: tuple = ()
-    in_list: bool = False
+    container: str = "dict"  # "dict" (or another mapping), "list", or "object" (a dataclass's attributes)
 
     def where(self) -> str:
-        return self.path + (pytree.keystr((pytree.MappingKey(self.key),)) if self.key is not None else "")
+        if self.key is None:
+            return self.path
+        return self.path + pytree.keystr((pytree.GetAttrKey(self.key) if self.container == "object"
+                                          else pytree.MappingKey(self.key),))
 
     def kind(self) -> str:
-        return "list" if self.in_list else "dict"
+        return self.container
 
 
 def _argument_containers(args: tuple, kwonly: dict) -> list:
-    """(path, keys reaching it, container, a copy of its items) of every dict and list among
-    the arguments the function gets, nested ones too (paths as `call.paths()` names them)."""
+    """(path, keys reaching it, container, a copy of its items) of every dict, list, other
+    mutable mapping (transformers' BatchEncoding) and dataclass instance (its attributes) among
+    the arguments the function gets, nested ones too (paths as `call.paths()` names them; an
+    attribute's key in `at` is a `GetAttrKey`)."""
     out, seen = [], set()
 
     def walk(x, path: str, at: tuple, depth: int) -> None:
         if depth > 8 or id(x) in seen:
             return
-        if isinstance(x, (list, dict)):
+        if not isinstance(x, (tuple, torch.Tensor, str, bytes, type)):
             seen.add(id(x))
         if type(x) is list:
             out.append((path, at, x, list(x)))
-            items = enumerate(x)
-        elif isinstance(x, dict):
-            out.append((path, at, x, dict(x)))
-            items = x.items()
+            items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
+        elif isinstance(x, collections.abc.MutableMapping):
+            out.append((path, at, x, dict(x.items())))
+            items = [(pytree.MappingKey(k), k, v) for k, v in x.items()]
+        elif _is_container(x) and isinstance(getattr(x, "__dict__", None), dict):  # a dataclass: its attributes
+            out.append((path, at, x, dict(vars(x))))
+            items = [(pytree.GetAttrKey(k), pytree.GetAttrKey(k), v) for k, v in vars(x).items()]
         elif type(x) is tuple:
-            items = enumerate(x)
+            items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
         else:
             return
-        for k, v in list(items):
-            key = pytree.SequenceKey(k) if type(x) in (list, tuple) else pytree.MappingKey(k)
-            walk(v, path + pytree.keystr((key,)), (*at, k), depth + 1)
+        for key, step, v in items:
+            walk(v, path + pytree.keystr((key,)), (*at, step), depth + 1)
 
     for i, a in enumerate(args):
         walk(a, f"args[{i}]", ("args", i), 0)
@@ -2336,7 +2345,7 @@ def _argument_at(call: _Call, at: tuple):
     """The caller's container the keys `at` reach."""
     x = call.args if at[0] == "args" else call.kwonly
     for key in at[1:]:
-        x = x[key]
+        x = getattr(x, key.name) if isinstance(key, pytree.GetAttrKey) else x[key]
     return x
 
 
@@ -2348,15 +2357,21 @@ def _put_edits(edits: tuple, call: _Call, results: list) -> list:
     targets = [_argument_at(call, edit.at) for edit in edits]  # (each found before any edit moves it)
     for edit, container in zip(edits, targets, strict=True):
         if edit.removed:
-            if type(container) is list:
+            if edit.container == "list":
                 del container[edit.removed[0]:]
+            elif edit.container == "object":
+                for key in edit.removed:
+                    if hasattr(container, key):
+                        delattr(container, key)
             else:
                 for key in edit.removed:
                     container.pop(key, None)
             continue
         leaves = [edit.statics[i] if i in edit.statics else next(it) for i in range(edit.tree.num_leaves)]
         value = pytree.tree_unflatten(leaves, edit.tree)
-        if type(container) is list and edit.key >= len(container):
+        if edit.container == "object":
+            setattr(container, edit.key, value)
+        elif edit.container == "list" and edit.key >= len(container):
             container.append(value)
         else:
             container[edit.key] = value

@@ -5,6 +5,7 @@ Every result is compared with the same code run eagerly, unsharded, on an identi
 import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import re
@@ -1648,6 +1649,49 @@ def test_what_the_function_puts_in_the_dicts_and_lists_it_is_given_is_put_in_the
         for got, want in ((od["e"], want_od["e"]), (old_cache["k"], want_cache["k"]), (a[1], want_a[1]),
                           (a[2], want_a[2]), (od["hist"][0], want_od["hist"][0])):
             torch.testing.assert_close(full(got), want)
+
+
+@dataclasses.dataclass
+class _RunState:
+    buf: torch.Tensor
+    inner: dict
+    steps: int = 0
+
+
+def test_what_the_function_sets_on_a_dataclass_or_mapping_argument_is_set_on_the_callers():
+    """A dataclass argument's attributes (rebound, added, a count of steps) and a mapping that is
+    not a dict (transformers' BatchEncoding is a UserDict) are handed to the function rebuilt:
+    what it sets there is set on the caller's after every call, as in a dict argument (the
+    caller's was left as it was, silently)."""
+    def fn(x, st, feats):
+        st.buf = st.buf + x.sum(0)
+        st.twice = st.buf * 2
+        st.inner["mean"] = x.mean()
+        st.steps += 1
+        feats["emb"] = feats["ids"] * 3
+        feats.pop("old", None)
+        return x * 2
+
+    def given():
+        return _RunState(torch.zeros(3, dtype=torch.float64), {}), \
+            collections.UserDict(ids=torch.arange(4.0, dtype=torch.float64), old=1)
+
+    def full(v):
+        return v.full() if isinstance(v, hpfun.Sharded) else v
+
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    f = hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P(), P("dp")), out_specs=P("dp"))
+    (st, feats), (want_st, want_feats) = given(), given()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hpfun.RetraceWarning)  # (the count keys the program: one per value)
+        for _ in range(3):
+            torch.testing.assert_close(f(x, st, feats).full(), fn(x, want_st, want_feats))
+    assert st.steps == want_st.steps == 3 and list(feats) == list(want_feats) == ["ids", "emb"]
+    for got, want in ((st.buf, want_st.buf), (st.twice, want_st.twice), (st.inner["mean"], want_st.inner["mean"]),
+                      (feats["emb"], want_feats["emb"])):
+        torch.testing.assert_close(full(got), want, rtol=1e-12, atol=1e-12)
+    outputs = [o["path"] for o in f.lower(x, *given()).outputs]
+    assert "args[1].buf (put in the caller's object)" in outputs and "args[2]['emb'] (put in the caller's dict)" in outputs
 
 
 def test_a_gradient_left_from_before_its_parameter_was_resized_is_refused_by_name():
