@@ -132,6 +132,10 @@ def register_container(kind: type) -> bool:
         return True
     name = f"{kind.__module__}.{kind.__qualname__}"
     try:
+        if dataclasses.is_dataclass(kind) and not issubclass(kind, collections.abc.Mapping):
+            pytree.register_pytree_node(kind, _dataclass_flatten, functools.partial(_dataclass_unflatten, kind),
+                                        serialized_type_name=name, flatten_with_keys_fn=_dataclass_flatten_with_keys)
+            return True
         if dataclasses.is_dataclass(kind):
             pytree.register_dataclass(kind, serialized_type_name=name)
             return True
@@ -160,6 +164,35 @@ def register_containers_in(tree, depth: int = 8) -> None:
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             register_containers_in(v, depth - 1)
+
+
+def dataclass_items(x) -> dict:
+    """A dataclass instance's values as hpfun hands it over: its fields, then the attributes set
+    on it besides them (`batch.mask = ...` after it was made, or what __post_init__ computed and
+    the caller changed since), so the function gets the object as it is, not one rebuilt by its
+    __init__ (which runs __post_init__ again and drops the rest)."""
+    items = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if hasattr(x, f.name)}
+    held = getattr(x, "__dict__", None)
+    if isinstance(held, dict):
+        items.update((k, v) for k, v in held.items() if k not in items)
+    return items
+
+
+def _dataclass_flatten(x):
+    items = dataclass_items(x)
+    return list(items.values()), tuple(items)
+
+
+def _dataclass_flatten_with_keys(x):
+    items = dataclass_items(x)
+    return [(pytree.GetAttrKey(k), v) for k, v in items.items()], tuple(items)
+
+
+def _dataclass_unflatten(kind, values, names):
+    out = kind.__new__(kind)  # (as it was: not through __init__, which may check or compute)
+    for name, value in zip(names, values, strict=True):
+        object.__setattr__(out, name, value)  # (a frozen dataclass's too)
+    return out
 
 
 def _mapping_flatten(m):
@@ -317,10 +350,13 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
     if dataclasses.is_dataclass(specs) and type(specs) is type(tree):  # a Batch of specs for a Batch
-        specs = {f.name: getattr(specs, f.name) for f in dataclasses.fields(specs)}
-        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
-    elif isinstance(specs, dict) and dataclasses.is_dataclass(tree) and not isinstance(tree, type):  # by field name
-        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+        specs = {f.name: getattr(specs, f.name) for f in dataclasses.fields(specs) if hasattr(specs, f.name)}
+    if isinstance(specs, dict) and dataclasses.is_dataclass(tree) and not isinstance(tree, type) \
+            and not isinstance(tree, collections.abc.Mapping):  # by field name
+        fields = {f.name for f in dataclasses.fields(tree)}
+        tree = dataclass_items(tree)
+        if set(specs) <= fields:  # (an attribute set besides the fields: a value no spec names)
+            specs = {**specs, **{k: None for k in tree if k not in fields}}
     if isinstance(specs, dict) and isinstance(tree, collections.abc.Mapping):
         if set(specs) == set(tree):
             return [s for k in tree for s in broadcast_prefix(specs[k], tree[k], problems,

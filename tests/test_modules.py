@@ -1694,6 +1694,31 @@ def test_what_the_function_sets_on_a_dataclass_or_mapping_argument_is_set_on_the
     assert "args[1].buf (put in the caller's object)" in outputs and "args[2]['emb'] (put in the caller's dict)" in outputs
 
 
+@dataclasses.dataclass
+class _Scaled:
+    x: torch.Tensor
+
+    def __post_init__(self):
+        self.scale = 2.0
+
+
+def test_a_dataclass_argument_is_handed_over_as_it_is_with_the_attributes_set_on_it():
+    """A dataclass argument reaches the function as the caller's object is: what __post_init__
+    computed and the caller changed since, and attributes set on it besides its fields (a mask a
+    collator adds), which key the program as its fields do (it was rebuilt through __init__: the
+    scale was 2.0 again, silently, and an added tensor missing)."""
+    def fn(b):
+        return b.x * b.scale + b.extra.sum()
+
+    f = hpfun.shard(fn, mesh=DP, in_specs=({"x": P("dp")},), out_specs=P("dp"))
+    g = torch.Generator().manual_seed(0)
+    for scale in (3.0, 4.0, 3.0):
+        b = _Scaled(torch.randn(4, 3, generator=g, dtype=torch.float64))
+        b.scale, b.extra = scale, torch.randn(2, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(f(b).full(), fn(b), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 2
+
+
 def test_a_gradient_left_from_before_its_parameter_was_resized_is_refused_by_name():
     """resize_token_embeddings keeps the Parameter and swaps its data, so a gradient of the old
     shape stays on it: refused by name with the fix (capture failed inside torch, naming neither)."""
