@@ -883,6 +883,20 @@ def _is_name(key) -> bool:
     return type(key) in (str, int) and "." not in str(key)
 
 
+def _is_plain_key(key, depth: int = 3) -> bool:
+    """A dict key whose repr names it the same in every process: a string, a number, a flag, or
+    a tuple of them (`"0.weight"`, a parameter's qualified name)."""
+    if type(key) is tuple:
+        return depth > 0 and all(_is_plain_key(k, depth - 1) for k in key)
+    return type(key) in (str, int, bool, float)
+
+
+def _entry_name(base: str, attr: str, key) -> str:
+    """The name of what a module's dict holds under `key` (a plain key): `model.cache.k`, or
+    `model.bufs['0.weight']` where the key is no name (a parameter's qualified name)."""
+    return _join(base, f"{attr}.{key}") if _is_name(key) else f"{_join(base, attr)}[{key!r}]"
+
+
 def _default_of(fn, i: int):
     return fn.__defaults__[i]
 
@@ -1412,20 +1426,20 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for i, (key, t) in enumerate(list(v.items())):  # (an empty one is watched: filled, the walk is done again)
-                    if isinstance(t, torch.Tensor) and _is_name(key) and not _is_tensor_key(key):
-                        add(_join(base, f"{attr}.{key}"), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
+                    if isinstance(t, torch.Tensor) and _is_plain_key(key) and not _is_tensor_key(key):
+                        add(_entry_name(base, attr, key), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
                     elif isinstance(t, torch.Tensor) and _is_tensor_key(key):  # keyed by a parameter or its id
                         add(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position
                             functools.partial(v.__setitem__, key))
-                    elif _tensor_list(t) and _is_name(key):  # a list in it a metric appends to
+                    elif _tensor_list(t) and _is_plain_key(key):  # a list in it a metric appends to
                         for i, u in enumerate(t):
                             if isinstance(u, torch.Tensor):
-                                add(_join(base, f"{attr}.{key}.{i}"), functools.partial(t.__getitem__, i),
+                                add(f"{_entry_name(base, attr, key)}.{i}", functools.partial(t.__getitem__, i),
                                     functools.partial(t.__setitem__, i))
-                    elif type(t) is tuple and _is_name(key) and any(isinstance(u, torch.Tensor) for u in t):
+                    elif type(t) is tuple and _is_plain_key(key) and any(isinstance(u, torch.Tensor) for u in t):
                         for i, u in enumerate(t):  # a tuple of tensors under a key: rebuilt where written
                             if isinstance(u, torch.Tensor):
-                                add(_join(base, f"{attr}.{key}.{i}"), functools.partial(_keyed_tuple_item, v, key, i),
+                                add(f"{_entry_name(base, attr, key)}.{i}", functools.partial(_keyed_tuple_item, v, key, i),
                                     functools.partial(_keyed_tuple_writer, v, key, i))
             elif not attr.startswith("_") and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
@@ -1925,12 +1939,16 @@ class Substitution:
                         for hooks in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)):
                             functions += (hooks or {}).values()
         seen: set = set()
-        for f in functions:
+        helpers = set()  # (the helpers the function calls, found through its cells and globals: their dicts
+        for f in functions:  # and lists are watched too, `get_state().setdefault(name, ...)`)
+            helper = id(f) in helpers
             while isinstance(f, (functools.partial, types.MethodType)):
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
                     self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
+                continue
+            if helper and _is_library(f.__code__.co_filename):
                 continue
             seen.add(key)
             places = [(var, functools.partial(getattr, cell, "cell_contents"))
@@ -1946,6 +1964,12 @@ class Substitution:
                     container = read()
                 except ValueError:  # an empty cell
                     continue
+                if isinstance(container, (types.FunctionType, functools.partial)) and len(functions) < 256:
+                    helpers.add(id(container))
+                    functions.append(container)
+                    continue
+                if helper and any(name == var for name, _, _, _ in self._watched):  # (two helpers' `state`)
+                    var = f"{f.__qualname__}.{var}"
                 self._places.append((var, read))
                 if type(container) is tuple and _holds_tensor(container):  # (rebound to another length: refused)
                     self._tuples_held.append((var, read, container))
@@ -1988,8 +2012,8 @@ class Substitution:
             self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
                 if type(v) is dict:
-                    self._inner_lists += [(_join(_join(prefix, name), f"{k}.{key}"), lst, len(lst))
-                                          for key, lst in v.items() if type(lst) is list and _is_name(key)]
+                    self._inner_lists += [(_entry_name(_join(prefix, name), k, key), lst, len(lst))
+                                          for key, lst in v.items() if type(lst) is list and _is_plain_key(key)]
                     self._inner_held.update((id(lst), list(lst)) for lst in v.values() if type(lst) is list)
 
     def created(self) -> dict:
@@ -2019,16 +2043,16 @@ class Substitution:
             for attr, (container, items) in containers.items():  # a cache dict the forward filled
                 if isinstance(container, dict) and vars(mod).get(attr) is container:
                     for key, v in container.items():
-                        if isinstance(v, FakeTensor) and items.get(key) is not v and _is_name(key):
-                            out[_join(prefix, f"{attr}.{key}")] = (v, ("item", prefix, attr, key))
+                        if isinstance(v, FakeTensor) and items.get(key) is not v and _is_plain_key(key):
+                            out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
                         elif key not in items and _holds_fake(v) and (found := self._real_key(key)) is not None:
                             # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`)
                             out.update(_created_items(f"{_join(prefix, attr)}[{found[0]}]", v, (
                                 "key", functools.partial(vars(mod).get, attr), found[1])))
-                        elif items.get(key) is not v and _is_name(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
+                        elif items.get(key) is not v and _is_plain_key(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
                             # put whole at every call, each tensor as that call computes it
-                            out.update(_created_items(_join(prefix, f"{attr}.{key}"), v, ("item", prefix, attr, key)))
+                            out.update(_created_items(_entry_name(prefix, attr, key), v, ("item", prefix, attr, key)))
                 elif type(container) is list and vars(mod).get(attr) is container and id(container) not in appended:
                     appended.add(id(container))  # (one list held in two places is appended to once)
                     read = functools.partial(vars(mod).get, attr)  # its batches to (torchmetrics' list states)
