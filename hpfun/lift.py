@@ -1096,6 +1096,9 @@ def _state_numbers(name: str, opt, known: dict | None) -> dict:
             for key, v in opt.state.get(p, {}).items():
                 if not isinstance(v, torch.Tensor) and _is_scalar(v):
                     out[f"{prefix}{g}.{i}.{key}"] = _hashable(v)
+    for key, v in list(opt.state.items()):  # a number under a key of the optimizer's own
+        if not isinstance(key, torch.Tensor) and _is_plain_key(key) and _is_scalar(v):
+            out[f"{prefix}[{key!r}]"] = _hashable(v)
     return out
 
 
@@ -2364,6 +2367,12 @@ class Substitution:
                     elif isinstance(entries, torch.Tensor) or _holds_fake(entries):
                         problems.append(Problem(f"{_join(prefix, 'state')}[{p!r}]", "holds a tensor the step made, "
                                                 "under a key hpfun cannot name", "key it by a string"))
+                    elif _is_scalar(entries):  # a number of its own (`self.state["k"] = self.state.get("k", 0) + 1`):
+                        held = real_state.get(p, _MISSING)  # made by the step, put as eager's step leaves it; changed
+                        if held is _MISSING:  # by a later call, refused as a changed step count is (the program
+                            self.new_numbers.append((real_state, p, None, entries))  # bakes the number in)
+                        elif not (type(held) is type(entries) and held == entries):
+                            problems.append(changed_state(f"{_join(prefix, 'state')}[{p!r}]", opt, held, entries))
                     continue
                 entries = entries.stored() if isinstance(entries, _Float64Scalars) else entries
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
@@ -2516,7 +2525,10 @@ class Substitution:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's
         Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""
         for real_state, p, key, v in self.new_numbers:
-            real_state[p][key] = v
+            if key is None:  # (under a key of the optimizer's own)
+                real_state[p] = v
+            else:
+                real_state[p][key] = v
 
 
 def _unwrapped(v):

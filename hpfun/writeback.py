@@ -259,8 +259,9 @@ def module_state(roots, attributes: bool = False) -> set:
             if attributes:
                 out.update(id(v) for m in root.value.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
         elif isinstance(root.value, torch.optim.Optimizer):
-            out.update(id(t) for entries in root.value.state.values() for t in entries.values()
-                       if isinstance(t, torch.Tensor))
+            for entries in root.value.state.values():  # (a tensor under a key of the optimizer's own: itself)
+                held = entries.values() if isinstance(entries, dict) else (entries,)
+                out.update(id(t) for t in held if isinstance(t, torch.Tensor))
     return out
 
 

@@ -1245,6 +1245,33 @@ def test_an_optimizers_tensor_under_a_key_of_its_own_is_its_state(mesh, specs):
         assert max_diff(model, ref) < 1e-12 and opt.state["k"].item() == ref_opt.state["k"].item() == i + 1
     assert step.trace_count == 2 and type(opt.state["k"]) is torch.Tensor
     assert hpfun.gather_state(opt)["state"]["k"].item() == 4  # (it failed: a tensor has no items)
+    # the state a distributed call holds as blocks (under torchrun it failed at the first call, the same way)
+    assert id(opt.state["k"]) in hpfun.writeback.module_state([hpfun.lift.Root("opt", opt)])
+
+
+class CountingSGD(_HandSGD):
+    """An optimizer counting its steps in a Python int under a key of its own."""
+
+    def begin(self):
+        self.state["k"] = self.state.get("k", 0) + 1
+
+    def update(self, p, lr):
+        p.add_(p.grad / self.state["k"], alpha=-lr)
+
+
+def test_an_optimizers_number_under_a_key_of_its_own_is_put_at_its_first_step_and_refused_when_it_changes():
+    """As a step count kept in Python in a parameter's state: made by the first step, it is put
+    there as eager's step leaves it; a later step changing it is refused by name, since the
+    program would repeat the trace's value (it became an empty dict, and the updates drifted)."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = CountingSGD(model.parameters()), CountingSGD(ref.parameters())
+    step = stock_step(model, opt, DP)
+    x, y = batch(0)
+    assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert opt.state["k"] == ref_opt.state["k"] == 1 and max_diff(model, ref) < 1e-12
+    with pytest.raises(hpfun.CaptureError, match=r"opt.state\['k'\]: changed from 1 to 2 while the function was traced"):
+        step(x, y)
+    assert opt.state["k"] == 1
 
 
 class DeepcopySGD(_HandSGD):
