@@ -141,13 +141,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
             return
         if type(obj) in (set, frozenset) and id(obj) not in seen_objects and len(obj) <= PLAIN_CONTAINER_ITEMS \
-                and any(_is_user_object(m) and not callable(m) for m in obj):  # objects of the user's (`{k}`):
+                and any(_key_objects(m, None) for m in obj):  # objects of the user's (`{k}`, `{(k, "x")}`):
             seen_objects.add(id(obj))  # which they are keys the program, and their numbers are read
             note(None)
             roots.append(Root(unique(f"{name}.<members>", owner), _SCALAR, functools.partial(_member_ids, obj)))
             for i, member in enumerate(obj):
-                if _is_user_object(member) and not callable(member):
-                    value(member, f"{name}.<member {i}>", functools.partial(_key_at, obj, i), None)
+                for suffix, part, read_part in _key_objects(member, functools.partial(_key_at, obj, i)):
+                    value(part, f"{name}.<member {i}>{suffix}", read_part, None)
             return
         if type(obj) is set and len(obj) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, obj)):
             if name and read is not None:  # (`if k in NAMES`): its members key the cache, read anew at every call
@@ -245,6 +245,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     note((c, k, held))  # (a method patched on the class: walked again)
                     bound.append((f"{c.__qualname__}.{k}", _binding(v)))  # (patched on the class: compiled again)
                     function(v, name)
+                elif _is_user_object(v) and callable(v):  # an object of the user's that is called (`act = Scaler(2.0)`):
+                    note((c, k, held))  # its numbers and `__call__`, as a global one's (one set instead: walked again)
+                    holder = instance if instance is not None else c
+                    value(v, _join(name, k), functools.partial(getattr, holder, k), None)
                 elif callable(v) and (token := _binding(v)) is not None:  # a builtin or partial held by the class
                     note((c, k, held))  # (`act = staticmethod(torch.relu)`, later torch.tanh: compiled again)
                     bound.append((f"{c.__qualname__}.{k}", token))
@@ -429,13 +433,28 @@ def _binding(obj):
         return _Same(obj.__code__)
     if isinstance(obj, types.MethodType):
         return (_binding(obj.__func__), _Same(obj.__self__))
-    if isinstance(obj, functools.partial):
-        return ("partial", _binding(obj.func))
+    if isinstance(obj, functools.partial):  # (and its arguments: `partial(F.leaky_relu, negative_slope=0.1)`
+        return ("partial", _binding(obj.func), tuple(map(_bound_argument, obj.args)),  # held by a module, then 0.5)
+                tuple((k, _bound_argument(v)) for k, v in obj.keywords.items()))
     if isinstance(obj, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer)) or _is_user_object(obj):
         return None
     if isinstance(obj, (type, types.ModuleType)) or callable(obj):
         return _Same(obj)
     return None
+
+
+def _bound_argument(a):
+    """What keys the cache for an argument a partial holds: a number by `exact_key`, a function
+    by `_binding`, a container or config by its values; a tensor by its place (it is state, read
+    where it is), any other object by identity."""
+    if _is_scalar(a):
+        return exact_key(a)
+    if isinstance(a, (torch.Tensor, Sharded)):
+        return ("tensor",)
+    if (token := _binding(a)) is not None:
+        return token
+    key = _values_of(object_key(a, 3))
+    return _Same(a) if key is _BY_IDENTITY else key
 
 
 class Bindings:
@@ -593,6 +612,7 @@ class Snapshot:
         self.dicts: list = []  # (dict, ids of its keys, ids of its values)
         self.versions: list = []  # per dict, its version tag when read (`_dict_version`)
         self.lists: list = []  # (list, ids of its items)
+        self.sets: list = []  # (set, ids of its members)
         self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
         self.kept: list = []  # the values that are not tensors, kept alive
         self.tensors: dict = {}  # id -> a weak reference to each tensor seen
@@ -619,6 +639,10 @@ class Snapshot:
     def list(self, seq: list) -> None:
         self.lists.append((seq, tuple(map(id, seq))))
         self._seen(seq)
+
+    def set(self, members) -> None:
+        self.sets.append((members, frozenset(map(id, members))))
+        self._seen(members)
 
     def group(self, group: dict) -> None:
         """Its parameter list and tensors by identity; its numbers are statics, read anew."""
@@ -664,6 +688,9 @@ class Snapshot:
                     return False
         for seq, ids in self.lists:
             if tuple(map(id, seq)) != ids:
+                return False
+        for members, ids in self.sets:
+            if frozenset(map(id, members)) != ids:
                 return False
         for group, keys, held in self.groups:
             if tuple(group) != keys or any(id(group[k]) != i for k, i in held.items()):
@@ -1166,11 +1193,21 @@ class ModuleValues:
     @classmethod
     def of(cls, prefix: str, module: torch.nn.Module) -> "ModuleValues":
         items, objects, seen, extra = [], {}, set(), []
+        own = None  # (ids of the tree's parameters and buffers, read where a dict or set it holds is keyed by tensors)
         for mod_name, mod in module.named_modules(remove_duplicate=True):
             base = _join(prefix, mod_name)
             objects[base] = mod
             for attr, v in vars(mod).items():
                 if attr == "training" or attr.startswith("__") or attr in _MODULE_INTERNALS:
+                    continue
+                if type(v) in (dict, set, frozenset) and _keyed_by_tensors(v):
+                    # which keys are the tree's tensors now (`self.scale = {self.lin.weight: 3.0}`, the weight
+                    # replaced between calls: eager's lookup misses, where the program traced before hit)
+                    if own is None:
+                        own = {id(t) for t in itertools.chain(module.parameters(), module.buffers())}
+                    pairs = v.items() if type(v) is dict else ((k, None) for k in v)  # (and the numbers held)
+                    extra.append((_join(base, f"{attr}.<keys>"), tuple(
+                        (_key_lifted(k, own), exact_key(w) if _is_scalar(w) else type(w).__name__) for k, w in pairs)))
                     continue
                 if _is_scalar(v):
                     items.append((_join(base, attr), v))
@@ -1244,6 +1281,8 @@ def _held_values(v):
         return None
     if type(v) is set and len(v) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, v)):
         return ("set", frozenset(v))
+    if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(_key_objects(m, None) for m in v):
+        return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
     if type(v) in (list, dict) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
         key = _values_of(object_key(v, 3))
         return None if key is _BY_IDENTITY else key
@@ -1414,6 +1453,12 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             elif attr not in _MODULE_INTERNALS and type(v) in (list, dict) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)
+            elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:
+                objects.add(id(v))  # (a member added, or one's number changed: its values collected again)
+                snapshot.set(v)
+                for member in v:
+                    for _, obj, _ in _key_objects(member, None):
+                        snapshot.dict(vars(obj))
         for attr, p in list(mod._parameters.items()):
             if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
                                      functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):

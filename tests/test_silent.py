@@ -223,6 +223,62 @@ def test_dtypes_classes_sets_functions_and_grad_mode_key_the_cache():
         Config.act = staticmethod(torch.relu)
 
 
+class _Scaler:
+    def __init__(self, s):
+        self.s = s
+
+    def __call__(self, x):
+        return x * self.s
+
+
+class _Settings:
+    act = _Scaler(2.0)  # (an object of the user's that is called, held by a class)
+
+
+class _Power:
+    def __init__(self, s):
+        self.s = s
+
+
+def test_what_partials_objects_and_sets_held_by_classes_and_modules_hold_keys_the_cache():
+    """Values a trace bakes in, reached through a class or a module, key the cache as a global's
+    do (each ran the first program, silently): a called object a class holds (its number changed,
+    or another put there), a partial a module holds (rebound with another keyword), objects in a
+    set a module holds or in tuples in a global set (a number changed), and which keys of a dict a
+    module holds keyed by its parameters are those parameters (one replaced: eager's lookup misses)."""
+    x = torch.ones(4, 3, dtype=torch.float64)
+    k = hpfun.shard(lambda x: _Settings.act(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    try:
+        for change in (None, lambda: setattr(_Settings.act, "s", 3.0), lambda: setattr(_Settings, "act", _Scaler(5.0))):
+            if change:
+                change()
+            assert torch.equal(k(x).full(), _Settings.act(x))
+    finally:
+        _Settings.act = _Scaler(2.0)
+
+    m = torch.nn.Linear(3, 1, bias=False).double()
+    torch.nn.init.constant_(m.weight, 0.5)  # (-m(x) < 0: the slope counts)
+    m.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+    m.scale = {m.weight: 3.0}
+    m.powers = {_Power(1.0)}
+    held = {(_Power(1.0), "x")}
+
+    def fn(x):
+        y = m.act(-m(x)) * m.scale.get(m.weight, 1.0)
+        return y * sum(p.s for p in m.powers) * sum(p.s for p, _ in held)
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    changes = (None, lambda: setattr(m, "act", functools.partial(F.leaky_relu, negative_slope=0.7)),
+               lambda: setattr(next(iter(m.powers)), "s", 4.0), lambda: setattr(next(iter(held))[0], "s", 6.0),
+               lambda: setattr(m, "weight", torch.nn.Parameter(m.weight.detach() * 2)),
+               lambda: m.scale.__setitem__(m.weight, 7.0))
+    for change in changes:
+        if change:
+            change()
+        torch.testing.assert_close(f(x).full(), fn(x).detach(), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == len(changes)
+
+
 def test_a_value_redistributed_once_serves_every_consumer():
     """Two consumers of one argument in layouts one local step apart share one all-gather."""
 
