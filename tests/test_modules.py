@@ -1249,7 +1249,7 @@ def test_an_optimizers_tensor_under_a_key_of_its_own_is_its_state(mesh, specs):
     assert id(opt.state["k"]) in hpfun.writeback.module_state([hpfun.lift.Root("opt", opt)])
 
 
-class CountingSGD(_HandSGD):
+class OwnCountSGD(_HandSGD):
     """An optimizer counting its steps in a Python int under a key of its own."""
 
     def begin(self):
@@ -1264,7 +1264,7 @@ def test_an_optimizers_number_under_a_key_of_its_own_is_put_at_its_first_step_an
     there as eager's step leaves it; a later step changing it is refused by name, since the
     program would repeat the trace's value (it became an empty dict, and the updates drifted)."""
     model, ref = mlp(), mlp()
-    opt, ref_opt = CountingSGD(model.parameters()), CountingSGD(ref.parameters())
+    opt, ref_opt = OwnCountSGD(model.parameters()), OwnCountSGD(ref.parameters())
     step = stock_step(model, opt, DP)
     x, y = batch(0)
     assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
