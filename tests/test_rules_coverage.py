@@ -223,6 +223,13 @@ BINARY = {
     "remainder_scalar": (aten.remainder.Scalar, lambda a, b: aten.remainder.Scalar(a, 0.7), False),
     "copy": (aten.copy.default, lambda a, b: aten.copy.default(a, b[0]), True),
     "logical_xor": (aten.logical_xor.default, lambda a, b: aten.logical_xor.default(a > 0, b[0] > 0), False),
+    "floor_divide": (aten.floor_divide.default, lambda a, b: aten.floor_divide.default(a, b.abs() + 0.5), False),
+    "floor_divide_scalar": (aten.floor_divide.Scalar, lambda a, b: aten.floor_divide.Scalar(a, 0.7), False),
+    "zeta": (aten.special_zeta.default, lambda a, b: aten.special_zeta.default(a.abs() + 1.5, b.abs() + 0.5), False),
+    "zeta_other_scalar": (aten.special_zeta.other_scalar,
+                          lambda a, b: aten.special_zeta.other_scalar(a.abs() + 1.5, 0.7), False),
+    "zeta_self_scalar": (aten.special_zeta.self_scalar,
+                         lambda a, b: aten.special_zeta.self_scalar(2.5, b.abs() + 0.5), False),
 }
 
 
@@ -276,6 +283,15 @@ def test_factories(data):
     check_op(data.draw, same, lambda a, b: same(a, b, self_num_batch_dims=1) + b, (_rand(4, 8), _rand(2, 4)),
              partial=(0, 1))
     check_op(data.draw, same, lambda a, b: same(a, b, self_num_batch_dims=2) + b, (_rand(2, 4, 8), _rand(4)))
+    # windows and 0-d tensors made from numbers alone: replicated (torch.xlogy(t, 2.0) makes one)
+    for op, fn in ((aten.hamming_window.periodic_alpha_beta, lambda: aten.hamming_window.periodic_alpha_beta(
+                        6, False, 0.5, 0.4, dtype=torch.float64)),
+                   (aten.blackman_window.default, lambda: aten.blackman_window.default(6, dtype=torch.float64)),
+                   (aten.bartlett_window.periodic, lambda: aten.bartlett_window.periodic(6, False, dtype=torch.float64)),
+                   (aten.kaiser_window.beta, lambda: aten.kaiser_window.beta(6, True, 8.0, dtype=torch.float64)),
+                   (torch.ops.prims.scalar_tensor.default, lambda: torch.ops.prims.scalar_tensor.default(
+                        2.5, dtype=torch.float64, device=torch.device("cpu")).expand(6))):
+        check_op(data.draw, op, lambda x, fn=fn: x * fn(), (_rand(4, 6),), partial=(0,))
 
 
 def test_empty_strided_is_replicated():
