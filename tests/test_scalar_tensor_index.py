@@ -182,3 +182,16 @@ def test_a_negative_index_of_index_add_or_copy_raises_as_eager_raises(name, spec
     g = hpfun.shard(torch.func.grad(loss), mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(spec, spec),
                     out_specs=spec)
     torch.testing.assert_close(g(w, good).full(), torch.func.grad(loss)(w, good))
+
+
+def test_a_gather_out_of_range_along_a_dim_each_rank_holds_whole_names_the_values():
+    """The table split along another dim: torch's own kernel raises on the rank's block, as the
+    unsharded function does, and the error says to fix the values (it said hpfun had a bug)."""
+    x, index = torch.randn(6, 4, dtype=D, generator=_gen()), torch.full((6, 4), 7)
+    with pytest.raises(RuntimeError):
+        x.gather(0, index)
+    f = hpfun.shard(lambda x, i: x.gather(0, i), mesh=hpfun.Mesh.simulated((2,), ("dp",)),
+                    in_specs=(P(None, "dp"), P(None, "dp")), out_specs=P())
+    with pytest.raises(hpfun.ExecutionError, match="out of bounds") as info:
+        f(x, index)
+    assert "the unsharded function raises on these values too" in str(info.value), str(info.value)

@@ -76,7 +76,21 @@ def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
     if "out of bounds" not in message and "out of range" not in message:
         return False
     layouts = node.meta.get("hpfun_inputs") or ()
-    return bool(layouts) and getattr(layouts[0], "is_replicated", False) is True
+    if not layouts or not hasattr(layouts[0], "shard_axes"):
+        return False
+    if layouts[0].is_replicated:
+        return True
+    # a lookup along a dim each rank holds whole (gather along dim 0 of a table split by columns)
+    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+    meta = node.args[0].meta.get("hpfun_global") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if name.rstrip("_") not in _LOOKUPS_ALONG_A_DIM or len(node.args) < 2 or type(node.args[1]) is not int \
+            or not isinstance(meta, tuple):
+        return False
+    return not layouts[0].shard_axes(node.args[1] % max(len(meta[0]), 1))
+
+
+_LOOKUPS_ALONG_A_DIM = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce", "index_select", "index_add",
+                                  "index_copy", "index_fill", "index_reduce"})
 
 
 def _refused_alike(node: torch.fx.Node, err: BaseException, first: str, inputs=None) -> str | None:
