@@ -2091,12 +2091,12 @@ class Substitution:
             for attr, (container, items) in containers.items():  # a cache dict the forward filled
                 if isinstance(container, dict) and vars(mod).get(attr) is container:
                     for key, v in container.items():
-                        if isinstance(v, FakeTensor) and items.get(key) is not v and _is_plain_key(key):
-                            out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
-                        elif key not in items and _holds_fake(v) and (found := self._real_key(key)) is not None:
-                            # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`)
+                        if key not in items and _holds_fake(v) and (found := self._real_key(key)) is not None:
+                            # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`, `id(p)`)
                             out.update(_created_items(f"{_join(prefix, attr)}[{found[0]}]", v, (
                                 "key", functools.partial(vars(mod).get, attr), found[1])))
+                        elif isinstance(v, FakeTensor) and items.get(key) is not v and _is_plain_key(key):
+                            out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
                         elif items.get(key) is not v and _is_plain_key(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
                             # put whole at every call, each tensor as that call computes it

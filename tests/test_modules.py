@@ -3691,7 +3691,7 @@ def _named_momentum(seed: int):
     name of a slot), in a dict a module holds and in one a helper closes over (both stayed
     empty, or were refused as held by an object hpfun does not lift)."""
     model, state = mlp(seed), {"bufs": {}}
-    model.bufs = {}
+    model.bufs, model.by_id = {}, {}
 
     def bufs():
         return state["bufs"]
@@ -3703,10 +3703,11 @@ def _named_momentum(seed: int):
             for name, p in model.named_parameters():
                 m = model.bufs.setdefault(name, torch.zeros_like(p)).mul_(0.9).add_(p.grad)
                 v = bufs().setdefault(name, torch.zeros_like(p)).mul_(0.5).add_(p.grad)
-                p -= 0.1 * (m + v)
+                u = model.by_id.setdefault(id(p), torch.zeros_like(p)).mul_(0.2).add_(p.grad)  # (keyed by the
+                p -= 0.1 * (m + v + u)  # stand-ins' ids, it grew and traced again at every call)
                 p.grad = None
         return loss
-    return model, step, lambda: [model.bufs, state["bufs"]]
+    return model, step, lambda: [model.bufs, state["bufs"], dict(enumerate(model.by_id.values()))]
 
 
 @pytest.mark.parametrize("kind", ["dict", "set", "id"])
