@@ -259,6 +259,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     note((c, k, v))  # (an attribute set to another object: walked again)
                     holder = instance if instance is not None else c
                     value(v, _join(name, k), functools.partial(getattr, holder, k), functools.partial(setattr, c, k))
+                elif isinstance(v, torch.Tensor) and type(v) is not Sharded:  # a tensor the class holds (`Stats.ema`):
+                    note((c, k, v))  # state, read and written back at the class, as a global tensor is
+                    value(v, _join(name or c.__qualname__, k), functools.partial(getattr, c, k),
+                          functools.partial(setattr, c, k))
 
     def hooks_code(owner, kinds: tuple, name: str) -> None:
         """The hooks in `owner`'s hook dicts (an optimizer's step hooks, the hooks torch runs for

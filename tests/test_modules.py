@@ -4215,3 +4215,39 @@ def test_a_removed_global_hook_with_kwargs_reuses_the_program_without_it():
         handle.remove()
     torch.testing.assert_close(f(x).full(), want)
     assert f.trace_count == 2
+
+
+class _Stats:  # tensors a class holds, as a namespace of running statistics
+    ema = torch.zeros((), dtype=torch.float64)
+    buf = torch.zeros(2, dtype=torch.float64)
+
+
+def test_tensors_a_class_holds_are_state_read_and_written_back_at_the_class():
+    """`Stats.ema = Stats.ema * 0.9 + loss` and `Stats.buf.mul_(0.5)`: lifted as a global
+    tensor is, written back at the class after every call (the trace's stand-in was left on the
+    class, and the next trace failed mixing fake modes; the in-place update was refused)."""
+    model = mlp(0)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y) * (1 + _Stats.buf.sum())
+        _Stats.ema = _Stats.ema * 0.9 + loss.detach()
+        _Stats.buf.mul_(0.5).add_(x.mean(0)[:2])
+        return loss
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    try:
+        for i in range(3):
+            x, y = batch(i)
+            if i == 2:
+                x, y = torch.cat([x, x]), torch.cat([y, y])  # (a new shape: traced again)
+            before = (_Stats.ema.clone(), _Stats.buf.clone())
+            got = f(x, y).full()
+            after = (_Stats.ema, _Stats.buf.clone())
+            _Stats.ema, _Stats.buf = before[0], before[1].clone()
+            torch.testing.assert_close(got, step(x, y).detach(), rtol=1e-12, atol=1e-12)
+            assert type(after[0]) is torch.Tensor
+            torch.testing.assert_close(after[0], _Stats.ema, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(after[1], _Stats.buf, rtol=1e-12, atol=1e-12)
+        assert f.trace_count == 2
+    finally:
+        _Stats.ema, _Stats.buf = torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
