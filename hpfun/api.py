@@ -48,7 +48,8 @@ from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, spent_error, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
     AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
-    match_patterns, misfit, only_wildcards, pattern_matches, register_container, register_containers_in, spec_tree_problems, specificity,
+    dataclass_items, match_patterns, misfit, only_wildcards, pattern_matches, register_container, register_containers_in,
+    spec_tree_problems, specificity,
     split_scalars, tensor_layout, warn_kept_whole, warn_kept_whole_unless,
 )
 from hpfun.writeback import WriteBack
@@ -1323,7 +1324,7 @@ class _Traced:
                 changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
                 removed = () if len(container) >= len(before) else (len(container),)
             else:
-                now = dict(container.items()) if kind == "dict" else vars(container)
+                now = dict(container.items()) if kind == "dict" else dataclass_items(container)
                 changed = [(k, v) for k, v in now.items() if k not in before or v is not before[k]]
                 removed = tuple(k for k in before if k not in now)
             for key, value in changed:
@@ -2305,9 +2306,10 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
         elif isinstance(x, collections.abc.MutableMapping):
             out.append((path, at, x, dict(x.items())))
             items = [(pytree.MappingKey(k), k, v) for k, v in x.items()]
-        elif _is_container(x) and isinstance(getattr(x, "__dict__", None), dict):  # a dataclass: its attributes
-            out.append((path, at, x, dict(vars(x))))
-            items = [(pytree.GetAttrKey(k), pytree.GetAttrKey(k), v) for k, v in vars(x).items()]
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # a dataclass: its attributes (slots too)
+            held = dataclass_items(x)
+            out.append((path, at, x, held))
+            items = [(pytree.GetAttrKey(k), pytree.GetAttrKey(k), v) for k, v in held.items()]
         elif type(x) is tuple:
             items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
         else:
@@ -2326,6 +2328,15 @@ def _shared_as_given(given, rebuilt, seen: dict):
     """`rebuilt` (the arguments as the trace gets them, rebuilt from their leaves) with a dict or
     list the caller passed in several places one object in all of them, as the caller's is: an
     edit through one is seen through the other, as in eager."""
+    if dataclasses.is_dataclass(given) and not isinstance(given, type) and type(rebuilt) is type(given) \
+            and not isinstance(given, collections.abc.Mapping):  # (`f(x, st, st)`: one object, edits through either)
+        if id(given) in seen:
+            return seen[id(given)]
+        seen[id(given)] = rebuilt
+        for name, value in dataclass_items(given).items():
+            if hasattr(rebuilt, name):
+                object.__setattr__(rebuilt, name, _shared_as_given(value, getattr(rebuilt, name), seen))
+        return rebuilt
     if isinstance(given, (dict, list)):
         if id(given) in seen:
             return seen[id(given)]

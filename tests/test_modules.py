@@ -1721,6 +1721,40 @@ def test_what_the_function_sets_on_a_dataclass_or_mapping_argument_is_set_on_the
     assert "args[1].buf (put in the caller's object)" in outputs and "args[2]['emb'] (put in the caller's dict)" in outputs
 
 
+@dataclasses.dataclass(slots=True)
+class _SlotState:
+    buf: torch.Tensor
+    steps: int = 0
+
+
+def test_a_slots_dataclass_argument_and_one_passed_twice_take_the_functions_edits():
+    """A dataclass with __slots__ (no __dict__) has its attributes set on the caller's too, and
+    one passed twice (`f(x, st, st)`) is one object in the trace, as a dict passed twice is
+    (the edits were lost, or one of the two was, silently)."""
+    def fn(x, a, b):
+        a.buf = a.buf + x.sum(0)
+        b.buf = b.buf * 2
+        a.steps += 1
+        return x * 2
+
+    def full(v):
+        return v.full() if isinstance(v, hpfun.Sharded) else v
+
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for kind in (_SlotState, _RunState):
+        def make():
+            return _SlotState(torch.ones(3, dtype=torch.float64)) if kind is _SlotState else \
+                _RunState(torch.ones(3, dtype=torch.float64), {})
+        f = hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P(), P()), out_specs=P("dp"))
+        st, want = make(), make()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hpfun.RetraceWarning)
+            for _ in range(3):
+                torch.testing.assert_close(f(x, st, st).full(), fn(x, want, want))
+        assert st.steps == want.steps == 3, kind
+        torch.testing.assert_close(full(st.buf), want.buf, rtol=1e-12, atol=1e-12)
+
+
 @dataclasses.dataclass
 class _Scaled:
     x: torch.Tensor
