@@ -272,12 +272,14 @@ class _Call:
     other than tuple, list and dict, or a NumPy array), and the pytree spec is built only on a
     miss."""
 
-    __slots__ = ("args", "kwonly", "state", "lifted", "flat", "key", "_tree")
+    __slots__ = ("args", "kwonly", "state", "lifted", "flat", "key", "_tree", "given")
 
-    def __init__(self, args: tuple, kwonly: dict, state: lift.State, lifted: dict, flat: list, key, tree=None):
+    def __init__(self, args: tuple, kwonly: dict, state: lift.State, lifted: dict, flat: list, key, tree=None,
+                 given=None):
         self.args, self.kwonly, self.state = args, kwonly, state
         self.lifted = lifted  # name -> tensor or Sharded value (a block a distributed call left)
         self.flat, self.key, self._tree = flat, key, tree
+        self.given = given  # the caller's (args, kwonly) where NumPy arrays were read into new containers
 
     @property
     def tree(self):
@@ -496,7 +498,7 @@ class ShardedFunction:
             args, kwonly = _bind(self.fn, self._signature_obj, args, kwargs, n_specs)
         else:  # all parameters given by position: binding changes nothing
             kwonly = {}
-        flat, key = [], []
+        flat, key, given = [], [], None
         try:
             flattened = _flatten((args, kwonly), flat, key)
         except RuntimeError:  # a tensor that has no shape or strides to key on (nested, sparse CSR)
@@ -505,7 +507,10 @@ class ShardedFunction:
             raise
         if not flattened:  # NumPy arrays, or pytree nodes of other types
             register_containers_in((args, kwonly))  # (a dataclass in a dataclass: both seen into)
+            given = (args, kwonly)
             args, kwonly = _from_numpy(args, kwonly)
+            if args is given[0] and kwonly is given[1]:
+                given = None
             flat, key = pytree.tree_leaves((args, kwonly), is_leaf=is_sharded), None
         state = self._roots.state()
         lifted = {}
@@ -533,7 +538,7 @@ class ShardedFunction:
                 flat += lifted.values()
         if key is not None:
             key = (tuple(key), tuple(state.statics.items()))
-        return _Call(args, kwonly, state, lifted, flat, key)
+        return _Call(args, kwonly, state, lifted, flat, key, given=given)
 
     # -- compile and cache --------------------------------------------------------------------------
 
@@ -2354,7 +2359,8 @@ def _shared_as_given(given, rebuilt, seen: dict):
 
 def _argument_at(call: _Call, at: tuple):
     """The caller's container the keys `at` reach."""
-    x = call.args if at[0] == "args" else call.kwonly
+    args, kwonly = call.given or (call.args, call.kwonly)  # (the caller's own, where NumPy arrays were read)
+    x = args if at[0] == "args" else kwonly
     for key in at[1:]:
         x = getattr(x, key.name) if isinstance(key, pytree.GetAttrKey) else x[key]
     return x

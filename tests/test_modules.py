@@ -1721,6 +1721,19 @@ def test_what_the_function_sets_on_a_dataclass_or_mapping_argument_is_set_on_the
     assert "args[1].buf (put in the caller's object)" in outputs and "args[2]['emb'] (put in the caller's dict)" in outputs
 
 
+def test_what_the_function_puts_in_a_dict_argument_beside_a_numpy_array_is_put_in_the_callers():
+    """NumPy arrays among the arguments are read into new containers: the edits still go to the
+    caller's dict (they went to the copy, silently)."""
+    def fn(feats):
+        feats["y"] = feats["x"] * 2
+        return feats["x"].sum()
+
+    f = hpfun.shard(fn, mesh=DP, in_specs=P("dp"), out_specs=P())
+    feats = {"x": np.arange(8.0).reshape(4, 2)}
+    assert f(feats).full().item() == 28.0 and list(feats) == ["x", "y"]
+    torch.testing.assert_close(feats["y"].full(), torch.arange(8.0, dtype=torch.float64).reshape(4, 2) * 2)
+
+
 @dataclasses.dataclass(slots=True)
 class _SlotState:
     buf: torch.Tensor
