@@ -2264,6 +2264,13 @@ class Substitution:
                                 "now)", "its length, or keep a growing sequence in a list the function appends to")
                         container[key] = was  # (its slots write a tuple of its length at its place)
                         continue
+                    if type(was) is list and type(new) is list and new is not was and len(new) != len(was) \
+                            and _holds_fake(new) and _holds_tensor(was):  # (`G["l"] = G["l"] + [v]`)
+                        refused(f"{var}[{key!r}]", "list", f"another length ({len(was)} items before, {len(new)} "
+                                "now)", "its length (a window: `G['l'] = G['l'][1:] + [v]`), or append to the list "
+                                "it holds (`G['l'].append(v)`: hpfun appends at every call)")
+                        container[key] = was  # (its slots write a list of its length at its place)
+                        continue
                     if type(was) is not dict or type(new) is not dict or new is was or not _holds_fake(new):
                         continue
                     if type(container) is dict and not _holds_tensor(was):  # (`D["cache"] = {"k": t}` where it held

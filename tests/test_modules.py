@@ -643,6 +643,16 @@ def test_every_tensor_of_a_global_or_closed_over_tuple_is_read_and_written_back(
         hpfun.shard(appends, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert "listed[0]: is rebound to a new tuple" in str(info.value)
     assert len(slots["t"]) == 1 and len(listed[0]) == 1 and type(slots["t"][0]) is torch.Tensor
+    grown = {"l": [torch.zeros(2, dtype=torch.float64)]}
+
+    def concatenates(x):  # (a list in a dict's place, likewise: it kept its length, silently)
+        grown["l"] = grown["l"] + [x.sum(0)]
+        return x.sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)grown\['l'\]: is rebound to a new list with another length "
+                       r"\(1 items before, 2 now\).*append to the list"):
+        hpfun.shard(concatenates, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
+    assert len(grown["l"]) == 1 and type(grown["l"][0]) is torch.Tensor
 
 
 class Counter(torch.nn.Module):
