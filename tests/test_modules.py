@@ -4274,7 +4274,7 @@ def test_a_removed_global_hook_with_kwargs_reuses_the_program_without_it():
     assert f.trace_count == 2
 
 
-class _Stats:  # tensors a class holds, as a namespace of running statistics
+class _ClassStats:  # tensors a class holds, as a namespace of running statistics
     ema = torch.zeros((), dtype=torch.float64)
     buf = torch.zeros(2, dtype=torch.float64)
 
@@ -4286,9 +4286,9 @@ def test_tensors_a_class_holds_are_state_read_and_written_back_at_the_class():
     model = mlp(0)
 
     def step(x, y):
-        loss = F.cross_entropy(model(x), y) * (1 + _Stats.buf.sum())
-        _Stats.ema = _Stats.ema * 0.9 + loss.detach()
-        _Stats.buf.mul_(0.5).add_(x.mean(0)[:2])
+        loss = F.cross_entropy(model(x), y) * (1 + _ClassStats.buf.sum())
+        _ClassStats.ema = _ClassStats.ema * 0.9 + loss.detach()
+        _ClassStats.buf.mul_(0.5).add_(x.mean(0)[:2])
         return loss
 
     f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
@@ -4297,14 +4297,14 @@ def test_tensors_a_class_holds_are_state_read_and_written_back_at_the_class():
             x, y = batch(i)
             if i == 2:
                 x, y = torch.cat([x, x]), torch.cat([y, y])  # (a new shape: traced again)
-            before = (_Stats.ema.clone(), _Stats.buf.clone())
+            before = (_ClassStats.ema.clone(), _ClassStats.buf.clone())
             got = f(x, y).full()
-            after = (_Stats.ema, _Stats.buf.clone())
-            _Stats.ema, _Stats.buf = before[0], before[1].clone()
+            after = (_ClassStats.ema, _ClassStats.buf.clone())
+            _ClassStats.ema, _ClassStats.buf = before[0], before[1].clone()
             torch.testing.assert_close(got, step(x, y).detach(), rtol=1e-12, atol=1e-12)
             assert type(after[0]) is torch.Tensor
-            torch.testing.assert_close(after[0], _Stats.ema, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(after[1], _Stats.buf, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(after[0], _ClassStats.ema, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(after[1], _ClassStats.buf, rtol=1e-12, atol=1e-12)
         assert f.trace_count == 2
     finally:
-        _Stats.ema, _Stats.buf = torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        _ClassStats.ema, _ClassStats.buf = torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
