@@ -442,7 +442,7 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             close = _closest(pattern, names) or _close_tails(pattern, names)
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
-                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}") + hint))
+                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}{hint}")))
         for n in hits:
             by = {m for m in (n, *(a for a, b in aliases.items() if b == n)) if pattern_matches(pattern, m)}
             if (clash := next((q for q, (s, b) in reached.get(n, {}).items() if s != spec and not b & by), None)):

@@ -868,6 +868,10 @@ def test_mistakes_that_ran_without_a_word_are_named():
                         state_specs={"*.exp_avg": P("dp")})  # (ZeRO-1's plan given to a function stepping nothing:
     _, text = _raise(zero1, *data, error=hpfun.SpecError)  # the fix said only "fix the pattern")
     assert "this function reaches no optimizer, so a pattern for optimizer state" in text
+    typo = hpfun.shard(lambda x, y: F.cross_entropy(model(x), y).backward(), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       state_specs={"model.0.wieght": P("dp")})  # (a misspelled parameter: its closest names say
+    _, text = _raise(typo, *data, error=hpfun.SpecError)  # it all, where optimizer state is no matter)
+    assert "closest: model.0.weight" in text and "reaches no optimizer" not in text
     _, text = _raise(hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={0: P()}),
                      *data, error=hpfun.SpecError)
     assert "state_specs[0]: pattern keys are strings, got int" in text
