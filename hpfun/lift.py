@@ -2420,9 +2420,14 @@ class Substitution:
                         out[name] = _unwrapped(entries)
                         if name not in self.state.slots:  # made by the step: put there after every call
                             new_state[name] = (None, None, ("optimizer state", prefix, p))
-                    elif isinstance(entries, torch.Tensor) or _holds_fake(entries):
+                    elif isinstance(entries, torch.Tensor):
                         problems.append(Problem(f"{_join(prefix, 'state')}[{p!r}]", "holds a tensor the step made, "
-                                                "under a key hpfun cannot name", "key it by a string"))
+                                                "under a key hpfun cannot name", "key it by a string without dots"))
+                    elif _holds_fake(entries):  # (`self.state["acc"] = {"n": t}`)
+                        problems.append(Problem(f"{_join(prefix, 'state')}[{p!r}]", f"holds a {type(entries).__name__} "
+                                                "of tensors the step made: hpfun lifts a tensor kept under a key of the "
+                                                "optimizer's own, not a container of them", "keep each tensor under its "
+                                                "own key (`self.state['acc_n'] = t`), or in a parameter's state"))
                     elif _is_scalar(entries):  # a number of its own (`self.state["k"] = self.state.get("k", 0) + 1`):
                         held = real_state.get(p, _MISSING)  # made by the step, put as eager's step leaves it; changed
                         if held is _MISSING:  # by a later call, refused as a changed step count is (the program

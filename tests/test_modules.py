@@ -1283,6 +1283,18 @@ def test_an_optimizers_number_under_a_key_of_its_own_is_put_at_its_first_step_an
         step(x, y)
     assert opt.state["k"] == 1
 
+    class DictKeySGD(OwnCountSGD):  # a dict of tensors under a key of its own: named as such, with the fix
+        def begin(self):
+            self.state["acc"] = {"n": torch.zeros((), dtype=torch.float64) + 1}
+
+        def update(self, p, lr):
+            p.add_(p.grad * self.state["acc"]["n"], alpha=-lr)
+
+    opt = DictKeySGD(model.parameters())
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)opt.state\['acc'\]: holds a dict of tensors the step made.*"
+                       r"keep each tensor under its own key"):
+        stock_step(model, opt, DP)(x, y)
+
 
 class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
