@@ -1997,6 +1997,9 @@ class Substitution:
             while isinstance(f, (functools.partial, types.MethodType)):
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
                     self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
+                    for k, v in list(vars(f.__self__).items()):  # (`self.opt.state.setdefault(p, ...)`: an
+                        if _is_plain_object(v) and not callable(v):  # object it holds, a hand-written optimizer)
+                            self._hold_plain(_join("self", k), v)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue

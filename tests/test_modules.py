@@ -4320,3 +4320,52 @@ def test_tensors_a_class_holds_are_state_read_and_written_back_at_the_class():
         assert f.trace_count == 2
     finally:
         _ClassStats.ema, _ClassStats.buf = torch.zeros((), dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+
+
+class _HandMomentum:
+    """A hand-written optimizer keeping its state lazily in a dict keyed by the parameters, nested
+    (`state.setdefault(p, {})["m"]`) or flat (`state.setdefault(p, zeros)`)."""
+
+    def __init__(self, params, nested: bool):
+        self.params, self.nested, self.state = list(params), nested, {}
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if self.nested:
+                st = self.state.setdefault(p, {})
+                st["m"] = st.get("m", torch.zeros_like(p)) * 0.9 + p.grad
+                m = st["m"]
+            else:
+                m = self.state.setdefault(p, torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+            p.sub_(0.1 * m)
+            p.grad = None
+
+
+class _HandTrainer:
+    def __init__(self, nested: bool):
+        self.model = mlp(0)
+        self.opt = _HandMomentum(self.model.parameters(), nested)
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
+def test_a_hand_written_optimizer_a_trainer_holds_keeps_its_lazy_state_as_eager(nested):
+    """The trainer's bound method is the step, and the optimizer it holds makes its state at the
+    first step in a dict keyed by the parameters: kept under the parameters, as for one the step
+    reaches itself (the trace's stand-ins were left as its keys, and the next call refused; or it
+    was refused as held by an object hpfun does not lift)."""
+    trainer, eager = _HandTrainer(nested), _HandTrainer(nested)
+    f = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        torch.testing.assert_close(f(x, y).full(), eager.step(x, y).detach(), rtol=1e-12, atol=1e-12)
+    assert max_diff(trainer.model, eager.model) < 1e-12 and f.trace_count <= 2
+    for p, q in zip(trainer.model.parameters(), eager.model.parameters(), strict=True):
+        got, want = trainer.opt.state[p], eager.opt.state[q]
+        torch.testing.assert_close(got["m"] if nested else got, want["m"] if nested else want, rtol=1e-12, atol=1e-12)
