@@ -184,14 +184,17 @@ def test_a_negative_index_of_index_add_or_copy_raises_as_eager_raises(name, spec
     torch.testing.assert_close(g(w, good).full(), torch.func.grad(loss)(w, good))
 
 
-def test_a_gather_out_of_range_along_a_dim_each_rank_holds_whole_names_the_values():
+@pytest.mark.parametrize("name", ["gather", "embedding", "index"])
+def test_a_lookup_out_of_range_along_a_dim_each_rank_holds_whole_names_the_values(name):
     """The table split along another dim: torch's own kernel raises on the rank's block, as the
     unsharded function does, and the error says to fix the values (it said hpfun had a bug)."""
-    x, index = torch.randn(6, 4, dtype=D, generator=_gen()), torch.full((6, 4), 7)
-    with pytest.raises(RuntimeError):
-        x.gather(0, index)
-    f = hpfun.shard(lambda x, i: x.gather(0, i), mesh=hpfun.Mesh.simulated((2,), ("dp",)),
-                    in_specs=(P(None, "dp"), P(None, "dp")), out_specs=P())
-    with pytest.raises(hpfun.ExecutionError, match="out of bounds") as info:
+    fn, index = {"gather": (lambda x, i: x.gather(0, i), torch.full((6, 4), 7)),
+                 "embedding": (lambda x, i: torch.nn.functional.embedding(i, x), torch.tensor([0, 5, 6, 1])),
+                 "index": (lambda x, i: x[i], torch.tensor([0, 5, 6, 1]))}[name]
+    x = torch.randn(6, 4, dtype=D, generator=_gen())
+    with pytest.raises((IndexError, RuntimeError)):
+        fn(x, index)
+    f = hpfun.shard(fn, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P(None, "dp"), P()), out_specs=None)
+    with pytest.raises(hpfun.ExecutionError, match="out of bounds|out of range") as info:
         f(x, index)
     assert "the unsharded function raises on these values too" in str(info.value), str(info.value)

@@ -80,13 +80,20 @@ def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
         return False
     if layouts[0].is_replicated:
         return True
-    # a lookup along a dim each rank holds whole (gather along dim 0 of a table split by columns)
-    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "")
+    # a lookup along dims each rank holds whole (gather along dim 0 of a table split by columns)
+    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", "").rstrip("_")
     meta = node.args[0].meta.get("hpfun_global") if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    if name.rstrip("_") not in _LOOKUPS_ALONG_A_DIM or len(node.args) < 2 or type(node.args[1]) is not int \
-            or not isinstance(meta, tuple):
+    if not isinstance(meta, tuple) or len(node.args) < 2:
         return False
-    return not layouts[0].shard_axes(node.args[1] % max(len(meta[0]), 1))
+    if name == "embedding":  # (the table's rows)
+        dims = [0]
+    elif name == "index" and isinstance(node.args[1], (list, tuple)):  # (`t[i]`: the dims indexed)
+        dims = [d for d, i in enumerate(node.args[1]) if i is not None]
+    elif name in _LOOKUPS_ALONG_A_DIM and type(node.args[1]) is int:
+        dims = [node.args[1] % max(len(meta[0]), 1)]
+    else:
+        return False
+    return not any(layouts[0].shard_axes(d) for d in dims)
 
 
 _LOOKUPS_ALONG_A_DIM = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce", "index_select", "index_add",
