@@ -69,6 +69,17 @@ class Root:
     write: object = None  # and how to replace it
 
 
+class _Inherited:
+    """A Root's value for a tensor a subclass inherits from the class holding it: the trace must
+    not give the subclass one of its own (`Sub.ema = Sub.ema + v`), which hpfun would not write
+    back (`Substitution.left_over`)."""
+
+    __slots__ = ("cls", "owner", "attr")
+
+    def __init__(self, cls, owner, attr):
+        self.cls, self.owner, self.attr = cls, owner, attr
+
+
 class _Keyed:
     """A Root's value for a dict keyed by tensors (or by their ids) or a set of tensors the walk
     found (`{p: torch.optim.AdamW([p])}`, `no_decay = {bias, norm.weight}`): keyed by the
@@ -263,6 +274,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     note((c, k, v))  # state, read and written back at the class, as a global tensor is
                     value(v, _join(name or c.__qualname__, k), functools.partial(getattr, c, k),
                           functools.partial(setattr, c, k))
+                    for d in cls.__mro__[:cls.__mro__.index(c)]:  # (its subclasses the walk came through: one
+                        if _is_user_class(d) and k not in vars(d):  # given its own, `Sub.ema = ...`, is refused)
+                            roots.append(Root(f"{d.__qualname__}.{k}", _Inherited(d, c, k)))
 
     def hooks_code(owner, kinds: tuple, name: str) -> None:
         """The hooks in `owner`'s hook dicts (an optimizer's step hooks, the hooks torch runs for
@@ -1031,7 +1045,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     for root in sorted(roots, key=lambda r: isinstance(r.value, torch.optim.Optimizer)):
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems, snapshot, opaque)
-        elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed)) and \
+        elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed, _Inherited)) and \
                 id(root.value) not in names:
             leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
             if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
@@ -2529,6 +2543,12 @@ class Substitution:
         or dict rebound is set back to the one it held."""
         found: list[str] = []
         seen: set = set()
+        for root in self.state.roots:  # a subclass given its own tensor where it inherited one
+            if isinstance(root.value, _Inherited) and isinstance(vars(root.value.cls).get(root.value.attr), FakeTensor):
+                sub, owner = root.value.cls.__name__, root.value.owner.__name__
+                found.append(f"{root.name} (set on {sub}, which inherits it from {owner}: assign it on {owner}, where "
+                             "hpfun reads and writes it)")
+                delattr(root.value.cls, root.value.attr)
         for var, read, container, held in self._watched:
             try:
                 now = read()

@@ -4369,3 +4369,23 @@ def test_a_hand_written_optimizer_a_trainer_holds_keeps_its_lazy_state_as_eager(
     for p, q in zip(trainer.model.parameters(), eager.model.parameters(), strict=True):
         got, want = trainer.opt.state[p], eager.opt.state[q]
         torch.testing.assert_close(got["m"] if nested else got, want["m"] if nested else want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_subclass_given_its_own_tensor_where_it_inherits_one_is_refused_and_left_as_it_was():
+    """`Sub.ema = Sub.ema + v` where Base holds ema: hpfun reads and writes the tensor at Base,
+    so the subclass's own is refused, naming where to assign it (the trace's stand-in was left
+    on Sub, every call returning the first call's value, silently)."""
+    class Base:
+        ema = torch.zeros(3, dtype=torch.float64)
+
+    class Sub(Base):
+        pass
+
+    def step(x):
+        Sub.ema = Sub.ema + x.sum(0)
+        return Sub.ema * 1
+
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"Sub.ema \(set on Sub, which inherits it from Base: assign it on Base"):
+        f(torch.ones(4, 3, dtype=torch.float64))
+    assert "ema" not in vars(Sub) and torch.equal(Base.ema, torch.zeros(3, dtype=torch.float64))
