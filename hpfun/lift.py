@@ -2012,8 +2012,12 @@ class Substitution:
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
                     self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
                     for k, v in list(vars(f.__self__).items()):  # (`self.opt.state.setdefault(p, ...)`: an
-                        if _is_plain_object(v) and not callable(v):  # object it holds, a hand-written optimizer)
-                            self._hold_plain(_join("self", k), v)
+                        if _is_plain_object(v) and not callable(v):  # object it holds, a hand-written optimizer,
+                            self._hold_plain(_join("self", k), v)  # or a list or tuple of them, `self.opts`)
+                        elif type(v) in (list, tuple) and len(v) <= PLAIN_CONTAINER_ITEMS:
+                            for i, w in enumerate(v):
+                                if _is_plain_object(w) and not callable(w):
+                                    self._hold_plain(_join("self", f"{k}.{i}"), w)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue

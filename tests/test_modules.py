@@ -4343,31 +4343,39 @@ class _HandMomentum:
 
 
 class _HandTrainer:
-    def __init__(self, nested: bool):
+    def __init__(self, nested: bool, listed: bool):
         self.model = mlp(0)
-        self.opt = _HandMomentum(self.model.parameters(), nested)
+        opt = _HandMomentum(self.model.parameters(), nested)
+        if listed:
+            self.opts = [opt]
+        else:
+            self.opt = opt
+
+    def optimizer(self):
+        return self.opts[0] if hasattr(self, "opts") else self.opt
 
     def step(self, x, y):
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
-        self.opt.step()
+        for opt in getattr(self, "opts", None) or [self.opt]:
+            opt.step()
         return loss
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat"])
-def test_a_hand_written_optimizer_a_trainer_holds_keeps_its_lazy_state_as_eager(nested):
-    """The trainer's bound method is the step, and the optimizer it holds makes its state at the
-    first step in a dict keyed by the parameters: kept under the parameters, as for one the step
-    reaches itself (the trace's stand-ins were left as its keys, and the next call refused; or it
-    was refused as held by an object hpfun does not lift)."""
-    trainer, eager = _HandTrainer(nested), _HandTrainer(nested)
+@pytest.mark.parametrize("nested,listed", [(True, False), (False, False), (True, True)], ids=["nested", "flat", "listed"])
+def test_a_hand_written_optimizer_a_trainer_holds_keeps_its_lazy_state_as_eager(nested, listed):
+    """The trainer's bound method is the step, and the optimizer it holds (in a list too) makes
+    its state at the first step in a dict keyed by the parameters: kept under the parameters, as
+    for one the step reaches itself (the trace's stand-ins were left as its keys, and the next
+    call refused; or it was refused as held by an object hpfun does not lift)."""
+    trainer, eager = _HandTrainer(nested, listed), _HandTrainer(nested, listed)
     f = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     for i in range(3):
         x, y = batch(i)
         torch.testing.assert_close(f(x, y).full(), eager.step(x, y).detach(), rtol=1e-12, atol=1e-12)
     assert max_diff(trainer.model, eager.model) < 1e-12 and f.trace_count <= 2
     for p, q in zip(trainer.model.parameters(), eager.model.parameters(), strict=True):
-        got, want = trainer.opt.state[p], eager.opt.state[q]
+        got, want = trainer.optimizer().state[p], eager.optimizer().state[q]
         torch.testing.assert_close(got["m"] if nested else got, want["m"] if nested else want, rtol=1e-12, atol=1e-12)
 
 
