@@ -1134,12 +1134,14 @@ def test_an_op_torch_refuses_for_its_dtypes_is_said_to_be_the_functions(fn, x):
     assert "the unsharded function raises the same" in text and "bug in hpfun" not in text, text
 
 
-def test_an_op_failing_for_its_values_keeps_the_report_request():
-    """An index out of range fails for its values (zeros would not): the fix still asks for a
-    report if the function runs unsharded."""
+def test_an_op_failing_for_its_values_along_a_whole_dim_names_the_values():
+    """An index out of range fails for its values (zeros would not): along a dim every rank
+    holds whole, torch's own check raised it as on the unsharded tensor, so the fix names the
+    values (it asked for a bug report)."""
     f = hpfun.shard(lambda x: x[:, torch.tensor([0, 99])], mesh=MESH, in_specs=(P("dp"),), out_specs=P())
     _, text = _raise(f, torch.randn(4, 8), error=hpfun.ExecutionError)
-    assert "bug in hpfun" in text, text
+    assert "the unsharded function raises on these values too: fix the values" in text, text
+    assert "bug in hpfun" not in text, text
 
 
 def test_a_tensor_read_from_an_object_a_module_holds_names_the_object():
