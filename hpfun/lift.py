@@ -2054,12 +2054,19 @@ class Substitution:
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
-                    if type(container) is dict:  # its lists too (`D["l"].append(t)`), and its empty dicts
-                        self._watched += [(f"{var}[{key!r}]", functools.partial(_same, inner), inner,  # (state made
-                                           list(inner) if type(inner) is list else {})  # lazily: `D["bufs"].setdefault(p, ...)`)
-                                          for key, inner in container.items()
-                                          if (type(inner) is list or type(inner) is dict and not inner)
-                                          and not any(c is inner for _, _, c, _ in self._watched)]
+                    if type(container) is dict:  # its lists too (`D["l"].append(t)`), and its dicts (state made
+                        self._watch_inside(var, container, 2)  # lazily: `D["bufs"].setdefault(p, ...)`), nested
+
+    def _watch_inside(self, var: str, container: dict, depth: int) -> None:
+        """The lists and dicts a watched dict holds, watched too, to `depth` levels (`D["a"]["l"]`)."""
+        for key, inner in container.items():
+            if type(inner) not in (list, dict) or any(c is inner for _, _, c, _ in self._watched):
+                continue
+            name = f"{var}[{key!r}]"
+            self._watched.append((name, functools.partial(_same, inner), inner,
+                                  list(inner) if type(inner) is list else dict(inner)))
+            if type(inner) is dict and depth > 1:
+                self._watch_inside(name, inner, depth - 1)
 
     def _hold_plain(self, var: str, obj) -> None:
         """A plain object the function reaches: its attributes as they are, and its dicts watched

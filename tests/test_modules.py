@@ -653,6 +653,17 @@ def test_every_tensor_of_a_global_or_closed_over_tuple_is_read_and_written_back(
                        r"\(1 items before, 2 now\).*append to the list"):
         hpfun.shard(concatenates, mesh=DP, in_specs=P("dp"), out_specs=P())(x)
     assert len(grown["l"]) == 1 and type(grown["l"][0]) is torch.Tensor
+    deep = {"a": {"l": [torch.zeros(2, dtype=torch.float64)], "log": []}}
+
+    def nested(x):  # (a list in a dict in a dict: rebound to its length, and appended to; both were refused)
+        deep["a"]["l"] = [deep["a"]["l"][0] + x.sum(0)]
+        deep["a"]["log"].append(x.sum())
+        return deep["a"]["l"][0].sum()
+
+    f = hpfun.shard(nested, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        assert f(x).full().item() == pytest.approx(float(x.sum()) * (i + 1))
+    assert len(deep["a"]["log"]) == 3 and torch.allclose(deep["a"]["l"][0], 3 * x.sum(0))
 
 
 class Counter(torch.nn.Module):
