@@ -100,7 +100,7 @@ def _is_tensor_key(k, depth: int = 3) -> bool:
     """A tensor, or an address-sized int (`id(p)`), as a dict's key or a set's member, or a
     tuple holding one (`(p, "w")`)."""
     return isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 or \
-        bool(depth) and type(k) is tuple and any(_is_tensor_key(x, depth - 1) for x in k)
+        bool(depth) and type(k) in (tuple, frozenset) and any(_is_tensor_key(x, depth - 1) for x in k)
 
 
 def _keyed_by_tensors(container) -> bool:
@@ -1111,7 +1111,7 @@ def _key_lifted(key, lifted: set) -> bool:
         return id(key) in lifted
     if type(key) is int:
         return key in lifted
-    return type(key) is tuple and any(_key_lifted(k, lifted) for k in key)
+    return type(key) in (tuple, frozenset) and any(_key_lifted(k, lifted) for k in key)
 
 
 class _Identities(tuple):
@@ -1931,9 +1931,10 @@ class Substitution:
         def stand_in_for(k):
             if isinstance(k, torch.Tensor):
                 return self.swap.get(id(k), k)
-            if type(k) is tuple:  # (`scales[(p, "w")]`)
-                parts = tuple(map(stand_in_for, k))
-                return parts if any(a is not b for a, b in zip(parts, k)) else k
+            if type(k) in (tuple, frozenset):  # (`scales[(p, "w")]`, `groups[frozenset(ps)]`)
+                members = tuple(k)
+                parts = tuple(map(stand_in_for, members))
+                return type(k)(parts) if any(a is not b for a, b in zip(parts, members)) else k
             return ids.get(k, k) if type(k) is int else k
 
         for root in self.state.roots:  # a frozenset of parameters: one of their stand-ins at its place

@@ -3641,17 +3641,19 @@ def _optimizer_in_backward_by_default(seed: int):
 
 def _scales_by_parameter(seed: int):
     """SGD by hand with a learning-rate scale per parameter in a dict keyed by the parameter, and
-    one keyed by a tuple holding it (`(p, "lr")`: the lookup took its default, silently)."""
+    ones keyed by a tuple or a frozenset holding it (`(p, "lr")`, `frozenset([p])`: the lookup
+    took its default, silently)."""
     model = mlp(seed)
     scales = {p: 0.5 + i for i, p in enumerate(model.parameters())}
     paired = {(p, "lr"): 1.0 + i / 4 for i, p in enumerate(model.parameters())}
+    grouped = {frozenset([p]): 2.0 - i / 8 for i, p in enumerate(model.parameters())}
 
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         with torch.no_grad():
             for p in model.parameters():
-                p -= 0.1 * scales[p] * paired.get((p, "lr"), 0.0) * p.grad
+                p -= 0.1 * scales[p] * paired.get((p, "lr"), 0.0) * grouped.get(frozenset([p]), 0.0) * p.grad
                 p.grad = None
         return loss
     return model, step, lambda: []
