@@ -2011,14 +2011,9 @@ class Substitution:
             helper = id(f) in helpers
             while isinstance(f, (functools.partial, types.MethodType)):
                 if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
-                    self._hold_plain("self", f.__self__)  # (`self.stats = {...}`)
-                    for k, v in list(vars(f.__self__).items()):  # (`self.opt.state.setdefault(p, ...)`: an
-                        if _is_plain_object(v) and not callable(v):  # object it holds, a hand-written optimizer,
-                            self._hold_plain(_join("self", k), v)  # or a list or tuple of them, `self.opts`)
-                        elif type(v) in (list, tuple) and len(v) <= PLAIN_CONTAINER_ITEMS:
-                            for i, w in enumerate(v):
-                                if _is_plain_object(w) and not callable(w):
-                                    self._hold_plain(_join("self", f"{k}.{i}"), w)
+                    # (`self.stats = {...}`; `self.opt.state.setdefault(p, ...)`: an object it holds, a
+                    # hand-written optimizer, or a list or tuple of them, `self.opts`)
+                    self._hold_plain_and_parts("self", f.__self__, sequences=True)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue
@@ -2048,10 +2043,7 @@ class Substitution:
                 if type(container) is tuple and _holds_tensor(container):  # (rebound to another length: refused)
                     self._tuples_held.append((var, read, container))
                 if _is_plain_object(container) and not callable(container):
-                    self._hold_plain(var, container)
-                    for k, v in vars(container).items():  # (`cfg.sub.m = ...`)
-                        if _is_plain_object(v) and not callable(v):
-                            self._hold_plain(_join(var, k), v)
+                    self._hold_plain_and_parts(var, container)  # (`cfg.sub.m = ...`)
                 if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
                     self._watched.append((var, read, container, dict(container) if type(container) is dict
                                           else list(container)))
@@ -2068,6 +2060,18 @@ class Substitution:
                                   list(inner) if type(inner) is list else dict(inner)))
             if type(inner) is dict and depth > 1:
                 self._watch_inside(name, inner, depth - 1)
+
+    def _hold_plain_and_parts(self, var: str, obj, sequences: bool = False) -> None:
+        """`_hold_plain` of `obj` and of the plain objects it holds (in a list or tuple too, with
+        `sequences`)."""
+        self._hold_plain(var, obj)
+        for k, v in list(vars(obj).items()):
+            if _is_plain_object(v) and not callable(v):
+                self._hold_plain(_join(var, k), v)
+            elif sequences and type(v) in (list, tuple) and len(v) <= PLAIN_CONTAINER_ITEMS:
+                for i, w in enumerate(v):
+                    if _is_plain_object(w) and not callable(w):
+                        self._hold_plain(_join(var, f"{k}.{i}"), w)
 
     def _hold_plain(self, var: str, obj) -> None:
         """A plain object the function reaches: its attributes as they are, and its dicts watched
