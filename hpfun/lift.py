@@ -1141,8 +1141,8 @@ def _state_numbers(name: str, opt, known: dict | None) -> dict:
             for key, v in opt.state.get(p, {}).items():
                 if not isinstance(v, torch.Tensor) and _is_scalar(v):
                     out[f"{prefix}{g}.{i}.{key}"] = _hashable(v)
-    for key, v in list(opt.state.items()):  # a number under a key of the optimizer's own
-        if not isinstance(key, torch.Tensor) and _is_plain_key(key) and _is_scalar(v):
+    for key, v in list(opt.state.items()):  # a number (or plain data) under a key of the optimizer's own
+        if not isinstance(key, torch.Tensor) and _is_plain_key(key) and _is_plain_data(v):
             out[f"{prefix}[{key!r}]"] = _hashable(v)
     return out
 
@@ -1547,6 +1547,19 @@ def _set_grad_at(read, value):
     read().grad = value
 
 
+def _snapshot_plain(snapshot: Snapshot, data) -> None:
+    """The lists and dicts of plain data (`_is_plain_data`), to their innermost, in `snapshot`."""
+    if type(data) is dict:
+        snapshot.dict(data)
+        for v in data.values():
+            _snapshot_plain(snapshot, v)
+    elif type(data) in (list, tuple):
+        if type(data) is list:
+            snapshot.list(data)
+        for v in data:
+            _snapshot_plain(snapshot, v)
+
+
 def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, problems: list,
                      snapshot: Snapshot, opaque: list) -> None:
     snapshot.dict(vars(opt))
@@ -1586,8 +1599,10 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
             if isinstance(entries, torch.Tensor) and _is_name(p):
                 add(f"{_join(prefix, 'state')}.{p}", functools.partial(opt.state.get, p),
                     functools.partial(opt.state.__setitem__, p))
-            elif not _is_scalar(entries):
+            elif not _is_plain_data(entries):
                 opaque.append((f"{_join(prefix, 'state')}.{p!r}", entries))
+            else:  # (its lists and dicts, which a step or the caller may edit in place: their numbers key the program)
+                _snapshot_plain(snapshot, entries)
             continue
         snapshot.dict(entries)
         owner = names.get(id(p))
@@ -1839,6 +1854,16 @@ def _group_tensors(key: str, v) -> list:
     return [(i, x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)] if _tensors_in(v) else []
 
 
+def _is_plain_data(x, depth: int = 4) -> bool:
+    """A Python number, string, flag or None (`_is_scalar`), or a list, tuple or dict of them
+    nested `depth` deep: data an optimizer may keep under a key of its own (a history of
+    losses), which keys the program and is compared after a trace as a number is."""
+    if type(x) in (list, tuple, dict) and depth > 0:
+        items = x.items() if type(x) is dict else enumerate(x)
+        return all((type(x) is not dict or _is_plain_key(k)) and _is_plain_data(v, depth - 1) for k, v in items)
+    return type(x) not in (list, tuple, dict) and _is_scalar(x)
+
+
 def _hashable(v):
     try:
         hash(v)
@@ -1870,6 +1895,7 @@ class Substitution:
         self._optimizers: list = []
         self._groups: list = []  # (optimizer's name, index, param group, its keys) before the trace
         self.new_numbers: list = []  # (optimizer state, parameter, key, value) of numbers the step put in its state
+        self._own_before: dict = {}  # id(plain data under an optimizer's own key) -> a copy of it before the trace
         self._real_params: dict = {}  # id(an optimizer's parameter as the trace sees it) -> the parameter
         self._fused: set = set()  # ids of the parameters (as the trace sees them) of groups traced unfused
         self._modules: list = []  # (prefix, module, its attributes, its buffers, its containers' items) before the trace
@@ -2416,9 +2442,11 @@ class Substitution:
         entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
         stand_in_state = collections.defaultdict(entry_type)
         for p, entries in opt.state.items():
-            if not isinstance(entries, dict):  # (a tensor under a key of the optimizer's own: its stand-in)
+            if not isinstance(entries, dict) or not isinstance(p, torch.Tensor):  # (under a key of the optimizer's own:
                 stand_in_state[p] = self.swap.get(id(entries), entries) if isinstance(entries, torch.Tensor) else entries
-                continue
+                if not isinstance(entries, torch.Tensor) and not _is_scalar(entries) and _is_plain_data(entries):
+                    self._own_before[id(entries)] = copy.deepcopy(entries)  # (a tensor's stand-in, or the data itself,
+                continue  # which a step may change in place: `_own_data`)
             stand_in_state[self.swap.get(id(p), p)] = entry_type(
                 {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()})
         real_state = opt.state
@@ -2461,12 +2489,17 @@ class Substitution:
                                                 "of tensors the step made: hpfun lifts a tensor kept under a key of the "
                                                 "optimizer's own, not a container of them", "keep each tensor under its "
                                                 "own key (`self.state['acc_n'] = t`), or in a parameter's state"))
-                    elif _is_scalar(entries):  # a number of its own (`self.state["k"] = self.state.get("k", 0) + 1`):
-                        held = real_state.get(p, _MISSING)  # made by the step, put as eager's step leaves it; changed
-                        if held is _MISSING:  # by a later call, refused as a changed step count is (the program
-                            self.new_numbers.append((real_state, p, None, entries))  # bakes the number in)
-                        elif not (type(held) is type(entries) and held == entries):
-                            problems.append(changed_state(f"{_join(prefix, 'state')}[{p!r}]", opt, held, entries))
+                    elif _is_plain_data(entries):  # a number of its own (`self.state["k"] = self.state.get("k", 0)
+                        # + 1`), or a list or dict of them: made by the step, put as eager's step leaves it; changed by
+                        # a later call (rebound, or edited in place), refused as a changed step count is (the program
+                        held = real_state.get(p, _MISSING)  # bakes the data in)
+                        was = self._own_before.get(id(held), held)
+                        if held is _MISSING:
+                            self.new_numbers.append((real_state, p, None, entries))
+                        elif not (type(was) is type(entries) and was == entries):
+                            problems.append(changed_state(f"{_join(prefix, 'state')}[{p!r}]", opt, was, entries))
+                            if was is not held:  # (edited in place: set back)
+                                real_state[p] = was
                     continue
                 entries = entries.stored() if isinstance(entries, _Float64Scalars) else entries
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))

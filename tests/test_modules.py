@@ -1307,6 +1307,50 @@ def test_an_optimizers_number_under_a_key_of_its_own_is_put_at_its_first_step_an
         stock_step(model, opt, DP)(x, y)
 
 
+class HistorySGD(_HandSGD):
+    """An optimizer keeping plain data under keys of its own: a list made empty at its first step,
+    a dict of settings, and (`grows`) a list it appends to at every step."""
+
+    grows = False
+
+    def begin(self):
+        self.state.setdefault("hist", [])
+        self.state.setdefault("cfg", {"scale": 0.5, "names": ("a", "b")})
+        if self.grows:
+            self.state["hist"].append(len(self.state["hist"]))
+
+    def update(self, p, lr):
+        p.add_(p.grad * self.state["cfg"]["scale"], alpha=-lr)
+
+
+def test_an_optimizers_plain_data_under_keys_of_its_own_is_put_and_refused_when_a_step_changes_it():
+    """A list or dict of numbers under an optimizer's own key, made by its first step, is put
+    there as eager's step leaves it (an empty list was dropped, silently); one a later step
+    edits in place is refused by name as a changed number is, and set back."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = HistorySGD(model.parameters()), HistorySGD(ref.parameters())
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+        assert opt.state["hist"] == ref_opt.state["hist"] == [] and opt.state["cfg"] == ref_opt.state["cfg"]
+    opt.state["cfg"]["scale"] = 0.25  # changed between calls, as eager reads it: keys the program
+    ref_opt.state["cfg"]["scale"] = 0.25
+    x, y = batch(3)
+    assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+    assert max_diff(model, ref) < 1e-12
+
+    opt = HistorySGD(model.parameters())
+    opt.grows = True
+    step = stock_step(model, opt, DP)
+    step(x, y)
+    assert opt.state["hist"] == [0]
+    with pytest.raises(hpfun.CaptureError, match=r"opt.state\['hist'\]: changed from \[0\] to \[0, 1\] while"):
+        step(x, y)
+    assert opt.state["hist"] == [0]
+
+
 class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
 
