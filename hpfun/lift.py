@@ -186,6 +186,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
+                optimizer_own(obj, name)
         elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if _keyed_by_tensors(obj):  # (`scales[p]`, `scales.get(p, 1.0)`, `buf[id(p)]`)
@@ -277,6 +278,18 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     for d in cls.__mro__[:cls.__mro__.index(c)]:  # (its subclasses the walk came through: one
                         if _is_user_class(d) and k not in vars(d):  # given its own, `Sub.ema = ...`, is refused)
                             roots.append(Root(f"{d.__qualname__}.{k}", _Inherited(d, c, k)))
+
+    def optimizer_own(opt, name: str) -> None:
+        """What an optimizer holds besides its state and groups, and the code of a user's optimizer
+        class: a hand-written `step`'s globals key the cache as the function's own do, and the
+        attributes it sets on itself are read as a trainer's are (numbers: statics; a dict it
+        fills lazily, `self.by_id.setdefault(id(p), ...)`: state). Both had been left out: a
+        changed global or `self.mult` ran the first program, and the momentum stayed the trace's."""
+        note(_SameAttributes(opt))  # (an attribute set or added between calls: walked again)
+        user_classes(type(opt), name, opt)
+        for k, v in list(vars(opt).items()):
+            if k not in ("state", "param_groups", "defaults") and not k.startswith("_"):
+                value(v, _join(name, k), functools.partial(getattr, opt, k), functools.partial(setattr, opt, k))
 
     def hooks_code(owner, kinds: tuple, name: str) -> None:
         """The hooks in `owner`'s hook dicts (an optimizer's step hooks, the hooks torch runs for
@@ -751,7 +764,7 @@ class _SavedTensorsHooks:
 def _holds(guard: list) -> bool:
     """Every place a walk read still holds the object it held then."""
     for entry in guard:
-        if type(entry) is _Unchanged or type(entry) is _AllUnchanged or type(entry) is _SavedTensorsHooks:
+        if type(entry) in (_Unchanged, _AllUnchanged, _SavedTensorsHooks, _SameAttributes):
             if not entry.holds():
                 return False
             continue
@@ -800,6 +813,24 @@ class _Unchanged:
         if self.version is not None:
             return _dict_version(self.container) == self.version
         return self._ids() == self.ids
+
+
+class _SameAttributes:
+    """A guard on the attributes an optimizer holds besides its state (which every trace sets
+    aside and back): the same names, holding the same objects."""
+
+    __slots__ = ("obj", "held")
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.held = self._held()
+
+    def _held(self) -> list:
+        return [(k, v) for k, v in vars(self.obj).items() if k != "state"]
+
+    def holds(self) -> bool:
+        now = self._held()
+        return len(now) == len(self.held) and all(k == j and v is w for (k, v), (j, w) in zip(now, self.held))
 
 
 def _is_library(filename: str) -> bool:
@@ -1919,7 +1950,8 @@ class Substitution:
                 self._keep(root.name, root.value)
                 self._module(root.value)
             elif isinstance(root.value, torch.optim.Optimizer):
-                self._optimizer(root.value)
+                self._hold_plain(root.name or "optimizer", root.value)  # (its own dicts: `self.by_id.setdefault(id(p),
+                self._optimizer(root.value)  # ...)` in a hand-written step, watched as a trainer's are)
             elif id(root.value) in swap:
                 if root.write is None:
                     raise CaptureError(Problem(root.name, "is a tensor bound in a functools.partial, where hpfun cannot "

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import re
+import sys
 import types
 import warnings
 
@@ -1350,6 +1351,40 @@ def test_an_optimizers_plain_data_under_keys_of_its_own_is_put_and_refused_when_
         step(x, y)
     assert opt.state["hist"] == [0]
 
+
+OPT_SCALE = 1.0  # read by GlobalScaledSGD's step
+
+
+class GlobalScaledSGD(_HandSGD):
+    """A hand-written optimizer whose step reads a global and a number it holds, and keeps its
+    momentum in a dict of its own keyed by the parameters' ids."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.mult, self.by_id = 1.0, {}
+
+    def update(self, p, lr):
+        mom = self.by_id.setdefault(id(p), torch.zeros_like(p)).mul_(0.5).add_(p.grad)
+        p.add_(mom, alpha=-lr * OPT_SCALE * self.mult)
+
+
+def test_a_hand_written_optimizers_globals_and_attributes_are_read_as_the_functions_are(monkeypatch):
+    """Its step's globals and the numbers it sets on itself key the program, and a dict of its
+    own filled lazily under its parameters' ids is state (a changed global or `self.mult` ran the
+    first program, and the momentum was the trace's stand-ins, silently)."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = GlobalScaledSGD(model.parameters()), GlobalScaledSGD(ref.parameters())
+    step = stock_step(model, opt, DP)
+    for i in range(5):
+        if i == 2:
+            monkeypatch.setattr(sys.modules[__name__], "OPT_SCALE", 3.0)
+        if i == 3:
+            opt.mult = ref_opt.mult = 0.5
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+        assert all(type(v) is torch.Tensor for v in opt.by_id.values()) and len(opt.by_id) == len(ref_opt.by_id) == 4
+    assert step.trace_count == 4  # (the momentum made at the first call, the global, the number)
 
 class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
