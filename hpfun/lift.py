@@ -2236,6 +2236,14 @@ class Substitution:
     def _real_key(self, key):
         """(its name, the key eager has) of a key the trace put under a stand-in or its id: the
         parameter it stands for, or that one's id; None for any other key."""
+        if type(key) in (tuple, frozenset) and len(key) <= 4:  # (`(id(p), "m")`, `(p, "exp_avg")`,
+            items = list(key)  # `frozenset([p])`): each part as a key
+            parts = [self._real_key(k) if isinstance(k, FakeTensor) or type(k) is int else None for k in items]
+            if not any(parts):  # (the others as they are)
+                return None
+            names = ", ".join(part[0] if part else repr(k) for part, k in zip(parts, items))
+            real = [part[1] if part else k for part, k in zip(parts, items)]
+            return (f"({names})", tuple(real)) if type(key) is tuple else (f"frozenset({{{names}}})", frozenset(real))
         real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
             if isinstance(key, FakeTensor) or type(key) is int else None
         if real is None:

@@ -1385,7 +1385,39 @@ def test_a_hand_written_optimizers_globals_and_attributes_are_read_as_the_functi
         assert max_diff(model, ref) < 1e-12
         assert all(type(v) is torch.Tensor for v in opt.by_id.values()) and len(opt.by_id) == len(ref_opt.by_id) == 4
     assert step.trace_count == 4  # (the momentum made at the first call, the global, the number)
+class KeyedMomentumTrainer:
+    """A trainer keeping momentum made lazily in a dict of its own, under keys holding each
+    parameter: `(p, "m")`, `(id(p), "m")` or `frozenset([p])`."""
 
+    def __init__(self, key):
+        self.model, self.st, self.key = mlp(), {}, key
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                m = self.st.setdefault(self.key(p), torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                p.sub_(0.1 * m)
+                p.grad = None
+        return loss
+
+
+@pytest.mark.parametrize("key", [lambda p: (p, "m"), lambda p: (id(p), "m"), lambda p: frozenset([p])],
+                         ids=["tensor_in_tuple", "id_in_tuple", "frozenset"])
+def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parameter(key):
+    """Keys holding the trace's stand-ins (or their ids) are put back as eager's, holding the
+    parameters: the dict kept the stand-ins as keys, grew by four keys a call and started every
+    call's momentum from zeros, silently."""
+    trainer, ref = KeyedMomentumTrainer(key), KeyedMomentumTrainer(key)
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+        assert max_diff(trainer.model, ref.model) < 1e-12
+        params = {id(p) for p in trainer.model.parameters()}
+        assert len(trainer.st) == 4 and all(
+            any((id(k) if isinstance(k, torch.Tensor) else k) in params for k in key) for key in trainer.st)
 class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
 
