@@ -2824,8 +2824,8 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
             elif isinstance(entries, dict):
                 _take_from(entries, entries, f"{path}.state", found, seen, depth, attributes=False)
         return
-    if type(v) in (list, dict) or isinstance(v, tuple):
-        _take_from(v, dict(v) if type(v) is dict else dict(enumerate(v)), path, found, seen, depth,
+    if isinstance(v, (list, dict, tuple)):  # (an OrderedDict or defaultdict too)
+        _take_from(v, dict(v) if isinstance(v, dict) else dict(enumerate(v)), path, found, seen, depth,
                    attributes=False)
     elif _is_plain_object(v) and not callable(v):
         _take_from(v, dict(vars(v)), path, found, seen, depth, attributes=True)
@@ -2833,13 +2833,16 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
 
 def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int, attributes: bool) -> None:
     def at(key):
-        return f"{path}.{key}" if attributes else f"{path}[{key!r}]" if type(owner) is dict else f"{path}[{key}]"
+        return f"{path}.{key}" if attributes else f"{path}[{key!r}]" if isinstance(owner, dict) else f"{path}[{key}]"
 
     fakes = [k for k, w in items.items() if isinstance(w, FakeTensor)]
     found += [at(key) for key in fakes]
+    if fakes and isinstance(owner, dict) and type(owner) is not dict:
+        found[-1] += (f" (held in a dict of type {type(owner).__name__}: hpfun takes the state a step makes from "
+                      "plain dicts; hold a dict there)")
     if fakes and type(owner) is list:
         owner[:] = [w for w in owner if not isinstance(w, FakeTensor)]
-    elif fakes and type(owner) is dict:
+    elif fakes and isinstance(owner, dict):
         for key in fakes:
             del owner[key]
     elif fakes and attributes:

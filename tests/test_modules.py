@@ -1385,6 +1385,31 @@ def test_a_hand_written_optimizers_globals_and_attributes_are_read_as_the_functi
         assert max_diff(model, ref) < 1e-12
         assert all(type(v) is torch.Tensor for v in opt.by_id.values()) and len(opt.by_id) == len(ref_opt.by_id) == 4
     assert step.trace_count == 4  # (the momentum made at the first call, the global, the number)
+
+
+@pytest.mark.parametrize("kind", [collections.OrderedDict, functools.partial(collections.defaultdict, type(None))])
+def test_state_a_step_makes_in_a_modules_dict_of_another_type_is_refused_by_name(kind):
+    """Momentum made in an OrderedDict or defaultdict a module holds is refused, naming the
+    entries and the dict's type (the trace's stand-ins were left there, silently)."""
+    model = mlp()
+    model.bufs = kind()
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                model.bufs[name] = model.bufs.get(name, 0) * 0.9 + p.grad
+                p -= 0.1 * model.bufs[name]
+        return loss
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)model.bufs\['0.weight'\].*held in a dict of type "
+                       rf"{type(model.bufs).__name__}: hpfun takes the state a step makes from plain dicts"):
+        step(*batch(0))
+    assert len(model.bufs) == 0 or all(type(v) is torch.Tensor for v in model.bufs.values())
+
+
 class KeyedMomentumTrainer:
     """A trainer keeping momentum made lazily in a dict of its own, under keys holding each
     parameter: `(p, "m")`, `(id(p), "m")` or `frozenset([p])`."""
