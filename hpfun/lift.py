@@ -2207,6 +2207,12 @@ class Substitution:
             appended.add(id(lst))
             for i, v in enumerate(lst[n:]):
                 out.update(_created_items(f"{name}[+{i}]", v, ("append", functools.partial(_same, lst))))
+        for var, obj, held in self._plain_held:  # a tensor a plain object is given where it held none (a trainer's
+            for attr, v in list(vars(obj).items()):  # `self.last = loss.detach()`, one shadowing its class's tensor)
+                if isinstance(v, FakeTensor) and held.get(attr) is None and not attr.startswith("_"):
+                    shadows = isinstance(getattr(type(obj), attr, None), torch.Tensor)  # (its class's: lifted by
+                    name = _join(var, attr) + (" (the instance's own)" if shadows else "")  # that name)
+                    out[name] = (v, ("set", functools.partial(setattr, obj, attr)))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):
@@ -2428,6 +2434,9 @@ class Substitution:
         for _, _, group, keys in self._groups:
             for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
                 del group[key]
+        for _, obj, held in self._plain_held:
+            for attr in [a for a, v in vars(obj).items() if isinstance(v, FakeTensor) and held.get(a) is None]:
+                setattr(obj, attr, None) if attr in held else delattr(obj, attr)
         for _, _, container, items in self._watched:
             inside = container.values() if type(container) is dict else container
             if any(_holds_fake(v) for v in inside) or type(container) is list and \
