@@ -99,6 +99,24 @@ def test_views_reductions_and_lookups_follow_the_order():
     assert torch.equal(e.full(), want_e)
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 2), (2, 2, 1)])
+@pytest.mark.parametrize("pick", [lambda x: x[:, 0], lambda x: x.select(1, -1), lambda x: x.unbind(1)[2],
+                                  lambda x: x.narrow(1, 1, 1), lambda x: x[:, :1]],
+                         ids=["index", "select", "unbind", "narrow", "slice"])
+def test_a_pick_along_one_split_dim_keeps_the_order_of_another(shape, pick):
+    """A few rows picked along a split dim (summed across its blocks) keep the tp-major blocks
+    of the other dim, forward and backward (they came out in mesh order: rows 0, 8, 4, 12)."""
+    mesh = hpfun.Mesh.simulated(shape, ("dp", "tp", "pp"))
+    x = torch.arange(64, dtype=torch.float64).reshape(8, 8)
+    spec = P(("tp", "dp"), "pp")
+    got = hpfun.shard(pick, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
+    assert torch.equal(got.full(), pick(x))
+    grad = hpfun.shard(torch.func.grad(lambda x: pick(x).sin().mul(torch.arange(8.0, dtype=x.dtype)).sum()),
+                       mesh=mesh, in_specs=(spec,), out_specs=spec)
+    torch.testing.assert_close(grad(x).full(), torch.func.grad(
+        lambda x: pick(x).sin().mul(torch.arange(8.0, dtype=x.dtype)).sum())(x), rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # Redistribution between every pair of orders and placements
 # ---------------------------------------------------------------------------------------------

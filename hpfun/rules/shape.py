@@ -154,7 +154,10 @@ class Slice(Rule):
                 ins.append(R), outs.append(R), picked.append(Partial("sum"))
             else:
                 ins.append(p), outs.append(p), picked.append(p)
-        out = _with_fallback(call, ins, outs)
+        # x's order of the axes splitting each dim the slice keeps split alike (`P(("tp", "dp"))` on another
+        # dim): the blocks each rank keeps are its own, in that order (a pick built in mesh order scrambled them)
+        order = tuple(g for g in x.layout.order if all(ins[a] == x.layout.placements[a] for a in g))
+        out = _with_fallback(call, ins, outs, order)
         if picked != outs and call.op in _PICKS and 4 * math.prod(call.outputs[0].shape) <= math.prod(x.shape):
             # the dim split: each rank picks the rows its block holds and writes -0.0 for the
             # others, so the slice is their sum, all-reduced at once (`inner_moves`): not a gather
@@ -163,10 +166,10 @@ class Slice(Rule):
             # inf (the other ranks' -0.0 made +0.0, or NaN). Only for a few rows (a CLS token): an
             # all-reduce moves twice its size, and a slice of most of the dim (a label shift,
             # `lg[:, :-1]`) is cheaper gathered
-            layout = Layout(call.mesh, picked)
+            layout = Layout(call.mesh, picked, order)
             if layout.fits(call.outputs[0].shape):
                 rest = tuple(t.layout for t in call.tensors[1:])
-                out.insert(0, Strategy((x.layout,) + rest, (Layout(call.mesh, tuple(outs)),), note="picked"))
+                out.insert(0, Strategy((x.layout,) + rest, (Layout(call.mesh, tuple(outs), order),), note="picked"))
         return out
 
     def inner_moves(self, call: OpCall, strategy: Strategy) -> list:
@@ -510,11 +513,12 @@ def _replicated(call: OpCall) -> Strategy:
     return Strategy((r,) * len(call.tensors), (r,) * len(call.outputs))
 
 
-def _with_fallback(call: OpCall, ins: list, outs: list) -> list[Strategy]:
-    """The follow strategy of a one-input op (if its shapes divide), then the replicated one."""
+def _with_fallback(call: OpCall, ins: list, outs: list, order: tuple = ()) -> list[Strategy]:
+    """The follow strategy of a one-input op (if its shapes divide), then the replicated one;
+    `order`: of axes splitting one dim of the input that split one dim of the outputs alike."""
     mesh, x = call.mesh, call.tensors[0]
     rest = tuple(t.layout for t in call.tensors[1:])
-    strategy = Strategy((Layout(mesh, ins),) + rest, (Layout(mesh, outs),) * len(call.outputs))
+    strategy = Strategy((Layout(mesh, ins, order),) + rest, (Layout(mesh, outs, order),) * len(call.outputs))
     ok = strategy.inputs[0].fits(x.shape) and all(
         l.fits(o.shape) for l, o in zip(strategy.outputs, call.outputs, strict=True)
     )
