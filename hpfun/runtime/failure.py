@@ -87,7 +87,8 @@ def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
         return False
     if name == "embedding":  # (the table's rows)
         dims = [0]
-    elif name == "index" and isinstance(node.args[1], (list, tuple)):  # (`t[i]`: the dims indexed)
+    elif name in ("index", "index_put") and isinstance(node.args[1], (list, tuple)):  # (`t[i]`, `t[i] = v`: the
+        # dims indexed)
         dims = [d for d, i in enumerate(node.args[1]) if i is not None]
     elif name in _LOOKUPS_ALONG_A_DIM and type(node.args[1]) is int:
         dims = [node.args[1] % max(len(meta[0]), 1)]
