@@ -319,6 +319,19 @@ def spec_text(tree) -> str:
     return str(tree) if isinstance(tree, P) else repr(tree)
 
 
+def _dataclass_specs(specs) -> dict:
+    """A dataclass of specs by field name; a field left at its default value that is no spec (a
+    `steps: int = 0` beside the tensors: `St(P("dp"))`) specifies nothing, as None."""
+    out = {}
+    for f in dataclasses.fields(specs):
+        if hasattr(specs, f.name):
+            v = getattr(specs, f.name)
+            left = f.default is not dataclasses.MISSING and not is_spec_leaf(v) and not isinstance(v, (dict, list, tuple)) \
+                and type(v) is type(f.default) and v == f.default
+            out[f.name] = None if left else v
+    return out
+
+
 def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "") -> list[Problem]:
     """Leaves of a spec tree that are no spec whatever the values they cover (a string, a tuple
     of axis names, a placement): found before tracing, so they are reported with the other
@@ -326,8 +339,8 @@ def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "
     if is_spec_leaf(specs):
         return []
     if dataclasses.is_dataclass(specs) and not isinstance(specs, type):  # a Batch of specs for a Batch
-        return [p for f in dataclasses.fields(specs)
-                for p in spec_tree_problems(getattr(specs, f.name), root, mesh, f"{path}.{f.name}")]
+        return [p for name, spec in _dataclass_specs(specs).items()
+                for p in spec_tree_problems(spec, root, mesh, f"{path}.{name}")]
     if isinstance(specs, dict):
         return [p for k, v in specs.items() for p in spec_tree_problems(v, root, mesh, f"{path}[{k!r}]")]
     if _is_spec_tree(specs):
@@ -350,7 +363,7 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
     if dataclasses.is_dataclass(specs) and type(specs) is type(tree):  # a Batch of specs for a Batch
-        specs = {f.name: getattr(specs, f.name) for f in dataclasses.fields(specs) if hasattr(specs, f.name)}
+        specs = _dataclass_specs(specs)
     if isinstance(specs, dict) and dataclasses.is_dataclass(tree) and not isinstance(tree, type) \
             and not isinstance(tree, collections.abc.Mapping):  # by field name
         fields = {f.name for f in dataclasses.fields(tree)}
