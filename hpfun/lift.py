@@ -2435,7 +2435,8 @@ class Substitution:
             for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
                 del group[key]
         for _, obj, held in self._plain_held:
-            for attr in [a for a, v in vars(obj).items() if isinstance(v, FakeTensor) and held.get(a) is None]:
+            for attr in [a for a, v in vars(obj).items() if isinstance(v, FakeTensor) and held.get(a) is None
+                         and not a.startswith("_")]:  # (as `created` put them; a private one is refused, `left_over`)
                 setattr(obj, attr, None) if attr in held else delattr(obj, attr)
         for _, _, container, items in self._watched:
             inside = container.values() if type(container) is dict else container
