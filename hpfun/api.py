@@ -1084,6 +1084,11 @@ class ShardedFunction:
                                headline="the function stores a tensor where hpfun cannot write it back")
         if changed or moved:
             side_effect = "a traced program cannot repeat Python side effects: make this change outside the sharded function"
+            for root in call.state.roots:  # a number the trace changed, set back (`D["n"] += 1` beside a tensor in
+                was = call.state.statics.get(root.name)  # D: the call is refused, and leaves it as it was)
+                if root.name in changed and root.value is lift._SCALAR and root.write is not None and \
+                        isinstance(was, lift.Exact):
+                    root.write(was.value)
 
             def static_changed(k):
                 opt = next((r.value for r in call.state.roots if isinstance(r.value, torch.optim.Optimizer)

@@ -142,8 +142,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
 
     def value(obj, name: str, read, write, owner: str = "", attrs_read: frozenset = frozenset()) -> None:
         if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
-            if name and read is not None:
-                roots.append(Root(unique(name, owner), _SCALAR, read))
+            if name and read is not None:  # (`write`: to set it back when a trace that changed it is refused)
+                roots.append(Root(unique(name, owner), _SCALAR, read, write))
             return
         if type(obj) in (set, frozenset) and id(obj) not in seen_objects and _keyed_by_tensors(obj):
             seen_objects.add(id(obj))  # (`p in no_decay`; a frozenset is put anew at its place, `write`)

@@ -4241,6 +4241,21 @@ def test_a_refused_trace_leaves_dicts_and_sets_keyed_by_parameters_keyed_by_them
     torch.testing.assert_close(hpfun.shard(scaled, mesh=DP, in_specs=P("dp"), out_specs=P())(x).full(), scaled(x))
 
 
+def test_a_refused_trace_sets_back_a_counter_beside_a_tensor_in_a_dict():
+    """A counter in a dict that also holds a tensor the step rebinds (state) is set back when
+    the trace is refused, as one in a dict of numbers is (it stayed incremented)."""
+    state = {"n": 0, "m": torch.zeros(3, dtype=torch.float64)}
+
+    def step(x):
+        state["n"] += 1
+        state["m"] = state["m"] + x.sum(0)
+        return state["m"].sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"state.n: changed from 0 to 1"):
+        hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
+    assert state["n"] == 0 and type(state["m"]) is torch.Tensor and state["m"].abs().sum().item() == 0
+
+
 class _Power:
     def __init__(self, n):
         self.n = n
