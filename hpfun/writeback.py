@@ -156,6 +156,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     held = _LOCAL._entries
     owned = None  # on a distributed mesh, the ids of modules' and optimizers' state (`module_state`)
     kept = None  # and with the tensors modules keep as attributes (an assigned slot's owner)
+    taken: set = set()  # ids of the program's blocks given to a slot: one output written to two slots (two
+    # momentum buffers of equal gradients, one value in the program) is copied for the second, or they shared storage
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -184,17 +186,17 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 if value.layout.mesh.runtime == "distributed" and state is not None and id(target) not in held:
                     owned = module_state(state.roots) if owned is None else owned
                     whole = id(target) not in owned
-                _update(target, value, whole=whole)
+                _update(target, value, whole=whole, taken=taken)
                 slot = state.slots.get(wb.name) if state is not None else None
                 if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
             elif wb.place is not None:
-                lift.put(state, wb.place, _new_tensor(value))
+                lift.put(state, wb.place, _new_tensor(value, taken=taken))
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
                 param = state.slots[wb.param].read()
                 _meet(param, value)
-                opt.state[param][wb.key] = _new_tensor(value)
+                opt.state[param][wb.key] = _new_tensor(value, taken=taken)
             else:
                 slot = state.slots[wb.slot]
                 if slot.follows in state.slots:
@@ -205,7 +207,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                         isinstance(like, torch.Tensor) and id(like) not in held:
                     kept = module_state(state.roots, attributes=True) if kept is None else kept
                     whole = id(like) not in kept  # a plain object's tensor, a dict's or list's: whole
-                slot.write(_new_tensor(value, like=like, whole=whole))
+                slot.write(_new_tensor(value, like=like, whole=whole, taken=taken))
         if targets:
             _copy(targets, sources, scalars)
 
@@ -265,7 +267,7 @@ def module_state(roots, attributes: bool = False) -> set:
     return out
 
 
-def _update(target, value: Sharded, whole: bool = False) -> None:
+def _update(target, value: Sharded, whole: bool = False, taken: set | None = None) -> None:
     """An input modified in place: a Sharded argument gets its new shards, a tensor its value
     (`whole`: on a distributed mesh too, gathered, where it is not a module's or optimizer's)."""
     if isinstance(target, Sharded):
@@ -289,7 +291,7 @@ def _update(target, value: Sharded, whole: bool = False) -> None:
             target.data = full
         _LOCAL.pop(target, None)
     else:  # lifted state on a distributed mesh: the rank keeps its block
-        target.data = value.shards[0]
+        target.data = _untaken(value.shards[0], taken)
         _hold(target, value.layout, value.global_shape)
 
 
@@ -315,13 +317,23 @@ def keep_blocks(read: list) -> None:
             _hold(tensor, layout, shape)
 
 
-def _new_tensor(value: Sharded, like=None, whole: bool = False) -> torch.Tensor:
+def _untaken(block: torch.Tensor, taken: set | None) -> torch.Tensor:
+    """`block`, or a copy where an earlier write of this call gave it to another slot."""
+    if taken is None:
+        return block
+    if id(block) in taken:
+        return block.clone()
+    taken.add(id(block))
+    return block
+
+
+def _new_tensor(value: Sharded, like=None, whole: bool = False, taken: set | None = None) -> torch.Tensor:
     """A new tensor for an assigned slot: the full value when simulated (or `whole`: gathered on
     a distributed mesh, where the slot is not a module's or optimizer's), the block otherwise."""
     if value.layout.mesh.runtime == "simulated" or whole:
         out = value.full()
     else:
-        out = value.shards[0]
+        out = _untaken(value.shards[0], taken)
         _hold(out, value.layout, value.global_shape)
     if like is not None and isinstance(like, torch.Tensor) and out.device != like.device:
         out = out.to(like.device)
@@ -378,7 +390,7 @@ def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
     for mod in module.modules():
         items = [*mod._buffers.values(), *(v for k, v in vars(mod).items() if not k.startswith("__"))]
         for v in items:
-            for t in (v, *(v.values() if type(v) is dict else v if isinstance(v, (list, tuple)) else ())):
+            for t in (v, *(v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ())):
                 if isinstance(t, torch.Tensor) and id(t) not in listed and id(t) not in seen and held_block(t) is not None:
                     seen.add(id(t))
                     out.append(t)

@@ -304,6 +304,7 @@ def lifted_dp(out: Path):
     got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
+    got["equal gradients"] = equal_gradients_momentum(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT))
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
 
 
@@ -693,6 +694,38 @@ def accumulate_then_step(mesh, x, y) -> dict:
     grads = {k: tuple(p.grad.shape) for k, p in model.named_parameters()}
     sharded_step(mesh, model, opt, (P(), P()), MEGATRON)(x, y)
     return {"grad shapes": grads, "model": hpfun.gather_state(model)}
+
+
+def equal_gradients_residual(model, x, c):
+    h = model["lin"](x)
+    h += model["ctx"](c)  # (the two biases get equal gradients: one value in the program)
+    return h.tanh().pow(2).mean()
+
+
+def equal_gradients_model() -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"lin": torch.nn.Linear(3, 4), "ctx": torch.nn.Linear(2, 4)}).double()
+
+
+def equal_gradients_momentum(mesh) -> dict:
+    """SGD with momentum on two biases whose gradients are one value in the program: each
+    momentum buffer its own block (they shared storage, and later steps updated it twice)."""
+    model = equal_gradients_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @hpfun.shard(mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def step(x, c):
+        loss = equal_gradients_residual(model, x, c)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    data = torch.randn(3, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    losses = [step(d[:, :3], d[:, 3:]).full() for d in data]
+    bufs = [opt.state[model[k].bias]["momentum_buffer"] for k in ("lin", "ctx")]
+    return {"losses": losses, "model": _snapshot(hpfun.gather_state(model)),
+            "shared": bufs[0].untyped_storage().data_ptr() == bufs[1].untyped_storage().data_ptr()}
 
 
 def _snapshot(state: dict) -> dict:

@@ -208,6 +208,27 @@ def test_batchnorm_running_statistics_under_data_parallel(lifted_dp_job):
         _close(got["after mismatch"], next_loss, f"rank {rank}: the step after the ranks' failed call")
 
 
+def test_momentum_of_parameters_with_equal_gradients_is_a_block_each(lifted_dp_job):
+    """Two biases whose gradients are one value of the program (`h = lin(x); h += ctx(c)`):
+    each momentum buffer gets its own block, and three steps equal eager's (they shared
+    storage, and every later step updated it twice, silently)."""
+    w = _worker()
+    model = w.equal_gradients_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = torch.randn(3, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for d in data:
+        losses.append(w.equal_gradients_residual(model, d[:, :3], d[:, 3:]))
+        losses[-1].backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, results in enumerate(lifted_dp_job):
+        got = results["equal gradients"]
+        assert not got["shared"], rank
+        _close(torch.stack(got["losses"]), torch.stack(losses).detach(), f"rank {rank}: losses")
+        _close(got["model"], model.state_dict(), f"rank {rank}")
+
+
 def test_gradients_accumulated_without_a_step_then_a_step(lifted_dp_job):
     """Backward-only calls on a tp split leave each rank its parameters' and gradients' blocks
     (a gradient may not differ from its parameter in shape); the step after them equals eager's."""
