@@ -349,9 +349,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 note(None)  # a dict, changeable in place
             function(fn.func, name, given)
             for i, a in enumerate(fn.args):
-                value(a, f"{name}.args.{i}", _constant(a), None)
+                value(a, _join(name, f"args.{i}"), _constant(a), None)
             for k, a in fn.keywords.items():
-                value(a, f"{name}.{k}", _constant(a), None)
+                value(a, _join(name, k), _constant(a), None)
             return
         if isinstance(fn, types.MethodType):  # a module's method names its state by FQN, another's as self.*
             owner = fn.__self__
@@ -1467,7 +1467,7 @@ def _held_dict(attr: str, v) -> bool:
     """A dict a module holds whose tensors are its state (a cache its forward fills): a public
     one, or a private one holding tensors (torchmetrics' `self._defaults`); never torch's own
     bookkeeping (`_parameters`, `_buffers`, `_modules`)."""
-    if type(v) is not dict or attr.startswith("__") or attr in _MODULE_INTERNALS:
+    if not _is_dict(v) or attr.startswith("__") or attr in _MODULE_INTERNALS:
         return False
     return not attr.startswith("_") or any(isinstance(t, torch.Tensor) for t in v.values())
 
@@ -1499,7 +1499,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     if _is_plain_object(w) and id(w) not in objects:
                         objects.add(id(w))
                         snapshot.dict(vars(w))
-            elif attr not in _MODULE_INTERNALS and type(v) in (list, dict) and id(v) not in objects:
+            elif attr not in _MODULE_INTERNALS and (type(v) is list or _is_dict(v)) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)
             elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -1982,8 +1982,9 @@ class Substitution:
         holders = [obj for _, obj, _ in self._plain_held]  # (the function's `self` among them)
         holders += [m for root in self.state.roots if isinstance(root.value, torch.nn.Module) for m in root.value.modules()]
         found = [root.value.container for root in self.state.roots if isinstance(root.value, _Keyed)]
-        found += [c for _, _, c, _ in self._watched if type(c) is dict]
-        found += [v for obj in holders for k, v in vars(obj).items() if type(v) in (dict, set) and not k.startswith("_")]
+        found += [c for _, _, c, _ in self._watched if _is_dict(c)]
+        found += [v for obj in holders for k, v in _own_attributes(obj).items()
+                  if (_is_dict(v) or type(v) is set) and not k.startswith("_")]
         ids = {real_id: id(stand_in) for real_id, stand_in in self.swap.items()}
 
         def stand_in_for(k):
@@ -2102,21 +2103,22 @@ class Substitution:
                     self._tuples_held.append((var, read, container))
                 if _is_plain_object(container) and not callable(container):
                     self._hold_plain_and_parts(var, container)  # (`cfg.sub.m = ...`)
-                if type(container) in (list, dict) and not any(c is container for _, _, c, _ in self._watched):
-                    self._watched.append((var, read, container, dict(container) if type(container) is dict
+                if (type(container) is list or _is_dict(container)) and not any(c is container for _, _, c, _ in
+                                                                                 self._watched):
+                    self._watched.append((var, read, container, dict(container) if _is_dict(container)
                                           else list(container)))
-                    if type(container) is dict:  # its lists too (`D["l"].append(t)`), and its dicts (state made
+                    if _is_dict(container):  # its lists too (`D["l"].append(t)`), and its dicts (state made
                         self._watch_inside(var, container, 2)  # lazily: `D["bufs"].setdefault(p, ...)`), nested
 
     def _watch_inside(self, var: str, container: dict, depth: int) -> None:
         """The lists and dicts a watched dict holds, watched too, to `depth` levels (`D["a"]["l"]`)."""
         for key, inner in container.items():
-            if type(inner) not in (list, dict) or any(c is inner for _, _, c, _ in self._watched):
+            if not (type(inner) is list or _is_dict(inner)) or any(c is inner for _, _, c, _ in self._watched):
                 continue
             name = f"{var}[{key!r}]"
             self._watched.append((name, functools.partial(_same, inner), inner,
                                   list(inner) if type(inner) is list else dict(inner)))
-            if type(inner) is dict and depth > 1:
+            if _is_dict(inner) and depth > 1:
                 self._watch_inside(name, inner, depth - 1)
 
     def _hold_plain_and_parts(self, var: str, obj, sequences: bool = False) -> None:
@@ -2138,8 +2140,8 @@ class Substitution:
         if any(held is obj for _, held, _ in self._plain_held):
             return
         self._plain_held.append((var, obj, dict(vars(obj))))
-        for k, v in vars(obj).items():
-            if type(v) is dict and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
+        for k, v in _own_attributes(obj).items():
+            if _is_dict(v) and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
                 self._writers[id(v)] = functools.partial(setattr, obj, k)
             elif type(v) is tuple and _holds_tensor(v):  # (rebound to another length: refused)
@@ -2150,7 +2152,7 @@ class Substitution:
         for name, mod in module.named_modules(remove_duplicate=True):
             held = vars(mod)
             containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
-                          if type(v) in (dict, list) and not k.startswith("_")}
+                          if (type(v) is list or _is_dict(v)) and not k.startswith("_")}
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
             self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
@@ -2224,7 +2226,7 @@ class Substitution:
                 appended.add(id(container))
                 for i, v in enumerate(container[len(items):]):
                     out.update(_created_items(f"{var}[+{i}]", v, ("append", read)))
-            elif (write := self._writers.get(id(container))) is not None and type(now := read()) is dict \
+            elif (write := self._writers.get(id(container))) is not None and _is_dict(now := read()) \
                     and now is not container and _holds_fake(now) and not _holds_tensor(items):
                 out.update(_created_items(var, now, ("set", write)))  # (`self.stats = {"m": t}` where it held none)
             else:  # (only new keys, and dicts of tensors put where one held none: a tensor held before is
@@ -2362,7 +2364,7 @@ class Substitution:
             if now is container:  # a dict in one of its places given a new dict (`L[0] = {"a": L[0]["a"] + v}`):
                 places = items.items() if type(items) is dict else enumerate(items)  # merged into the old one
                 for key, was in list(places):
-                    new = container.get(key) if type(container) is dict else \
+                    new = container.get(key) if _is_dict(container) else \
                         container[key] if key < len(container) else None
                     if type(was) is tuple and type(new) is tuple and len(new) != len(was) and _holds_fake(new):
                         refused(f"{var}[{key!r}]", "tuple", f"another length ({len(was)} items before, {len(new)} "
@@ -2378,7 +2380,7 @@ class Substitution:
                         continue
                     if type(was) is not dict or type(new) is not dict or new is was or not _holds_fake(new):
                         continue
-                    if type(container) is dict and not _holds_tensor(was):  # (`D["cache"] = {"k": t}` where it held
+                    if _is_dict(container) and not _holds_tensor(was):  # (`D["cache"] = {"k": t}` where it held
                         continue  # none: state the step makes, put whole at every call, `created`)
                     if (other := _other_keys(was, new, f"{var}[{key!r}]")) is not None:
                         refused(*other, dict_keep)
@@ -2391,10 +2393,10 @@ class Substitution:
             if id(container) in self._writers and not _holds_tensor(items):  # (a plain object's dict that held
                 continue  # none given one of tensors: state the step makes, put whole at every call, `created`)
             kind = type(container).__name__
-            if kind == "dict" and (other := _other_keys(container, now, var)) is not None:
+            if _is_dict(container) and (other := _other_keys(container, now, var)) is not None:
                 refused(*other, dict_keep)
                 _rebind(read, container)
-            elif kind != "dict" and len(now) != len(container):
+            elif not _is_dict(container) and len(now) != len(container):
                 refused(var, kind, f"another length ({len(container)} items before, {len(now)} now)",
                         "its length (a window: `G = G[1:] + [v]`)")
                 _rebind(read, container)
@@ -2439,11 +2441,11 @@ class Substitution:
                          and not a.startswith("_")]:  # (as `created` put them; a private one is refused, `left_over`)
                 setattr(obj, attr, None) if attr in held else delattr(obj, attr)
         for _, _, container, items in self._watched:
-            inside = container.values() if type(container) is dict else container
+            inside = container.values() if _is_dict(container) else container
             if any(_holds_fake(v) for v in inside) or type(container) is list and \
                     (len(container) != len(items) or any(a is not b for a, b in zip(container, items))):
                 container.clear()
-                container.update(items) if type(container) is dict else container.extend(items)
+                container.update(items) if _is_dict(container) else container.extend(items)
 
     def _optimizer(self, opt):
         prefix = next(r.name for r in self.state.roots if r.value is opt)
@@ -2660,7 +2662,7 @@ class Substitution:
             if now is not container and _holds_fake(now):
                 # rebound (`G = G[1:] + [v]`): its places are written back by their slots; a place no slot
                 # has (the list held one tensor twice, lifted once) would keep the old value
-                items = now.items() if type(now) is dict else enumerate(now) if type(now) is list else ()
+                items = now.items() if _is_dict(now) else enumerate(now) if type(now) is list else ()
                 found += [f"{var}[{k!r}] (rebound: its old {type(container).__name__} had no tensor of its own there)" for k, v in items
                           if _holds_fake(v) and f"{var}.{k}" not in self.state.slots]
                 _rebind(read, container)
@@ -2675,14 +2677,14 @@ class Substitution:
                 else:
                     del mod._modules[key]
         for var, _, container, items in self._watched:  # a module made inside, kept in a global or closed-over
-            inside = container.items() if type(container) is dict else enumerate(container)  # list or dict, or
+            inside = container.items() if _is_dict(container) else enumerate(container)  # list or dict, or
             made = [k for k, v in inside if v is not (items.get(k) if type(items) is dict else  # on a plain object:
                                                       items[k] if k < len(items) else None)  # taken out whole (its
                     and _holds_made_module(v)]
             if made:  # weights were taken out, leaving a Linear without weight for eager code)
                 found += [f"{var}[{k!r}] (a module made inside the function)" for k in made]
                 container.clear()
-                container.update(items) if type(container) is dict else container.extend(items)
+                container.update(items) if _is_dict(container) else container.extend(items)
             _drop_made_modules(container, var, found)  # (in a dict or list it holds)
         for var, obj, held in self._plain_held:
             for attr, v in list(vars(obj).items()):
@@ -2797,6 +2799,20 @@ def _rebind(read, value) -> None:
     elif isinstance(read, functools.partial) and getattr(target, "__name__", "") == "get" \
             and isinstance(getattr(target, "__self__", None), dict):
         target.__self__[read.args[0]] = value
+
+
+def _own_attributes(obj) -> dict:
+    """An object's attributes, an optimizer's without its state, groups and defaults (which
+    hpfun lifts and keys as such)."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return {k: v for k, v in vars(obj).items() if k not in ("state", "param_groups", "defaults")}
+    return vars(obj)
+
+
+def _is_dict(c) -> bool:
+    """A dict, or an OrderedDict or defaultdict (a hand-written optimizer's `defaultdict(dict)`
+    state): what hpfun watches for the tensors and keys a step puts there."""
+    return type(c) in (dict, collections.OrderedDict, collections.defaultdict)
 
 
 def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:

@@ -1387,35 +1387,49 @@ def test_a_hand_written_optimizers_globals_and_attributes_are_read_as_the_functi
     assert step.trace_count == 4  # (the momentum made at the first call, the global, the number)
 
 
-@pytest.mark.parametrize("kind", [collections.OrderedDict, functools.partial(collections.defaultdict, type(None))])
-def test_state_a_step_makes_in_a_modules_dict_of_another_type_is_refused_by_name(kind):
-    """Momentum made in an OrderedDict or defaultdict a module holds is refused, naming the
-    entries and the dict's type (the trace's stand-ins were left there, silently)."""
-    model = mlp()
-    model.bufs = kind()
+class _OwnDict(dict):
+    """A dict subclass of the user's: not watched for the state a step puts there."""
 
-    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
+
+@pytest.mark.parametrize("kind", [collections.OrderedDict, functools.partial(collections.defaultdict, type(None)),
+                                  _OwnDict], ids=["OrderedDict", "defaultdict", "subclass"])
+def test_state_a_step_makes_in_a_modules_ordered_or_default_dict_is_its_state(kind):
+    """Momentum made in an OrderedDict or defaultdict a module holds is state, as in a dict;
+    in a dict subclass of the user's it is refused, naming the entries and the dict's type (the
+    trace's stand-ins were left there, silently)."""
+    model, ref = mlp(), mlp()
+    model.bufs, ref.bufs = kind(), kind()
+
+    def train(m, x, y):
+        loss = F.cross_entropy(m(x), y)
         loss.backward()
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                model.bufs[name] = model.bufs.get(name, 0) * 0.9 + p.grad
-                p -= 0.1 * model.bufs[name]
+            for name, p in m.named_parameters():
+                m.bufs[name] = m.bufs.get(name, 0) * 0.9 + p.grad
+                p -= 0.1 * m.bufs[name]
+                p.grad = None
         return loss
 
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)model.bufs\['0.weight'\].*held in a dict of type "
-                       rf"{type(model.bufs).__name__}: hpfun takes the state a step makes from plain dicts"):
-        step(*batch(0))
-    assert len(model.bufs) == 0 or all(type(v) is torch.Tensor for v in model.bufs.values())
+    step = hpfun.shard(functools.partial(train, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    if kind is _OwnDict:
+        with pytest.raises(hpfun.CaptureError, match=r"(?s)bufs\['0.weight'\].*held in a dict of type "
+                           r"_OwnDict: hpfun takes the state a step makes from plain dicts"):
+            step(*batch(0))
+        assert len(model.bufs) == 0
+        return
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - train(ref, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12 and type(model.bufs) is type(ref.bufs)
+        assert list(model.bufs) == list(ref.bufs) and all(type(v) is torch.Tensor for v in model.bufs.values())
 
 
 class KeyedMomentumTrainer:
     """A trainer keeping momentum made lazily in a dict of its own, under keys holding each
     parameter: `(p, "m")`, `(id(p), "m")` or `frozenset([p])`."""
 
-    def __init__(self, key):
-        self.model, self.st, self.key = mlp(), {}, key
+    def __init__(self, key, kind=dict):
+        self.model, self.st, self.key = mlp(), kind(), key
 
     def step(self, x, y):
         loss = F.cross_entropy(self.model(x), y)
@@ -1428,13 +1442,16 @@ class KeyedMomentumTrainer:
         return loss
 
 
-@pytest.mark.parametrize("key", [lambda p: (p, "m"), lambda p: (id(p), "m"), lambda p: frozenset([p])],
-                         ids=["tensor_in_tuple", "id_in_tuple", "frozenset"])
-def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parameter(key):
+@pytest.mark.parametrize("key,kind", [(lambda p: (p, "m"), dict), (lambda p: (id(p), "m"), dict),
+                                      (lambda p: frozenset([p]), dict), (lambda p: (p,), collections.OrderedDict),
+                                      (lambda p: (p,), functools.partial(collections.defaultdict, dict))],
+                         ids=["tensor_in_tuple", "id_in_tuple", "frozenset", "ordereddict", "defaultdict"])
+def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parameter(key, kind):
     """Keys holding the trace's stand-ins (or their ids) are put back as eager's, holding the
     parameters: the dict kept the stand-ins as keys, grew by four keys a call and started every
-    call's momentum from zeros, silently."""
-    trainer, ref = KeyedMomentumTrainer(key), KeyedMomentumTrainer(key)
+    call's momentum from zeros, silently. In an OrderedDict or a defaultdict as in a dict (the
+    stand-ins stayed there too)."""
+    trainer, ref = KeyedMomentumTrainer(key, kind), KeyedMomentumTrainer(key, kind)
     step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     for i in range(3):
         x, y = batch(i)
