@@ -893,8 +893,13 @@ def unguarded_draws(fn, opaque=()):
                 if _generator_state(gen) != before[key]:
                     _set_generator_state(gen, before[key])
                     if name.split(" ")[0].split(".")[0] not in guarded:
+                        fix = _DRAW_FIX
+                        if key == id(random._inst) and "beartype" in sys.modules:
+                            fix += (" (beartype is loaded: its checks of a list's or dict's items pick one with "
+                                    "`random.getrandbits`, a draw that changes no result; if that is the only draw, "
+                                    "set PYTHONOPTIMIZE=1 before the library is imported, which turns @beartype off)")
                         _refuse(Problem(name, "was drawn from while hpfun traced the function: the program would "
-                                        "repeat the trace's draws at every call", _DRAW_FIX))
+                                        "repeat the trace's draws at every call", fix))
 
 
 @contextlib.contextmanager

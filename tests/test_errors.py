@@ -1,6 +1,7 @@
 """Bad input raises clear errors before anything runs: what was wrong, where, and the fix."""
 
 import random
+import sys
 import time
 
 import numpy as np
@@ -706,6 +707,18 @@ def test_draws_and_clock_reads_under_other_names_are_refused_all_in_one_report()
     assert "(2 problems)" in text and "random.random at" in text and "time.time at" in text
     seeded = hpfun.shard(lambda a: a * random.Random(3).random(), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
     torch.testing.assert_close(seeded(torch.ones(4, 2)).full(), torch.full((4, 2), random.Random(3).random()))
+
+
+def test_a_draw_with_beartype_loaded_names_its_checks_and_how_to_turn_them_off(monkeypatch):
+    """beartype's checks pick a list's item to check with `random.getrandbits` (lucidrains'
+    packages decorate their forwards with @beartype): with beartype loaded, the refusal says so
+    and names the switch that turns it off."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "beartype", types.ModuleType("beartype"))
+    _, text = _raise(hpfun.shard(lambda a: a * uniform01(), mesh=MESH, in_specs=P("dp"), out_specs=P("dp")),
+                     torch.ones(4, 2), error=hpfun.CaptureError)
+    assert "beartype is loaded" in text and "PYTHONOPTIMIZE=1" in text, text
 
 
 MESH_TP = hpfun.Mesh.simulated((2,), ("tp",))
