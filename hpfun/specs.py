@@ -207,13 +207,24 @@ def _mapping_unflatten(kind, values, keys):
     data = dict(zip(keys, values, strict=True))
     try:
         return kind(data)
-    except Exception:  # noqa: BLE001 - a constructor that wants more: the mapping filled in place
-        out = kind.__new__(kind)
-        if isinstance(out, collections.UserDict):
-            out.data = data
-        else:
-            out.update(data)
+    except Exception:  # noqa: BLE001 - a constructor that wants more: by keywords, or filled in place
+        pass
+    if all(isinstance(k, str) for k in data):  # (a Mapping of the user's made as `MyMap(w=...)`)
+        try:
+            return kind(**data)
+        except Exception:  # noqa: BLE001
+            pass
+    out = kind.__new__(kind)
+    if isinstance(out, collections.UserDict):
+        out.data = data
         return out
+    try:
+        out.update(data)
+    except Exception as err:  # noqa: BLE001 - a read-only Mapping, or one whose __init__ makes its storage
+        raise TypeError(f"hpfun hands a mapping argument of type {kind.__name__} to the function as one of its own "
+                        f"type, made with {kind.__name__}(dict) or {kind.__name__}(**dict), which it refused: give "
+                        f"it a constructor taking the items, or pass a dict") from err
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The front door, tried as a new user would: keyword arguments, non-tensor and NumPy values,
 spec mistakes with their paths and fixes, and rule tables that fail to load."""
 
+import collections.abc
 import dataclasses
 import textwrap
 import types
@@ -160,6 +161,45 @@ def test_dataclasses_and_mappings_in_and_out_are_containers():
                                    total(nested))
     err, text = _error(hpfun.shard(step, mesh=MESH, in_specs=([P("dp"), P()],)), Batch(x, y))
     assert "a dict of specs by its field names" in text and "the same Batch holding specs" in text
+
+
+class _KeywordMap(collections.abc.MutableMapping):
+    """A mapping of the user's, made from keywords, keeping its items in an attribute."""
+
+    def __init__(self, **items):
+        self._items = dict(items)
+
+    def __getitem__(self, k):
+        return self._items[k]
+
+    def __setitem__(self, k, v):
+        self._items[k] = v
+
+    def __delitem__(self, k):
+        del self._items[k]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_a_mapping_of_the_users_made_from_keywords_is_handed_over_as_itself():
+    """A collections.abc mapping whose constructor takes keywords reaches the function as one of
+    its type, and what the function puts in it reaches the caller's (it failed: the rebuilt one
+    had no storage, 'object has no attribute _items')."""
+
+    def step(x, m):
+        assert type(m) is _KeywordMap
+        m["total"] = (x * m["w"]).sum()
+        return x * m["w"]
+
+    x, m = torch.randn(8, 3), _KeywordMap(w=torch.arange(3.0))
+    out = hpfun.shard(step, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))(x, m)
+    torch.testing.assert_close(out.full(), x * torch.arange(3.0))
+    total = m["total"]
+    torch.testing.assert_close(total.full() if isinstance(total, hpfun.Sharded) else total, (x * torch.arange(3.0)).sum())
 
 
 def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
