@@ -2322,6 +2322,8 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
             items = [(pytree.GetAttrKey(k), pytree.GetAttrKey(k), v) for k, v in held.items()]
         elif type(x) is tuple:
             items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple: its fields (the dicts they hold)
+            items = [(pytree.GetAttrKey(k), pytree.GetAttrKey(k), v) for k, v in zip(x._fields, x)]
         else:
             return
         for key, step, v in items:

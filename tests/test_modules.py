@@ -1952,6 +1952,24 @@ def test_what_the_function_puts_in_a_dict_argument_beside_a_numpy_array_is_put_i
     torch.testing.assert_close(feats["y"].full(), torch.arange(8.0, dtype=torch.float64).reshape(4, 2) * 2)
 
 
+_WithLog = collections.namedtuple("_WithLog", ["x", "log"])
+
+
+def test_what_the_function_puts_in_a_dict_a_namedtuple_argument_holds_is_put_in_the_callers():
+    """A namedtuple's fields are seen into as a tuple's items are (the dict it held stayed empty,
+    silently)."""
+    def fn(x, nt):
+        nt.log["y"] = nt.x * x.sum()
+        return x * 2
+
+    x = torch.ones(4, 3, dtype=torch.float64)
+    nt = _WithLog(torch.arange(3.0, dtype=torch.float64), {})
+    hpfun.shard(fn, mesh=DP, in_specs=(P("dp"), P()), out_specs=P("dp"))(x, nt)
+    assert list(nt.log) == ["y"]
+    y = nt.log["y"]
+    torch.testing.assert_close(y.full() if isinstance(y, hpfun.Sharded) else y, torch.arange(3.0, dtype=torch.float64) * 12)
+
+
 @dataclasses.dataclass(slots=True)
 class _SlotState:
     buf: torch.Tensor
