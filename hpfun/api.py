@@ -2061,8 +2061,9 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
 
 
 def _is_container(x) -> bool:
-    """A dataclass instance, or a mapping that is not a dict (`register_container`)."""
-    return (isinstance(x, collections.abc.Mapping) or dataclasses.is_dataclass(x)) and not isinstance(x, type)
+    """A dataclass instance, a mapping that is not a dict, or a UserList (`register_container`)."""
+    return (isinstance(x, (collections.abc.Mapping, collections.UserList)) or dataclasses.is_dataclass(x)) \
+        and not isinstance(x, type)
 
 
 def _is_numpy(x) -> bool:

@@ -143,6 +143,10 @@ def register_container(kind: type) -> bool:
             pytree.register_pytree_node(kind, _mapping_flatten, functools.partial(_mapping_unflatten, kind),
                                         serialized_type_name=name, flatten_with_keys_fn=_mapping_flatten_with_keys)
             return True
+        if issubclass(kind, collections.UserList):  # a list of the user's (its items, as a list's)
+            pytree.register_pytree_node(kind, _user_list_flatten, functools.partial(_user_list_unflatten, kind),
+                                        serialized_type_name=name, flatten_with_keys_fn=_user_list_flatten_with_keys)
+            return True
     except (TypeError, ValueError):  # fields a dataclass's __init__ does not take: a leaf, as before
         return False
     return False
@@ -161,7 +165,7 @@ def register_containers_in(tree, depth: int = 8) -> None:
         if type(tree) is dict or register_container(type(tree)):
             for v in list(tree.values()):
                 register_containers_in(v, depth - 1)
-    elif isinstance(tree, (list, tuple)):
+    elif isinstance(tree, (list, tuple)) or isinstance(tree, collections.UserList) and register_container(type(tree)):
         for v in tree:
             register_containers_in(v, depth - 1)
 
@@ -197,6 +201,20 @@ def _dataclass_unflatten(kind, values, names):
 
 def _mapping_flatten(m):
     return list(m.values()), list(m.keys())
+
+
+def _user_list_flatten(x):
+    return list(x), None
+
+
+def _user_list_flatten_with_keys(x):
+    return [(pytree.SequenceKey(i), v) for i, v in enumerate(x)], None
+
+
+def _user_list_unflatten(kind, values, _):
+    out = kind.__new__(kind)
+    out.data = list(values)
+    return out
 
 
 def _mapping_flatten_with_keys(m):
@@ -397,7 +415,8 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
                 kept.setdefault(where, {})[name] = f"{tuple(x.shape)}: {why}"
             out.append(spec)
         return out
-    if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple)) and len(specs) == len(tree):
+    if isinstance(specs, (list, tuple)) and isinstance(tree, (list, tuple, collections.UserList)) and \
+            len(specs) == len(tree):
         return [s for i, (sp, t) in enumerate(zip(specs, tree, strict=True))
                 for s in broadcast_prefix(sp, t, problems, path + (pytree.SequenceKey(i),), root, mesh, kept)]
     if not _is_spec_tree(specs):  # a string, a tuple of axis names, a placement: meant as one spec

@@ -202,6 +202,24 @@ def test_a_mapping_of_the_users_made_from_keywords_is_handed_over_as_itself():
     torch.testing.assert_close(total.full() if isinstance(total, hpfun.Sharded) else total, (x * torch.arange(3.0)).sum())
 
 
+class _Batches(collections.UserList):
+    """A list of the user's."""
+
+
+def test_a_user_list_argument_is_a_list_handed_over_as_itself():
+    """A UserList of tensors is seen into as a list, given one spec or one per item, and reaches
+    the function as itself (it was refused as a value that is not hashable)."""
+
+    def f(x, batches):
+        assert type(batches) is _Batches
+        return x * batches[0] + batches[1].sum()
+
+    x, batches = torch.randn(8, 3), _Batches([torch.ones(3), torch.arange(8.0)])
+    for spec in (P(), [P(), P("dp")]):
+        g = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), spec), out_specs=P("dp"))
+        torch.testing.assert_close(g(x, batches).full(), f(x, batches))
+
+
 def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
     """An object holding tensors that is not a container hpfun can see into would hand back the
     trace's stand-ins: an error naming its path."""
