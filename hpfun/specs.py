@@ -355,10 +355,31 @@ def _dataclass_specs(specs) -> dict:
     for f in dataclasses.fields(specs):
         if hasattr(specs, f.name):
             v = getattr(specs, f.name)
-            left = f.default is not dataclasses.MISSING and not is_spec_leaf(v) and not isinstance(v, (dict, list, tuple)) \
-                and type(v) is type(f.default) and v == f.default
-            out[f.name] = None if left else v
+            out[f.name] = None if _left_at_default(v, f) else v
     return out
+
+
+def _left_at_default(v, f: dataclasses.Field) -> bool:
+    """Whether a spec dataclass's field holds its default (or its default factory's value), with
+    no spec inside: `shape: tuple = (2, 3)`, `tags: list = field(default_factory=list)`, `eps = nan`."""
+    if is_spec_leaf(v) and v is not None or any(isinstance(leaf, P) for leaf in pytree.tree_leaves(v)):
+        return False
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        try:
+            default = f.default_factory()
+        except Exception:  # noqa: BLE001 - a factory that needs more than nothing: no default to compare
+            return False
+    else:
+        return False
+    if v is default:
+        return True
+    try:
+        same = type(v) is type(default) and bool(v == default)
+    except Exception:  # noqa: BLE001 - values whose == is not a truth value (arrays, tensors)
+        return False
+    return same or isinstance(v, float) and isinstance(default, float) and v != v and default != default
 
 
 def spec_tree_problems(specs, root: str, mesh: Mesh | None = None, path: str = "") -> list[Problem]:

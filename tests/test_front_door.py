@@ -3,6 +3,7 @@ spec mistakes with their paths and fixes, and rule tables that fail to load."""
 
 import collections.abc
 import dataclasses
+import math
 import textwrap
 import types
 
@@ -161,6 +162,24 @@ def test_dataclasses_and_mappings_in_and_out_are_containers():
                                    total(nested))
     err, text = _error(hpfun.shard(step, mesh=MESH, in_specs=([P("dp"), P()],)), Batch(x, y))
     assert "a dict of specs by its field names" in text and "the same Batch holding specs" in text
+
+
+@dataclasses.dataclass
+class _Run:
+    buf: torch.Tensor
+    shape: tuple = (2, 3)
+    tags: list = dataclasses.field(default_factory=lambda: ["a"])
+    eps: float = math.nan
+
+
+def test_a_dataclass_of_specs_may_leave_fields_holding_no_tensor_at_their_defaults():
+    """`_Run(P("dp"))` for a `_Run` argument: fields left at a default, a default factory's value
+    or NaN specify nothing (each was refused as a bad spec: 'got int 2', 'write P('a')')."""
+    run = _Run(torch.randn(8, 3))
+    f = hpfun.shard(lambda r: r.buf * 2, mesh=MESH, in_specs=(_Run(P("dp")),), out_specs=P("dp"))
+    torch.testing.assert_close(f(run).full(), run.buf * 2)
+    err, text = _error(hpfun.shard(lambda r: r.buf * 2, mesh=MESH, in_specs=(_Run(P("dp"), (4, 4)),)), run)
+    assert "args[0]['shape']" in text, text
 
 
 class _KeywordMap(collections.abc.MutableMapping):
