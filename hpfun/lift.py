@@ -287,8 +287,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         changed global or `self.mult` ran the first program, and the momentum stayed the trace's."""
         note(_SameAttributes(opt))  # (an attribute set or added between calls: walked again)
         user_classes(type(opt), name, opt)
-        for k, v in list(vars(opt).items()):
-            if k not in ("state", "param_groups", "defaults") and not k.startswith("_"):
+        for k, v in list(vars(opt).items()):  # (a private one holding a tensor too: `self._gn`, made by a step)
+            if k not in ("state", "param_groups", "defaults") and (not k.startswith("_") or isinstance(v, torch.Tensor)):
                 value(v, _join(name, k), functools.partial(getattr, opt, k), functools.partial(setattr, opt, k))
 
     def hooks_code(owner, kinds: tuple, name: str) -> None:
@@ -462,8 +462,8 @@ def _binding(obj):
     values keyed otherwise (state, scalars, containers, user objects)."""
     if isinstance(obj, types.FunctionType):
         return _Same(obj.__code__)
-    if isinstance(obj, types.MethodType):
-        return (_binding(obj.__func__), _Same(obj.__self__))
+    if isinstance(obj, types.MethodType):  # (an object of the user's by its values too: `scaler.__call__` held by a
+        return (_binding(obj.__func__), _bound_argument(obj.__self__))  # module, `scaler.s` changed)
     if isinstance(obj, functools.partial):  # (and its arguments: `partial(F.leaky_relu, negative_slope=0.1)`
         return ("partial", _binding(obj.func), tuple(map(_bound_argument, obj.args)),  # held by a module, then 0.5)
                 tuple((k, _bound_argument(v)) for k, v in obj.keywords.items()))
@@ -900,7 +900,9 @@ def object_key(x, depth: int = 4):
         return ("dict", tuple((Exact(k), object_key(v, depth - 1)) for k, v in x.items()))
     if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
-    if depth and is_config(x):
+    if depth and type(x) is set and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's: by their values)
+        return ("set", tuple(sorted(repr(object_key(v, depth - 1)) for v in x)))
+    if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in attributes(x).items()))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return ("tensor", id(x))
@@ -1332,7 +1334,7 @@ def _held_values(v):
         return ("set", frozenset(v))
     if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(_key_objects(m, None) for m in v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
-    if type(v) in (list, dict) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
+    if type(v) is list or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
         key = _values_of(object_key(v, 3))
         return None if key is _BY_IDENTITY else key
     if callable(v) and not _is_plain_object(v):
@@ -1360,16 +1362,34 @@ def _values_of(key):
 def _watch_held(snapshot, v, depth: int = 3) -> None:
     """A module's list or dict of numbers, watched (and the ones inside it) so that an edit in
     place (`model.ks[0] = 3.0`) collects the module's values again."""
-    if type(v) is dict and len(v) <= PLAIN_CONTAINER_ITEMS:
+    if _is_dict(v) and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.dict(v)
         items = v.values()
     elif type(v) is list and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.list(v)
         items = v
+    elif type(v) in (tuple, set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS:
+        items = v
+    elif isinstance(v, functools.partial):  # (its keywords edited in place, an object among its arguments)
+        snapshot.dict(v.keywords)
+        items = (*v.args, *v.keywords.values())
+    elif isinstance(v, types.MethodType):  # (a bound method's object: `m.fn = scaler.__call__`)
+        items = (v.__self__,)
+    elif _is_called_object(v) or _is_plain_object(v) and _is_user_object(v):  # (`m.acts = [Scaler(2.0)]`,
+        snapshot.dict(vars(v))  # `m.cfg = {"p": {Pw(1.0)}}`: their numbers, changed in place)
+        items = vars(v).values()
     else:
         return
     for w in items if depth > 1 else ():
         _watch_held(snapshot, w, depth - 1)
+
+
+def _is_called_object(x) -> bool:
+    """An object of the user's that is called (an activation `Scaler(2.0)`), not state: what
+    its `__call__` reads from it is baked into a trace, so its values key the program."""
+    return _is_user_object(x) and callable(x) and not isinstance(
+        x, (torch.nn.Module, torch.optim.Optimizer, Sharded, types.MethodType, types.FunctionType, functools.partial)) \
+        and isinstance(getattr(x, "__dict__", None), dict)
 
 
 class Exact:
@@ -1407,10 +1427,11 @@ def expand_statics(statics: dict) -> dict:
 
 
 def _is_plain_object(v) -> bool:
-    """An object with attributes that is not state, a function or a class: a config."""
+    """An object with attributes that is not state, a function, a class or a container (an
+    OrderedDict has a `__dict__` too): a config."""
     return isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
         v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType, types.FunctionType,
-            types.MethodType, functools.partial, Sharded))
+            types.MethodType, functools.partial, Sharded, dict, list, tuple, set, frozenset))
 
 
 def _constant(v):
@@ -1499,7 +1520,8 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     if _is_plain_object(w) and id(w) not in objects:
                         objects.add(id(w))
                         snapshot.dict(vars(w))
-            elif attr not in _MODULE_INTERNALS and (type(v) is list or _is_dict(v)) and id(v) not in objects:
+            elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple) or _is_dict(v) or isinstance(
+                    v, (functools.partial, types.MethodType))) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)
             elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -2073,6 +2095,10 @@ class Substitution:
                     # (`self.stats = {...}`; `self.opt.state.setdefault(p, ...)`: an object it holds, a
                     # hand-written optimizer, or a list or tuple of them, `self.opts`)
                     self._hold_plain_and_parts("self", f.__self__, sequences=True)
+                if isinstance(f, functools.partial):  # (`partial(step, trainer)`: the trainer, as a method's self)
+                    for i, a in enumerate(f.args):
+                        if _is_plain_object(a) and not callable(a):
+                            self._hold_plain_and_parts(f"args.{i}", a, sequences=True)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue
@@ -2210,11 +2236,11 @@ class Substitution:
             for i, v in enumerate(lst[n:]):
                 out.update(_created_items(f"{name}[+{i}]", v, ("append", functools.partial(_same, lst))))
         for var, obj, held in self._plain_held:  # a tensor a plain object is given where it held none (a trainer's
-            for attr, v in list(vars(obj).items()):  # `self.last = loss.detach()`, one shadowing its class's tensor)
-                if isinstance(v, FakeTensor) and held.get(attr) is None and not attr.startswith("_"):
+            for attr, v in list(vars(obj).items()):  # `self.last = loss.detach()`, one shadowing its class's tensor,
+                if _made_attribute(obj, attr, v, held):  # a tuple or dict of them: `self.run = (loss,)`)
                     shadows = isinstance(getattr(type(obj), attr, None), torch.Tensor)  # (its class's: lifted by
                     name = _join(var, attr) + (" (the instance's own)" if shadows else "")  # that name)
-                    out[name] = (v, ("set", functools.partial(setattr, obj, attr)))
+                    out.update(_created_items(name, v, ("set", functools.partial(setattr, obj, attr))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):
@@ -2437,8 +2463,7 @@ class Substitution:
             for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
                 del group[key]
         for _, obj, held in self._plain_held:
-            for attr in [a for a, v in vars(obj).items() if isinstance(v, FakeTensor) and held.get(a) is None
-                         and not a.startswith("_")]:  # (as `created` put them; a private one is refused, `left_over`)
+            for attr in [a for a, v in vars(obj).items() if _made_attribute(obj, a, v, held)]:  # (as `created` put them)
                 setattr(obj, attr, None) if attr in held else delattr(obj, attr)
         for _, _, container, items in self._watched:
             inside = container.values() if _is_dict(container) else container
@@ -2799,6 +2824,13 @@ def _rebind(read, value) -> None:
     elif isinstance(read, functools.partial) and getattr(target, "__name__", "") == "get" \
             and isinstance(getattr(target, "__self__", None), dict):
         target.__self__[read.args[0]] = value
+
+
+def _made_attribute(obj, attr: str, v, held: dict) -> bool:
+    """Whether the trace gave a plain object a tensor (or a tuple, list or dict of them) where it
+    held none: state the step makes (a GradScaler's lazily made `_scale` is refused, with its fix)."""
+    return held.get(attr) is None and (isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and
+                                       _holds_fake(v)) and not (attr.startswith("_") and is_grad_scaler(obj))
 
 
 def _own_attributes(obj) -> dict:

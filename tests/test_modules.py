@@ -1462,6 +1462,69 @@ def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parame
             any((id(k) if isinstance(k, torch.Tensor) else k) in params for k in key) for key in trainer.st)
 
 
+def _train_with(trainer, x, y):
+    return trainer.step(x, y)
+
+
+def test_a_trainer_bound_in_a_partial_keeps_its_lazy_state_as_a_methods_self_does():
+    """`partial(train, trainer)` sharded: the dicts of the trainer it binds are watched as a bound
+    method's self's are (the state kept the trace's stand-ins as keys, and the next call was
+    refused naming hpfun's bookkeeping)."""
+    trainer, ref = KeyedMomentumTrainer(lambda p: p), KeyedMomentumTrainer(lambda p: p)
+    step = hpfun.shard(functools.partial(_train_with, trainer), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+        assert max_diff(trainer.model, ref.model) < 1e-12
+        assert all(type(k) is torch.nn.Parameter for k in trainer.st) and len(trainer.st) == 4
+
+
+class _RunningTrainer:
+    """A trainer making a private tensor, a tuple and a dict of tensors on its first step."""
+
+    def __init__(self):
+        self.w = torch.ones(3, dtype=torch.float64)
+
+    def step(self, x):
+        loss = (x.sum(0) * self.w).sum()
+        self._ema = loss if not hasattr(self, "_ema") else self._ema * 0.5 + loss
+        self.run = (self._ema * 2,)
+        self.stats = {"last": loss}
+        return self._ema
+
+
+class _CountingNormSGD(_HandSGD):
+    """A hand-written optimizer counting its steps in a private tensor it makes at the first."""
+
+    def begin(self):
+        self._n = torch.ones((), dtype=torch.float64) if not hasattr(self, "_n") else self._n + 1
+
+    def update(self, p, lr):
+        p.add_(p.grad / self._n, alpha=-lr)
+
+
+def test_private_tensors_and_containers_of_tensors_a_step_makes_on_its_objects_are_state():
+    """A private tensor attribute, and a tuple or dict of tensors, that a trainer or a hand-written
+    optimizer makes at the first step are put there, and read at the next calls as eager reads them
+    (the trace's stand-ins stayed: the next call failed saying hpfun had a bug, or the optimizer's
+    count stayed 1 and the weights drifted, silently)."""
+    trainer, ref = _RunningTrainer(), _RunningTrainer()
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.full((4, 3), i + 1.0, dtype=torch.float64)
+        assert abs(step(x).full().item() - ref.step(x).item()) < 1e-12
+        assert torch.equal(trainer._ema, ref._ema) and torch.equal(trainer.run[0], ref.run[0])
+        assert torch.equal(trainer.stats["last"], ref.stats["last"]) and type(trainer.run[0]) is torch.Tensor
+
+    model, ref_model = mlp(), mlp()
+    opt, ref_opt = _CountingNormSGD(model.parameters()), _CountingNormSGD(ref_model.parameters())
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref_model, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref_model) < 1e-12 and opt._n.item() == ref_opt._n.item() == i + 1
+
+
 class _ShadowedEma:
     """A helper whose class holds a tensor its instances shadow when the step assigns it."""
 

@@ -240,6 +240,32 @@ class _Power:
         self.s = s
 
 
+def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
+    """A number changed in place on an object a module reaches through a container or a
+    callable runs a new program (each ran the first, silently): a partial's keyword edited in
+    place, a called object in a list, dict or tuple a module holds, an object in a set in a dict
+    it holds, a bound method's object, and an object among a partial's arguments."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) - 0.3
+    m = torch.nn.Module()
+    m.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+    m.acts, m.cfg2, m.tup = [_Scaler(2.0)], {"act": _Scaler(2.0)}, (_Scaler(2.0),)
+    power, bound, held = _Power(1.0), _Scaler(2.0), _Scaler(2.0)
+    m.cfg, m.fn, m.papp = {"powers": {power}}, bound.__call__, functools.partial(lambda o, x: o(x), held)
+    cases = [(lambda x: m.act(x), lambda: m.act.keywords.__setitem__("negative_slope", 0.6)),
+             (lambda x: m.acts[0](x), lambda: setattr(m.acts[0], "s", 4.0)),
+             (lambda x: m.cfg2["act"](x), lambda: setattr(m.cfg2["act"], "s", 5.0)),
+             (lambda x: m.tup[0](x), lambda: setattr(m.tup[0], "s", 5.0)),
+             (lambda x: x * sum(q.s for q in m.cfg["powers"]), lambda: setattr(power, "s", 4.0)),
+             (lambda x: m.fn(x), lambda: setattr(bound, "s", 5.0)),
+             (lambda x: m.papp(x), lambda: setattr(held, "s", 5.0))]
+    for fn, change in cases:
+        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+        assert torch.equal(f(x).full(), fn(x))
+        change()
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+
+
 def test_what_partials_objects_and_sets_held_by_classes_and_modules_hold_keys_the_cache():
     """Values a trace bakes in, reached through a class or a module, key the cache as a global's
     do (each ran the first program, silently): a called object a class holds (its number changed,
