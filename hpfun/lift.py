@@ -99,7 +99,7 @@ def _member_ids(container) -> frozenset:
 def _is_tensor_key(k, depth: int = 3) -> bool:
     """A tensor, or an address-sized int (`id(p)`), as a dict's key or a set's member, or a
     tuple holding one (`(p, "w")`)."""
-    return isinstance(k, torch.Tensor) or type(k) is int and k >= 1 << 32 or \
+    return isinstance(k, torch.Tensor) or _is_an_id(k) or \
         bool(depth) and type(k) in (tuple, frozenset) and any(_is_tensor_key(x, depth - 1) for x in k)
 
 
@@ -197,7 +197,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             else:
                 note(None)
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
-                key = k if _is_scalar(k) and not (type(k) is int and k >= 1 << 32) else f"<key {i}>"  # optimizer:
+                key = k if _is_scalar(k) and not _is_an_id(k) else f"<key {i}>"  # optimizer:
                 # by position, never by its printed values; an id(p), each process's own: by position too)
                 value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
                 at = functools.partial(_key_at, obj, i)
@@ -1907,6 +1907,11 @@ def _group_tensors(key: str, v) -> list:
     return [(i, x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)] if _tensors_in(v) else []
 
 
+def _is_an_id(k) -> bool:
+    """A key that is an object's id (`id(p)`, `str(id(p))`): each process's own, named by position."""
+    return type(k) is int and k >= 1 << 32 or type(k) is str and k.isdigit() and len(k) >= 10 and int(k) >= 1 << 32
+
+
 def _is_plain_data(x, depth: int = 4) -> bool:
     """A Python number, string, flag or None (`_is_scalar`), or a list, tuple or dict of them
     nested `depth` deep: data an optimizer may keep under a key of its own (a history of
@@ -2016,6 +2021,8 @@ class Substitution:
                 members = tuple(k)
                 parts = tuple(map(stand_in_for, members))
                 return type(k)(parts) if any(a is not b for a, b in zip(parts, members)) else k
+            if type(k) is str and k.isdigit() and int(k) in ids:  # (`str(id(p))`)
+                return str(ids[int(k)])
             return ids.get(k, k) if type(k) is int else k
 
         for root in self.state.roots:  # a frozenset of parameters: one of their stand-ins at its place
@@ -2271,13 +2278,17 @@ class Substitution:
         """(its name, the key eager has) of a key the trace put under a stand-in or its id: the
         parameter it stands for, or that one's id; None for any other key."""
         if type(key) in (tuple, frozenset) and len(key) <= 4:  # (`(id(p), "m")`, `(p, "exp_avg")`,
-            items = list(key)  # `frozenset([p])`): each part as a key
-            parts = [self._real_key(k) if isinstance(k, FakeTensor) or type(k) is int else None for k in items]
+            items = list(key)  # `frozenset([p])`, `((p, 0), "m")`): each part as a key
+            parts = [self._real_key(k) if isinstance(k, FakeTensor) or type(k) in (int, str, tuple, frozenset) else None
+                     for k in items]
             if not any(parts):  # (the others as they are)
                 return None
             names = ", ".join(part[0] if part else repr(k) for part, k in zip(parts, items))
             real = [part[1] if part else k for part, k in zip(parts, items)]
             return (f"({names})", tuple(real)) if type(key) is tuple else (f"frozenset({{{names}}})", frozenset(real))
+        if type(key) is str:  # (`str(id(p))`: the id of the parameter it stands for, as a string)
+            found = self._real_key(int(key)) if key.isdigit() else None
+            return None if found is None else (f"str({found[0]})", str(found[1]))
         real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
             if isinstance(key, FakeTensor) or type(key) is int else None
         if real is None:

@@ -1424,6 +1424,15 @@ def test_state_a_step_makes_in_a_modules_ordered_or_default_dict_is_its_state(ki
         assert list(model.bufs) == list(ref.bufs) and all(type(v) is torch.Tensor for v in model.bufs.values())
 
 
+def _holds_parameter(key, params: set) -> bool:
+    """Whether a key is, or holds, one of the parameters (by id, its id, or its id's digits)."""
+    if isinstance(key, torch.Tensor):
+        return id(key) in params
+    if isinstance(key, (tuple, frozenset)):
+        return any(_holds_parameter(k, params) for k in key)
+    return key in params or isinstance(key, str) and key.isdigit() and int(key) in params
+
+
 class KeyedMomentumTrainer:
     """A trainer keeping momentum made lazily in a dict of its own, under keys holding each
     parameter: `(p, "m")`, `(id(p), "m")` or `frozenset([p])`."""
@@ -1444,13 +1453,15 @@ class KeyedMomentumTrainer:
 
 @pytest.mark.parametrize("key,kind", [(lambda p: (p, "m"), dict), (lambda p: (id(p), "m"), dict),
                                       (lambda p: frozenset([p]), dict), (lambda p: (p,), collections.OrderedDict),
-                                      (lambda p: (p,), functools.partial(collections.defaultdict, dict))],
-                         ids=["tensor_in_tuple", "id_in_tuple", "frozenset", "ordereddict", "defaultdict"])
+                                      (lambda p: (p,), functools.partial(collections.defaultdict, dict)),
+                                      (lambda p: ((p, 0), "m"), dict), (lambda p: str(id(p)), dict)],
+                         ids=["tensor_in_tuple", "id_in_tuple", "frozenset", "ordereddict", "defaultdict", "nested_tuple",
+                              "str_id"])
 def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parameter(key, kind):
     """Keys holding the trace's stand-ins (or their ids) are put back as eager's, holding the
     parameters: the dict kept the stand-ins as keys, grew by four keys a call and started every
     call's momentum from zeros, silently. In an OrderedDict or a defaultdict as in a dict (the
-    stand-ins stayed there too)."""
+    stand-ins stayed there too), and under a nested tuple or `str(id(p))`."""
     trainer, ref = KeyedMomentumTrainer(key, kind), KeyedMomentumTrainer(key, kind)
     step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
     for i in range(3):
@@ -1458,8 +1469,7 @@ def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parame
         assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
         assert max_diff(trainer.model, ref.model) < 1e-12
         params = {id(p) for p in trainer.model.parameters()}
-        assert len(trainer.st) == 4 and all(
-            any((id(k) if isinstance(k, torch.Tensor) else k) in params for k in key) for key in trainer.st)
+        assert len(trainer.st) == 4 and all(_holds_parameter(key, params) for key in trainer.st)
 
 
 def _train_with(trainer, x, y):
