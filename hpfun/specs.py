@@ -412,8 +412,9 @@ def broadcast_prefix(specs, tree, problems: list, path=(), root: str = "args", m
     where = root + pytree.keystr(path)
     if is_spec_leaf(specs):
         return [specs] * n_leaves(tree)
-    if dataclasses.is_dataclass(specs) and type(specs) is type(tree):  # a Batch of specs for a Batch
-        specs = _dataclass_specs(specs)
+    if dataclasses.is_dataclass(specs) and not isinstance(specs, type) and isinstance(tree, type(specs)):
+        specs = _dataclass_specs(specs)  # a Batch of specs for a Batch (or for a subclass: its own fields None)
+        specs.update((k, None) for k in dataclass_items(tree) if k not in specs)
     if isinstance(specs, dict) and dataclasses.is_dataclass(tree) and not isinstance(tree, type) \
             and not isinstance(tree, collections.abc.Mapping):  # by field name
         fields = {f.name for f in dataclasses.fields(tree)}

@@ -172,6 +172,11 @@ class _Run:
     eps: float = math.nan
 
 
+@dataclasses.dataclass
+class _LongRun(_Run):
+    more: int = 7
+
+
 def test_a_dataclass_of_specs_may_leave_fields_holding_no_tensor_at_their_defaults():
     """`_Run(P("dp"))` for a `_Run` argument: fields left at a default, a default factory's value
     or NaN specify nothing (each was refused as a bad spec: 'got int 2', 'write P('a')')."""
@@ -180,6 +185,8 @@ def test_a_dataclass_of_specs_may_leave_fields_holding_no_tensor_at_their_defaul
     torch.testing.assert_close(f(run).full(), run.buf * 2)
     err, text = _error(hpfun.shard(lambda r: r.buf * 2, mesh=MESH, in_specs=(_Run(P("dp"), (4, 4)),)), run)
     assert "args[0]['shape']" in text, text
+    sub = _LongRun(torch.randn(8, 3))  # a spec of its base class: the subclass's own fields specify nothing
+    torch.testing.assert_close(f(sub).full(), sub.buf * 2)
 
 
 class _KeywordMap(collections.abc.MutableMapping):
