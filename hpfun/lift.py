@@ -2060,7 +2060,7 @@ class Substitution:
         for mod in module.modules():
             caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
             caches += [v for k, v in vars(mod).items() if type(v) is list and not k.startswith("_")]
-            caches += [t for c in list(caches) if type(c) is dict for t in c.values() if type(t) is list]
+            caches += [t for c in list(caches) if _is_dict(c) for t in c.values() if type(t) is list]
             for store in (mod._parameters, mod._buffers, vars(mod), *caches):
                 for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
                     if isinstance(v, torch.Tensor) and id(v) in self.swap:
@@ -2189,7 +2189,7 @@ class Substitution:
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
             self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
-                if type(v) is dict:
+                if _is_dict(v):
                     self._inner_lists += [(_entry_name(_join(prefix, name), k, key), lst, len(lst))
                                           for key, lst in v.items() if type(lst) is list and _is_plain_key(key)]
                     self._inner_held.update((id(lst), list(lst)) for lst in v.values() if type(lst) is list)

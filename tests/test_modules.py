@@ -1535,6 +1535,41 @@ def test_private_tensors_and_containers_of_tensors_a_step_makes_on_its_objects_a
         assert max_diff(model, ref_model) < 1e-12 and opt._n.item() == ref_opt._n.item() == i + 1
 
 
+@pytest.mark.parametrize("kind", ["defaultdict", "OrderedDict"])
+def test_lists_in_a_modules_ordered_or_default_dict_hold_its_state(kind):
+    """A list a step appends to, or whose tensor it updates, inside a module's defaultdict(list)
+    or OrderedDict of lists, is its state as in a dict (the next call was refused: 'one level
+    deep', or the first: 'a list inside a list')."""
+    def build():
+        model = mlp()
+        names = [n for n, _ in model.named_parameters()]
+        model.snap = collections.defaultdict(list) if kind == "defaultdict" else \
+            collections.OrderedDict((n, []) for n in names)
+        return model
+
+    def train(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                held = m.snap[n]
+                if not held:
+                    held.append(torch.zeros_like(p))
+                held[0].mul_(0.5).add_(p.grad)
+                p.sub_(0.1 * held[0])
+                p.grad = None
+        return loss
+
+    model, ref = build(), build()
+    step = hpfun.shard(functools.partial(train, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - train(ref, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12 and all(
+            (model.snap[n][0] - ref.snap[n][0]).abs().max().item() < 1e-12 for n in ref.snap)
+    assert step.trace_count == 2
+
+
 class _ShadowedEma:
     """A helper whose class holds a tensor its instances shadow when the step assigns it."""
 
