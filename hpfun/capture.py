@@ -846,6 +846,14 @@ def _set_generator_state(gen, state) -> None:
     bits.state = pickle.loads(state)
 
 
+def _cell_value(cell):
+    """A closure cell's value; None for an empty one (its `cell_contents` raises ValueError)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
+
+
 @contextlib.contextmanager
 def unguarded_draws(fn, opaque=()):
     """Around the traced call of `fn`: random draws and clock reads `_python_random_refused`'s
@@ -875,7 +883,7 @@ def unguarded_draws(fn, opaque=()):
     if isinstance(target, types.FunctionType):
         g = target.__globals__
         places += [(g, var) for var in target.__code__.co_names if _clock_name(g.get(var))]
-        places += [(cell, None) for cell in target.__closure__ or () if _clock_name(getattr(cell, "cell_contents", None))]
+        places += [(cell, None) for cell in target.__closure__ or () if _clock_name(_cell_value(cell))]
     with contextlib.ExitStack() as stack:
         for holder, var in places:
             if var is not None:

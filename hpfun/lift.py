@@ -379,7 +379,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         seen_functions.add(key)
         note((fn, "__code__", code))
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-            contents = getattr(cell, "cell_contents", _MISSING)
+            contents = _cell_contents(cell)
             note((cell, "cell_contents", contents))
             if contents is _MISSING or (id(cell), var) in seen_places:  # (empty: assigned later in the enclosing function)
                 continue
@@ -769,7 +769,8 @@ def _holds(guard: list) -> bool:
                 return False
             continue
         holder, name, obj = entry
-        now = holder.get(name, _MISSING) if type(holder) is dict else getattr(holder, name, _MISSING)
+        now = holder.get(name, _MISSING) if type(holder) is dict else \
+            _cell_contents(holder) if name == "cell_contents" else getattr(holder, name, _MISSING)
         if now is not obj:
             return False
     return True
@@ -1907,6 +1908,15 @@ def _group_tensors(key: str, v) -> list:
     return [(i, x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)] if _tensors_in(v) else []
 
 
+def _cell_contents(cell):
+    """What a closure cell holds; _MISSING for an empty one (a variable assigned only on another
+    branch), whose `cell_contents` raises ValueError, not AttributeError."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
+
+
 def _is_an_id(k) -> bool:
     """A key that is an object's id (`id(p)`, `str(id(p))`): each process's own, named by position."""
     return type(k) is int and k >= 1 << 32 or type(k) is str and k.isdigit() and len(k) >= 10 and int(k) >= 1 << 32
@@ -2103,9 +2113,9 @@ class Substitution:
                     # hand-written optimizer, or a list or tuple of them, `self.opts`)
                     self._hold_plain_and_parts("self", f.__self__, sequences=True)
                 if isinstance(f, functools.partial):  # (`partial(step, trainer)`: the trainer, as a method's self)
-                    for i, a in enumerate(f.args):
+                    for i, a in (*enumerate(f.args), *f.keywords.items()):
                         if _is_plain_object(a) and not callable(a):
-                            self._hold_plain_and_parts(f"args.{i}", a, sequences=True)
+                            self._hold_plain_and_parts(f"args.{i}" if type(i) is int else i, a, sequences=True)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
                 continue

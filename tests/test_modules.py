@@ -1476,17 +1476,35 @@ def _train_with(trainer, x, y):
     return trainer.step(x, y)
 
 
+def _train_with_keyword(x, y, *, trainer):
+    return trainer.step(x, y)
+
+
+def test_a_function_closing_over_an_empty_cell_runs():
+    """A variable the function closes over, assigned only on another branch (an empty cell), is
+    no state (the walk raised a bare ValueError: Cell is empty)."""
+    def make(train):
+        if train:
+            opt = None
+        return hpfun.shard(lambda x: x * 2 if not train else opt, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+
+    f = make(False)
+    for _ in range(2):
+        assert torch.equal(f(torch.ones(4)).full(), torch.full((4,), 2.0))
+
+
 def test_a_trainer_bound_in_a_partial_keeps_its_lazy_state_as_a_methods_self_does():
     """`partial(train, trainer)` sharded: the dicts of the trainer it binds are watched as a bound
     method's self's are (the state kept the trace's stand-ins as keys, and the next call was
     refused naming hpfun's bookkeeping)."""
-    trainer, ref = KeyedMomentumTrainer(lambda p: p), KeyedMomentumTrainer(lambda p: p)
-    step = hpfun.shard(functools.partial(_train_with, trainer), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
-        assert max_diff(trainer.model, ref.model) < 1e-12
-        assert all(type(k) is torch.nn.Parameter for k in trainer.st) and len(trainer.st) == 4
+    for bind in (lambda t: functools.partial(_train_with, t), lambda t: functools.partial(_train_with_keyword, trainer=t)):
+        trainer, ref = KeyedMomentumTrainer(lambda p: p), KeyedMomentumTrainer(lambda p: p)
+        step = hpfun.shard(bind(trainer), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+        for i in range(3):
+            x, y = batch(i)
+            assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+            assert max_diff(trainer.model, ref.model) < 1e-12
+            assert all(type(k) is torch.nn.Parameter for k in trainer.st) and len(trainer.st) == 4
 
 
 class _RunningTrainer:
