@@ -1308,6 +1308,14 @@ def test_an_optimizers_number_under_a_key_of_its_own_is_put_at_its_first_step_an
         stock_step(model, opt, DP)(x, y)
 
 
+def _steps_match_eager(step, model, ref, ref_opt, calls: int = 3) -> None:
+    """`calls` sharded steps of `model` each equal to eager's step of `ref`: loss and parameters."""
+    for i in range(calls):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+
+
 class HistorySGD(_HandSGD):
     """An optimizer keeping plain data under keys of its own: a list made empty at its first step,
     a dict of settings, and (`grows`) a list it appends to at every step."""
@@ -1331,11 +1339,8 @@ def test_an_optimizers_plain_data_under_keys_of_its_own_is_put_and_refused_when_
     model, ref = mlp(), mlp()
     opt, ref_opt = HistorySGD(model.parameters()), HistorySGD(ref.parameters())
     step = stock_step(model, opt, DP)
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
-        assert opt.state["hist"] == ref_opt.state["hist"] == [] and opt.state["cfg"] == ref_opt.state["cfg"]
+    _steps_match_eager(step, model, ref, ref_opt)
+    assert opt.state["hist"] == ref_opt.state["hist"] == [] and opt.state["cfg"] == ref_opt.state["cfg"]
     opt.state["cfg"]["scale"] = 0.25  # changed between calls, as eager reads it: keys the program
     ref_opt.state["cfg"]["scale"] = 0.25
     x, y = batch(3)
@@ -1635,10 +1640,7 @@ def test_a_tensor_deep_copied_inside_the_step_is_a_copy_of_its_values():
     model, ref = mlp(), mlp()
     opt, ref_opt = DeepcopySGD(model.parameters()), DeepcopySGD(ref.parameters())
     step = stock_step(model, opt, DP)
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
+    _steps_match_eager(step, model, ref, ref_opt)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(opt.state[p]["buf"], ref_opt.state[q]["buf"], rtol=1e-12, atol=1e-12)
 
