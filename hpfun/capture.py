@@ -846,12 +846,13 @@ def _set_generator_state(gen, state) -> None:
     bits.state = pickle.loads(state)
 
 
-def _cell_value(cell):
-    """A closure cell's value; None for an empty one (its `cell_contents` raises ValueError)."""
+def cell_value(cell, empty=None):
+    """A closure cell's value; `empty` for an empty one (a variable assigned only on another
+    branch), whose `cell_contents` raises ValueError, not AttributeError."""
     try:
         return cell.cell_contents
     except ValueError:
-        return None
+        return empty
 
 
 @contextlib.contextmanager
@@ -883,7 +884,7 @@ def unguarded_draws(fn, opaque=()):
     if isinstance(target, types.FunctionType):
         g = target.__globals__
         places += [(g, var) for var in target.__code__.co_names if _clock_name(g.get(var))]
-        places += [(cell, None) for cell in target.__closure__ or () if _clock_name(_cell_value(cell))]
+        places += [(cell, None) for cell in target.__closure__ or () if _clock_name(cell_value(cell))]
     with contextlib.ExitStack() as stack:
         for holder, var in places:
             if var is not None:

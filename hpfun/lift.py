@@ -38,7 +38,7 @@ import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, exact_key, in_backwards
+from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, cell_value, exact_key, in_backwards
 from hpfun.optimizers import PythonFloats, read_as_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
@@ -379,7 +379,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         seen_functions.add(key)
         note((fn, "__code__", code))
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-            contents = _cell_contents(cell)
+            contents = cell_value(cell, _MISSING)
             note((cell, "cell_contents", contents))
             if contents is _MISSING or (id(cell), var) in seen_places:  # (empty: assigned later in the enclosing function)
                 continue
@@ -770,7 +770,7 @@ def _holds(guard: list) -> bool:
             continue
         holder, name, obj = entry
         now = holder.get(name, _MISSING) if type(holder) is dict else \
-            _cell_contents(holder) if name == "cell_contents" else getattr(holder, name, _MISSING)
+            cell_value(holder, _MISSING) if name == "cell_contents" else getattr(holder, name, _MISSING)
         if now is not obj:
             return False
     return True
@@ -1906,15 +1906,6 @@ def _group_tensors(key: str, v) -> list:
     if isinstance(v, torch.Tensor):
         return [(None, v)]
     return [(i, x) for i, x in enumerate(v) if isinstance(x, torch.Tensor)] if _tensors_in(v) else []
-
-
-def _cell_contents(cell):
-    """What a closure cell holds; _MISSING for an empty one (a variable assigned only on another
-    branch), whose `cell_contents` raises ValueError, not AttributeError."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _MISSING
 
 
 def _is_an_id(k) -> bool:
