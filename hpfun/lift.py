@@ -288,7 +288,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         note(_SameAttributes(opt))  # (an attribute set or added between calls: walked again)
         user_classes(type(opt), name, opt)
         for k, v in list(vars(opt).items()):  # (a private one holding a tensor too: `self._gn`, made by a step)
-            if k not in ("state", "param_groups", "defaults") and (not k.startswith("_") or isinstance(v, torch.Tensor)):
+            if k not in ("state", "param_groups", "defaults") and (_users_attribute(opt, k) or isinstance(v, torch.Tensor)):
                 value(v, _join(name, k), functools.partial(getattr, opt, k), functools.partial(setattr, opt, k))
 
     def hooks_code(owner, kinds: tuple, name: str) -> None:
@@ -1323,6 +1323,20 @@ class ModuleValues:
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own bookkeeping in every module
+# torch's own bookkeeping in every optimizer (its hook dicts, profiling name), and what an LR
+# scheduler sets on the optimizer it wraps (`_opt_called`, set by every step)
+_OPTIMIZER_INTERNALS = frozenset(vars(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {}))) | {"_opt_called"}
+
+
+def _users_attribute(obj, attr: str) -> bool:
+    """Whether an object's attribute is the user's, watched and lifted as its public ones are: a
+    public one, or a private one of an object of the user's own class (a hand-written optimizer's
+    `self._bufs` or `self._step`, a trainer's `self._acc`), torch's own optimizer bookkeeping
+    excepted. A library's private attributes are its own (they had been left out for the user's
+    classes too: momentum in `self._bufs` was read as the trace's constants, silently)."""
+    if not attr.startswith("_"):
+        return True
+    return not attr.startswith("__") and attr not in _OPTIMIZER_INTERNALS and _is_user_class(type(obj))
 
 
 def _held_values(v):
@@ -2012,7 +2026,7 @@ class Substitution:
         found = [root.value.container for root in self.state.roots if isinstance(root.value, _Keyed)]
         found += [c for _, _, c, _ in self._watched if _is_dict(c)]
         found += [v for obj in holders for k, v in _own_attributes(obj).items()
-                  if (_is_dict(v) or type(v) is set) and not k.startswith("_")]
+                  if (_is_dict(v) or type(v) is set) and _users_attribute(obj, k)]
         ids = {real_id: id(stand_in) for real_id, stand_in in self.swap.items()}
 
         def stand_in_for(k):
@@ -2175,7 +2189,7 @@ class Substitution:
             return
         self._plain_held.append((var, obj, dict(vars(obj))))
         for k, v in _own_attributes(obj).items():
-            if _is_dict(v) and not k.startswith("_") and not any(c is v for _, _, c, _ in self._watched):
+            if _is_dict(v) and _users_attribute(obj, k) and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
                 self._writers[id(v)] = functools.partial(setattr, obj, k)
             elif type(v) is tuple and _holds_tensor(v):  # (rebound to another length: refused)
@@ -2734,6 +2748,13 @@ class Substitution:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")
                     setattr(obj, attr, held[attr])
+                elif held.get(attr) is not v and _is_plain_object(v) and not callable(v):
+                    inside: list = []  # (a helper made lazily, `self.tracker = Tracker()`, holding the step's tensors)
+                    _take_fakes(v, _join(var, attr), inside, seen)
+                    found += [f"{where} (in a {type(v).__name__} the function made: make it before the first call, "
+                              "in __init__, and hpfun lifts its tensors as state)" for where in inside]
+                    if inside:
+                        setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:

@@ -1392,6 +1392,129 @@ def test_a_hand_written_optimizers_globals_and_attributes_are_read_as_the_functi
     assert step.trace_count == 4  # (the momentum made at the first call, the global, the number)
 
 
+class PrivateBufferSGD(_HandSGD):
+    """A hand-written optimizer keeping momentum in a private attribute of its own: a list made
+    at its first step (`listed`), or a dict made in `__init__` and filled under each parameter."""
+
+    listed = True
+
+    def __init__(self, params):
+        super().__init__(params)
+        if not self.listed:
+            self._mom = {}
+
+    def begin(self):
+        if self.listed and not hasattr(self, "_mom"):
+            self._mom = [torch.zeros_like(p) for g in self.param_groups for p in g["params"]]
+
+    def update(self, p, lr):
+        if self.listed:
+            mom = self._mom[next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)]
+        else:
+            mom = self._mom.setdefault(p, torch.zeros_like(p))
+        p.add_(mom.mul_(0.5).add_(p.grad), alpha=-lr)
+
+
+class PrivateDictSGD(PrivateBufferSGD):
+    listed = False
+
+
+class PrivateCountSGD(_HandSGD):
+    """A hand-written optimizer counting its steps in a private int: refused, as a public one is."""
+
+    def begin(self):
+        self._t = getattr(self, "_t", 0) + 1
+
+    def update(self, p, lr):
+        p.add_(p.grad, alpha=-lr / self._t)
+
+
+@pytest.mark.parametrize("kind", [PrivateBufferSGD, PrivateDictSGD])
+def test_a_hand_written_optimizers_private_buffers_are_state_as_public_ones_are(kind):
+    """Momentum a user's optimizer keeps in `self._mom`, a list or a dict keyed by parameter, is
+    state as under a public name (it was read as the trace's constants: every later step ran
+    the first step's momentum, and the dict kept the stand-ins as keys, silently)."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = kind(model.parameters()), kind(ref.parameters())
+    _steps_match_eager(stock_step(model, opt, DP), model, ref, ref_opt)
+    moms = opt._mom if kind.listed else list(opt._mom.values())
+    assert len(moms) == 4 and all(type(m) is torch.Tensor for m in moms)
+    if not kind.listed:
+        assert set(map(id, opt._mom)) == set(map(id, model.parameters()))
+
+
+def test_a_hand_written_optimizers_private_counter_is_refused_as_a_public_one_is():
+    """A step count in a private int of a user's optimizer is refused by name (the trace's count
+    was baked in: the step size stayed the first step's, silently)."""
+    model = mlp()
+    opt = PrivateCountSGD(model.parameters())
+    step = stock_step(model, opt, DP)
+    step(*batch(0))  # (made by the first step: a number set where none was, as eager's step leaves it)
+    with pytest.raises(hpfun.CaptureError, match=r"opt._t: changed from 1 to 2 while the function was traced"):
+        step(*batch(1))
+    assert opt._t == 1
+
+
+class PrivateTotalTrainer:
+    """A trainer summing its losses in a private dict made in `__init__` and filled at its first step."""
+
+    def __init__(self):
+        self.model, self._acc = mlp(), {}
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        self._acc.setdefault("loss", torch.zeros((), dtype=torch.float64)).add_(loss.detach())
+        return loss
+
+
+class _Tally:
+    def __init__(self):
+        self.total = torch.zeros((), dtype=torch.float64)
+
+
+class LazyTallyTrainer:
+    """A trainer making a helper object holding a tensor at its first step, or (`early`) in `__init__`."""
+
+    def __init__(self, early: bool):
+        self.model = mlp()
+        if early:
+            self.tally = _Tally()
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        if not hasattr(self, "tally"):
+            self.tally = _Tally()
+        self.tally.total = self.tally.total + loss.detach()
+        return loss
+
+
+def test_a_trainers_private_dict_is_state_and_a_helper_it_makes_holding_tensors_is_refused():
+    """A private dict a trainer fills is state as a public one is (it was refused); a helper
+    object the step makes holding a tensor is refused, naming the tensor and the fix, and taken
+    back (its tensor was left the trace's placeholder: the next call failed inside hpfun); made
+    in `__init__` it is state."""
+    trainer, ref = PrivateTotalTrainer(), PrivateTotalTrainer()
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+    assert type(trainer._acc["loss"]) is torch.Tensor and abs(trainer._acc["loss"] - ref._acc["loss"]) < 1e-12
+
+    lazy = LazyTallyTrainer(early=False)
+    step = hpfun.shard(lazy.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"self.tally.total \(in a _Tally the function made: make it before "
+                       r"the first call, in __init__"):
+        step(*batch(0))
+    assert not hasattr(lazy, "tally")
+
+    trainer, ref = LazyTallyTrainer(early=True), LazyTallyTrainer(early=True)
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+    assert type(trainer.tally.total) is torch.Tensor and abs(trainer.tally.total - ref.tally.total) < 1e-12
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 
