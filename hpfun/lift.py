@@ -901,10 +901,14 @@ def object_key(x, depth: int = 4):
         return ("dict", tuple((Exact(k), object_key(v, depth - 1)) for k, v in x.items()))
     if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
-    if depth and type(x) is set and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's: by their values)
-        return ("set", tuple(sorted(repr(object_key(v, depth - 1)) for v in x)))
+    if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
+        return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1)) for v in x)))  # by their values)
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in attributes(x).items()))
+    if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
+        return ("partial", object_key(x.func, depth - 1), object_key(x.args, depth), object_key(x.keywords, depth))
+    if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
+        return ("method", x.__func__, object_key(x.__self__, depth - 1))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return ("tensor", id(x))
     try:
@@ -1347,10 +1351,11 @@ def _held_values(v):
         return None
     if type(v) is set and len(v) <= PLAIN_CONTAINER_ITEMS and all(map(_is_scalar, v)):
         return ("set", frozenset(v))
-    if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(_key_objects(m, None) for m in v):
+    if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(
+            _key_objects(m, None) or _is_called_object(m) for m in v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
     if type(v) is list or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
-        key = _values_of(object_key(v, 3))
+        key = _values_of(object_key(v, HELD_DEPTH))
         return None if key is _BY_IDENTITY else key
     if callable(v) and not _is_plain_object(v):
         return _binding(v)
@@ -1374,7 +1379,10 @@ def _values_of(key):
     return key
 
 
-def _watch_held(snapshot, v, depth: int = 3) -> None:
+HELD_DEPTH = 6  # how deep in a module's containers and objects their numbers are read (`d["l"][0].inner.inner.s`)
+
+
+def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     """A module's list or dict of numbers, watched (and the ones inside it) so that an edit in
     place (`model.ks[0] = 3.0`) collects the module's values again."""
     if _is_dict(v) and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -1542,9 +1550,8 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:
                 objects.add(id(v))  # (a member added, or one's number changed: its values collected again)
                 snapshot.set(v)
-                for member in v:
-                    for _, obj, _ in _key_objects(member, None):
-                        snapshot.dict(vars(obj))
+                for member in v:  # (an object of the user's, called too: `{Scaler(2.0)}`, in a tuple)
+                    _watch_held(snapshot, member)
         for attr, p in list(mod._parameters.items()):
             if p is not None and add(_join(base, attr), functools.partial(mod._parameters.get, attr),
                                      functools.partial(_set_param, mod, attr), requires_grad=p.requires_grad):

@@ -231,6 +231,14 @@ class _Scaler:
         return x * self.s
 
 
+class _Wrap:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        return self.inner(x) + 1
+
+
 class _Settings:
     act = _Scaler(2.0)  # (an object of the user's that is called, held by a class)
 
@@ -258,6 +266,19 @@ def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
              (lambda x: x * sum(q.s for q in m.cfg["powers"]), lambda: setattr(power, "s", 4.0)),
              (lambda x: m.fn(x), lambda: setattr(bound, "s", 5.0)),
              (lambda x: m.papp(x), lambda: setattr(held, "s", 5.0))]
+    # inside containers too (each ran the first program): a set of called objects, a partial or a
+    # bound method in a list, an object among the keywords of a partial in a dict, objects five
+    # levels down, a frozenset in a tuple
+    m.called, m.partials, m.methods = {_Scaler(2.0)}, [functools.partial(F.leaky_relu, negative_slope=0.1)], \
+        [_Scaler(2.0).__call__]
+    m.kw = {"f": functools.partial(lambda x, o: o(x) + 1, o=_Scaler(2.0))}
+    m.deep, m.frozen = {"l": [_Wrap(_Wrap(_Scaler(2.0)))]}, (frozenset({_Scaler(2.0)}),)
+    cases += [(lambda x: x * sum(q.s for q in m.called), lambda: setattr(next(iter(m.called)), "s", 5.0)),
+              (lambda x: m.partials[0](x), lambda: m.partials[0].keywords.__setitem__("negative_slope", 0.5)),
+              (lambda x: m.methods[0](x), lambda: setattr(m.methods[0].__self__, "s", 5.0)),
+              (lambda x: m.kw["f"](x), lambda: setattr(m.kw["f"].keywords["o"], "s", 5.0)),
+              (lambda x: m.deep["l"][0](x), lambda: setattr(m.deep["l"][0].inner.inner, "s", 5.0)),
+              (lambda x: x * sum(q.s for q in m.frozen[0]), lambda: setattr(next(iter(m.frozen[0])), "s", 5.0))]
     for fn, change in cases:
         f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
         assert torch.equal(f(x).full(), fn(x))
