@@ -1328,7 +1328,7 @@ class _Traced:
         it was, silently)."""
         edits, tensors = [], []
         for path, at, container, before in given:
-            kind = "list" if type(container) is list else "dict" \
+            kind = "list" if type(container) is list or isinstance(container, collections.UserList) else "dict" \
                 if isinstance(container, collections.abc.MutableMapping) else "object"
             if kind == "list":
                 changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
@@ -2311,7 +2311,7 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
             return
         if not isinstance(x, (tuple, torch.Tensor, str, bytes, type)):
             seen.add(id(x))
-        if type(x) is list:
+        if type(x) is list or isinstance(x, collections.UserList):  # (a UserList: appended to as a list)
             out.append((path, at, x, list(x)))
             items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
         elif isinstance(x, collections.abc.MutableMapping):

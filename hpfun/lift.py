@@ -1365,6 +1365,25 @@ def _held_values(v):
 _BY_IDENTITY = object()  # `_values_of`: a key holding an object by identity
 
 
+def held_value_key(v):
+    """What keys the program for a value an argument's container holds beside its items (a
+    UserDict subclass's `self.tag`): a number, string or config by value; None for an object
+    held by identity (a hashable one too: an object's hash is its identity, and a batch made
+    anew at every step would compile again)."""
+    return object_key(v) if _is_value(v) else None
+
+
+def _is_value(v, depth: int = 4) -> bool:
+    """Whether `v` is a number, string, None or config, or a tuple, list or dict of them."""
+    if _is_scalar(v) or is_config(v):
+        return True
+    if depth and type(v) in (tuple, list) and len(v) <= PLAIN_CONTAINER_ITEMS:
+        return all(_is_value(w, depth - 1) for w in v)
+    if depth and type(v) is dict and len(v) <= PLAIN_CONTAINER_ITEMS:
+        return all(_is_scalar(k) and _is_value(w, depth - 1) for k, w in v.items())
+    return False
+
+
 def _values_of(key):
     """An `object_key` with each tensor in it as a mark of its place (a tensor beside the numbers
     is state, read at every call: its identity keys nothing, and one reassigned each call is one

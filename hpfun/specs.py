@@ -32,6 +32,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from hpfun import lift
 from hpfun.errors import Problem, SpecError, user_stacklevel
 from hpfun.layout import Layout, P, Partial, Replicate, Shard
 from hpfun.mesh import Mesh
@@ -199,30 +200,71 @@ def _dataclass_unflatten(kind, values, names):
     return out
 
 
+class _Attributes:
+    """The attributes a UserDict or UserList argument holds besides its items (a subclass's
+    `self.tag`), given to the one hpfun rebuilds for the function (its constructor's defaults
+    had been read instead, silently). Their values key the program as a config's do; an object
+    held by identity (transformers' BatchEncoding `_encodings`) is handed over without keying it,
+    as a new batch's would otherwise compile again."""
+
+    __slots__ = ("items", "_key")
+
+    def __init__(self, items: dict):
+        self.items = items
+        self._key = tuple((k, key) for k, v in items.items()
+                          if (key := lift.held_value_key(v)) is not None)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Attributes and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"<attributes {', '.join(self.items)}>"
+
+    @classmethod
+    def of(cls, x) -> "_Attributes | None":
+        held = {k: v for k, v in (getattr(x, "__dict__", None) or {}).items() if k != "data"}
+        return cls(held) if held else None
+
+    def put(self, out) -> None:
+        for k, v in (self.items if self is not None else {}).items():
+            object.__setattr__(out, k, v)
+
+
 def _mapping_flatten(m):
-    return list(m.values()), list(m.keys())
+    return list(m.values()), (list(m.keys()), _Attributes.of(m) if isinstance(m, collections.UserDict) else None)
 
 
 def _user_list_flatten(x):
-    return list(x), None
+    return list(x), _Attributes.of(x)
 
 
 def _user_list_flatten_with_keys(x):
-    return [(pytree.SequenceKey(i), v) for i, v in enumerate(x)], None
+    return [(pytree.SequenceKey(i), v) for i, v in enumerate(x)], _Attributes.of(x)
 
 
-def _user_list_unflatten(kind, values, _):
+def _user_list_unflatten(kind, values, held):
     out = kind.__new__(kind)
     out.data = list(values)
+    _Attributes.put(held, out)
     return out
 
 
 def _mapping_flatten_with_keys(m):
-    return [(pytree.MappingKey(k), v) for k, v in m.items()], list(m.keys())
+    return [(pytree.MappingKey(k), v) for k, v in m.items()], _mapping_flatten(m)[1]
 
 
-def _mapping_unflatten(kind, values, keys):
-    data = dict(zip(keys, values, strict=True))
+def _mapping_unflatten(kind, values, context):
+    keys, held = context
+    out = _mapping_made(kind, dict(zip(keys, values, strict=True)))
+    if held is not None:
+        _Attributes.put(held, out)
+    return out
+
+
+def _mapping_made(kind, data: dict):
     try:
         return kind(data)
     except Exception:  # noqa: BLE001 - a constructor that wants more: by keywords, or filled in place

@@ -246,6 +246,46 @@ def test_a_user_list_argument_is_a_list_handed_over_as_itself():
         torch.testing.assert_close(g(x, batches).full(), f(x, batches))
 
 
+class _TaggedBatches(collections.UserList):
+    """A list of the user's holding attributes of its own."""
+
+    def __init__(self, items, scale=1.0):
+        super().__init__(items)
+        self.scale, self.handle = scale, object()  # (an object by identity: handed over, keying nothing)
+
+
+class _TaggedDict(collections.UserDict):
+    def __init__(self, data=None, tag="t"):
+        super().__init__(data or {})
+        self.tag = tag
+
+
+def test_a_user_list_or_dicts_own_attributes_reach_the_function_and_what_it_appends_reaches_the_caller():
+    """A UserList or UserDict subclass reaches the function with the attributes the caller's
+    holds (the UserDict was rebuilt with its constructor's defaults, silently; the UserList
+    without them: AttributeError), their values keying the program; and what the function
+    appends to a UserList is put in the caller's, as in a list (it was left out, silently)."""
+    x = torch.randn(8, 3, dtype=torch.float64)
+    f = hpfun.shard(lambda b: b[0] * b.scale, mesh=MESH, in_specs=([P("dp")],), out_specs=P("dp"))
+    for scale in (2.0, 2.0, 3.0):
+        torch.testing.assert_close(f(_TaggedBatches([x], scale)).full(), x * scale)
+    assert f.trace_count == 2  # (the new `handle` of every batch keys nothing)
+
+    g = hpfun.shard(lambda d: d["a"] * (2 if d.tag == "t" else 3), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    for tag, mult in (("u", 3), ("t", 2), ("u", 3)):
+        torch.testing.assert_close(g(_TaggedDict({"a": x}, tag=tag)).full(), x * mult)
+    assert g.trace_count == 2
+
+    def grow(b):
+        b.append(b[0] * 3)
+        return b[0].sum()
+
+    batches = _Batches([x])
+    hpfun.shard(grow, mesh=MESH, in_specs=P("dp"), out_specs=P())(batches)
+    assert len(batches) == 2
+    torch.testing.assert_close(batches[1].full(), x * 3)
+
+
 def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
     """An object holding tensors that is not a container hpfun can see into would hand back the
     trace's stand-ins: an error naming its path."""
