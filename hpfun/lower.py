@@ -405,6 +405,9 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
             if step.op == "call_function" and "hpfun_collective" not in step.meta:
                 step.meta.setdefault("stack_trace", node.meta["stack_trace"])
                 step.meta.setdefault("hpfun_step_of", node.name)  # (not hpfun_origin: that names an op's result)
+                step.meta.setdefault("hpfun_step_inputs", strategy.inputs)  # (for errors: the op's first input,
+                if taken:  # its layout and global shape)
+                    step.meta.setdefault("hpfun_step_global", taken[0].meta.get("hpfun_global"))
             step = step.next
     if ctx.gather_for is not None and out.target is aten.clone.default:
         out.target, out.kwargs = aten.alias.default, {}  # a pin on a fresh gathered buffer: no copy needed

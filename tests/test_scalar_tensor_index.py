@@ -184,14 +184,17 @@ def test_a_negative_index_of_index_add_or_copy_raises_as_eager_raises(name, spec
     torch.testing.assert_close(g(w, good).full(), torch.func.grad(loss)(w, good))
 
 
-@pytest.mark.parametrize("name", ["gather", "embedding", "index", "index_put"])
+@pytest.mark.parametrize("name", ["gather", "embedding", "index", "index_put", "index_put_2d"])
 def test_a_lookup_out_of_range_along_a_dim_each_rank_holds_whole_names_the_values(name):
     """The table split along another dim: torch's own kernel raises on the rank's block, as the
-    unsharded function does, and the error says to fix the values (it said hpfun had a bug)."""
+    unsharded function does, and the error says to fix the values (it said hpfun had a bug), also
+    where the kernel that raises is one of the steps the rule emits (`t[rows, cols] = v`)."""
     fn, index = {"gather": (lambda x, i: x.gather(0, i), torch.full((6, 4), 7)),
                  "embedding": (lambda x, i: torch.nn.functional.embedding(i, x), torch.tensor([0, 5, 6, 1])),
                  "index": (lambda x, i: x[i], torch.tensor([0, 5, 6, 1])),
-                 "index_put": (lambda x, i: x.clone().index_put_((i,), torch.ones((), dtype=D)), torch.tensor([0, 6]))}[name]
+                 "index_put": (lambda x, i: x.clone().index_put_((i,), torch.ones((), dtype=D)), torch.tensor([0, 6])),
+                 "index_put_2d": (lambda x, i: x.clone().index_put_((i, torch.tensor([0, 1])), torch.ones((), dtype=D)),
+                                  torch.tensor([1, 6]))}[name]
     x = torch.randn(6, 4, dtype=D, generator=_gen())
     with pytest.raises((IndexError, RuntimeError)):
         fn(x, index)

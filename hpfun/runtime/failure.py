@@ -75,6 +75,8 @@ def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
     (replicated: `gather` of an index past the table's end): the unsharded function raises it too."""
     if "out of bounds" not in message and "out of range" not in message:
         return False
+    if "hpfun_inputs" not in node.meta and (match := _OUT_OF_BOUNDS.search(message)) is not None:
+        return _whole_in_a_step(node, int(match.group(1)), int(match.group(2)))
     layouts = node.meta.get("hpfun_inputs") or ()
     if not layouts or not hasattr(layouts[0], "shard_axes"):
         return False
@@ -95,6 +97,22 @@ def _out_of_range_of_whole(node: torch.fx.Node, message: str) -> bool:
     else:
         return False
     return not any(layouts[0].shard_axes(d) for d in dims)
+
+
+_OUT_OF_BOUNDS = re.compile(r"out of bounds for dimension (-?\d+) with size (\d+)")
+
+
+def _whole_in_a_step(node: torch.fx.Node, dim: int, size: int) -> bool:
+    """An index out of range in one of the steps a rule emits for an op (`t[rows, cols] = v` on a
+    table split by columns): along a dim of the op's first input that each rank holds whole, at
+    that dim's global size, the unsharded function raises it too."""
+    layouts, meta = node.meta.get("hpfun_step_inputs") or (), node.meta.get("hpfun_step_global")
+    if not layouts or not hasattr(layouts[0], "shard_axes") or not isinstance(meta, tuple):
+        return False
+    shape = meta[0]
+    if not -len(shape) <= dim < len(shape):
+        return False
+    return shape[dim] == size and not layouts[0].shard_axes(dim % len(shape))
 
 
 _LOOKUPS_ALONG_A_DIM = frozenset({"gather", "scatter", "scatter_add", "scatter_reduce", "index_select", "index_add",
