@@ -1710,6 +1710,12 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 # read from the dict itself: while the snapshot holds, `opt.state[p]` is that dict
                 add(name, functools.partial(entries.get, key), functools.partial(_set_state, opt, p, key),
                     follows=owner)
+            elif _tensor_sequence(v):  # a list or tuple of tensors (SPlus's `sides`, PSGD's bounds): each one state
+                if type(v) is list:
+                    snapshot.list(v)  # (an item replaced between calls: walked again)
+                for i in range(len(v)):
+                    add(f"{name}.{i}", functools.partial(_state_item, entries, key, i),
+                        functools.partial(_set_state_item, opt, p, key, i), follows=owner)
             elif not _is_scalar(v):  # (a number or flag is a static: `statics`) LBFGS's history lists: not
                 opaque.append((name, v))  # lifted; a trace that reads their tensors is refused (`unlifted_tensor_error`)
 
@@ -1929,6 +1935,36 @@ def _set_state(opt, p, key, value):
         opt.state.get(p, {}).pop(key, None)
     else:
         opt.state[p][key] = value
+
+
+def _tensor_sequence(v) -> bool:
+    """A list or tuple of tensors (and nothing else) in a parameter's optimizer state."""
+    return type(v) in (list, tuple) and bool(v) and all(isinstance(t, torch.Tensor) for t in v)
+
+
+def _state_item(entries: dict, key, i: int):
+    held = entries.get(key)
+    return held[i] if type(held) in (list, tuple) and i < len(held) else None
+
+
+def _set_state_item(opt, p, key, i: int, value) -> None:
+    """Item i of the list (or tuple, rebuilt) of tensors under `key` of a parameter's state."""
+    held = opt.state.get(p, {}).get(key)
+    if value is None:  # (the step removed the list)
+        if held is not None and not _tensor_sequence(held):
+            return
+        opt.state.get(p, {}).pop(key, None)
+        return
+    if type(held) is list:
+        held[i] = value
+    else:
+        items = list(held)
+        items[i] = value
+        opt.state[p][key] = tuple(items)
+
+
+def _put_state_entry(real_state, p, key, value) -> None:
+    real_state[p][key] = value
 
 
 _TENSOR_HELD = "<tensor>"  # a tensor's place in a tuple of hyperparameters that keys the cache (it is an input)
@@ -2577,7 +2613,8 @@ class Substitution:
                     self._own_before[id(entries)] = copy.deepcopy(entries)  # (a tensor's stand-in, or the data itself,
                 continue  # which a step may change in place: `_own_data`)
             stand_in_state[self.swap.get(id(p), p)] = entry_type(
-                {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()})
+                {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else type(v)(self.swap.get(id(t), t) for t in v)
+                 if _tensor_sequence(v) else v for k, v in entries.items()})
         real_state = opt.state
         opt.state = stand_in_state
         self._undo.append(functools.partial(setattr, opt, "state", real_state))
@@ -2610,6 +2647,15 @@ class Substitution:
                         out[name] = _unwrapped(entries)
                         if name not in self.state.slots:  # made by the step: put there after every call
                             new_state[name] = (None, None, ("optimizer state", prefix, p))
+                    elif isinstance(entries, torch.Tensor) and type(p) in (tuple, frozenset) and any(
+                            isinstance(k, torch.Tensor) for k in p):  # (`self.state[(p, "m")]`)
+                        key = ", ".join(self.state.param_names.get(real_of.get(id(k), id(k)), "a tensor")
+                                        if isinstance(k, torch.Tensor) else repr(k) for k in p)
+                        problems.append(Problem(f"{_join(prefix, 'state')}[({key})]", "holds a tensor the step made, "
+                                                "under a key holding a parameter: hpfun lifts an optimizer's state "
+                                                "kept under a parameter, or under a name of its own",
+                                                "keep it in the parameter's own state, as torch.optim does: "
+                                                "`self.state[p]['m'] = ...`"))
                     elif isinstance(entries, torch.Tensor):
                         problems.append(Problem(f"{_join(prefix, 'state')}[{p!r}]", "holds a tensor the step made, "
                                                 "under a key hpfun cannot name", "key it by a string without dots"))
@@ -2634,6 +2680,10 @@ class Substitution:
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
                 real_p = self._real_params.get(id(p))
                 for key, v in entries.items():
+                    if owner is not None and _tensor_sequence(v):  # a list of tensors: each its own state
+                        problems += self._state_sequence(f"{_join(prefix, 'state')}.{owner}.{key}", v, real_state,
+                                                         real_p, key, out, new_state, seen)
+                        continue
                     if owner is not None and v is not None and not isinstance(v, torch.Tensor):
                         name = f"{_join(prefix, 'state')}.{owner}.{key}"
                         held = real_state.get(real_p, {}).get(key, _MISSING) if real_p is not None else _MISSING
@@ -2665,6 +2715,28 @@ class Substitution:
                 out[name] = value
                 new_state[name] = (None, None, setter)
         return out, new_state
+
+    def _state_sequence(self, name: str, v, real_state, real_p, key, out: dict, new_state: dict, seen: set) -> list:
+        """A list or tuple of tensors in a parameter's state: each tensor written back to its item
+        where the list was lifted with as many items; one the step made (its first) put whole
+        after the call, as eager's step leaves it; one of another length refused."""
+        items = [f"{name}.{i}" for i in range(len(v))]
+        lifted = [item in self.state.slots for item in items]
+        if all(lifted) and f"{name}.{len(v)}" not in self.state.slots:
+            for item, t in zip(items, v, strict=True):
+                out[item] = _unwrapped(t)
+                seen.add(item)
+            return []
+        if any(lifted) or any(n.startswith(name + ".") for n in self.state.slots) or real_p is None:
+            return [Problem(name, f"is a {type(v).__name__} of {len(v)} tensors the step made anew with another "
+                            "length than the one it held: hpfun lifts each of its tensors in its place",
+                            "keep the list's length from step to step (or one tensor under each key)")]
+        whole = _Assembly(type(v)(_unwrapped(t) for t in v))
+        place = ("set", functools.partial(_put_state_entry, real_state, real_p, key))
+        for j, (item, t) in enumerate(zip(items, v, strict=True)):
+            out[item] = _unwrapped(t)
+            new_state[item] = (None, None, ("part", place, whole, j))
+        return []
 
     def _unwrap_escaped(self) -> None:
         """A tensor put in a place inside a torch.func transform (`self.t = self.t.to(x.device)` in

@@ -1357,6 +1357,62 @@ def test_an_optimizers_plain_data_under_keys_of_its_own_is_put_and_refused_when_
     assert opt.state["hist"] == [0]
 
 
+class SidesSGD(_HandSGD):
+    """An optimizer keeping a list of tensors in each parameter's state, shaped unlike it (SPlus's
+    `sides`, PSGD's bounds): updated in place, rebound as a new list, or kept as a tuple."""
+
+    kind, rebind = list, False
+
+    def update(self, p, lr):
+        st = self.state[p]
+        g = p.grad.reshape(p.shape[0], -1)
+        if "sides" not in st:
+            st["sides"] = self.kind([torch.zeros(g.shape[0], g.shape[0], dtype=p.dtype),
+                                     torch.zeros(g.shape[1], g.shape[1], dtype=p.dtype)])
+        left, right = st["sides"]
+        if self.kind is list and not self.rebind:
+            left.mul_(0.9).add_(g @ g.T)
+            right.mul_(0.9).add_(g.T @ g)
+        else:
+            st["sides"] = self.kind([left * 0.9 + g @ g.T, right * 0.9 + g.T @ g])
+            left, right = st["sides"]
+        eye = functools.partial(torch.eye, dtype=p.dtype)
+        p.sub_(lr * (torch.linalg.inv(left + eye(g.shape[0])) @ g @ torch.linalg.inv(right + eye(g.shape[1]))).reshape(p.shape))
+
+
+class TupleKeySGD(_HandSGD):
+    def update(self, p, lr):
+        p.sub_(lr * self.state.setdefault((p, "m"), torch.zeros_like(p)).mul_(0.9).add_(p.grad))
+
+
+@pytest.mark.parametrize("kind,rebind,mesh,specs", [(list, False, DP, None), (list, True, DP, None),
+                                                    (tuple, False, DP, None), (list, False, DP_TP, MEGATRON)],
+                         ids=["list", "rebound", "tuple", "megatron"])
+def test_a_list_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind, mesh, specs):
+    """A list or tuple of tensors in a parameter's state is state, tensor by tensor: put as the
+    first step makes it, then read and written back item by item (it was refused as a list,
+    with a fix about counters that did not fit). A tuple-keyed state, `self.state[(p, "m")]`, is
+    refused naming the parameter and torch.optim's layout as the fix."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = SidesSGD(model.parameters()), SidesSGD(ref.parameters())
+    for o in (opt, ref_opt):
+        o.kind, o.rebind = kind, rebind
+    step = stock_step(model, opt, mesh, state_specs=specs)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        sides, ref_sides = opt.state[p]["sides"], ref_opt.state[q]["sides"]
+        assert type(sides) is kind and all(type(t) is torch.Tensor for t in sides)
+        assert max((a - b).abs().max().item() for a, b in zip(sides, ref_sides, strict=True)) < 1e-12
+
+    opt = TupleKeySGD(model.parameters())
+    with pytest.raises(hpfun.CaptureError, match=r"opt.state\[\(model.0.weight, 'm'\)\]: holds a tensor the step made, under "
+                       r"a key holding a parameter.*\n.*fix: keep it in the parameter's own state"):
+        stock_step(model, opt, DP)(*batch(0))
+
+
 OPT_SCALE = 1.0  # read by GlobalScaledSGD's step
 
 
