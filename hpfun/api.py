@@ -2264,10 +2264,10 @@ def _hashable(x) -> bool:
 def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
     if isinstance(x, Sharded):
         return _Leaf("tensor", x.global_shape, x.dtype, x.layout, device=_run_device(x.layout.mesh, x.shards[0]),
-                     requires_grad=requires_grad and x.dtype.is_floating_point)
+                     requires_grad=requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex))
     if isinstance(x, torch.Tensor):
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
-                     requires_grad=requires_grad and x.requires_grad and x.dtype.is_floating_point,
+                     requires_grad=requires_grad and x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex),
                      strides=None if x.is_contiguous() else tuple(x.stride()))
     if lift.is_config(x):
         return _Leaf("static", value=_Config(lift.object_key(x), _config_text(x)))

@@ -302,3 +302,39 @@ def test_every_strategy_of_the_complex_rules_is_right(name):
         forced = _Forced(op, pick)
         assert_sharded_equal(fn, args, MESH_1D, None, rtol=1e-12, atol=1e-12, registry=forced)
         assert forced.used, f"{op} is not in the captured graph of {name}"
+
+
+class _Spectral(torch.nn.Module):
+    """A real layer and a complex weight, as neuralop's FNO keeps its spectral weights."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.w = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.complex128))
+
+    def forward(self, x):
+        return (self.lin(x).to(torch.complex128) @ self.w).abs().square().mean()
+
+
+@pytest.mark.parametrize("w_spec", [None, P(None, "dp")], ids=["replicated", "split"])
+def test_a_complex_parameter_is_trained_by_the_stock_step(w_spec):
+    """A complex parameter gets its gradient and its Adam state as in eager (it was lifted without
+    requires_grad: never updated, silently, while the real ones were)."""
+    model, ref = _Spectral(), _Spectral()
+    opt, ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+    def step(m, o, x):
+        o.zero_grad()
+        loss = m(x)
+        loss.backward()
+        o.step()
+        return loss.detach()
+
+    sharded = hpfun.shard(lambda x: step(model, opt, x), mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=P("dp"),
+                          out_specs=P(), state_specs=None if w_spec is None else {"model.w": w_spec})
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        assert abs(sharded(x).full().item() - step(ref, ref_opt, x).item()) < 1e-12
+    assert (model.w - ref.w).abs().max().item() < 1e-12 and model.w.grad is not None
+    assert (opt.state[model.w]["exp_avg"] - ref_opt.state[ref.w]["exp_avg"]).abs().max().item() < 1e-12
