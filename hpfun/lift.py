@@ -1526,6 +1526,22 @@ def _tuple_item_writer(mod, attr: str, i: int, value) -> None:
     vars(mod)[attr] = tuple(items) if type(held) is tuple else type(held)(*items)
 
 
+def _modules_own(mod, attr: str) -> bool:
+    """Whether a module's attribute is its own, public or private (`self._grid = [grid]`, made by
+    neuralop's forward: a private one had been left out of the state a step makes, then deleted
+    after the call), not torch's bookkeeping (`_parameters`, hooks, an RNN's `_flat_weights`:
+    a private one of a module built on a torch.nn class) nor a dunder."""
+    if attr.startswith("__") or attr in _MODULE_INTERNALS:
+        return False
+    return not attr.startswith("_") or not _built_on_torch(type(mod))
+
+
+@functools.cache
+def _built_on_torch(cls: type) -> bool:
+    """A module class that is, or derives from, one of torch.nn's own (not Module itself)."""
+    return any(c.__module__.startswith("torch.") for c in cls.__mro__ if c not in (torch.nn.Module, object))
+
+
 def _held_dict(attr: str, v) -> bool:
     """A dict a module holds whose tensors are its state (a cache its forward fills): a public
     one, or a private one holding tensors (torchmetrics' `self._defaults`); never torch's own
@@ -1601,7 +1617,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                             if isinstance(u, torch.Tensor):
                                 add(f"{_entry_name(base, attr, key)}.{i}", functools.partial(_keyed_tuple_item, v, key, i),
                                     functools.partial(_keyed_tuple_writer, v, key, i))
-            elif not attr.startswith("_") and _tensor_list(v):
+            elif _modules_own(mod, attr) and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
                     if isinstance(t, torch.Tensor):
                         add(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
@@ -2136,7 +2152,8 @@ class Substitution:
     def _module(self, module):
         for mod in module.modules():
             caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
-            caches += [v for k, v in vars(mod).items() if type(v) is list and not k.startswith("_")]
+            caches += [v for k, v in vars(mod).items() if type(v) is list and _modules_own(mod, k)
+                       and (not k.startswith("_") or _tensor_list(v))]
             caches += [t for c in list(caches) if _is_dict(c) for t in c.values() if type(t) is list]
             for store in (mod._parameters, mod._buffers, vars(mod), *caches):
                 for key, v in list(store.items() if isinstance(store, dict) else enumerate(store)):
@@ -2262,7 +2279,8 @@ class Substitution:
         for name, mod in module.named_modules(remove_duplicate=True):
             held = vars(mod)
             containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
-                          if (type(v) is list or _is_dict(v)) and not k.startswith("_")}
+                          if (type(v) is list or _is_dict(v)) and _modules_own(mod, k)
+                          and (not k.startswith("_") or _holds_tensor(v))}  # (a library's private ones: with tensors)
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
             self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
@@ -2286,7 +2304,7 @@ class Substitution:
             for attr, v in list(vars(mod).items()):
                 if isinstance(v, FakeTensor) and put_there(v, held.get(attr)):
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
-                elif isinstance(v, (list, tuple, dict)) and not attr.startswith("_") and held.get(attr) is not v \
+                elif isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr) and held.get(attr) is not v \
                         and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                     # a container the step assigned (`self.hist = self.hist + [v]`, a window `self.h[1:] + [v]`):
                     # put whole at every call, each tensor in it as that call computes it (one it held before
@@ -2429,7 +2447,7 @@ class Substitution:
         for prefix, mod, held_attrs, _, _ in self._modules:
             for attr, v in vars(mod).items():
                 was = held_attrs.get(attr)
-                if isinstance(v, (list, tuple, dict)) and not attr.startswith("_") and was is not v and not _holds_fake(v) \
+                if isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr) and was is not v and not _holds_fake(v) \
                         and type(was) in (list, tuple, dict) and _holds_tensor(was):
                     problems.append(Problem(_join(prefix, attr), f"holds tensors and is assigned a new {type(v).__name__} "
                                             "holding none: a cached call of the program would not assign it", fix))
@@ -2527,7 +2545,7 @@ class Substitution:
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
                 was = held.get(attr)
-                if (isinstance(v, FakeTensor) or isinstance(v, (list, tuple, dict)) and not attr.startswith("_")
+                if (isinstance(v, FakeTensor) or isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr)
                         and (_holds_fake(v) or type(was) in (list, tuple, dict) and _holds_tensor(was))) \
                         and was is not v:  # (a container of tensors emptied: refused, `_container_edits`)
                     if attr in held:

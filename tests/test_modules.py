@@ -1571,6 +1571,42 @@ def test_a_trainers_private_dict_is_state_and_a_helper_it_makes_holding_tensors_
     assert type(trainer.tally.total) is torch.Tensor and abs(trainer.tally.total - ref.tally.total) < 1e-12
 
 
+class _GridCache(torch.nn.Module):
+    """A module keeping tensors in a private attribute its forward sets: a list made at the first
+    forward (neuralop's `self._grid = [grid]`), or a dict rebound at every forward."""
+
+    def __init__(self, lazy: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.lazy = torch.nn.Linear(5, 2).double(), lazy
+        self._grid = None if lazy else {"t": torch.zeros(5, dtype=torch.float64)}
+
+    def forward(self, x):
+        if self.lazy:
+            if self._grid is None:
+                self._grid = [torch.linspace(0, 1, x.shape[1], dtype=x.dtype)]
+            c = self._grid[0]
+        else:
+            self._grid = {"t": self._grid["t"] + x.mean(0).detach()}
+            c = self._grid["t"]
+        return self.lin(x * c).square().mean()
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy_list", "dict_rebound"])
+def test_tensors_a_forward_keeps_in_a_private_attribute_are_state(lazy):
+    """A private attribute a forward sets to a list or dict of tensors is state as a public one is
+    (it was deleted from the module after the first call: the next call, and eager code after
+    it, failed with AttributeError or KeyError)."""
+    model, ref = _GridCache(lazy), _GridCache(lazy)
+    step = hpfun.shard(model, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = batch(i)[0][:, :5]
+        assert abs(step(x).full().item() - ref(x).item()) < 1e-12
+        held, want = model._grid, ref._grid
+        pairs = zip(held, want) if lazy else [(held["t"], want["t"])]
+        assert all(type(a) is torch.Tensor and torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in pairs)
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 
