@@ -1159,13 +1159,41 @@ def _clipped(value, width: int = 60) -> str:
 
 
 def _plan_digest(program: Program) -> int:
-    """A hash of what a program runs: each node's op and arguments, and the layouts at its ends
-    (ranks compare it after compiling: `agree_on_compile`)."""
-    h = hashlib.blake2b(digest_size=7)
+    """A hash of what a program runs (ranks compare it after compiling: `agree_on_compile`): each
+    value by what it is computed from (its op, arguments and theirs, down to the inputs), the
+    collectives and the ops with effects in the order they run, and the layouts at its ends.
+    Independent ops traced in another order hash alike: a model that loops over a set of strings
+    (transformers' ModernBERT and Gemma-3 make their rotary tables per `set(layer_types)`) traces
+    them in each process's hash order, and ranks had refused programs that differ in that alone."""
+    made: dict = {}  # node -> the hash of how its value is made
+    values, ordered = [], []
+
+    def of(a):
+        return made[a] if isinstance(a, torch.fx.Node) else a
+
     for node in program.module.graph.nodes:  # (an object's address differs between processes: left out)
-        h.update(_ADDRESS.sub("", f"{node.op} {op_name(node.target)} {node.args} {node.kwargs}\n").encode())
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), of)
+        name = node.name if node.op in ("placeholder", "get_attr") else ""  # (inputs by place, in order)
+        text = _ADDRESS.sub("", f"{node.op} {name} {op_name(node.target)} {args} {kwargs}")
+        made[node] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        values.append(made[node])
+        if node.op == "output" or "hpfun_collective" in node.meta or _has_effects(node):
+            ordered.append(made[node])
+    h = hashlib.blake2b(digest_size=7)
+    h.update(" ".join(ordered).encode())
+    h.update(" ".join(sorted(values)).encode())
     h.update(repr((program.input_layouts, program.output_layouts)).encode())
     return int.from_bytes(h.digest())
+
+
+def _has_effects(node: torch.fx.Node) -> bool:
+    """An op whose place in the program matters beside its inputs: one that writes an input, draws
+    random numbers or runs a collective."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return node.op == "call_function" and not getattr(target, "__module__", "").startswith("_operator")
+    return target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or \
+        target.namespace in ("_c10d_functional", "c10d_functional", "c10d")
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -270,6 +270,15 @@ def lifted_dp(out: Path):
                         in_specs=(P("dp"), P()), out_specs=P(), bucket_bytes=0 if RANK else 1 << 20)
     got["plan mismatch"] = _error(lambda: grads(x, ws))
 
+    def in_set_order(x, y):  # independent ops traced in an order of the rank's own (a loop over a set of strings,
+        parts = {}  # in each process's hash order, as transformers' ModernBERT makes its rotary tables)
+        for kind in ("a", "b") if RANK == 0 else ("b", "a"):
+            parts[kind] = (x * 2.0).cos() if kind == "a" else (y * 3.0).sin()
+        return (parts["a"] + parts["b"]).sum(0)
+
+    got["traced in another order"] = hpfun.shard(in_set_order, mesh=mesh, in_specs=(P("dp"), P("dp")),
+                                                  out_specs=P())(x, x + 1.0).full()
+
     def refused_on_rank_1(x):  # an error only one rank's trace meets (its own data, a rank-local check)
         if torch.distributed.get_rank() == 1:
             raise ValueError("rank 1 refuses")

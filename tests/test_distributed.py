@@ -449,6 +449,15 @@ def test_ranks_that_plan_different_programs_fail_before_running_them(lifted_dp_j
         assert "the same hpfun.shard options" in text and "PYTHONHASHSEED=0" in text, text
 
 
+def test_ranks_that_trace_independent_ops_in_another_order_run_one_program(lifted_dp_job):
+    """Ranks whose traces meet two independent computations in another order (a loop over a set
+    of strings, in each process's hash order: transformers' ModernBERT and Gemma-3) compute the
+    same values with the same collectives: they run (they had been refused as different plans)."""
+    x, _ = _worker().lifted_data()
+    for rank, got in enumerate(lifted_dp_job):
+        _close(got["traced in another order"], ((x * 2.0).cos() + ((x + 1.0) * 3.0).sin()).sum(0), f"rank {rank}")
+
+
 def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):
     """The function raises while traced on rank 1 only, and the job catches it and goes on: rank
     1 gets its own error, rank 0 an error naming rank 1, and the next calls pair each rank's
