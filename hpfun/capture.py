@@ -1403,6 +1403,27 @@ def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:
 
 # reads of a tensor's values into Python: a trace on fake tensors cannot make them, unless the
 # value is a constant (`_constant_value`)
+def _slice_bounds_read(index):
+    """`index` with each traced 0-d integer tensor among its slices' bounds read (`__index__`),
+    or `index` itself where none is, or one cannot be read."""
+    def bound(b):
+        if isinstance(b, torch.Tensor) and b.ndim == 0 and not b.is_floating_point() and _is_traced(b):
+            value = _read(torch.Tensor.__index__, b)
+            return b if value is _UNREADABLE else value
+        return b
+
+    def item(i):
+        if type(i) is slice and any(isinstance(b, torch.Tensor) for b in (i.start, i.stop, i.step)):
+            return slice(bound(i.start), bound(i.stop), bound(i.step))
+        return i
+
+    parts = index if type(index) is tuple else (index,)
+    read = tuple(map(item, parts))
+    if all(a is b for a, b in zip(read, parts)):
+        return index
+    return read if type(index) is tuple else read[0]
+
+
 _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
                     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
 
@@ -2049,6 +2070,9 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
+                and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
+            args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)
         if func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[1], torch.Tensor) \
                 and args[1].dtype in (torch.bool, torch.uint8) and args[1].ndim == 0 and isinstance(args[0], torch.Tensor):
             # x[b], b a 0-d mask (uint8: torch's old mask dtype): a new dim of one row or none, as

@@ -202,3 +202,28 @@ def test_a_lookup_out_of_range_along_a_dim_each_rank_holds_whole_names_the_value
     with pytest.raises(hpfun.ExecutionError, match="out of bounds|out of range") as info:
         f(x, index)
     assert "the unsharded function raises on these values too" in str(info.value), str(info.value)
+
+
+def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
+    """`x[:, n - 1:]` and `x[b, n:] = 0` with `n` a 0-d tensor among the arguments (torch-struct's
+    CRF slices its labels by `lengths[b] - 1`) read `n` as `int(n)` does, and key the program by
+    it (it was refused as a value read from parameters); one made from a parameter is still refused."""
+    def read(x, lengths):
+        return x[:, lengths[0] - 1:].sum(0)
+
+    def write(x, lengths):
+        y = x.clone()
+        y[1, lengths[1]:] = 0
+        return y
+
+    x = torch.randn(4, 6, dtype=D, generator=_gen())
+    f = hpfun.shard(read, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    g = hpfun.shard(write, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P(None, "dp"))
+    for lengths in (torch.tensor([3, 6, 2, 5]), torch.tensor([3, 2, 2, 5]), torch.tensor([5, 6, 2, 5])):
+        torch.testing.assert_close(f(x, lengths).full(), read(x, lengths), rtol=0, atol=1e-12)
+        torch.testing.assert_close(g(x, lengths).full(), write(x, lengths), rtol=0, atol=1e-12)
+    assert f.trace_count == 2 and g.trace_count == 2
+
+    w = torch.nn.Parameter(torch.tensor(2.0, dtype=D))
+    with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
+        hpfun.shard(lambda x: x[:, (w * 2).long():].sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())(x)
