@@ -881,7 +881,9 @@ class ShardedFunction:
                 warnings.warn(f"{_name(self.fn)}: memory_budget={self.options.memory_budget} bounds the layouts "
                               "hpfun.AUTO chooses, and no spec of this call is AUTO: the plan is not held to it (give "
                               "hpfun.AUTO specs, or see lower(...).memory() for this plan's estimate)", stacklevel=user_stacklevel())
-            fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params)
+            grads = {w.name for w in writes}  # (parameters whose gradients it writes: gathered, updated or not)
+            graded = frozenset(k for k, j in enumerate(fed) if names[j] in call.lifted and f"{names[j]}.grad" in grads)
+            fsdp.gather_parameters(gm, self.mesh, in_layouts, self.options.gather_params, graded)
             stages: list = []  # under solver="exact": (the walk's annotation, the exact stage's or None)
             walked = _graph_copy(gm) if self.options.solver == "exact" else None
             propagate(gm, self.mesh, in_layouts, registry=self.options.registry, fallback=self.options.fallback,

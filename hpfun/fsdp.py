@@ -96,10 +96,13 @@ def gather_axes(mesh: Mesh, gather_params) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Layout], axes: tuple[str, ...]) -> int:
+def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Layout], axes: tuple[str, ...],
+                      graded: frozenset = frozenset()) -> int:
     """Rewrite the captured global graph so every gathering use of an input split over `axes`
     reads a copy pinned to its spec minus `axes` (an `hpfun::constrain` node right before the
-    use); returns how many such copies were inserted."""
+    use); returns how many such copies were inserted. `graded`: the positions of the inputs that
+    are parameters whose gradients the program writes, gathered even where it does not update
+    them (a forward and backward whose optimizer steps after the call, or accumulates over calls)."""
     if not axes:
         return 0
     graph = gm.graph
@@ -107,12 +110,12 @@ def gather_parameters(gm: torch.fx.GraphModule, mesh: Mesh, in_layouts: list[Lay
     wanted = {mesh.axis_index(a) for a in axes}
     inserted = 0
     updated: dict = {}  # input updated on its shard -> its spec
-    for node, layout in zip(placeholders, in_layouts, strict=True):
+    for i, (node, layout) in enumerate(zip(placeholders, in_layouts, strict=True)):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or layout is None or layout.partial_axes:
             continue
         split = {a for d in range(val.ndim) for a in layout.shard_axes(d)}
-        if not split & wanted or not _updated(node, val.numel()):
+        if not split & wanted or not (i in graded or _updated(node, val.numel())):
             continue
         updated[node] = P.from_layout(layout, val.ndim)
     inserted += rewrite_uses(graph, {param: _without(spec, axes) for param, spec in updated.items()})

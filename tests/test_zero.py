@@ -408,6 +408,36 @@ def test_zero3_module_and_adamw_over_three_steps(plan):
     assert sorted(len(b.members) for b in fused) == [2, 2]  # weight and bias of one Linear, never across layers
 
 
+def test_zero3_forward_and_backward_alone_gathers_each_parameter_and_scatters_its_gradient():
+    """A step that only runs forward and backward (the optimizer steps after the call, or the
+    gradients accumulate over calls) updates no parameter: its split parameters are gathered at
+    their uses all the same, as FSDP's are, and each gradient is reduce-scattered, added to the
+    one held on the shard (they had been priced like any input: activations moved instead, and
+    float32 norms summed in halves). Two accumulating calls equal eager's gradients."""
+    model, _ = _module()
+    ref_model, _ = _module()
+    model.double(), ref_model.double()
+
+    def forward_backward(m):
+        def step(x, y):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            return loss.detach()
+        return step
+
+    f = hpfun.shard(forward_backward(model), mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P(),
+                    state_specs={"*": P("dp")}, gather_params="dp")
+    x, y = torch.randn(32, 16, dtype=torch.float64), torch.randint(0, 8, (32,))
+    for k in range(2):
+        assert torch.allclose(f(x * (k + 1), y).full(), forward_backward(ref_model)(x * (k + 1), y), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        grad = p.grad.full() if isinstance(p.grad, hpfun.Sharded) else p.grad
+        assert torch.allclose(grad, q.grad, rtol=0, atol=1e-12)
+    low = f.lower(x, y)
+    assert _gathers(low) == {"m.0.weight": 1, "m.0.bias": 1, "m.2.weight": 1, "m.2.bias": 1}
+    assert _kinds(low)["reduce_scatter"] == 4 and _kinds(low)["all_to_all"] == 0
+
+
 def test_zero3_with_clip_grad_norm_reduce_scatters_each_gradient_before_the_clip():
     """`clip_grad_norm_` between the backward and the update: each gradient is still
     reduce-scattered once, as it is made, and the clip norms the shards (a few bytes
