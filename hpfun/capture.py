@@ -326,6 +326,24 @@ HPFUN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 SITE_PACKAGES = os.sep + "site-packages" + os.sep  # an installed library's files are under it
 
 
+def _called_by_torch() -> bool:
+    """Whether the op being dispatched was called by one of torch's decompositions or references
+    (`torch._refs._index_fill`, run by autograd), not by the user's code: such a frame comes
+    before the user's innermost one."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_DECOMPOSITION_DIRS):
+            return True
+        if _is_user_frame(name):
+            return False
+        frame = frame.f_back
+    return False
+
+
+_DECOMPOSITION_DIRS = tuple(os.path.join(TORCH_DIR, d) + os.sep for d in ("_refs", "_decomp", "_prims"))
+
+
 def _is_user_frame(filename: str) -> bool:
     """Not torch's, hpfun's, or code generated on the way (fx graph modules, attrs classes)."""
     return not filename.startswith((TORCH_DIR, HPFUN_DIR, "<frozen", "<eval_with_key", "<attrs generated"))
@@ -2060,7 +2078,8 @@ class _TensorScalars(TorchFunctionMode):
                                        "refuse (they take floating point)",
                                        f"cast it first (x.float()), or pass dtype=torch.float32 to {name}"))
         if func in _NON_NEGATIVE_INDEX and len(args) >= 3 and isinstance(args[2], torch.Tensor) and _is_traced(args[2]) \
-                and not args[2].is_floating_point():
+                and not args[2].is_floating_point() and not _called_by_torch():  # (torch's own index_fill
+            # decomposition calls index_copy with the user's index, which index_fill counts from the end)
             # index_add / index_copy refuse a negative index, where the index_put they are written as
             # counts it from the end: checked, as the kernel checks
             index, name = args[2], func.__name__.rstrip("_")

@@ -227,3 +227,18 @@ def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
     w = torch.nn.Parameter(torch.tensor(2.0, dtype=D))
     with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
         hpfun.shard(lambda x: x[:, (w * 2).long():].sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())(x)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
+    """`index_fill` counts a negative index from the end; its gradient, which torch's own
+    decomposition writes with `index_copy` of the user's index, equals eager's (hpfun's check
+    that `index_copy` is given no negative index, as its kernel checks, had fired on torch's call)."""
+    x = torch.randn(4, 6, dtype=D, generator=_gen())
+    idx = torch.tensor([-1, 2])
+
+    def step(x, idx):
+        return torch.func.grad(lambda x: (x.index_fill(1, idx, -2.0) ** 2).sum())(x)
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=(spec, P()), out_specs=spec)
+    torch.testing.assert_close(f(x, idx).full(), step(x, idx), rtol=0, atol=1e-12)
