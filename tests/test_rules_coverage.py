@@ -420,6 +420,9 @@ def test_shape_ops(data, name):
 FUNCTIONALS = {  # what models call; each is captured with its gradient (input shape (2, 4, 8, 8) unless 3-D/5-D)
     "interpolate": lambda x: F.interpolate(x, scale_factor=2, mode="bilinear") + 0,
     "interpolate_bicubic": lambda x: F.interpolate(x, size=(5, 5), mode="bicubic"),
+    "interpolate_bilinear_antialias": lambda x: F.interpolate(x, size=(5, 5), mode="bilinear", antialias=True),
+    "interpolate_bicubic_antialias": lambda x: F.interpolate(x, size=(5, 5), mode="bicubic", antialias=True),
+    "dist": lambda x: torch.dist(x, x.flip(-1) * 0.5, 3),
     "interpolate_nearest": lambda x: F.interpolate(x, scale_factor=2),
     "adaptive_max_pool": lambda x: F.adaptive_max_pool2d(x, 2), "avg_pool": lambda x: F.avg_pool2d(x, 2),
     "max_pool": lambda x: F.max_pool2d(x, 2), "conv_transpose": lambda x: F.conv_transpose2d(x, torch.ones(4, 3, 3, 3)),
@@ -608,6 +611,14 @@ POOL_COL = {  # col2im((N, C * kh * kw, L)) with C = 4
 POOL_CAPTURED = {  # not core: what capture produces for F.interpolate and adaptive max pooling
     "upsample_bilinear2d": (aten.upsample_bilinear2d.default, lambda x: aten.upsample_bilinear2d.default(x, [6, 8], True), (0,)),
     "upsample_bicubic2d": (aten.upsample_bicubic2d.default, lambda x: aten.upsample_bicubic2d.default(x, [5, 5], False), (0,)),
+    "upsample_bilinear2d_aa": (aten._upsample_bilinear2d_aa.default,
+                               lambda x: aten._upsample_bilinear2d_aa.default(x, [3, 3], False), (0,)),
+    "upsample_bicubic2d_aa": (aten._upsample_bicubic2d_aa.default,
+                              lambda x: aten._upsample_bicubic2d_aa.default(x, [3, 5], True), (0,)),
+    "upsample_bilinear2d_aa_backward": (aten._upsample_bilinear2d_aa_backward.default, lambda x, g:
+                                        aten._upsample_bilinear2d_aa_backward.default(g, [2, 2], [2, 4, 4, 4], False), (1,)),
+    "upsample_bicubic2d_aa_backward": (aten._upsample_bicubic2d_aa_backward.default, lambda x, g:
+                                       aten._upsample_bicubic2d_aa_backward.default(g, [2, 2], [2, 4, 4, 4], False), (1,)),
     "upsample_nearest2d_backward": (aten.upsample_nearest2d_backward.default,
                                     lambda x, g: aten.upsample_nearest2d_backward.default(g, [2, 2], [2, 4, 4, 4]), (1,)),
     "upsample_bilinear2d_backward": (aten.upsample_bilinear2d_backward.default,
