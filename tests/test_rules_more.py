@@ -811,3 +811,26 @@ def test_gaussian_nll_loss_checks_its_variance_at_every_call(mesh_shape):
     v[5, 1] = -1.0
     with pytest.raises(hpfun.ExecutionError, match="var has negative entry"):
         direct(x[:, :3], t, v)
+
+
+@pytest.mark.parametrize("dims", [2, 3], ids=["2d", "3d"])
+def test_grid_sample_gradient_keeps_split_channels_with_no_collective(dims):
+    """grid_sample's backward works on each channel alike: with the input's channels split and
+    the grid replicated, the gradient of the input keeps the split and the grid's gradient is a
+    Partial sum over the channels, its one all-reduce the only collective (it gathered the
+    incoming gradient and the whole input); both equal the unsharded gradients."""
+    spatial = (6,) * dims
+    x = _rand(2, 4, *spatial)
+    grid = _rand(2, *(3,) * dims, dims).tanh()
+
+    def grads(x, grid):
+        return torch.func.grad(lambda x, g: (F.grid_sample(x, g, align_corners=False) ** 2).sum(), argnums=(0, 1))(x, grid)
+
+    f = hpfun.shard(grads, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=(P(None, "a"), P()),
+                    out_specs=(P(None, "a"), P()))
+    gx, ggrid = f(x, grid)
+    want_x, want_grid = grads(x, grid)
+    torch.testing.assert_close(gx.full(), want_x, rtol=0, atol=TOL)
+    torch.testing.assert_close(ggrid.full(), want_grid, rtol=0, atol=TOL)
+    moved = [(c.kind, c.bytes) for c in f.lower(x, grid).collectives]
+    assert moved == [("all_reduce", grid.numel() * 8)], moved

@@ -25,6 +25,11 @@ class Batched(Rule):
     core: int = 2
     linear: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     linear_outputs: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    # a dim the op works on each slice of alike (grid_sample's channels), per tensor input (None: it
+    # has none, it reads the same for every slice) and per output (None: a sum over the slices,
+    # Partial when they are split)
+    sliced: tuple = attrs.field(default=(), converter=tuple)
+    sliced_outputs: tuple = attrs.field(default=(), converter=tuple)
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         tensors, outputs = call.tensors, call.outputs
@@ -39,6 +44,9 @@ class Batched(Rule):
                 p = t.layout.placements[a]
                 if isinstance(p, Shard) and p.dim in splittable:
                     options.insert(0, ((p,) * len(tensors), (p,) * len(outputs)))
+                elif isinstance(p, Shard) and i < len(self.sliced) and p.dim == self.sliced[i]:
+                    options.insert(0, (tuple(R if d is None else Shard(d) for d in self.sliced),
+                                       tuple(Partial("sum") if d is None else Shard(d) for d in self.sliced_outputs)))
                 elif isinstance(p, Partial) and p.reduce in _LINEAR and t.index in self.linear:
                     outs = tuple(p if self.linear_outputs is None or o in self.linear_outputs else R
                                  for o in range(len(outputs)))
