@@ -1422,6 +1422,9 @@ def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:
 
 # reads of a tensor's values into Python: a trace on fake tensors cannot make them, unless the
 # value is a constant (`_constant_value`)
+REAL_DATA_PTR = "_hpfun_real_data_ptr"  # on a lifted tensor's stand-in: the address of the tensor it stands for
+
+
 def _slice_bounds_read(index):
     """`index` with each traced 0-d integer tensor among its slices' bounds read (`__index__`),
     or `index` itself where none is, or one cannot be read."""
@@ -2086,6 +2089,8 @@ class _TensorScalars(TorchFunctionMode):
             index, name = args[2], func.__name__.rstrip("_")
             args = (*args[:2], checked(index, index >= 0, f"{name}(): index out of bounds: a negative index "
                                        f"(index {name} takes 0 <= index < size)"), *args[3:])
+        if func is torch._C.TensorBase.data_ptr and args and (ptr := getattr(args[0], REAL_DATA_PTR, None)) is not None:
+            return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:

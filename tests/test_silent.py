@@ -907,3 +907,40 @@ def test_a_nan_python_value_read_by_the_function_is_no_change():
                     out_specs=P())
     x = torch.randn(4, 3)
     assert torch.allclose(f(x).full(), x.sum())
+
+
+def test_a_lifted_tensors_data_ptr_is_its_own_in_the_trace():
+    """`p.data_ptr()` of lifted tensors reads as eager's: distinct per parameter, one for a tied
+    pair (every stand-in had the same address: a dedup by address kept one parameter of four,
+    silently, and momentum kept under `p.data_ptr()` was one buffer for all)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).double()
+    model[1].weight = model[0].weight  # tied: one address
+
+    def unique(x):
+        found = {p.data_ptr(): p for _, p in model.named_parameters(remove_duplicate=False)}
+        return model(x).sum() * len(found)
+
+    x = torch.randn(4, 4, dtype=torch.float64)
+    f = hpfun.shard(unique, mesh=MESH, in_specs=P("a"), out_specs=P())
+    assert abs(f(x).full().item() - unique(x).item()) < 1e-12
+
+    def momentum_step(m, bufs, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                buf = bufs.setdefault(p.data_ptr(), torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                p.sub_(0.1 * buf)
+                p.grad = None
+        return loss
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2).double()
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 2).double()
+    bufs, ref_bufs = {}, {}
+    g = hpfun.shard(lambda x: momentum_step(m, bufs, x), mesh=MESH, in_specs=P("a"), out_specs=P())
+    for i in range(3):
+        assert abs(g(x * (i + 1)).full().item() - momentum_step(ref, ref_bufs, x * (i + 1)).item()) < 1e-12
+    assert (m.weight - ref.weight).abs().max().item() < 1e-12 and len(bufs) == 2
