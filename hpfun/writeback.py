@@ -375,12 +375,22 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
         _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() if isinstance(entries, dict)
                       for k, v in entries.items() if isinstance(v, torch.Tensor)})
         params = [p for group in obj.param_groups for p in group["params"]]  # (the indices number them so)
-        sd["state"] = {i: {k: _full(v, inplace, params[i] if i < len(params) else None) if isinstance(v, torch.Tensor)
-                           else v for k, v in entries.items()} if isinstance(entries, dict) else
+        sd["state"] = {i: {k: _full_entry(v, inplace, params[i] if i < len(params) else None)
+                           for k, v in entries.items()} if isinstance(entries, dict) else
                        _full(entries, inplace) if isinstance(entries, torch.Tensor) else entries  # (under a key of
                        for i, entries in sd["state"].items()}  # its own: MADGRAD's `state["k"]`)
         return sd
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
+
+
+def _full_entry(v, inplace: bool, param: torch.Tensor | None):
+    """An optimizer state entry gathered: a tensor, or each tensor of a list or tuple of them
+    (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks too)."""
+    if isinstance(v, torch.Tensor):
+        return _full(v, inplace, param)
+    if type(v) in (list, tuple) and v and all(isinstance(t, torch.Tensor) for t in v):
+        return type(v)(_full(t, inplace, param) for t in v)
+    return v
 
 
 def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:

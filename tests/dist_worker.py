@@ -240,6 +240,22 @@ def lifted(out: Path):
     torch.save(results, out / f"lifted-rank{RANK}.pt")
 
 
+class TupleMomentum(torch.optim.Optimizer):
+    """Two momentum buffers per parameter kept as a tuple its step rebuilds (SPlus keeps a list)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                fast, slow = st.get("bufs", (torch.zeros_like(p), torch.zeros_like(p)))
+                st["bufs"] = (fast * 0.5 + p.grad, slow * 0.9 + p.grad)
+                p.sub_(group["lr"] * (st["bufs"][0] + st["bufs"][1]))
+
+
 def lifted_dp(out: Path):
     """World 2: BatchNorm's running statistics under data parallel; ranks whose arguments and
     state differ; a mesh of the wrong size."""
@@ -278,6 +294,15 @@ def lifted_dp(out: Path):
 
     got["traced in another order"] = hpfun.shard(in_set_order, mesh=mesh, in_specs=(P("dp"), P("dp")),
                                                   out_specs=P())(x, x + 1.0).full()
+
+    # a tuple of tensors in each parameter's optimizer state, rebuilt by every step: gathered whole
+    tupled = lifted_model()
+    tuple_opt = TupleMomentum(tupled.parameters())
+    tuple_step = sharded_step(mesh, tupled, tuple_opt, (P("dp"), P("dp")), {"*.weight": P("dp", None), "*.bias": P("dp")})
+    for _ in range(2):
+        tuple_step(x, y)
+    got["tuple state"] = {i: [t.clone() for t in entries["bufs"]] for i, entries in
+                          hpfun.gather_state(tuple_opt)["state"].items()}
 
     def refused_on_rank_1(x):  # an error only one rank's trace meets (its own data, a rank-local check)
         if torch.distributed.get_rank() == 1:

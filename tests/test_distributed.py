@@ -458,6 +458,22 @@ def test_ranks_that_trace_independent_ops_in_another_order_run_one_program(lifte
         _close(got["traced in another order"], ((x * 2.0).cos() + ((x + 1.0) * 3.0).sin()).sum(0), f"rank {rank}")
 
 
+def test_gather_state_gathers_a_tuple_of_tensors_in_optimizer_state(lifted_dp_job):
+    """A tuple of tensors a step rebuilds in each parameter's state, split with its parameter:
+    gather_state gives the full tensors, equal to eager's (each rank's block had come back)."""
+    worker = _worker()
+    x, y = worker.lifted_data()
+    model = worker.lifted_model()
+    opt = worker.TupleMomentum(model.parameters())
+    for _ in range(2):
+        worker.eager_step(model, opt, x, y)
+    want = {i: list(opt.state[p]["bufs"]) for i, p in enumerate(model.parameters())}
+    for rank, got in enumerate(lifted_dp_job):
+        for i, bufs in want.items():
+            for a, b in zip(got["tuple state"][i], bufs, strict=True):
+                _close(a, b, f"rank {rank}, parameter {i}")
+
+
 def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):
     """The function raises while traced on rank 1 only, and the job catches it and goes on: rank
     1 gets its own error, rank 0 an error naming rank 1, and the next calls pair each rank's
