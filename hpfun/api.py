@@ -974,7 +974,8 @@ class ShardedFunction:
             real = call.flat[i]
             swap[id(real)] = fake
             if type(real) is not Sharded and isinstance(real, torch.Tensor):  # (its address, read as eager reads it:
-                setattr(fake, REAL_DATA_PTR, real.data_ptr())  # distinct per tensor, the same for tied ones)
+                with contextlib.suppress(RuntimeError):  # distinct per tensor, the same for tied ones; none for a
+                    setattr(fake, REAL_DATA_PTR, real.data_ptr())  # tensor without storage, under torch.func)
             # (a block a distributed call left stands for its tensor, which holds the hooks and attributes)
             owner = _held_owner(real)
             if isinstance(owner, torch.Tensor) and (owner._backward_hooks or getattr(owner, "_post_accumulate_grad_hooks", None)):
