@@ -1360,14 +1360,16 @@ class _Traced:
         the caller's container after every call, as eager leaves it (the caller's was left as
         it was, silently)."""
         edits, tensors = [], []
-        for path, at, container, before in given:
-            kind = "list" if type(container) is list or isinstance(container, collections.UserList) else "dict" \
-                if isinstance(container, collections.abc.MutableMapping) else "object"
+        for path, at, container, before, *attributes in given:
+            kind = "object" if attributes else "list" if type(container) is list or isinstance(
+                container, collections.UserList) else "dict" if isinstance(container, collections.abc.MutableMapping) \
+                else "object"
             if kind == "list":
                 changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
                 removed = () if len(container) >= len(before) else (len(container),)
             else:
-                now = dict(container.items()) if kind == "dict" else dataclass_items(container)
+                now = dict(container.items()) if kind == "dict" else _own_attributes(container) if attributes \
+                    else dataclass_items(container)
                 changed = [(k, v) for k, v in now.items() if k not in before or v is not before[k]]
                 removed = tuple(k for k in before if k not in now)
             for key, value in changed:
@@ -2344,6 +2346,8 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
             return
         if not isinstance(x, (tuple, torch.Tensor, str, bytes, type)):
             seen.add(id(x))
+        if isinstance(x, (collections.UserList, collections.UserDict)):  # (its attributes, set as a dataclass's)
+            out.append((path, at, x, _own_attributes(x), True))
         if type(x) is list or isinstance(x, collections.UserList):  # (a UserList: appended to as a list)
             out.append((path, at, x, list(x)))
             items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
@@ -2368,6 +2372,11 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
     for k, v in kwonly.items():
         walk(v, f"kwargs[{k!r}]", ("kwargs", k), 0)
     return out
+
+
+def _own_attributes(x) -> dict:
+    """A UserDict's or UserList's attributes besides its items."""
+    return {k: v for k, v in vars(x).items() if k != "data"}
 
 
 def _shared_as_given(given, rebuilt, seen: dict):
