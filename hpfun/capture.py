@@ -2095,6 +2095,9 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
+        if func in (torch.narrow, torch.Tensor.narrow) and len(args) >= 3 and isinstance(args[2], torch.Tensor) \
+                and (start := _slice_bounds_read(slice(args[2], None))).start is not args[2]:
+            args = (args[0], args[1], start.start, *args[3:])  # (`x.narrow(1, n, 3)`, n of an argument: read as int(n))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
             args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)

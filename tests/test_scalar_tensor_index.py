@@ -205,7 +205,7 @@ def test_a_lookup_out_of_range_along_a_dim_each_rank_holds_whole_names_the_value
 
 
 def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
-    """`x[:, n - 1:]` and `x[b, n:] = 0` with `n` a 0-d tensor among the arguments (torch-struct's
+    """`x[:, n - 1:]`, `x[b, n:] = 0` and `x.narrow(1, n, 3)` with `n` a 0-d tensor among the arguments (torch-struct's
     CRF slices its labels by `lengths[b] - 1`) read `n` as `int(n)` does, and key the program by
     it (it was refused as a value read from parameters); one made from a parameter is still refused."""
     def read(x, lengths):
@@ -216,13 +216,18 @@ def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
         y[1, lengths[1]:] = 0
         return y
 
+    def narrowed(x, lengths):  # (`narrow`'s start too)
+        return x.narrow(1, lengths[2], 3).sum(0)
+
     x = torch.randn(4, 6, dtype=D, generator=_gen())
     f = hpfun.shard(read, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
     g = hpfun.shard(write, mesh=MESH, in_specs=(P(None, "dp"), P()), out_specs=P(None, "dp"))
-    for lengths in (torch.tensor([3, 6, 2, 5]), torch.tensor([3, 2, 2, 5]), torch.tensor([5, 6, 2, 5])):
+    h = hpfun.shard(narrowed, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    for lengths in (torch.tensor([3, 6, 2, 5]), torch.tensor([3, 2, 2, 5]), torch.tensor([5, 6, 1, 5])):
         torch.testing.assert_close(f(x, lengths).full(), read(x, lengths), rtol=0, atol=1e-12)
         torch.testing.assert_close(g(x, lengths).full(), write(x, lengths), rtol=0, atol=1e-12)
-    assert f.trace_count == 2 and g.trace_count == 2
+        torch.testing.assert_close(h(x, lengths).full(), narrowed(x, lengths), rtol=0, atol=1e-12)
+    assert f.trace_count == 2 and g.trace_count == 2 and h.trace_count == 2
 
     w = torch.nn.Parameter(torch.tensor(2.0, dtype=D))
     with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
