@@ -2284,7 +2284,7 @@ class Substitution:
             held = vars(mod)
             containers = {k: (v, dict(v) if isinstance(v, dict) else list(v)) for k, v in held.items()
                           if (type(v) is list or _is_dict(v)) and _modules_own(mod, k)
-                          and (not k.startswith("_") or _holds_tensor(v))}  # (a library's private ones: with tensors)
+                          and (not k.startswith("_") or not v or _holds_tensor(v))}  # (private: with tensors, or empty)
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
             self._submodules[id(mod)] = dict(mod._modules)
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
@@ -2449,7 +2449,11 @@ class Substitution:
         fix = ("edit the list outside the sharded function (after the call), or append only tensors inside it; "
                "a list a call resets is best kept outside: return the tensors and keep them there")
         problems = []
+        private = {id(c) for _, _, _, _, containers in self._modules for attr, (c, _) in containers.items()
+                   if attr.startswith("_")}
         for name, lst, held in self._module_lists():
+            if id(lst) in private and not any(map(_holds_fake, lst)):
+                continue  # (a module's private list given no tensor: a library's bookkeeping, left to it)
             if not self._kept_prefix(lst, held):
                 problems.append(Problem(name, "is a list the function edits other than by appending (insert, pop, "
                                         "clear, remove, an item replaced or sorted), which the program cannot "
@@ -2573,9 +2577,9 @@ class Substitution:
                         mod._buffers[attr] = buffers[attr]
                     else:
                         del mod._buffers[attr]
-            for container, items in containers.values():  # a cache dict the forward filled
+            for attr, (container, items) in containers.items():  # a cache dict the forward filled
                 inside = container.values() if isinstance(container, dict) else container
-                if any(map(_holds_fake, inside)) or type(container) is list and \
+                if any(map(_holds_fake, inside)) or type(container) is list and not attr.startswith("_") and \
                         (len(container) != len(items) or any(a is not b for a, b in zip(container, items))):
                     # (a list given a number is refused, `_container_edits`: left as it was)
                     container.clear()

@@ -1592,6 +1592,36 @@ class _GridCache(torch.nn.Module):
         return self.lin(x * c).square().mean()
 
 
+class _PrivateHistory(torch.nn.Module):
+    """A module appending each loss to a private list (a tensor) and each batch size (a number) to another."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self._hist, self._sizes = torch.nn.Linear(5, 2).double(), [], []
+
+    def forward(self, x):
+        loss = self.lin(x).square().mean()
+        self._hist.append(loss.detach())
+        self._sizes.append(x.shape[0])  # (a library's bookkeeping: left to it, as before)
+        return loss
+
+
+def test_tensors_a_forward_appends_to_a_private_list_are_appended_by_every_call():
+    """A private list a forward appends tensors to gets each call's, as a public one does (it was
+    refused as 'a list inside a list, an optimizer or module made inside the function'); a
+    private list given numbers is left to the module, as before."""
+    model, ref = _PrivateHistory(), _PrivateHistory()
+    step = hpfun.shard(model, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = batch(i)[0][:, :5]
+        assert abs(step(x).full().item() - ref(x).item()) < 1e-12
+    assert len(model._hist) == 3
+    for a, b in zip(model._hist, ref._hist, strict=True):
+        assert abs((a.full() if isinstance(a, hpfun.Sharded) else a).item() - b.item()) < 1e-12
+    assert set(model._sizes) == {8}  # (appended by each trace: the growing list compiles every call, as a public one)
+
+
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy_list", "dict_rebound"])
 def test_tensors_a_forward_keeps_in_a_private_attribute_are_state(lazy):
     """A private attribute a forward sets to a list or dict of tensors is state as a public one is
