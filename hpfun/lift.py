@@ -2346,7 +2346,7 @@ class Substitution:
                 if _made_attribute(obj, attr, v, held):  # a tuple or dict of them: `self.run = (loss,)`)
                     shadows = isinstance(getattr(type(obj), attr, None), torch.Tensor)  # (its class's: lifted by
                     name = _join(var, attr) + (" (the instance's own)" if shadows else "")  # that name)
-                    out.update(_created_items(name, v, ("set", functools.partial(setattr, obj, attr))))
+                    out.update(_created_items(name, self._real_keys(v), ("set", functools.partial(setattr, obj, attr))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):
@@ -2371,6 +2371,19 @@ class Substitution:
                             out.update(_created_items(f"{var}[{found[0]}]", v, ("key", read, found[1])))
                         elif not isinstance(key, FakeTensor):
                             out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
+        return out
+
+    def _real_keys(self, v):
+        """A dict the step made, keyed by the tensors (or ids) its stand-ins stand for (`self.ema =
+        {id(p): ... for p in params}` made at a first step: it kept the stand-ins' ids, and the
+        next call's lookup by `id(p)` failed); any other value as it is."""
+        if not _is_dict(v) or not any(isinstance(k, FakeTensor) or type(k) in (int, str, tuple, frozenset) for k in v):
+            return v
+        found = {id(k): self._real_key(k) for k in v}
+        if not any(found.values()):
+            return v
+        out = type(v)() if type(v) is not collections.defaultdict else collections.defaultdict(v.default_factory)
+        out.update((found[id(k)][1] if found[id(k)] else k, w) for k, w in v.items())
         return out
 
     def _key_owner(self, place: tuple):

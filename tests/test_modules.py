@@ -1637,6 +1637,30 @@ def test_tensors_a_forward_keeps_in_a_private_attribute_are_state(lazy):
         assert all(type(a) is torch.Tensor and torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in pairs)
 
 
+class EmaAdamW(torch.optim.AdamW):
+    """AdamW keeping an average of its parameters in a dict keyed by their ids, made at its first step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        if not hasattr(self, "ema"):
+            self.ema = {id(p): p.detach().clone() for g in self.param_groups for p in g["params"]}
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.ema[id(p)].lerp_(p, 0.1)
+
+
+def test_a_dict_keyed_by_parameter_ids_an_optimizer_makes_at_its_first_step_is_keyed_by_the_parameters():
+    """The dict is put with the parameters' ids as eager's step leaves it (it kept the trace's
+    stand-ins' ids: the second call's `self.ema[id(p)]` raised KeyError), then is state."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = EmaAdamW(model.parameters(), lr=1e-2), EmaAdamW(ref.parameters(), lr=1e-2)
+    _steps_match_eager(stock_step(model, opt, DP), model, ref, ref_opt)
+    assert set(opt.ema) == {id(p) for p in model.parameters()}
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert (opt.ema[id(p)] - ref_opt.ema[id(q)]).abs().max().item() < 1e-12
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 
