@@ -2892,6 +2892,15 @@ class Substitution:
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
                 elif type(v) in (dict, list) and held.get(attr) is v:  # (one it held, a module added to it)
                     _drop_made_modules(v, _join(var, attr), found)
+                    for key, item in list(v.items() if type(v) is dict else enumerate(v))[::-1]:
+                        if not _is_plain_object(item) or callable(item):
+                            continue
+                        inside: list = []  # (a helper made and added by the step: `self.tallies.append(Tally())`)
+                        _take_fakes(item, f"{_join(var, attr)}[{key!r}]", inside, seen)
+                        found += [f"{where} (in a {type(item).__name__} the function made: make it before the first "
+                                  "call, in __init__, and hpfun lifts its tensors as state)" for where in inside]
+                        if inside:
+                            del v[key]
                 elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")

@@ -1544,6 +1544,30 @@ class LazyTallyTrainer:
         return loss
 
 
+class ListedTallyTrainer:
+    """A trainer appending a helper object holding a tensor to a list it holds, at its first step."""
+
+    def __init__(self):
+        self.model, self.tallies = mlp(), []
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        if not self.tallies:
+            self.tallies.append(_Tally())
+        self.tallies[0].total = self.tallies[0].total + loss.detach()
+        return loss
+
+
+def test_a_helper_object_the_step_adds_to_a_list_holding_tensors_is_refused():
+    """As one it assigns: refused at the first call, naming the tensor, and taken out of the list
+    (its tensor was left the trace's placeholder, and the next call failed inside hpfun)."""
+    trainer = ListedTallyTrainer()
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"self.tallies\[0\].total \(in a _Tally the function made"):
+        step(*batch(0))
+    assert trainer.tallies == []
+
+
 def test_a_trainers_private_dict_is_state_and_a_helper_it_makes_holding_tensors_is_refused():
     """A private dict a trainer fills is state as a public one is (it was refused); a helper
     object the step makes holding a tensor is refused, naming the tensor and the fix, and taken
