@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import (ON_META, REAL_DATA_PTR, TracingWarning, UnliftedTensor, same_value, trace, tracing,
-                           unguarded_draws, user_line)
+from hpfun.capture import (ON_META, REAL_DATA_PTR, TracingWarning, UnliftedTensor, clear_memoized, same_value, trace,
+                           tracing, unguarded_draws, user_line)
 from hpfun.capture import _at_user_line as capture_at_user_line
 from hpfun.collectives import REDUCE_DTYPES
 from hpfun.constrain import check_pins
@@ -828,13 +828,18 @@ class ShardedFunction:
         readable = [(ON_META if isinstance(x, torch.Tensor) and x.device.type == "meta" else x)
                     if isinstance(x, (torch.Tensor, Sharded)) and (i < arguments or not leaves[i].requires_grad)
                     else None for i, x in ((i, call.flat[i]) for i in tensor_pos)]  # (a Sharded one read whole)
-        try:
-            captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
-                             requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
-        except UnliftedTensor as err:
-            n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
-            arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
-            raise lift.unlifted_tensor_error(call.state, str(err), arguments) from None
+        for attempt in range(2):
+            try:
+                captured = trace(functools.partial(self._run_substituted, call, tensor_pos, traced), gm_inputs, device,
+                                 requires_grad=[leaves[i].requires_grad for i in tensor_pos], readable=readable)
+                break
+            except UnliftedTensor as err:
+                if attempt == 0 and clear_memoized():  # (a tensor a functools.lru_cache kept from an eager call:
+                    traced = _Traced()  # made again inside the trace, as a constant of the program)
+                    continue
+                n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
+                arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
+                raise lift.unlifted_tensor_error(call.state, str(err), arguments) from None
         paths = call.paths()
         self._check_patterns_after_trace(call, traced, {paths[tensor_pos[j]] for j in captured.mutated})
         _check_configs_unchanged(call, leaves)

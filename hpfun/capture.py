@@ -33,6 +33,7 @@ import contextlib
 import copy
 import contextvars
 import functools
+import gc
 import io
 import logging
 import math
@@ -440,6 +441,43 @@ def capture(flat_fn, metas, device=None) -> torch.fx.GraphModule:
     return trace(flat_fn, metas, device).gm
 
 
+_LRU_CACHES: list = []  # the functools.lru_cache wrappers in the process, found when its modules were so many
+_LRU_SCANNED = [-1]
+
+
+def _lru_caches() -> list:
+    if _LRU_SCANNED[0] != len(sys.modules):
+        _LRU_SCANNED[0] = len(sys.modules)
+        _LRU_CACHES[:] = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
+    return _LRU_CACHES
+
+
+def clear_memoized() -> bool:
+    """Clear every functools.lru_cache holding entries; whether one did. A trace that read a
+    tensor a memoized helper made in an eager call (a real tensor, no input of the program) is
+    run again once so: the helper then makes it inside the trace, a constant of the program."""
+    filled = [w for w in _lru_caches() if w.cache_info().currsize]
+    for w in filled:
+        w.cache_clear()
+    return bool(filled)
+
+
+@contextlib.contextmanager
+def _caches_filled_cleared():
+    """functools.lru_cache entries the trace made are cleared after it: a helper memoizing a tensor
+    (yet-another-retnet's decay mask) would otherwise hand the trace's placeholder to every later
+    call, eager ones too (they failed inside torch). The wrappers are found by one scan of the
+    heap, again when new modules are imported; each is then asked its counts, before and after."""
+    caches = list(_lru_caches())
+    before = [w.cache_info().misses for w in caches]
+    try:
+        yield
+    finally:
+        for w, misses in zip(caches, before):
+            if w.cache_info().misses != misses:
+                w.cache_clear()
+
+
 def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Captured:
     """Trace `flat_fn(*tensors) -> list of tensors` on fake tensors with the given (shape, dtype),
     on the device the program will run on (tensors the function creates are made there).
@@ -455,7 +493,8 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
     generator = torch.default_generator.get_state()
-    with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors():
+    with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors(), \
+            _caches_filled_cleared():
         gm = _trace(flat_fn, fakes)
     _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []

@@ -3,6 +3,7 @@ spec mistakes with their paths and fixes, and rule tables that fail to load."""
 
 import collections.abc
 import dataclasses
+import functools
 import math
 import textwrap
 import types
@@ -517,3 +518,31 @@ def test_torch_compile_around_a_sharded_function_runs_it_as_it_is():
         compiled = g(x).full()
         torch.manual_seed(11)
         assert torch.equal(compiled, f(x).full())
+
+
+@functools.lru_cache(maxsize=4)
+def _decay_mask(n: int) -> torch.Tensor:
+    """A memoized constant tensor, as yet-another-retnet builds its decay mask."""
+    return torch.tril(torch.ones(n, n)) * 0.9
+
+
+def test_a_tensor_a_memoized_helper_makes_is_a_constant_of_the_program():
+    """A functools.lru_cache helper returning a tensor: traced first, the cache keeps no
+    placeholder of the trace (a later eager call failed inside torch); called eagerly first, the
+    cached real tensor is made again inside the trace (it was refused as a tensor hpfun cannot
+    lift, at a library's line)."""
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 3, 4)
+
+    def f(x):
+        return (_decay_mask(x.shape[1]) @ lin(x)).sum()
+
+    for eager_first in (False, True):
+        _decay_mask.cache_clear()
+        if eager_first:
+            want = f(x)
+        g = hpfun.shard(f, mesh=MESH, in_specs=P("dp"), out_specs=P())
+        got = g(x).full()
+        want = f(x)  # (eagerly, after the trace: from the cache)
+        torch.testing.assert_close(got, want)
+        assert type(_decay_mask(3)) is torch.Tensor
