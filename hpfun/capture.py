@@ -2888,6 +2888,10 @@ def _describe(err: Exception) -> str:
                 "to one, use torch.func.grad "
                 "(`torch.func.grad(loss_fn)(x)`), or hold the tensor in a module as a parameter, whose gradient "
                 "hpfun writes back")
+    if "failed in the TorchScript interpreter" in str(err):
+        hint = (" — a @torch.jit.script function runs in TorchScript's interpreter, which hpfun cannot "
+                "trace into (reading a value, `int(t)`, fails there): run with PYTORCH_JIT=0 in the environment "
+                "(scripted functions then run as Python), or call the Python function it was made from")
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     if isinstance(err, KeyError) and err.args and isinstance(err.args[0], torch.Tensor):  # (not the stand-in's repr)
         key = err.args[0]

@@ -134,6 +134,21 @@ def test_a_torchscript_module_is_named_with_the_fix():
     assert "model.0: is a TorchScript module" in text and "shard the nn.Module it was scripted from" in text
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_torchscript_function_that_fails_in_the_trace_is_named_with_the_fix():
+    """A @torch.jit.script helper reading a value (`int(grid[0])`, as torchkbnufft's does) fails in
+    TorchScript's interpreter, which the trace cannot enter: the error says so and names
+    PYTORCH_JIT=0 (it gave TorchScript's bare 'operation failed')."""
+    def pad_to(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, [0, int(grid[0]) - x.shape[-1]])
+
+    scripted = torch.jit.script(pad_to)
+    grid = torch.tensor([12])
+    f = hpfun.shard(lambda x: scripted(x, grid).sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "@torch.jit.script function" in text and "PYTORCH_JIT=0" in text, text
+
+
 def test_data_dependent_shape_is_a_capture_error():
     """Ops whose output shape depends on data hpfun cannot read (a mask of computed values, as
     loss code writes it) fail at capture with the user's line and the shape-keeping rewrite."""
