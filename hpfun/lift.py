@@ -1374,18 +1374,7 @@ def held_value_key(v):
     UserDict subclass's `self.tag`): a number, string or config by value; None for an object
     held by identity (a hashable one too: an object's hash is its identity, and a batch made
     anew at every step would compile again)."""
-    return object_key(v) if _is_value(v) else None
-
-
-def _is_value(v, depth: int = 4) -> bool:
-    """Whether `v` is a number, string, None or config, or a tuple, list or dict of them."""
-    if _is_scalar(v) or is_config(v):
-        return True
-    if depth and type(v) in (tuple, list) and len(v) <= PLAIN_CONTAINER_ITEMS:
-        return all(_is_value(w, depth - 1) for w in v)
-    if depth and type(v) is dict and len(v) <= PLAIN_CONTAINER_ITEMS:
-        return all(_is_scalar(k) and _is_value(w, depth - 1) for k, w in v.items())
-    return False
+    return object_key(v) if is_config(v) or _is_plain_data(v) else None
 
 
 def _values_of(key):
