@@ -67,7 +67,6 @@ class Root:
     value: object
     read: object = None  # for tensors (and Sharded values): the value at its place now
     write: object = None  # and how to replace it
-    key: object = None  # the tensor (or its id) a dict holds it under (`mom[p]`): it follows that one's layout
 
 
 class _Inherited:
@@ -141,7 +140,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         names.add(name)
         return name
 
-    def value(obj, name: str, read, write, owner: str = "", attrs_read: frozenset = frozenset(), key=None) -> None:
+    def value(obj, name: str, read, write, owner: str = "", attrs_read: frozenset = frozenset()) -> None:
         if _is_scalar(obj):  # a Python value the trace may read: it keys the cache (before ids: small ints are shared)
             if name and read is not None:  # (`write`: to set it back when a trace that changed it is refused)
                 roots.append(Root(unique(name, owner), _SCALAR, read, write))
@@ -172,7 +171,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 roots.append(Root(unique(name, owner), _SCALAR, _array_reader(read)))
             return
         if isinstance(obj, (torch.Tensor, Sharded)):  # a root per place that holds it (`w` and `params = [w, b]`):
-            roots.append(Root(unique(name, owner), obj, read, write, key))  # one input, its stand-in in every place
+            roots.append(Root(unique(name, owner), obj, read, write))  # one input, its stand-in in every place
             if isinstance(obj, torch.Tensor) and type(obj) is not Sharded and id(obj) not in seen_objects:
                 tensor_code(obj, name)  # a free tensor's hooks and attributes, as a parameter's
                 note(_Unchanged(vars(obj)))
@@ -200,8 +199,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for i, (k, v) in enumerate(list(obj.items())):  # (a key that is an object, a parameter keying its
                 key = k if _is_scalar(k) and not _is_an_id(k) else f"<key {i}>"  # optimizer:
                 # by position, never by its printed values; an id(p), each process's own: by position too)
-                value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k),
-                      key=k if isinstance(k, torch.Tensor) or _is_an_id(k) else None)
+                value(v, f"{name}.{key}", functools.partial(obj.get, k), functools.partial(obj.__setitem__, k))
                 at = functools.partial(_key_at, obj, i)
                 for suffix, part, read_part in _key_objects(k, at):  # an object of the user's in a key (a tuple's or
                     value(part, f"{name}.{key}{suffix}", read_part, None)  # frozenset's part too): its numbers are read
@@ -1088,9 +1086,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
         elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed, _Inherited)) and \
                 id(root.value) not in names:
             leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
-            keyed = None if root.key is None else names.get(root.key if type(root.key) is int else id(root.key))
-            if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf,
-                   follows=None if leaf else keyed) and leaf:  # (state under a parameter, `mom[p]`: follows it)
+            if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
                 # a tensor made with requires_grad=True (a from-scratch model: `w -= lr * w.grad`): its gradient too
                 add(f"{root.name}.grad", functools.partial(_grad_at, root.read), functools.partial(_set_grad_at, root.read),
                     follows=root.name)
@@ -2375,17 +2371,6 @@ class Substitution:
         out.update((found[id(k)][1] if found[id(k)] else k, w) for k, w in v.items())
         return out
 
-    def _key_owner(self, place: tuple):
-        """The name of the lifted tensor a place puts a new value under (`mom.setdefault(p, ...)`, by
-        the parameter or its id), whose layout the new value follows; None for any other place."""
-        while place[0] == "part":
-            place = place[1]
-        if place[0] != "key":
-            return None
-        key = place[2]
-        return self.state.param_names.get(key if type(key) is int else id(key)) \
-            if isinstance(key, torch.Tensor) or type(key) is int else None
-
     def _real_key(self, key):
         """(its name, the key eager has) of a key the trace put under a stand-in or its id: the
         parameter it stands for, or that one's id; None for any other key."""
@@ -2752,7 +2737,7 @@ class Substitution:
         for name, (value, setter) in self.created().items():
             if name not in out:
                 out[name] = value
-                new_state[name] = (None, self._key_owner(setter), setter)
+                new_state[name] = (None, None, setter)
         return out, new_state
 
     def _state_sequence(self, name: str, v, real_state, real_p, key, out: dict, new_state: dict, seen: set) -> list:

@@ -1770,27 +1770,6 @@ def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parame
         assert len(trainer.st) == 4 and all(_holds_parameter(key, params) for key in trainer.st)
 
 
-@pytest.mark.parametrize("key", [lambda p: p, id], ids=["parameter", "id"])
-def test_state_kept_under_a_parameter_follows_its_layout(key):
-    """Momentum a trainer keeps in its own dict under each parameter (or its id) takes the
-    parameter's layout, made at the first call and lifted at the next (it was kept whole and
-    all-gathered from the split weight's update at every call, named `<key 0>`, which no
-    pattern reaches before the first call)."""
-    trainer, ref = KeyedMomentumTrainer(key), KeyedMomentumTrainer(key)
-    specs = {f"self.model.{k}": v for k, v in MEGATRON.items()}
-    step = hpfun.shard(trainer.step, mesh=DP_TP, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=specs)
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
-        assert max_diff(trainer.model, ref.model) < 1e-12
-    text = str(step.lower(*batch(3)))
-    assert "all_gather" not in text, text
-    inputs = [line.split(": ", 1)[1] for line in text.splitlines() if line.strip().startswith("%in")]
-    layouts = {line.rsplit("(", 1)[1].rstrip(")"): line.split("] ", 1)[1].split(", local")[0] for line in inputs}
-    for k, name in enumerate(["0.weight", "0.bias", "2.weight", "2.bias"]):  # (the dict's keys in parameter order)
-        assert layouts[f"self.st.<key {k}>"] == layouts[f"self.model.{name}"], layouts
-
-
 def _train_with(trainer, x, y):
     return trainer.step(x, y)
 
