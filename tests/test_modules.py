@@ -1770,6 +1770,35 @@ def test_state_made_lazily_under_keys_holding_a_parameter_is_keyed_by_the_parame
         assert len(trainer.st) == 4 and all(_holds_parameter(key, params) for key in trainer.st)
 
 
+class ReboundMomentumTrainer(KeyedMomentumTrainer):
+    """Momentum under each parameter rebound at every step, not updated in place."""
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                self.st[p] = self.st.get(p, torch.zeros_like(p)) * 0.9 + p.grad
+                p.sub_(0.1 * self.st[p])
+                p.grad = None
+        return loss
+
+
+@pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, {f"self.model.{k}": v for k, v in MEGATRON.items()})],
+                         ids=["dp", "megatron"])
+def test_momentum_rebound_under_each_parameter_is_written_back_every_call(mesh, specs):
+    """`st[p] = st.get(p, 0) * 0.9 + p.grad`: each call's value is written back (a change that
+    made such state follow its parameter's layout had left it at the first call's, silently)."""
+    trainer, ref = ReboundMomentumTrainer(lambda p: p), ReboundMomentumTrainer(lambda p: p)
+    step = hpfun.shard(trainer.step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs=specs)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - ref.step(x, y).item()) < 1e-12
+        assert max_diff(trainer.model, ref.model) < 1e-12
+    for p, q in zip(trainer.model.parameters(), ref.model.parameters(), strict=True):
+        assert (trainer.st[p] - ref.st[q]).abs().max().item() < 1e-12
+
+
 def _train_with(trainer, x, y):
     return trainer.step(x, y)
 
