@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import (ON_META, REAL_DATA_PTR, TracingWarning, UnliftedTensor, clear_memoized, same_value, trace,
+from hpfun.capture import (ON_META, TracingWarning, UnliftedTensor, clear_memoized, same_value, stands_at, trace,
                            tracing, unguarded_draws, user_line)
 from hpfun.capture import _at_user_line as capture_at_user_line
 from hpfun.collectives import REDUCE_DTYPES
@@ -978,9 +978,8 @@ class ShardedFunction:
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
             swap[id(real)] = fake
-            if type(real) is not Sharded and isinstance(real, torch.Tensor):  # (its address, read as eager reads it:
-                with contextlib.suppress(RuntimeError):  # distinct per tensor, the same for tied ones; none for a
-                    setattr(fake, REAL_DATA_PTR, real.data_ptr())  # tensor without storage, under torch.func)
+            if type(real) is not Sharded and isinstance(real, torch.Tensor):  # (its address, read as eager reads it)
+                stands_at(fake, real)
             # (a block a distributed call left stands for its tensor, which holds the hooks and attributes)
             owner = _held_owner(real)
             if isinstance(owner, torch.Tensor) and (owner._backward_hooks or getattr(owner, "_post_accumulate_grad_hooks", None)):

@@ -493,9 +493,12 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
     values the function may read into Python (`readable_inputs`)."""
     _, fakes = fake_inputs(metas, device, requires_grad)
     generator = torch.default_generator.get_state()
-    with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors(), \
-            _caches_filled_cleared():
-        gm = _trace(flat_fn, fakes)
+    try:
+        with readable_inputs(readable or []) as reads, _seeded_inside() as seed, _quiet_fake_tensor_errors(), \
+                _caches_filled_cleared():
+            gm = _trace(flat_fn, fakes)
+    finally:
+        _ADDRESSES.clear()  # (a storage's _cdata may be another's after the trace)
     _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []
     if _mutates(gm):
@@ -1461,7 +1464,25 @@ def _as_eager(out: torch.Tensor, *tensors) -> torch.Tensor:
 
 # reads of a tensor's values into Python: a trace on fake tensors cannot make them, unless the
 # value is a constant (`_constant_value`)
-REAL_DATA_PTR = "_hpfun_real_data_ptr"  # on a lifted tensor's stand-in: the address of the tensor it stands for
+_ADDRESSES: dict = {}  # during a trace: a stand-in's storage (its _cdata) -> the address its tensor's would have
+
+
+def stands_at(fake: torch.Tensor, real: torch.Tensor) -> None:
+    """Let `fake`, a lifted tensor's stand-in, and every view of it answer `data_ptr()` with
+    the address eager's tensor (and its view) has: distinct per tensor, one for tied ones, a
+    view's base plus its offset (every stand-in had had the same). None for a tensor without
+    storage (a torch.func wrapper)."""
+    with contextlib.suppress(RuntimeError):
+        _ADDRESSES[fake.untyped_storage()._cdata] = real.data_ptr() - fake.storage_offset() * fake.element_size()
+
+
+def _address(t):
+    """`t.data_ptr()` as eager's, for a view of a lifted tensor's stand-in; None for any other."""
+    try:
+        base = _ADDRESSES.get(t.untyped_storage()._cdata)
+    except (RuntimeError, AttributeError):
+        return None
+    return None if base is None else base + t.storage_offset() * t.element_size()
 
 
 def _slice_bounds_read(index):
@@ -2128,7 +2149,7 @@ class _TensorScalars(TorchFunctionMode):
             index, name = args[2], func.__name__.rstrip("_")
             args = (*args[:2], checked(index, index >= 0, f"{name}(): index out of bounds: a negative index "
                                        f"(index {name} takes 0 <= index < size)"), *args[3:])
-        if func is torch._C.TensorBase.data_ptr and args and (ptr := getattr(args[0], REAL_DATA_PTR, None)) is not None:
+        if func is torch._C.TensorBase.data_ptr and args and _ADDRESSES and (ptr := _address(args[0])) is not None:
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             result = _read(func, args[0], args[1:], kwargs)
