@@ -446,10 +446,29 @@ _LRU_SCANNED = [-1]
 
 
 def _lru_caches() -> list:
+    """The lru_cache wrappers of the process but torch's own (torch memoizes its dispatch tables;
+    clearing them made every trace twice as slow): one heap scan at the first trace, again only
+    when a module of the user's (not the standard library's nor an installed package's) has
+    been imported since (libraries import theirs lazily, in a first trace: 50 ms a scan)."""
     if _LRU_SCANNED[0] != len(sys.modules):
-        _LRU_SCANNED[0] = len(sys.modules)
-        _LRU_CACHES[:] = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]
+        new = [(name, module) for name, module in list(sys.modules.items()) if name not in _LRU_MODULES]
+        _LRU_MODULES.update(name for name, _ in new)
+        first, _LRU_SCANNED[0] = _LRU_SCANNED[0] < 0, len(sys.modules)
+        if first or any(_is_users_module(name, module) for name, module in new):
+            _LRU_CACHES[:] = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper
+                              and not str(getattr(o, "__module__", "")).startswith(_OWN_CACHES)]
     return _LRU_CACHES
+
+
+_LRU_MODULES: set = set()
+_OWN_CACHES = ("torch", "hpfun", "sympy", "functorch", "typing", "importlib", "re", "enum")
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_users_module(name: str, module) -> bool:
+    filename = getattr(module, "__file__", None) or ""
+    return bool(filename) and not name.startswith(_OWN_CACHES) and not filename.startswith((_STDLIB, TORCH_DIR)) \
+        and SITE_PACKAGES not in filename
 
 
 def clear_memoized() -> bool:
