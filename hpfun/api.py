@@ -1386,6 +1386,12 @@ class _Traced:
                                   f"{where}, an argument, which hpfun cannot pass back to the caller's: it is left as "
                                   "it was (return the value instead)", TracingWarning, stacklevel=2)
                     continue
+                if attributes and any(isinstance(leaf, torch.Tensor) for leaf in leaves):  # (a UserDict's attribute is
+                    warnings.warn(f"hpfun.shard: the function puts a tensor in {where}, an attribute of a "  # no input:
+                                  f"{type(container).__name__} argument, which hpfun hands over as a value, not an "
+                                  "input (a later call would get this call's tensor): it is left as it was (put the "
+                                  "tensor under a key, or return it)", TracingWarning, stacklevel=2)
+                    continue  # a later call would read this one's tensor as a constant)
                 statics = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
                 tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
                 edits.append(ArgumentEdit(path, at, key, tree, statics, len(leaves) - len(statics), container=kind))
