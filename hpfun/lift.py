@@ -2866,15 +2866,7 @@ class Substitution:
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
                 elif type(v) in (dict, list) and held.get(attr) is v:  # (one it held, a module added to it)
                     _drop_made_modules(v, _join(var, attr), found)
-                    for key, item in list(v.items() if type(v) is dict else enumerate(v))[::-1]:
-                        if not _is_plain_object(item) or callable(item):
-                            continue
-                        inside: list = []  # (a helper made and added by the step: `self.tallies.append(Tally())`)
-                        _take_fakes(item, f"{_join(var, attr)}[{key!r}]", inside, seen)
-                        found += [f"{where} (in a {type(item).__name__} the function made: make it before the first "
-                                  "call, in __init__, and hpfun lifts its tensors as state)" for where in inside]
-                        if inside:
-                            del v[key]
+                    found += _made_helpers(v, _join(var, attr), seen)
                 elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")
@@ -3073,6 +3065,37 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
     for key, w in items.items():
         if not isinstance(w, FakeTensor):
             _take_fakes(w, at(key), found, seen, depth + 1)
+
+
+def _made_helpers(container, name: str, seen: set, depth: int = 3) -> list:
+    """The tensors of the trace inside plain objects a step put in `container` (a list or dict an
+    object held: `self.tallies.append(Tally())`, or one level deeper, `[Tally()]`), each taken out
+    with the object; a place each, named with the fix."""
+    found: list = []
+    for key, item in list(container.items() if type(container) is dict else enumerate(container))[::-1]:
+        if depth > 1 and type(item) in (list, dict, tuple) and _holds_plain_object(item):
+            inner = _made_helpers(item, f"{name}[{key!r}]", seen, depth - 1) if type(item) is not tuple else \
+                [f"{name}[{key!r}] (a tuple holding an object the function made with tensors)"] if any(
+                    _holds_fake(vars(w)) for w in item if _is_plain_object(w)) else []
+            if inner:
+                found += inner
+                if type(container) is not tuple:
+                    del container[key]
+            continue
+        if not _is_plain_object(item) or callable(item):
+            continue
+        inside: list = []  # (a helper made and added by the step: `self.tallies.append(Tally())`)
+        _take_fakes(item, f"{name}[{key!r}]", inside, seen)
+        found += [f"{where} (in a {type(item).__name__} the function made: make it before the first call, in "
+                  "__init__, and hpfun lifts its tensors as state)" for where in inside]
+        if inside and type(container) is not tuple:
+            del container[key]
+    return found
+
+
+def _holds_plain_object(container) -> bool:
+    items = container.values() if type(container) is dict else container
+    return any(_is_plain_object(w) and not callable(w) or type(w) in (list, dict, tuple) for w in items)
 
 
 def _holds_fake(v) -> bool:

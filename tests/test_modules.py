@@ -1550,20 +1550,27 @@ class ListedTallyTrainer:
     def __init__(self):
         self.model, self.tallies = mlp(), []
 
+    nested = False
+
     def step(self, x, y):
         loss = F.cross_entropy(self.model(x), y)
         if not self.tallies:
-            self.tallies.append(_Tally())
-        self.tallies[0].total = self.tallies[0].total + loss.detach()
+            self.tallies.append([_Tally()] if self.nested else _Tally())
+        tally = self.tallies[0][0] if self.nested else self.tallies[0]
+        tally.total = tally.total + loss.detach()
         return loss
 
 
-def test_a_helper_object_the_step_adds_to_a_list_holding_tensors_is_refused():
+@pytest.mark.parametrize("nested", [False, True], ids=["in_the_list", "in_a_list_in_it"])
+def test_a_helper_object_the_step_adds_to_a_list_holding_tensors_is_refused(nested):
     """As one it assigns: refused at the first call, naming the tensor, and taken out of the list
-    (its tensor was left the trace's placeholder, and the next call failed inside hpfun)."""
+    (its tensor was left the trace's placeholder, and the next call failed inside hpfun), also
+    one container deeper (`self.tallies.append([Tally()])`)."""
     trainer = ListedTallyTrainer()
+    trainer.nested = nested
     step = hpfun.shard(trainer.step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match=r"self.tallies\[0\].total \(in a _Tally the function made"):
+    where = r"self.tallies\[0\]\[0\].total" if nested else r"self.tallies\[0\].total"
+    with pytest.raises(hpfun.CaptureError, match=where + r" \(in a _Tally the function made"):
         step(*batch(0))
     assert trainer.tallies == []
 
