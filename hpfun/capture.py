@@ -1504,6 +1504,9 @@ def _address(t):
     return None if base is None else base + t.storage_offset() * t.element_size()
 
 
+_NARROWS = frozenset([torch.narrow, torch.Tensor.narrow, torch.narrow_copy, torch.Tensor.narrow_copy])
+
+
 def _slice_bounds_read(index):
     """`index` with each traced 0-d integer tensor among its slices' bounds read (`__index__`),
     or `index` itself where none is, or one cannot be read."""
@@ -2174,9 +2177,10 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
-        if func in (torch.narrow, torch.Tensor.narrow) and len(args) >= 3 and isinstance(args[2], torch.Tensor) \
-                and (start := _slice_bounds_read(slice(args[2], None))).start is not args[2]:
-            args = (args[0], args[1], start.start, *args[3:])  # (`x.narrow(1, n, 3)`, n of an argument: read as int(n))
+        if func in _NARROWS and len(args) >= 4 and any(isinstance(a, torch.Tensor) for a in args[2:4]) \
+                and (read := _slice_bounds_read(slice(args[2], args[3]))) is not None:
+            args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:
+            # n of an argument, read as int(n))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
             args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)
