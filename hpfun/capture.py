@@ -95,6 +95,7 @@ KEPT_WHOLE = frozenset([
 
 _DECOMPOSE_TOO = [
     aten.dist,  # torch.dist(a, b, p): the p-norm of a - b, a reduction hpfun has rules for
+    aten.narrow_copy,  # a narrow, copied: torch's decomposition, a slice and a clone
     aten.nll_loss_forward,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
 ]

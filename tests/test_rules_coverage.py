@@ -423,6 +423,7 @@ FUNCTIONALS = {  # what models call; each is captured with its gradient (input s
     "interpolate_bilinear_antialias": lambda x: F.interpolate(x, size=(5, 5), mode="bilinear", antialias=True),
     "interpolate_bicubic_antialias": lambda x: F.interpolate(x, size=(5, 5), mode="bicubic", antialias=True),
     "dist": lambda x: torch.dist(x, x.flip(-1) * 0.5, 3),
+    "narrow_copy": lambda x: x.narrow_copy(2, 1, 5),
     "interpolate_nearest": lambda x: F.interpolate(x, scale_factor=2),
     "adaptive_max_pool": lambda x: F.adaptive_max_pool2d(x, 2), "avg_pool": lambda x: F.avg_pool2d(x, 2),
     "max_pool": lambda x: F.max_pool2d(x, 2), "conv_transpose": lambda x: F.conv_transpose2d(x, torch.ones(4, 3, 3, 3)),
