@@ -1908,6 +1908,12 @@ _STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the fo
 
 
 def _untraceable_state(name: str, v, opt) -> Problem:
+    if type(v) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in v):  # (SPlus-like `[L, None]`)
+        items = ", ".join(f"tensor{tuple(t.shape)}" if isinstance(t, torch.Tensor) else _short_repr(t) for t in v)
+        return Problem(name, f"is a {type(v).__name__} of tensors and other values ([{items[:60]}]) in "
+                       f"{type(opt).__name__}'s state: hpfun lifts a list or tuple of tensors only, tensor by tensor",
+                       "keep only tensors in it (a zero tensor in place of None), or each under a key of its own; or "
+                       + _STEP_OUTSIDE)
     return Problem(name, f"is a {type(v).__name__} ({_short_repr(v)}) in {type(opt).__name__}'s state, not a tensor or a "
                    "number: hpfun lifts an optimizer's tensors, and reads its numbers as constants", _STEP_OUTSIDE)
 

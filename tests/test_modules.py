@@ -1407,6 +1407,11 @@ def test_a_list_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
         assert type(sides) is kind and all(type(t) is torch.Tensor for t in sides)
         assert max((a - b).abs().max().item() for a, b in zip(sides, ref_sides, strict=True)) < 1e-12
 
+    opt = SidesSGD(model.parameters())  # a None among them: refused naming the list's items, not a stand-in's repr
+    opt.update = lambda p, lr: opt.state[p].setdefault("sides", [torch.zeros(2, 2, dtype=p.dtype), None])
+    with pytest.raises(hpfun.CaptureError, match=r"sides: is a list of tensors and other values \(\[tensor\(2, 2\), None\]"):
+        stock_step(model, opt, DP)(*batch(0))
+
     opt = TupleKeySGD(model.parameters())
     with pytest.raises(hpfun.CaptureError, match=r"opt.state\[\(model.0.weight, 'm'\)\]: holds a tensor the step made, under "
                        r"a key holding a parameter.*\n.*fix: keep it in the parameter's own state"):
