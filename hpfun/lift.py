@@ -888,27 +888,37 @@ def is_config(x) -> bool:
         and not callable(x)
 
 
-def object_key(x, depth: int = 4):
+def object_key(x, depth: int = 4, _path: frozenset = frozenset()):
     """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
     NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
     levels, containers to PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
-    other by identity. Equal snapshots: a trace reading it records the same program."""
+    other by identity. Equal snapshots: a trace reading it records the same program. An object
+    met again inside itself (`self.me = self`) is a mark, not walked again."""
     if _is_scalar(x):
         return Exact(x)  # (1, 1.0 and True: three programs, as arguments are)
     if _is_numbers_array(x):
         return Exact(_array_values(x))
+    if id(x) in _path:
+        return ("cycle",)
+    if depth:
+        _path = _path | {id(x)}
     if depth and isinstance(x, dict) and len(x) <= PLAIN_CONTAINER_ITEMS:
-        return ("dict", tuple((Exact(k), object_key(v, depth - 1)) for k, v in x.items()))
-    if depth and isinstance(x, (list, tuple)) and len(x) <= PLAIN_CONTAINER_ITEMS:
-        return (type(x).__name__, tuple(object_key(v, depth - 1) for v in x))
+        return ("dict", tuple((Exact(k), object_key(v, depth - 1, _path)) for k, v in x.items()))
+    if depth and isinstance(x, (list, tuple, collections.deque)) and len(x) <= PLAIN_CONTAINER_ITEMS:
+        return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
-        return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1)) for v in x)))  # by their values)
+        return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
-        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1)) for k, v in attributes(x).items()))
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
+    if depth and isinstance(x, torch.nn.Module):  # (one a container holds, not a submodule: `{"a": Act()}`,
+        return (type(x).__qualname__, tuple((k, Exact(v)) for k, v in vars(x).items() if _is_scalar(v)))  # its numbers)
+    if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
+                                             if not k.startswith("_")))
     if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
-        return ("partial", object_key(x.func, depth - 1), object_key(x.args, depth), object_key(x.keywords, depth))
+        return ("partial", object_key(x.func, depth - 1, _path), object_key(x.args, depth, _path), object_key(x.keywords, depth, _path))
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
-        return ("method", x.__func__, object_key(x.__self__, depth - 1))
+        return ("method", x.__func__, object_key(x.__self__, depth - 1, _path))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return ("tensor", id(x))
     try:
@@ -1354,7 +1364,8 @@ def _held_values(v):
     if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(
             _key_objects(m, None) or _is_called_object(m) for m in v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
-    if type(v) is list or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a namedtuple too)
+    if type(v) in (list, collections.deque) or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a
+        # namedtuple too)
         key = _values_of(object_key(v, HELD_DEPTH))
         return None if key is _BY_IDENTITY else key
     if callable(v) and not _is_plain_object(v):
@@ -1387,7 +1398,7 @@ def _values_of(key):
     return key
 
 
-HELD_DEPTH = 6  # how deep in a module's containers and objects their numbers are read (`d["l"][0].inner.inner.s`)
+HELD_DEPTH = 8  # how deep in a module's containers and objects their numbers are read (`d["l"][0].inner.inner.s`)
 
 
 def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
@@ -1396,7 +1407,7 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     if _is_dict(v) and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.dict(v)
         items = v.values()
-    elif type(v) is list and len(v) <= PLAIN_CONTAINER_ITEMS:
+    elif type(v) in (list, collections.deque) and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.list(v)
         items = v
     elif type(v) in (tuple, set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -1406,9 +1417,12 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
         items = (*v.args, *v.keywords.values())
     elif isinstance(v, types.MethodType):  # (a bound method's object: `m.fn = scaler.__call__`)
         items = (v.__self__,)
-    elif _is_called_object(v) or _is_plain_object(v) and _is_user_object(v):  # (`m.acts = [Scaler(2.0)]`,
-        snapshot.dict(vars(v))  # `m.cfg = {"p": {Pw(1.0)}}`: their numbers, changed in place)
+    elif _is_called_object(v) or _is_plain_object(v):  # (`m.acts = [Scaler(2.0)]`, `m.cfg = {"p": {Pw(1.0)}}`,
+        snapshot.dict(vars(v))  # a library's config in a list: their numbers, changed in place)
         items = vars(v).values()
+    elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own numbers)
+        snapshot.dict(vars(v))
+        items = ()
     else:
         return
     for w in items if depth > 1 else ():
@@ -1567,7 +1581,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     if _is_plain_object(w) and id(w) not in objects:
                         objects.add(id(w))
                         snapshot.dict(vars(w))
-            elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple) or _is_dict(v) or isinstance(
+            elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple, collections.deque) or _is_dict(v) or isinstance(
                     v, (functools.partial, types.MethodType))) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)

@@ -1,6 +1,7 @@
 """Nothing silently wrong: regression tests for whole programs that once gave a wrong answer,
 or failed inside the run, where every op's own rule check passed."""
 
+import collections
 import dataclasses
 import functools
 import math
@@ -279,6 +280,22 @@ def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
               (lambda x: m.kw["f"](x), lambda: setattr(m.kw["f"].keywords["o"], "s", 5.0)),
               (lambda x: m.deep["l"][0](x), lambda: setattr(m.deep["l"][0].inner.inner, "s", 5.0)),
               (lambda x: x * sum(q.s for q in m.frozen[0]), lambda: setattr(next(iter(m.frozen[0])), "s", 5.0))]
+    # a library's config in a list or dict, a module in a plain dict (no submodule), a deque, an object
+    # referring to itself, objects seven levels down (each ran the first program)
+    import transformers
+    config = functools.partial(transformers.LlamaConfig, hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
+                               intermediate_size=16, vocab_size=10)
+    selfish = _Scaler(2.0)
+    selfish.me, selfish.all = selfish, [selfish]
+    m.cfgs, m.cfgd, m.mods = [config()], {"c": config()}, {"act": torch.nn.LeakyReLU(0.1)}
+    m.dq, m.selfish = collections.deque([_Scaler(2.0)]), [selfish]
+    m.deeper = {"l": [_Wrap(_Wrap(_Wrap(_Wrap(_Scaler(2.0)))))]}
+    cases += [(lambda x: x * m.cfgs[0].rms_norm_eps, lambda: setattr(m.cfgs[0], "rms_norm_eps", 2e-6)),
+              (lambda x: x * m.cfgd["c"].rms_norm_eps, lambda: setattr(m.cfgd["c"], "rms_norm_eps", 2e-6)),
+              (lambda x: m.mods["act"](x), lambda: setattr(m.mods["act"], "negative_slope", 0.5)),
+              (lambda x: m.dq[0](x), lambda: setattr(m.dq[0], "s", 3.0)),
+              (lambda x: m.selfish[0](x), lambda: setattr(selfish, "s", 3.0)),
+              (lambda x: m.deeper["l"][0](x), lambda: setattr(m.deeper["l"][0].inner.inner.inner.inner, "s", 3.0))]
     for fn, change in cases:
         f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
         assert torch.equal(f(x).full(), fn(x))
