@@ -183,6 +183,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             roots.append(Root(unique(name, owner) if name else name, obj))
             if isinstance(obj, torch.nn.Module):
                 module_code(obj)
+                for mod_name, mod in obj.named_modules(remove_duplicate=True):  # an optimizer a module holds
+                    for k, v in list(vars(mod).items()):  # (`model.opt_g`): stepped as one the function reaches
+                        if isinstance(v, torch.optim.Optimizer):
+                            value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")

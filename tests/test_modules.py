@@ -1697,6 +1697,29 @@ def test_a_dict_keyed_by_parameter_ids_an_optimizer_makes_at_its_first_step_is_k
         assert (opt.ema[id(p)] - ref_opt.ema[id(q)]).abs().max().item() < 1e-12
 
 
+def test_an_optimizer_a_module_holds_as_an_attribute_is_stepped_as_eager():
+    """`model.opt = Adam(...)` (GAN code keeps its optimizers on the model), stepped inside the
+    step: its update and state are eager's (the parameters were not updated and its state stayed
+    empty, silently; the next call raised KeyError 'exp_avg')."""
+    model, ref = mlp(), mlp()
+    model.opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref.opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+    def step(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        m.opt.step()
+        m.opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(functools.partial(step, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(f(x, y).full().item() - step(ref, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in model.opt.state.values())
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 
