@@ -1681,11 +1681,14 @@ def _optimizer_names_hint(state: lift.State) -> str:
     """Where patterns name optimizer state: the optimizers' own names (in a tuple or a dict,
     `opt.0`, `opt.1`...), which their state's names start with."""
     found = [root.name for root in state.roots if isinstance(root.value, torch.optim.Optimizer)]
+    made = ("; a tensor the step itself makes at its first call (in a dict it fills, `mom.setdefault(p, ...)`) "
+            "has no name before that call: make it before the first call to give it a spec")
     if not found:  # (ZeRO-1's `*.exp_avg` given to a forward/backward of accumulation over calls too)
         return ("; this function reaches no optimizer, so a pattern for optimizer state (`*.exp_avg`, "
-                "`*.momentum_buffer`) names nothing here: give it to the sharded function that steps the optimizer")
+                "`*.momentum_buffer`) names nothing here: give it to the sharded function that steps the optimizer"
+                + made)
     return (f"; the optimizer{'s are' if len(found) > 1 else ' is'} named {', '.join(found)}: "
-            f"{'their' if len(found) > 1 else 'its'} state is named {found[0]}.state.<parameter>.<key>")
+            f"{'their' if len(found) > 1 else 'its'} state is named {found[0]}.state.<parameter>.<key>" + made)
 
 
 def _pending_state_prefixes(state: lift.State) -> list[str]:

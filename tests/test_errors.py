@@ -135,6 +135,25 @@ def test_a_torchscript_module_is_named_with_the_fix():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_pattern_for_state_the_step_makes_at_its_first_call_says_when_it_has_a_name():
+    """A state_specs pattern for a tensor the step itself puts in a dict at its first call matches
+    nothing at that call: the error says so and how to name it (it spoke of optimizers only)."""
+    model, mom = torch.nn.Linear(4, 4), {}
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * mom.setdefault(p, torch.zeros_like(p)).mul_(0.9).add_(p.grad))
+                p.grad = None
+        return loss
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P(), state_specs={"mom.*": P()})
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.SpecError)
+    assert "has no name before that call: make it before the first call to give it a spec" in text, text
+
+
 def test_a_torchscript_function_that_fails_in_the_trace_is_named_with_the_fix():
     """A @torch.jit.script helper reading a value (`int(grid[0])`, as torchkbnufft's does) fails in
     TorchScript's interpreter, which the trace cannot enter: the error says so and names
