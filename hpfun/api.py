@@ -47,8 +47,8 @@ from hpfun.runtime.distributed import VALUE_LINE, runtime_for
 from hpfun.schedule import DEFAULT_BUCKET_BYTES
 from hpfun.sharded import Sharded, rank_block, redistribute, signature, spent_error, unchecked  # redistribute: hpfun.api's name too
 from hpfun.specs import (
-    AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, input_layouts, is_sharded, leaf_layout, leaf_paths,
-    dataclass_items, match_patterns, misfit, only_wildcards, pattern_matches, register_container, register_containers_in,
+    AUTO, Auto, WildcardWarning, bad_spec, broadcast_prefix, container_attributes, input_layouts, is_sharded,
+    leaf_layout, leaf_paths, dataclass_items, match_patterns, misfit, only_wildcards, pattern_matches, register_container, register_containers_in,
     spec_tree_problems, specificity,
     split_scalars, tensor_layout, warn_kept_whole, warn_kept_whole_unless,
 )
@@ -1372,7 +1372,7 @@ class _Traced:
                 changed = [(i, v) for i, v in enumerate(container) if i >= len(before) or v is not before[i]]
                 removed = () if len(container) >= len(before) else (len(container),)
             else:
-                now = dict(container.items()) if kind == "dict" else _own_attributes(container) if attributes \
+                now = dict(container.items()) if kind == "dict" else container_attributes(container) if attributes \
                     else dataclass_items(container)
                 changed = [(k, v) for k, v in now.items() if k not in before or v is not before[k]]
                 removed = tuple(k for k in before if k not in now)
@@ -2360,7 +2360,7 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
         if not isinstance(x, (tuple, torch.Tensor, str, bytes, type)):
             seen.add(id(x))
         if isinstance(x, (collections.UserList, collections.UserDict)):  # (its attributes, set as a dataclass's)
-            out.append((path, at, x, _own_attributes(x), True))
+            out.append((path, at, x, container_attributes(x), True))
         if type(x) is list or isinstance(x, collections.UserList):  # (a UserList: appended to as a list)
             out.append((path, at, x, list(x)))
             items = [(pytree.SequenceKey(k), k, v) for k, v in enumerate(x)]
@@ -2385,11 +2385,6 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
     for k, v in kwonly.items():
         walk(v, f"kwargs[{k!r}]", ("kwargs", k), 0)
     return out
-
-
-def _own_attributes(x) -> dict:
-    """A UserDict's or UserList's attributes besides its items."""
-    return {k: v for k, v in vars(x).items() if k != "data"}
 
 
 def _shared_as_given(given, rebuilt, seen: dict):

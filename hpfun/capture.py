@@ -486,8 +486,8 @@ def clear_memoized() -> bool:
 def _caches_filled_cleared():
     """functools.lru_cache entries the trace made are cleared after it: a helper memoizing a tensor
     (yet-another-retnet's decay mask) would otherwise hand the trace's placeholder to every later
-    call, eager ones too (they failed inside torch). The wrappers are found by one scan of the
-    heap, again when new modules are imported; each is then asked its counts, before and after."""
+    call, eager ones too (they failed inside torch). The wrappers are `_lru_caches`; each is asked
+    its counts, before and after."""
     caches = list(_lru_caches())
     before = [w.cache_info().misses for w in caches]
     try:
@@ -2178,8 +2178,8 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
-        if func in _NARROWS and len(args) >= 4 and any(isinstance(a, torch.Tensor) for a in args[2:4]) \
-                and (read := _slice_bounds_read(slice(args[2], args[3]))) is not None:
+        if func in _NARROWS and len(args) >= 4 and any(isinstance(a, torch.Tensor) for a in args[2:4]):
+            read = _slice_bounds_read(slice(args[2], args[3]))
             args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:
             # n of an argument, read as int(n))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \

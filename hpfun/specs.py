@@ -225,12 +225,17 @@ class _Attributes:
 
     @classmethod
     def of(cls, x) -> "_Attributes | None":
-        held = {k: v for k, v in (getattr(x, "__dict__", None) or {}).items() if k != "data"}
+        held = container_attributes(x)
         return cls(held) if held else None
 
     def put(self, out) -> None:
         for k, v in (self.items if self is not None else {}).items():
             object.__setattr__(out, k, v)
+
+
+def container_attributes(x) -> dict:
+    """A UserDict's or UserList's own attributes, besides its items (`data`)."""
+    return {k: v for k, v in (getattr(x, "__dict__", None) or {}).items() if k != "data"}
 
 
 def _mapping_flatten(m):
