@@ -540,13 +540,32 @@ def _is_user_module(module: types.ModuleType) -> bool:
 
 def attributes(obj) -> dict:
     """An object's attributes by name: its `__dict__`, and the `__slots__` its classes declare."""
-    out = dict(getattr(obj, "__dict__", None) or {})
-    for cls in type(obj).__mro__:
+    return dict(getattr(obj, "__dict__", None) or {}) | _slot_values(obj)
+
+
+def _slot_values(obj) -> dict:
+    """What the `__slots__` of an object's classes hold, by slot name (unset ones left out)."""
+    out = {}
+    for cls in type(obj).__mro__[:-1]:
         slots = vars(cls).get("__slots__", ())
         for k in (slots,) if isinstance(slots, str) else slots:
             if k not in ("__dict__", "__weakref__") and hasattr(obj, k):
                 out[k] = getattr(obj, k)
     return out
+
+
+def _is_slotted_object(v) -> bool:
+    """An instance of the user's class that keeps its attributes in `__slots__` (no `__dict__`:
+    `class Scale: __slots__ = ("s",)`, `@dataclass(slots=True)`), not state or a container."""
+    return not isinstance(getattr(v, "__dict__", None), dict) and _is_user_object(v) and not isinstance(
+        v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer, Sharded, tuple, list, dict, set, frozenset)) \
+        and not isinstance(v, type)
+
+
+def _is_config_object(v) -> bool:
+    """A config: an object with attributes (`_is_plain_object`), or one of the user's classes
+    keeping them in `__slots__`."""
+    return _is_plain_object(v) or _is_slotted_object(v)
 
 
 def _frozen(read) -> frozenset:
@@ -649,6 +668,7 @@ class Snapshot:
         self.lists: list = []  # (list, ids of its items)
         self.sets: list = []  # (set, ids of its members)
         self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
+        self.slotted: list = []  # (an object without a __dict__, ((slot, id of its value), ...))
         self.kept: list = []  # the values that are not tensors, kept alive
         self.tensors: dict = {}  # id -> a weak reference to each tensor seen
         self.refs: tuple = ()
@@ -678,6 +698,15 @@ class Snapshot:
     def set(self, members) -> None:
         self.sets.append((members, frozenset(map(id, members))))
         self._seen(members)
+
+    def object(self, obj) -> None:
+        """An object's attributes: its `__dict__` by version tag, and what its `__slots__` hold (a
+        config declared with `__slots__` or `@dataclass(slots=True)`, which has no dict to tag)."""
+        if isinstance(getattr(obj, "__dict__", None), dict):
+            self.dict(vars(obj))
+        if slots := _slot_values(obj):
+            self.slotted.append((obj, tuple((k, id(v)) for k, v in slots.items())))
+            self._seen(slots.values())
 
     def group(self, group: dict) -> None:
         """Its parameter list and tensors by identity; its numbers are statics, read anew."""
@@ -729,6 +758,9 @@ class Snapshot:
                 return False
         for group, keys, held in self.groups:
             if tuple(group) != keys or any(id(group[k]) != i for k, i in held.items()):
+                return False
+        for obj, held in self.slotted:
+            if tuple((k, id(v)) for k, v in _slot_values(obj).items()) != held:
                 return False
         return True
 
@@ -1286,19 +1318,19 @@ class ModuleValues:
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
                     items += [(_join(base, f"{attr}.{k}"), w) for k, w in v.items()]
-                elif _is_plain_object(v) and id(v) not in seen:  # a config, walked once where first held
+                elif _is_config_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
-                    for k, w in vars(v).items():
+                    for k, w in attributes(v).items():
                         if k.startswith("_") and "implementation" not in k:  # (not its bookkeeping: a hash of
                             continue  # itself; but transformers keeps the attention's kind as _attn_implementation_internal)
                         if _is_scalar(w):
                             items.append((_join(_join(base, attr), k), w))
                         elif (key := _held_values(w)) is not None:
                             extra.append((_join(_join(base, attr), k), key))
-                        elif _is_plain_object(w):  # a config's nested section (`config.text_config.hidden_size`)
+                        elif _is_config_object(w):  # a config's nested section (`config.text_config.hidden_size`)
                             extra.append((_join(_join(base, attr), k), tuple(
-                                (n, u if _is_scalar(u) else _held_values(u)) for n, u in vars(w).items()
+                                (n, u if _is_scalar(u) else _held_values(u)) for n, u in attributes(w).items()
                                 if not n.startswith("_") and (_is_scalar(u) or _held_values(u) is not None))))
                 elif (key := _held_values(v)) is not None:
                     extra.append((_join(base, attr), key))
@@ -1421,9 +1453,9 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
         items = (*v.args, *v.keywords.values())
     elif isinstance(v, types.MethodType):  # (a bound method's object: `m.fn = scaler.__call__`)
         items = (v.__self__,)
-    elif _is_called_object(v) or _is_plain_object(v):  # (`m.acts = [Scaler(2.0)]`, `m.cfg = {"p": {Pw(1.0)}}`,
-        snapshot.dict(vars(v))  # a library's config in a list: their numbers, changed in place)
-        items = vars(v).values()
+    elif _is_called_object(v) or _is_config_object(v):  # (`m.acts = [Scaler(2.0)]`, `m.cfg = {"p": {Pw(1.0)}}`,
+        snapshot.object(v)  # a library's config in a list: their numbers, changed in place; `__slots__` too)
+        items = attributes(v).values()
     elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own numbers)
         snapshot.dict(vars(v))
         items = ()
@@ -1438,7 +1470,7 @@ def _is_called_object(x) -> bool:
     its `__call__` reads from it is baked into a trace, so its values key the program."""
     return _is_user_object(x) and callable(x) and not isinstance(
         x, (torch.nn.Module, torch.optim.Optimizer, Sharded, types.MethodType, types.FunctionType, functools.partial)) \
-        and isinstance(getattr(x, "__dict__", None), dict)
+        and (isinstance(getattr(x, "__dict__", None), dict) or bool(_slot_values(x)))
 
 
 class Exact:
@@ -1577,14 +1609,14 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
         for store in (vars(mod), mod._parameters, mod._buffers, mod._modules):
             snapshot.dict(store)
         for attr, v in vars(mod).items():  # a config's values key the cache too (`ModuleValues`)
-            if _is_plain_object(v) and id(v) not in objects:
+            if _is_config_object(v) and id(v) not in objects:
                 objects.add(id(v))
-                snapshot.dict(vars(v))
-                for w in vars(v).values():
+                snapshot.object(v)
+                for w in attributes(v).values():
                     _watch_held(snapshot, w)
-                    if _is_plain_object(w) and id(w) not in objects:
+                    if _is_config_object(w) and id(w) not in objects:
                         objects.add(id(w))
-                        snapshot.dict(vars(w))
+                        snapshot.object(w)
             elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple, collections.deque) or _is_dict(v) or isinstance(
                     v, (functools.partial, types.MethodType))) and id(v) not in objects:
                 objects.add(id(v))

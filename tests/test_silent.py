@@ -304,6 +304,47 @@ def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
 
 
+class _SlotScale:
+    __slots__ = ("s",)
+
+    def __init__(self, s):
+        self.s = s
+
+
+class _SlotCall(_SlotScale):
+    __slots__ = ()
+
+    def __call__(self, x):
+        return x * self.s
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotConfig:
+    s: float
+    inner: list
+
+
+def test_objects_keeping_their_numbers_in_slots_key_the_cache():
+    """An object of the user's whose class declares `__slots__` (or `@dataclass(slots=True)`)
+    has no `__dict__` to watch: a number changed on one a module holds directly, in a list, as a
+    called activation or inside a slotted config ran the first program, silently."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    m = torch.nn.Module()
+    m.one, m.cfgs, m.acts = _SlotScale(2.0), [_SlotScale(2.0)], [_SlotCall(3.0)]
+    m.cfg = _SlotConfig(2.0, [_SlotScale(3.0)])
+    cases = [(lambda x: x * m.one.s, lambda: setattr(m.one, "s", 5.0)),
+             (lambda x: x * m.cfgs[0].s, lambda: setattr(m.cfgs[0], "s", 5.0)),
+             (lambda x: m.acts[0](x), lambda: setattr(m.acts[0], "s", 5.0)),
+             (lambda x: x * m.cfg.s, lambda: setattr(m.cfg, "s", 5.0)),
+             (lambda x: x * m.cfg.inner[0].s, lambda: setattr(m.cfg.inner[0], "s", 5.0))]
+    for fn, change in cases:
+        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+        assert torch.equal(f(x).full(), fn(x))
+        change()
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+
+
 def test_what_partials_objects_and_sets_held_by_classes_and_modules_hold_keys_the_cache():
     """Values a trace bakes in, reached through a class or a module, key the cache as a global's
     do (each ran the first program, silently): a called object a class holds (its number changed,
