@@ -1506,6 +1506,7 @@ def _address(t):
 
 
 _NARROWS = frozenset([torch.narrow, torch.Tensor.narrow, torch.narrow_copy, torch.Tensor.narrow_copy])
+_NARROW_NAMES = ("dim", "start", "length")  # (their arguments after the tensor)
 
 
 def _slice_bounds_read(index):
@@ -2178,6 +2179,9 @@ class _TensorScalars(TorchFunctionMode):
             result = _read(func, args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return result
+        if func in _NARROWS and 1 <= len(args) < 4 and kwargs.keys() >= set(_NARROW_NAMES[len(args) - 1:]):
+            args = (*args, *(kwargs.pop(k) for k in _NARROW_NAMES[len(args) - 1:]))  # (`x.narrow(1, start=n,
+            # length=3)`: as the positional form, whose bounds are read below)
         if func in _NARROWS and len(args) >= 4 and any(isinstance(a, torch.Tensor) for a in args[2:4]):
             read = _slice_bounds_read(slice(args[2], args[3]))
             args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:

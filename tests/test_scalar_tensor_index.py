@@ -216,8 +216,9 @@ def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
         y[1, lengths[1]:] = 0
         return y
 
-    def narrowed(x, lengths):  # (`narrow`'s start and length too)
-        return x.narrow(1, lengths[2], 3).sum(0) + x.narrow(1, 0, lengths[2]).sum()
+    def narrowed(x, lengths):  # (`narrow`'s start and length too, by keyword as well)
+        return x.narrow(1, lengths[2], 3).sum(0) + x.narrow(1, 0, lengths[2]).sum() + \
+            torch.narrow(x, 1, start=lengths[2], length=2).sum() + x.narrow(dim=1, start=0, length=lengths[2]).sum()
 
     x = torch.randn(4, 6, dtype=D, generator=_gen())
     f = hpfun.shard(read, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
