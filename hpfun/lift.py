@@ -183,10 +183,16 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             roots.append(Root(unique(name, owner) if name else name, obj))
             if isinstance(obj, torch.nn.Module):
                 module_code(obj)
+                tree = None
                 for mod_name, mod in obj.named_modules(remove_duplicate=True):  # an optimizer a module holds
-                    for k, v in list(vars(mod).items()):  # (`model.opt_g`): stepped as one the function reaches
-                        if isinstance(v, torch.optim.Optimizer):
+                    for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
+                        if _is_optimizer(v) or _holds_any(v, _is_optimizer):  # as one the function reaches
                             value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
+                        elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None)):  # a module
+                            tree = {id(m) for m in obj.modules()} if tree is None else tree  # in a plain dict or list,
+                            if _holds_any(v, _unregistered_module(tree)):  # not a submodule (`self.heads = {"a":
+                                # Linear(...)}`): its state lifted
+                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
@@ -962,6 +968,24 @@ def object_key(x, depth: int = 4, _path: frozenset = frozenset()):
     except TypeError:
         return ("object", type(x).__name__, id(x))
     return x
+
+
+def _holds_any(container, found, depth: int = 3) -> bool:
+    """A list, tuple or dict holding a value `found` is true of (nested `depth` deep)."""
+    if depth <= 0 or not isinstance(container, (list, tuple, dict)) or len(container) > PLAIN_CONTAINER_ITEMS:
+        return False
+    items = container.values() if isinstance(container, dict) else container
+    return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
+
+
+def _is_optimizer(v) -> bool:
+    return isinstance(v, torch.optim.Optimizer)
+
+
+def _unregistered_module(tree: set | None):
+    """Whether a value is a module with state whose id is not in `tree` (the modules registered)."""
+    return lambda v: isinstance(v, torch.nn.Module) and (tree is None or id(v) not in tree) and \
+        next(itertools.chain(v.parameters(), v.buffers()), None) is not None
 
 
 def _holds_state(container) -> bool:

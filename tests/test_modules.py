@@ -1720,6 +1720,57 @@ def test_an_optimizer_a_module_holds_as_an_attribute_is_stepped_as_eager():
     assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in model.opt.state.values())
 
 
+@pytest.mark.parametrize("held", ["list", "dict"])
+def test_an_optimizer_a_module_holds_in_a_list_or_dict_is_stepped_as_eager(held):
+    """`model.opts = [opt]` or `{"g": opt}`, stepped inside the step: eager's update and state
+    (its update was dropped and its state stayed empty, silently; KeyError at the next call)."""
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        m.opts = [opt] if held == "list" else {"g": opt}
+    key = 0 if held == "list" else "g"
+
+    def step(m, x, y):
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        m.opts[key].step()
+        m.opts[key].zero_grad()
+        return loss
+
+    f = hpfun.shard(functools.partial(step, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(f(x, y).full().item() - step(ref, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in model.opts[key].state.values())
+
+
+def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained():
+    """`self.heads = {"a": Linear(...)}` (not a submodule: no parameters() of the model's list
+    it): its parameters are lifted, named by their place, and trained as eager's (it was refused
+    as a tensor that is "neither an argument nor state")."""
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        torch.manual_seed(3)
+        m.heads = {"a": torch.nn.Linear(4, 4, dtype=torch.float64)}
+    opts = [torch.optim.Adam([*m.parameters(), *m.heads["a"].parameters()], lr=1e-2) for m in (model, ref)]
+
+    def step(m, opt, x, y):
+        loss = F.cross_entropy(m.heads["a"](m(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(functools.partial(step, model, opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(f(x, y).full().item() - step(ref, opts[1], x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+        assert (model.heads["a"].weight - ref.heads["a"].weight).abs().max().item() < 1e-12
+    assert "heads.a.weight" in str(f.lower(*batch(0)))
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 
