@@ -930,20 +930,21 @@ def is_config(x) -> bool:
         and not callable(x)
 
 
-def object_key(x, depth: int = 4, _path: frozenset = frozenset()):
+def object_key(x, depth: int = 4, _path: tuple = ()):
     """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
     NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
     levels, containers to PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
     other by identity. Equal snapshots: a trace reading it records the same program. An object
-    met again inside itself (`self.me = self`) is a mark, not walked again."""
+    met again inside itself (`self.me = self`) is a mark of how many levels up it was met, not
+    walked again."""
     if _is_scalar(x):
         return Exact(x)  # (1, 1.0 and True: three programs, as arguments are)
     if _is_numbers_array(x):
         return Exact(_array_values(x))
-    if id(x) in _path:
-        return ("cycle",)
+    if id(x) in _path:  # (which ancestor: `c.back = a` and `c.back = c` are different programs)
+        return ("cycle", len(_path) - _path.index(id(x)))
     if depth:
-        _path = _path | {id(x)}
+        _path = (*_path, id(x))
     if depth and isinstance(x, dict) and len(x) <= PLAIN_CONTAINER_ITEMS:
         return ("dict", tuple((Exact(k), object_key(v, depth - 1, _path)) for k, v in x.items()))
     if depth and isinstance(x, (list, tuple, collections.deque)) and len(x) <= PLAIN_CONTAINER_ITEMS:
@@ -953,10 +954,11 @@ def object_key(x, depth: int = 4, _path: frozenset = frozenset()):
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
     if depth and isinstance(x, torch.nn.Module):  # (one a container holds, not a submodule: `{"a": Act()}`,
-        return (type(x).__qualname__, tuple((k, Exact(v)) for k, v in vars(x).items() if _is_scalar(v)))  # its numbers)
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()  # its
+                                             if k not in _MODULE_INTERNALS))  # values, and those of what it holds)
     if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
-                                             if not k.startswith("_")))
+                                             if _is_public_value(k)))
     if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
         return ("partial", object_key(x.func, depth - 1, _path), object_key(x.args, depth, _path), object_key(x.keywords, depth, _path))
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
@@ -1345,17 +1347,19 @@ class ModuleValues:
                 elif _is_config_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
-                    for k, w in attributes(v).items():
-                        if k.startswith("_") and "implementation" not in k:  # (not its bookkeeping: a hash of
-                            continue  # itself; but transformers keeps the attention's kind as _attn_implementation_internal)
+                    users = _is_user_object(v)  # (a library's: its public values, `_is_public_value`; the
+                    for k, w in attributes(v).items():  # user's: all, `self._t` behind a property too)
+                        if not users and not _is_public_value(k):
+                            continue
                         if _is_scalar(w):
                             items.append((_join(_join(base, attr), k), w))
                         elif (key := _held_values(w)) is not None:
                             extra.append((_join(_join(base, attr), k), key))
-                        elif _is_config_object(w):  # a config's nested section (`config.text_config.hidden_size`)
-                            extra.append((_join(_join(base, attr), k), tuple(
-                                (n, u if _is_scalar(u) else _held_values(u)) for n, u in attributes(w).items()
-                                if not n.startswith("_") and (_is_scalar(u) or _held_values(u) is not None))))
+                        elif _is_config_object(w) or _is_called_object(w) or isinstance(w, torch.nn.Module):
+                            # a config's nested sections (`config.text_config.hidden_size`,
+                            # `cfg.model.act.s`), to the depth a module's containers are read
+                            extra.append((_join(_join(base, attr), k),
+                                          _values_of(object_key(w, HELD_DEPTH - 1), by_kind=True)))
                 elif (key := _held_values(v)) is not None:
                     extra.append((_join(base, attr), key))
         return cls(tuple(items), objects, tuple(extra))
@@ -1426,8 +1430,8 @@ def _held_values(v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
     if type(v) in (list, collections.deque) or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a
         # namedtuple too)
-        key = _values_of(object_key(v, HELD_DEPTH))
-        return None if key is _BY_IDENTITY else key
+        return _values_of(object_key(v, HELD_DEPTH), by_kind=True)  # (an object in it by its type: the
+        # numbers beside it key the program all the same)
     if callable(v) and not _is_plain_object(v):
         return _binding(v)
     return None
@@ -1438,24 +1442,36 @@ _BY_IDENTITY = object()  # `_values_of`: a key holding an object by identity
 
 def held_value_key(v):
     """What keys the program for a value an argument's container holds beside its items (a
-    UserDict subclass's `self.tag`): a number, string or config by value; None for an object
-    held by identity (a hashable one too: an object's hash is its identity, and a batch made
-    anew at every step would compile again)."""
-    return object_key(v) if is_config(v) or _is_plain_data(v) else None
+    UserDict subclass's `self.tag`): a number, string or config by value; a list, dict, called
+    object or NumPy array by their values (changed in place too), an object in them by its type;
+    None for another object, held by identity (a hashable one too: an object's hash is its
+    identity, and a batch made anew at every step would compile again)."""
+    if is_config(v) or _is_plain_data(v):
+        return object_key(v)
+    if _is_called_object(v) or _is_numbers_array(v) or type(v) in (list, tuple, dict, collections.deque):
+        return _values_of(object_key(v, HELD_DEPTH), by_kind=True)  # (a list of configs, a called object, an
+    return None  # array: by their values, changed in place too; an object in them by its type)
 
 
-def _values_of(key):
+def _values_of(key, by_kind: bool = False):
     """An `object_key` with each tensor in it as a mark of its place (a tensor beside the numbers
     is state, read at every call: its identity keys nothing, and one reassigned each call is one
-    program); `_BY_IDENTITY` where it holds an object by identity (a None in it is a value)."""
+    program); `_BY_IDENTITY` where it holds an object by identity (a None in it is a value), or,
+    `by_kind`, that object as a mark of its type (the values beside it still key the program)."""
     if isinstance(key, tuple):
         if len(key) == 3 and key[0] == "object":
-            return _BY_IDENTITY
+            return ("object", key[1]) if by_kind else _BY_IDENTITY
         if len(key) == 2 and key[0] == "tensor":
             return ("tensor",)
-        items = tuple(_values_of(k) for k in key)
+        items = tuple(_values_of(k, by_kind) for k in key)
         return _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
     return key
+
+
+def _is_public_value(name: str) -> bool:
+    """An attribute of a library's object that is one of its values, not its bookkeeping (a hash
+    of itself): public, or transformers' attention kind (`_attn_implementation_internal`)."""
+    return not name.startswith("_") or "implementation" in name
 
 
 HELD_DEPTH = 8  # how deep in a module's containers and objects their numbers are read (`d["l"][0].inner.inner.s`)
@@ -1480,9 +1496,9 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     elif _is_called_object(v) or _is_config_object(v):  # (`m.acts = [Scaler(2.0)]`, `m.cfg = {"p": {Pw(1.0)}}`,
         snapshot.object(v)  # a library's config in a list: their numbers, changed in place; `__slots__` too)
         items = attributes(v).values()
-    elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own numbers)
-        snapshot.dict(vars(v))
-        items = ()
+    elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own values, and
+        snapshot.dict(vars(v))  # the configs and lists it holds)
+        items = [w for k, w in vars(v).items() if k not in _MODULE_INTERNALS]
     else:
         return
     for w in items if depth > 1 else ():

@@ -295,6 +295,29 @@ def test_a_user_list_or_dicts_own_attributes_reach_the_function_and_what_it_appe
         hpfun.shard(mark, mesh=MESH, in_specs=P("dp"), out_specs=P())(tagged)
     assert tagged.tag == "u!" and not hasattr(tagged, "extra")
 
+    # a list of configs, a called object and a NumPy array among its attributes, changed in place
+    # between calls, key the program by their values (each ran the first program, silently)
+    h = hpfun.shard(lambda d: d["a"] * d.cfgs[0].s * d.act(1.0) * float(d.arr[0]), mesh=MESH, in_specs=P("dp"),
+                    out_specs=P("dp"))
+    tagged = _TaggedDict({"a": x})
+    tagged.cfgs, tagged.act, tagged.arr = [_Power(2.0)], _Times(3.0), np.array([5.0])
+    for change in (lambda: None, lambda: setattr(tagged.cfgs[0], "s", 7.0), lambda: setattr(tagged.act, "s", 11.0),
+                   lambda: tagged.arr.__setitem__(0, 13.0)):
+        change()
+        want = x * tagged.cfgs[0].s * tagged.act.s * float(tagged.arr[0])
+        torch.testing.assert_close(h(tagged).full(), want, rtol=0, atol=0)
+    assert h.trace_count == 4
+
+
+class _Power:
+    def __init__(self, s):
+        self.s = s
+
+
+class _Times(_Power):
+    def __call__(self, v):
+        return v * self.s
+
 
 def test_tensors_hidden_in_an_output_object_are_an_error_not_fake_tensors():
     """An object holding tensors that is not a container hpfun can see into would hand back the
