@@ -554,7 +554,8 @@ def match_patterns(patterns: dict, names: list[str], problems: list, where: str,
             close = _closest(pattern, names) or _close_tails(pattern, names)
             problems.append(Problem(at, "matches no name" + (f"; closest: {', '.join(close)}" if close else ""),
                                     "fix the pattern (`*` matches any text; a pattern may match a name's tail after a "
-                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}{hint}")))
+                                    "dot)" + ("" if close else f"; names are like {', '.join(names[:3])}") +
+                                    (hint if not close or _unknown_head(pattern, names) else "")))
         for n in hits:
             by = {m for m in (n, *(a for a, b in aliases.items() if b == n)) if pattern_matches(pattern, m)}
             if (clash := next((q for q, (s, b) in reached.get(n, {}).items() if s != spec and not b & by), None)):
@@ -634,6 +635,13 @@ def _close_tails(pattern: str, names: list[str]) -> list[str]:
     depth = pattern.count(".") + 1
     tails = {".".join(n.split(".")[-depth:]): n for n in names}
     return [tails[t] for t in _closest(pattern, list(tails))]
+
+
+def _unknown_head(pattern: str, names) -> bool:
+    """Whether a pattern's first part is no name's (`mom.0.weight` where names start `model.`):
+    then it is not a typo of a name that its closest names would say all about."""
+    head = pattern.split(".", 1)[0]
+    return "*" not in head and not any(n.split(".", 1)[0] == head for n in names)
 
 
 def _closest(text: str, candidates: list[str], n: int = 3) -> list[str]:

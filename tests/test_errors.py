@@ -919,6 +919,10 @@ def test_mistakes_that_ran_without_a_word_are_named():
                        state_specs={"model.0.wieght": P("dp")})  # (a misspelled parameter: its closest names say
     _, text = _raise(typo, *data, error=hpfun.SpecError)  # it all, where optimizer state is no matter)
     assert "closest: model.0.weight" in text and "reaches no optimizer" not in text
+    lazy = hpfun.shard(lambda x, y: F.cross_entropy(model(x), y).backward(), mesh=mesh, in_specs=(P("dp"), P("dp")),
+                       state_specs={"mom.0.weight": P("dp")})  # (a name no lifted tensor's starts like: the hint
+    _, text = _raise(lazy, *data, error=hpfun.SpecError)  # for state the step makes is said beside the closest)
+    assert "closest: model.0.weight" in text and "has no name before that call" in text
     _, text = _raise(hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={0: P()}),
                      *data, error=hpfun.SpecError)
     assert "state_specs[0]: pattern keys are strings, got int" in text
