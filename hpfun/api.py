@@ -1050,7 +1050,11 @@ class ShardedFunction:
                 name = f"{'args' if path[0].idx == 0 else 'kwargs'}{pytree.keystr(path[1:])}"
                 if places := lift.fakes_inside(leaf, name):
                     deeper.append((name, leaf, places))
-        if schedulers := [(name, obj) for name, obj, *_ in objects.objects if id(obj) in stepped]:
+        reached = {id(obj) for _, obj, *_ in objects.objects}
+        schedulers = [(name, obj) for name, obj, *_ in objects.objects if id(obj) in stepped]
+        schedulers += [("a scheduler held by a module or object", obj)  # (`model.sched`)
+                       for obj, _ in stepped.held if id(obj) in stepped and id(obj) not in reached]
+        if schedulers:
             objects.restore()  # (a scheduler stepped: said as such, whatever else its step changed or stored)
             objects.restore_containers()
             stepped.restore()

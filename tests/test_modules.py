@@ -236,6 +236,26 @@ def test_a_scheduler_stepped_in_a_helper_is_named_at_the_line_that_steps_it(kind
         assert inner.last_epoch == epoch and all(type(v) is float for v in inner._last_lr), vars(inner)
 
 
+def test_a_scheduler_a_module_holds_stepped_inside_is_named_with_the_fix():
+    """`model.sched.step()` inside the step, the scheduler held by the model (so not one the
+    function reaches by name): the error is the scheduler's, at the line, with its fix (it said
+    `_last_lr[0]` holds a tensor and asked to make optimizers before the first call)."""
+    model = mlp()
+    model.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.sched = torch.optim.lr_scheduler.StepLR(model.opt, 1, 0.5)
+
+    def step(x, y):
+        loss = eager_step(model, model.opt, x, y)
+        model.sched.step()  # the line named
+        return loss
+
+    with pytest.raises(hpfun.CaptureError, match=r"a scheduler held by a module or object \(a StepLR\) at "
+                                                 r".*test_modules.py:\d+: model.sched.step\(\)  # the line named") as err:
+        hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
+    assert "step the scheduler after the call" in str(err.value)
+    assert model.sched.last_epoch == 0 and model.opt.param_groups[0]["lr"] == 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.Adamax])
 def test_a_float32_tensor_learning_rate_steps_as_eager_bit_for_bit(make, dtype):
