@@ -839,7 +839,10 @@ class ShardedFunction:
                     continue
                 n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
                 arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
-                raise lift.unlifted_tensor_error(call.state, str(err), arguments) from None
+                attributes = [(_attribute_path(path, k), v) for path, _, _, held, *own  # (a UserDict's own
+                              in _argument_containers(call.args, call.kwonly) if own  # `batch.scale`)
+                              for k, v in held.items() if isinstance(v, torch.Tensor)]
+                raise lift.unlifted_tensor_error(call.state, str(err), arguments, attributes) from None
         paths = call.paths()
         self._check_patterns_after_trace(call, traced, {paths[tensor_pos[j]] for j in captured.mutated})
         _check_configs_unchanged(call, leaves)
@@ -2349,6 +2352,10 @@ class ArgumentEdit:
 
     def kind(self) -> str:
         return self.container
+
+
+def _attribute_path(path: str, attr: str) -> str:
+    return path + pytree.keystr((pytree.GetAttrKey(attr),))
 
 
 def _argument_containers(args: tuple, kwonly: dict) -> list:

@@ -3460,16 +3460,22 @@ def is_grad_scaler(obj) -> bool:
     return isinstance(obj, torch.amp.GradScaler)
 
 
-def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()) -> CaptureError:
+def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = (), attributes: tuple = ()) \
+        -> CaptureError:
     """A real tensor reached the trace through something hpfun does not walk: say what it could
     be. `arguments`: (path, value) of the call's arguments, whose own objects' tensors are not
-    flattened (only a pytree's: tuples, lists, dicts, dataclasses)."""
+    flattened (only a pytree's: tuples, lists, dicts, dataclasses); `attributes`: (path, tensor)
+    of the tensors a UserDict or UserList argument holds as attributes, beside its items."""
     suspects = []
     for name, obj in (state.opaque if state else ()):
         found = _tensor_attributes(obj, name, depth=3)  # (a transformers cache: its layers' keys)
         if found:
             suspects.append(f"{name} (a {type(obj).__name__}) holds tensors: {', '.join(found[:4])}")
-    held = []
+    held = [Problem(path, "is a tensor attribute of a UserDict or UserList argument, which hpfun hands to the "
+                    "function as it is: only the container's items are inputs, split by the specs"
+                    + (f"; a tensor read at {where}" if where else ""),
+                    f"put the tensor among its items (`batch[{path.rsplit('.', 1)[-1]!r}] = t`), or pass it as an "
+                    "argument of its own") for path, _ in attributes]
     for path, obj in arguments:
         if isinstance(obj, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType)) or \
                 not (found := _tensor_attributes(obj, path, depth=3)):

@@ -308,6 +308,12 @@ def test_a_user_list_or_dicts_own_attributes_reach_the_function_and_what_it_appe
         torch.testing.assert_close(h(tagged).full(), want, rtol=0, atol=0)
     assert h.trace_count == 4
 
+    scaled = _TaggedDict({"a": x})  # a tensor among its attributes is no input: named, with the fix (it was "a
+    scaled.scale = torch.tensor(2.0, dtype=torch.float64)  # tensor that is neither an argument nor state")
+    with pytest.raises(hpfun.CaptureError, match=r"args\[0\]\.scale: is a tensor attribute of a UserDict or "
+                                                 r"UserList argument(.|\n)*batch\['scale'\] = t"):
+        hpfun.shard(lambda d: d["a"] * d.scale, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))(scaled)
+
 
 class _Power:
     def __init__(self, s):
