@@ -2176,7 +2176,8 @@ class _TensorScalars(TorchFunctionMode):
         if func is torch._C.TensorBase.data_ptr and args and _ADDRESSES and (ptr := _address(args[0])) is not None:
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
-            result = _read(func, args[0], args[1:], kwargs)
+            read = args[0].clone() if args[0]._version else args[0]  # (written in place since it was made, a
+            result = _read(func, read, args[1:], kwargs)  # step counter `c.step += 1`: its copy is read, writes too)
             if result is not _UNREADABLE:
                 return result
         if func in _NARROWS and 1 <= len(args) < 4 and kwargs.keys() >= set(_NARROW_NAMES[len(args) - 1:]):

@@ -2717,6 +2717,33 @@ def test_a_counter_buffer_is_read_as_eager_reads_it():
         assert step.trace_count == 2
 
 
+def test_a_counter_buffer_incremented_in_place_then_read_is_read_as_eager_reads_it():
+    """`self.step += 1` then `self.step.item()` (ema-pytorch's KarrasEMA reads its step so): the
+    read of a buffer written in place is its value after the write, as eager's (it was refused
+    as a data-dependent read, where `(self.step + 0).item()` ran)."""
+    class Decayed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("step", torch.tensor(0))
+            self.w = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def make(c):
+        def f(x):
+            c.step += 1
+            n = c.step.item()
+            with torch.no_grad():
+                c.w.mul_(1 - 1 / (n + 1))
+            return x * c.w
+        return f
+
+    ours, theirs = Decayed(), Decayed()
+    f, eager = hpfun.shard(make(ours), mesh=DP, in_specs=P("dp"), out_specs=P("dp")), make(theirs)
+    for _ in range(3):
+        x = torch.ones(4, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=0, atol=0)
+    assert ours.step.item() == 3 and torch.equal(ours.w, theirs.w)
+
+
 def test_a_step_that_switches_the_model_to_eval_mode():
     """`model.eval()` inside a sharded function (an evaluation step; a training step that ends in
     eval mode) leaves the modules' flags as eager leaves them, at every call of its program,
