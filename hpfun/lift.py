@@ -197,7 +197,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
                 optimizer_own(obj, name)
-        elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
+        elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or _length(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if _keyed_by_tensors(obj):  # (`scales[p]`, `scales.get(p, 1.0)`, `buf[id(p)]`)
                 roots.append(Root(unique(f"{name}.<keys>", owner), _Keyed(obj)))
@@ -213,7 +213,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 at = functools.partial(_key_at, obj, i)
                 for suffix, part, read_part in _key_objects(k, at):  # an object of the user's in a key (a tuple's or
                     value(part, f"{name}.{key}{suffix}", read_part, None)  # frozenset's part too): its numbers are read
-        elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or len(obj) <= PLAIN_CONTAINER_ITEMS):
+        elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or _length(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:
                 opaque.append((name, obj))
@@ -945,9 +945,9 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
         return ("cycle", len(_path) - _path.index(id(x)))
     if depth:
         _path = (*_path, id(x))
-    if depth and isinstance(x, dict) and len(x) <= PLAIN_CONTAINER_ITEMS:
+    if depth and isinstance(x, dict) and _length(x) <= PLAIN_CONTAINER_ITEMS:
         return ("dict", tuple((Exact(k), object_key(v, depth - 1, _path)) for k, v in x.items()))
-    if depth and isinstance(x, (list, tuple, collections.deque)) and len(x) <= PLAIN_CONTAINER_ITEMS:
+    if depth and isinstance(x, (list, tuple, collections.deque)) and _length(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
@@ -974,9 +974,9 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
 
 def _holds_any(container, found, depth: int = 3) -> bool:
     """A list, tuple or dict holding a value `found` is true of (nested `depth` deep)."""
-    if depth <= 0 or not isinstance(container, (list, tuple, dict)) or len(container) > PLAIN_CONTAINER_ITEMS:
-        return False
-    items = container.values() if isinstance(container, dict) else container
+    if depth <= 0 or type(container) not in (list, tuple, dict) or len(container) > PLAIN_CONTAINER_ITEMS:
+        return False  # (a subclass may be anything: e3nn's Irreps, a tuple, refuses len())
+    items = container.values() if type(container) is dict else container
     return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
 
 
@@ -988,6 +988,15 @@ def _unregistered_module(tree: set | None):
     """Whether a value is a module with state whose id is not in `tree` (the modules registered)."""
     return lambda v: isinstance(v, torch.nn.Module) and (tree is None or id(v) not in tree) and \
         next(itertools.chain(v.parameters(), v.buffers()), None) is not None
+
+
+def _length(container) -> int:
+    """A dict's, list's, tuple's or deque's length by its base class (a subclass may refuse
+    `len()`: e3nn's `Irreps`, a tuple, raises NotImplementedError)."""
+    for base in (dict, list, tuple, collections.deque):
+        if isinstance(container, base):
+            return base.__len__(container)
+    return len(container)
 
 
 def _holds_state(container) -> bool:

@@ -2717,6 +2717,34 @@ def test_a_counter_buffer_is_read_as_eager_reads_it():
         assert step.trace_count == 2
 
 
+class _NoLen(tuple):
+    """e3nn's `Irreps`: a tuple refusing len() (`use .num_irreps`)."""
+
+    def __len__(self):
+        raise NotImplementedError
+
+
+def test_a_tuple_subclass_refusing_len_held_by_a_module_or_closed_over():
+    """Every e3nn layer holds an `Irreps` (a tuple whose len() raises): holding one as a module's
+    attribute, in its list, or closing over one, the step runs as eager (it raised a bare
+    NotImplementedError from hpfun's walk)."""
+    irreps = _NoLen(((1, 0), (2, torch.nn.Identity())))
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        m.irreps, m.listed = irreps, [irreps]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+
+    def make(m, opt):
+        return lambda x, y: eager_step(m, opt, x, y) * irreps[0][0]
+
+    f, eager = hpfun.shard(make(model, opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P()), \
+        make(ref, opts[1])
+    for i in range(2):
+        x, y = batch(i)
+        torch.testing.assert_close(f(x, y).full(), eager(x, y), rtol=0, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
+
+
 def test_a_counter_buffer_incremented_in_place_then_read_is_read_as_eager_reads_it():
     """`self.step += 1` then `self.step.item()` (ema-pytorch's KarrasEMA reads its step so): the
     read of a buffer written in place is its value after the write, as eager's (it was refused
