@@ -531,6 +531,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         _, plain = fake_inputs(metas, device)
         gm = _trace(torch.func.functionalize(_replaying(gm), remove="mutations"), plain)
         mutated = _mutations_as_outputs(gm)
+    _refuse_reshaped_inputs(gm, mutated)
     _check_draws(gm)
     _drop_profiler_calls(gm)
     _drop_plain_copies(gm)
@@ -2498,6 +2499,27 @@ def _mutations_as_outputs(gm: torch.fx.GraphModule) -> list[int]:
     outs = list(output.args[0])
     output.args = (outs + list(written.values()),)
     return [inputs.index(node) for node in written]
+
+
+def _refuse_reshaped_inputs(gm: torch.fx.GraphModule, mutated: list[int]) -> None:
+    """An input written in place with a value of another shape (`buf.set_(t)`, torch.ao's
+    FakeQuantize growing a per-channel scale from [1] to [16]): the caller's tensor keeps its
+    shape, so no write-back can give it the new value."""
+    if not mutated:
+        return
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    written = list(output.args[0])[-len(mutated):]
+    bad = [(inputs[i], new) for i, new in zip(mutated, written, strict=True)
+           if isinstance(new, torch.fx.Node) and isinstance(new.meta.get("val"), torch.Tensor)
+           and tuple(new.meta["val"].shape) != tuple(inputs[i].meta["val"].shape)]
+    if bad:
+        raise CaptureError([Problem(f"{new.target}" + (f" at {line}" if (line := user_line(new.meta.get("stack_trace")))
+                                                       else ""),
+                                    f"gives a tensor of shape {tuple(old.meta['val'].shape)} a value of shape "
+                                    f"{tuple(new.meta['val'].shape)} in place (`set_`, `resize_`), which hpfun "
+                                    "cannot write back into the caller's tensor", _RESHAPE_FIX) for old, new in bad],
+                           headline="cannot capture the function")
 
 
 def _drop_profiler_calls(gm: torch.fx.GraphModule) -> None:

@@ -151,6 +151,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     """Write every extra output back: in-place updates first, then assignments (a gradient
     must meet its parameter's new block)."""
     order, replicated = _order(writes)
+    if _SHAPES_SEEN.get(id(writes)) is not writes:
+        _check_shapes(writes, shards_per_output)
     targets, sources, scalars = [], [], []  # whole state updated in place: copied in one foreach call
     scalar_names = state.scalar_names if state is not None else ()
     held = _LOCAL._entries
@@ -210,6 +212,30 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 slot.write(_new_tensor(value, like=like, whole=whole, taken=taken))
         if targets:
             _copy(targets, sources, scalars)
+
+
+_SHAPES_SEEN: dict = {}  # id(writes) -> writes whose program's blocks had the planned shapes at a call
+
+
+def _check_shapes(writes, shards_per_output) -> None:
+    """Before anything is written: every block a program returns for state has the shape its
+    layout plans, or nothing is written (a kernel whose shape function says otherwise than it
+    computes, torch.ao's fused observer growing a per-channel scale from [1] to [16], failed
+    inside the write-back, after some state was written). Checked at a program's first call."""
+    bad = [(wb, tuple(block.shape), wb.layout.local_shape(wb.shape)) for wb, shards in zip(writes, shards_per_output)
+           for block in shards[:1] if isinstance(block, torch.Tensor)
+           and tuple(block.shape) != wb.layout.local_shape(wb.shape)]
+    if bad:
+        raise ExecutionError([Problem(wb.name, f"the program computed a block of shape {got} where its trace planned "
+                                      f"{want} (global {tuple(wb.shape)}): an op computes another shape than torch's "
+                                      "shape function for it says, so nothing was written back",
+                                      "give the tensor its final shape before the first sharded call (run one step "
+                                      "eagerly first: torch.ao's observers size their per-channel scale at their first "
+                                      "forward), or make a new tensor instead of resizing one in place")
+                              for wb, got, want in bad], headline="the program's state has other shapes than planned")
+    if len(_SHAPES_SEEN) > 256:
+        _SHAPES_SEEN.clear()
+    _SHAPES_SEEN[id(writes)] = writes
 
 
 def _copy(targets: list, sources: list, scalars: list) -> None:

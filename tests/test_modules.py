@@ -2745,6 +2745,59 @@ def test_a_tuple_subclass_refusing_len_held_by_a_module_or_closed_over():
     assert max_diff(model, ref) < 1e-12
 
 
+def test_a_buffer_given_another_shape_in_place_is_refused_and_nothing_is_written():
+    """`buf.set_(t)` of another shape is refused at the trace, naming the line; torch.ao's QAT
+    observers, whose fused kernel grows a per-channel scale from [1] to [16] where its shape
+    function keeps [1], are refused at the first call before anything is written back (the
+    parameters and observers were half written, then torch's broadcast error), and run as eager
+    once one eager step has sized them."""
+    import torch.ao.quantization as tq
+
+    class Rescaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 16)
+            self.register_buffer("scale", torch.tensor([1.0]))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.scale.set_(self.lin.weight.abs().amax(1).clone())
+            return self.lin(x)
+
+    model = Rescaled()
+    with pytest.raises(hpfun.CaptureError, match=r"aten.set.source_Tensor at .*test_modules.py:\d+ in forward: "
+                                                 r"self.scale.set_.*gives a tensor of shape \(1,\) a value of shape "
+                                                 r"\(16,\) in place"):
+        hpfun.shard(lambda x: model(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())(torch.randn(8, 4))
+
+    def qat():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(tq.QuantStub(), torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4),
+                                tq.DeQuantStub())
+        m.qconfig = tq.get_default_qat_qconfig("x86")
+        return tq.prepare_qat(m.train())
+
+    models = [qat(), qat()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    f = hpfun.shard(functools.partial(eager_step, models[0], opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")),
+                    out_specs=P(), fallback="replicate")
+    before = {k: v.clone() for k, v in models[0].state_dict().items()}
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    with pytest.warns(UserWarning), pytest.raises(hpfun.ExecutionError, match=r"1.weight_fake_quant.scale: the program "
+                                                                              r"computed a block of shape \(16,\)"):
+        f(x, y)
+    assert all(torch.equal(v, before[k]) for k, v in models[0].state_dict().items())
+    for m, opt in zip(models, opts):
+        eager_step(m, opt, x, y)  # sized by an eager step
+    f = hpfun.shard(functools.partial(eager_step, models[0], opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")),
+                    out_specs=P(), fallback="replicate")
+    for i in range(2):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        with pytest.warns(UserWarning) if i == 0 else contextlib.nullcontext():
+            torch.testing.assert_close(f(x, y).full(), eager_step(models[1], opts[1], x, y), rtol=1e-5, atol=1e-6)
+    assert max_diff(models[0], models[1]) < 1e-6
+
+
 def test_a_counter_buffer_incremented_in_place_then_read_is_read_as_eager_reads_it():
     """`self.step += 1` then `self.step.item()` (ema-pytorch's KarrasEMA reads its step so): the
     read of a buffer written in place is its value after the write, as eager's (it was refused
