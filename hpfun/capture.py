@@ -1288,7 +1288,7 @@ def _as_strided(as_strided, x, size, stride, storage_offset=None):
     device = x.device
     if x.is_contiguous():
         at = torch.arange(span, device=device).as_strided(size, stride, offset - base)
-        return _taken(x.reshape(-1)[at])
+        return _taken(_picked(x.reshape(-1), at))
     with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():  # every address one of x's
         where = torch.full((span,), -1, dtype=torch.int64)
         where[torch.arange(span).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)] = torch.arange(x.numel())
@@ -1297,7 +1297,14 @@ def _as_strided(as_strided, x, size, stride, storage_offset=None):
     elements = torch.arange(span, device=device).as_strided(tuple(x.shape), x.stride(), 0).reshape(-1)
     where = torch.full((span,), -1, dtype=torch.int64, device=device).index_put(
         (elements,), torch.arange(x.numel(), device=device))
-    return _taken(x.reshape(-1)[where.as_strided(size, stride, offset - base)])
+    return _taken(_picked(x.reshape(-1), where.as_strided(size, stride, offset - base)))
+
+
+def _picked(flat: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`flat[at]`, a gather by the index tensor `at`; a 0-d `at` (`as_strided(t, (), ())`,
+    torchdiffeq's adjoint) as a one-element gather, since indexing by a 0-d tensor reads it
+    as an integer, which a trace cannot."""
+    return flat[at.reshape(1)].reshape(()) if at.ndim == 0 else flat[at]
 
 
 _TAKEN: dict = {}  # id -> weak reference of each as_strided result taken by index (a copy, not a view)

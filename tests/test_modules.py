@@ -2893,6 +2893,20 @@ def test_as_strided_windows_of_a_split_batch_equal_eager(contiguous):
         hpfun.shard(written, mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))(torch.randn(4, 8))
 
 
+def test_a_0d_as_strided_is_its_element_and_its_gradient():
+    """`torch.as_strided(t, (), ())` (torchdiffeq's adjoint works around a torch bug with it) is
+    the element at the offset, forward and gradient (it was refused as a data-dependent read:
+    the element was picked by indexing with a 0-d tensor, which reads it as an integer)."""
+    def f(x, t):
+        return (x * torch.as_strided(t, (), ())).sum() + torch.as_strided(t[2:], (), (), 3) * 2
+
+    x, t = torch.randn(8, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    grad = torch.func.grad(f, argnums=(0, 1))
+    g = hpfun.shard(grad, mesh=DP, in_specs=(P("dp"), P()), out_specs=(P("dp"), P()))
+    for got, want in zip(g(x, t), grad(x, t), strict=True):
+        torch.testing.assert_close(got.full(), want, rtol=0, atol=1e-12)
+
+
 def _loop_piece(kind: str):
     """A training step with one piece of a real training loop in it."""
     def step(model, opt, x, y):
