@@ -2921,6 +2921,11 @@ def _describe(err: Exception) -> str:
                     "nonzero(), a shape read from the routing: build the model with its default experts "
                     "implementation (grouped matrix multiplies: leave experts_implementation unset), which hpfun "
                     "traces and shards")
+        if "aten.linalg_lstsq" in str(err):
+            hint = (" — torch.linalg.lstsq's outputs (its rank and singular values) have shapes torch decides from "
+                    "the driver at run time, which a trace on shapes cannot: solve with torch.linalg.solve (a square, "
+                    "full-rank A), torch.linalg.pinv(A) @ B (the least-squares solution of least norm), or "
+                    "torch.linalg.solve(A.mT @ A, A.mT @ B) (a tall A of full column rank)")
         if any(f.filename.endswith(os.path.join("nn", "utils", "clip_grad.py")) for f in stack):
             hint = (" — clip_grad_norm_(..., error_if_nonfinite=True) raises in Python when the norm is inf or NaN, "
                     "a read of the gradients' values: pass error_if_nonfinite=False (the default; the clipping runs "

@@ -1298,3 +1298,12 @@ def test_float_class_labels_are_refused_as_eager_refuses_them():
     probs = torch.softmax(torch.randn(8, 8, dtype=torch.float64), -1)
     f = hpfun.shard(F.cross_entropy, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
     torch.testing.assert_close(f(x, probs).full(), F.cross_entropy(x, probs))
+
+
+def test_lstsq_says_its_outputs_have_no_traceable_shape_and_what_solves_instead():
+    """torch.linalg.lstsq's rank and singular values have shapes torch decides at run time: the
+    error says so and names the solves that trace (it said the function reads tensor values)."""
+    a = torch.randn(6, 6, dtype=torch.float64) + 6 * torch.eye(6, dtype=torch.float64)
+    f = hpfun.shard(lambda a, x: torch.linalg.lstsq(a, x).solution, mesh=MESH_TP, in_specs=(P(), P()), out_specs=P())
+    _, text = _raise(f, a, torch.ones(6, 1, dtype=torch.float64), error=hpfun.CaptureError)
+    assert "torch.linalg.lstsq's outputs" in text and "torch.linalg.pinv(A) @ B" in text

@@ -392,6 +392,15 @@ def test_reductions_sorts_and_pads(data, name):
     check_op(data.draw, op, fn, (x,), partial=partial)
 
 
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_pinv_of_a_batch_of_matrices(data):
+    """`torch.linalg.pinv` (pytorch-optimizer's LoRA-RITE) had no rule: each matrix whole, the
+    batch dims split."""
+    x = _rand(4, 2, 5, 3)
+    check_op(data.draw, aten.linalg_pinv.atol_rtol_tensor, lambda x: torch.linalg.pinv(x), (x,))
+
+
 # ---------------------------------------------------------------------------------------------
 # Dimension algebra
 # ---------------------------------------------------------------------------------------------
