@@ -842,7 +842,7 @@ class ShardedFunction:
                 attributes = [(_attribute_path(path, k), v) for path, _, _, held, *own  # (a UserDict's own
                               in _argument_containers(call.args, call.kwonly) if own  # `batch.scale`)
                               for k, v in held.items() if isinstance(v, torch.Tensor)]
-                raise lift.unlifted_tensor_error(call.state, str(err), arguments, attributes) from None
+                raise lift.unlifted_tensor_error(call.state, str(err), arguments, attributes, err.tensor) from None
         paths = call.paths()
         self._check_patterns_after_trace(call, traced, {paths[tensor_pos[j]] for j in captured.mutated})
         _check_configs_unchanged(call, leaves)

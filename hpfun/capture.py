@@ -1093,7 +1093,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
             err.hpfun_raised_by_the_code = True
             raise
         if "convert all Tensors to FakeTensors" in str(err):
-            raise UnliftedTensor(_user_where(err)) from err
+            raise UnliftedTensor(_user_where(err), _real_tensor_in(err)) from err
         raise CaptureError(_describe(err)) from err
     if own := [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None)
                in ("_c10d_functional", "c10d_functional") and "wait_tensor" not in str(n.target)]:
@@ -2335,7 +2335,30 @@ def _gaussian_nll_loss(func, args, kwargs):
 
 class UnliftedTensor(Exception):
     """A real tensor reached the trace: the function reads state hpfun did not lift (the caller
-    names the suspects)."""
+    names the suspects). `tensor`: that tensor, where the error's frames held it."""
+
+    def __init__(self, where: str, tensor: torch.Tensor | None = None):
+        super().__init__(where)
+        self.tensor = tensor
+
+
+def _real_tensor_in(err: Exception) -> torch.Tensor | None:
+    """The real tensor torch's fake mode refused ('convert all Tensors to FakeTensors'), found
+    among the locals of the frames it was raised through (an argument list of the op)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    frame = tb.tb_frame if tb is not None else None
+    for _ in range(8):
+        if frame is None:
+            break
+        for v in list(frame.f_locals.values()):
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and \
+                        not torch._C._functorch.is_functorch_wrapped_tensor(t) and t.device.type != "meta":
+                    return t
+        frame = frame.f_back
+    return None
 
 
 def _mutates(gm: torch.fx.GraphModule) -> bool:

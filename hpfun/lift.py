@@ -26,6 +26,7 @@ import copy
 import dis
 import enum
 import functools
+import gc
 import itertools
 import numbers
 import operator
@@ -3469,12 +3470,48 @@ def is_grad_scaler(obj) -> bool:
     return isinstance(obj, torch.amp.GradScaler)
 
 
-def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = (), attributes: tuple = ()) \
-        -> CaptureError:
+def held_at(obj, levels: int = 6, budget: int = 40) -> str | None:
+    """Where a Python module's globals reach `obj` (`pyro.poutine.runtime._PYRO_PARAM_STORE
+    ._params['loc']`), found by walking its referrers up to `levels` objects (an error's path
+    only: each step scans the heap, at most `budget` of them); None if none is found."""
+    modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType)}
+    objs, suffixes, seen = [obj], [""], {id(obj)}
+    for _ in range(levels):
+        found, found_suffixes = [], []
+        for o, suffix in zip(objs, suffixes):
+            if budget <= 0:
+                return None
+            budget -= 1
+            for r in gc.get_referrers(o):
+                if id(r) in seen or r is objs or r is found or isinstance(r, (types.FrameType, BaseException)):
+                    continue
+                seen.add(id(r))
+                if type(r) is dict:
+                    key = next((k for k, v in r.items() if v is o), _MISSING)
+                    if key is _MISSING:
+                        continue
+                    if id(r) in modules:
+                        return f"{modules[id(r)]}.{key}{suffix}"
+                    owner = next((x for x in gc.get_referrers(r) if getattr(x, "__dict__", None) is r
+                                  and not isinstance(x, BaseException)), None)
+                    found.append(r if owner is None else owner)
+                    found_suffixes.append(f"[{key!r}]{suffix}" if owner is None else f".{key}{suffix}")
+                elif type(r) in (list, tuple):
+                    found.append(r)
+                    found_suffixes.append(f"[{next(i for i, v in enumerate(r) if v is o)}]{suffix}")
+        objs, suffixes = found[:8], found_suffixes[:8]
+        if not objs:
+            return None
+    return None
+
+
+def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = (), attributes: tuple = (),
+                          tensor: torch.Tensor | None = None) -> CaptureError:
     """A real tensor reached the trace through something hpfun does not walk: say what it could
     be. `arguments`: (path, value) of the call's arguments, whose own objects' tensors are not
     flattened (only a pytree's: tuples, lists, dicts, dataclasses); `attributes`: (path, tensor)
-    of the tensors a UserDict or UserList argument holds as attributes, beside its items."""
+    of the tensors a UserDict or UserList argument holds as attributes, beside its items;
+    `tensor`: the tensor read, if known (where a module's globals hold it is said)."""
     suspects = []
     for name, obj in (state.opaque if state else ()):
         found = _tensor_attributes(obj, name, depth=3)  # (a transformers cache: its layers' keys)
@@ -3503,8 +3540,11 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
         return CaptureError(held, headline="cannot capture the function")
     fix = ("pass the tensor as an argument, or hold it in an nn.Module (parameter, buffer or attribute), a "
            "closed-over or global tensor variable, or a dict/list of them: hpfun lifts those and reads them at every call")
+    place = held_at(tensor) if tensor is not None else None
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
-                        "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)", fix)]
+                        "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)"
+                        + (f"; it is a {tuple(tensor.shape)} tensor that {place} holds"
+                           if place else ""), fix)]
     scalers = {name for name, obj in (state.opaque if state else ()) if is_grad_scaler(obj)}
     problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar",
                          GRAD_SCALER_FIX if s.split(" (a ")[0] in scalers else "") for s in suspects]

@@ -1307,3 +1307,25 @@ def test_lstsq_says_its_outputs_have_no_traceable_shape_and_what_solves_instead(
     f = hpfun.shard(lambda a, x: torch.linalg.lstsq(a, x).solution, mesh=MESH_TP, in_specs=(P(), P()), out_specs=P())
     _, text = _raise(f, a, torch.ones(6, 1, dtype=torch.float64), error=hpfun.CaptureError)
     assert "torch.linalg.lstsq's outputs" in text and "torch.linalg.pinv(A) @ B" in text
+
+
+def test_a_tensor_a_librarys_globals_hold_is_named_where_it_is_held(monkeypatch):
+    """A library keeping tensors in its own global store (pyro's param store) read inside the
+    step: the refusal says where the library's globals hold the tensor read (it named only the
+    library's line)."""
+    import os
+    import sys
+    import types
+
+    name = "hpfun_test_param_store"
+    lib = types.ModuleType(name)
+    lib.__file__ = os.path.join(os.sep, "lib", "site-packages", f"{name}.py")  # (a library's: not walked)
+    code = ("class Store:\n    def __init__(self):\n        self._params = {}\n"
+            "STORE = Store()\n"
+            "def param(key):\n    return STORE._params[key]\n")
+    exec(compile(code, lib.__file__, "exec"), vars(lib))
+    monkeypatch.setitem(sys.modules, name, lib)
+    lib.STORE._params["loc"] = torch.zeros(3)
+    f = hpfun.shard(lambda x: x @ lib.param("loc"), mesh=MESH_TP, in_specs=P("tp"), out_specs=P("tp"))
+    _, text = _raise(f, torch.ones(4, 3), error=hpfun.CaptureError)
+    assert f"it is a (3,) tensor that {name}.STORE._params['loc'] holds" in text, text
