@@ -810,8 +810,10 @@ def _guard_draw(module: str, name: str, original, thread: int):
 def _guard_collective(name: str, original, thread: int, caller_depth: int = 1):
     def collective(*args, **kwargs):
         frame = sys._getframe(caller_depth)
-        while caller_depth > 1 and frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
-            frame = frame.f_back  # (torch's own frames between the call and the torch-function mode)
+        while caller_depth > 1 and frame is not None and (frame.f_code.co_filename.startswith(TORCH_DIR) or (
+                frame.f_code.co_name == "__torch_function__" and frame.f_code.co_filename.startswith(HPFUN_DIR))):
+            frame = frame.f_back  # (torch's own frames between the call and the torch-function mode, and hpfun's
+            # other modes: an optimizer's step is traced under lift.ScalarSigns too)
         caller = frame.f_code.co_filename if frame is not None else HPFUN_DIR
         if threading.get_ident() != thread or caller.startswith(HPFUN_DIR):
             return original(*args, **kwargs)

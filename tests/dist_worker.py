@@ -108,15 +108,27 @@ def own_collective(out: Path):
 
         return funcol.all_reduce(x.sum(0), "sum", torch.distributed.group.WORLD)
 
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    def training(x):  # (stepping an optimizer, the step is traced under another mode too: the reference's call
+        loss = lin(x).pow(2).mean()  # was seen from hpfun's frame and let through, then said to be a random draw)
+        held(x.sum(0).detach())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
     works = hpfun.shard(lambda x: x.sum(0), mesh=mesh, in_specs=P("dp"), out_specs=P())(torch.ones(8, 4)).full()
     messages = []
-    for fn in (reduced, by_reference, functional):
+    for fn in (reduced, by_reference, functional, training):
         try:
             hpfun.shard(fn, mesh=mesh, in_specs=P("dp"), out_specs=P())(torch.randn(8, 4))
             messages.append("NO ERROR")
         except hpfun.CaptureError as err:
             messages.append(str(err))
-    torch.save({"error": messages[0], "by reference": messages[1], "functional": messages[2], "before": works},
+    torch.save({"error": messages[0], "by reference": messages[1], "functional": messages[2], "training": messages[3],
+                "before": works},
                out / f"own_collective-rank{RANK}.pt")
 
 

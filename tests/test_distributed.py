@@ -571,6 +571,8 @@ def test_a_collective_the_step_calls_itself_is_refused_and_the_job_exits_cleanly
             got["by reference"]
         assert "_c10d_functional.all_reduce" in got["functional"] and "funcol.all_reduce" in got["functional"] and \
             "leave the communication to hpfun" in got["functional"], got["functional"]
+        assert "torch.distributed.all_reduce at" in got["training"] and "held(x.sum(0).detach())" in got["training"] \
+            and "random" not in got["training"], got["training"]
         torch.testing.assert_close(got["before"], torch.full((4,), 8.0))
 
 
