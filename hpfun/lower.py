@@ -392,6 +392,8 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
         return taken[-1]
 
     args, kwargs = map_arg((node.args, node.kwargs), take)
+    if widen and kwargs.get("dtype") in _LOW_PRECISION:  # (`x.sum(0, dtype=torch.bfloat16)` of a split dim: each
+        kwargs = {**kwargs, "dtype": torch.float32}  # rank's sum kept in float32 too, rounded once when reduced)
     taken = tuple(taken)
     if node.target in _ADDRESSES_STORAGE:
         args, kwargs = _on_traced_storage(ctx, node, args, kwargs)

@@ -121,6 +121,20 @@ def test_sum_is_rounded_once(dtype):
     assert (default == exact.to(dtype)).sum() > (compute == exact.to(dtype)).sum()
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_a_sum_asked_for_in_low_precision_is_rounded_once(op):
+    """`x.sum(1, dtype=torch.bfloat16)` of a float32 (or integer) x split along the summed dim:
+    each rank's sum is kept in float32 and the total rounded once, as eager's (each rank's was
+    rounded to bfloat16 first: 129 + 128 gave 256 on one rank, -256 on the other, 0 in all where
+    eager gives 1)."""
+    mesh = hpfun.Mesh.simulated((2,), ("tp",))
+    x = torch.tensor([[129.0, 128.0, -128.0, -128.0]])
+    for inp in (x, x.long()) if op == "sum" else (x,):
+        f = (lambda t: t.sum(1, dtype=torch.bfloat16)) if op == "sum" else (lambda t: t.mean(1, dtype=torch.bfloat16))
+        got = hpfun.shard(f, mesh=mesh, in_specs=P(None, "tp"), out_specs=P())(inp).full()
+        assert torch.equal(got, f(inp)) and got.dtype == torch.bfloat16, (got, f(inp))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out", [P(), P("a"), P(("a", "b"))], ids=str)
 def test_a_sum_over_two_axes_resolved_in_two_steps_is_rounded_once(dtype, out):
