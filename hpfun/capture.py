@@ -1540,6 +1540,46 @@ def _slice_bounds_read(index):
     return read if type(index) is tuple else read[0]
 
 
+# functions taking sizes or counts, which torch reads from a 0-d tensor given for one in C++
+# (Longformer's `torch.arange(max_num_global_attn_indices)`): a readable one is read first
+_SIZE_TAKERS = frozenset([torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
+                          torch.randint, torch.randperm, torch.eye, torch.linspace, torch.logspace, torch.tril_indices,
+                          torch.triu_indices, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+                          torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
+                          torch.Tensor.expand, torch.Tensor.repeat, torch.Tensor.unflatten, torch.unflatten])
+_SIZE_KEYWORDS = ("size", "steps", "start", "end", "n", "m", "high", "low", "row", "col", "offset", "sizes", "shape")
+
+
+def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
+    """`args` and `kwargs` with each traced 0-d integer tensor among them (or in a size list)
+    read as `int(t)` does (a float one too, for arange's bounds, whose length depends on them);
+    None where there is none or one cannot be read. A method's own tensor stays."""
+    first = 1 if func in _TENSOR_METHOD_TAKERS else 0
+    changed = False
+
+    def size(v):
+        nonlocal changed
+        if isinstance(v, (list, tuple)):
+            read = [size(u) for u in v]
+            return type(v)(read) if any(a is not b for a, b in zip(read, v)) else v
+        if isinstance(v, torch.Tensor) and v.ndim == 0 and _is_traced(v) and \
+                (not v.is_floating_point() or func is torch.arange):
+            value = _read(torch.Tensor.__index__ if not v.is_floating_point() else torch.Tensor.item, v)
+            if value is not _UNREADABLE:
+                changed = True
+                return value
+        return v
+
+    new_args = (*args[:first], *(size(a) for a in args[first:]))
+    new_kwargs = {k: size(v) if k in _SIZE_KEYWORDS else v for k, v in kwargs.items()}
+    return (new_args, new_kwargs) if changed else None
+
+
+_TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+                                   torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand,
+                                   torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten])
+
+
 _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
                     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.__complex__])
 
@@ -2197,6 +2237,8 @@ class _TensorScalars(TorchFunctionMode):
             read = _slice_bounds_read(slice(args[2], args[3]))
             args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:
             # n of an argument, read as int(n))
+        if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:
+            args, kwargs = read  # (`torch.arange(n)`, n = mask.sum(1).max() of an argument: read, as int(n) is)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
             args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)

@@ -248,3 +248,20 @@ def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
 
     f = hpfun.shard(step, mesh=MESH, in_specs=(spec, P()), out_specs=spec)
     torch.testing.assert_close(f(x, idx).full(), step(x, idx), rtol=0, atol=1e-12)
+
+
+def test_a_0d_tensor_of_an_argument_given_as_a_size_is_read_as_its_integer():
+    """`torch.arange(n)`, `torch.zeros(n)`, `linspace(0, 1, n)`, `x.new_zeros(n)` and `x.view(n, -1)` with `n`
+    computed from the arguments (Longformer's `torch.arange(max_num_global_attn_indices)`, n a mask's
+    count): read as `int(n)`, keying the program by it (each was refused as a data-dependent read)."""
+    def sizes(mask, x):
+        n = mask.sum(1).max()
+        return (torch.arange(n).sum() + torch.zeros(n).sum() + torch.linspace(0, 1, n).sum() + mask.new_zeros(n).sum()
+                + x.view(n, -1).sum(1).sum() + torch.arange(0, n, dtype=D).sum())
+
+    f = hpfun.shard(sizes, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    x = torch.randn(12, dtype=D, generator=_gen())
+    for rows in ([1, 1, 0], [1, 1, 0], [1, 0, 1], [1, 1, 1], [1, 0, 0]):
+        mask = torch.tensor([rows, [1, 0, 0], [0, 0, 0], [1, 0, 0]])
+        torch.testing.assert_close(f(mask, x).full(), sizes(mask, x), rtol=0, atol=1e-12)
+    assert f.trace_count == 3  # (n = 2, 3, 1)
