@@ -3492,14 +3492,20 @@ def held_at(obj, levels: int = 6, budget: int = 40) -> str | None:
                         continue
                     if id(r) in modules:
                         return f"{modules[id(r)]}.{key}{suffix}"
-                    owner = next((x for x in gc.get_referrers(r) if getattr(x, "__dict__", None) is r
-                                  and not isinstance(x, BaseException)), None)
+                    owner = next((x for x in gc.get_referrers(r) if (getattr(x, "__dict__", None) is r or isinstance(
+                        x, type) and vars(x).get(key, _MISSING) is o) and not isinstance(x, BaseException)), None)
+                    # (an object's attribute; a class's, `Dopri5.TABLEAU`, whose __dict__ is a proxy of r)
                     found.append(r if owner is None else owner)
                     found_suffixes.append(f"[{key!r}]{suffix}" if owner is None else f".{key}{suffix}")
                 elif type(r) in (list, tuple):
                     found.append(r)
                     found_suffixes.append(f"[{next(i for i, v in enumerate(r) if v is o)}]{suffix}")
-        objs, suffixes = found[:8], found_suffixes[:8]
+                elif (key := next((k for k, v in attributes(r).items() if v is o), None)) is not None:
+                    found.append(r)  # (an object holding it as an attribute: Python 3.11 keeps an instance's
+                    found_suffixes.append(f".{key}{suffix}")  # attributes in the object, not in a dict)
+        ranked = sorted(range(len(found)), key=lambda i: (type(found[i]) in (list, tuple)) + 2 * (type(found[i]) is dict))
+        objs, suffixes = [found[i] for i in ranked[:8]], [found_suffixes[i] for i in ranked[:8]]  # (objects and
+        # classes first: an error's frames hold the tensor in argument tuples and locals dicts, which lead nowhere)
         if not objs:
             return None
     return None

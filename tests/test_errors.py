@@ -1322,10 +1322,16 @@ def test_a_tensor_a_librarys_globals_hold_is_named_where_it_is_held(monkeypatch)
     lib.__file__ = os.path.join(os.sep, "lib", "site-packages", f"{name}.py")  # (a library's: not walked)
     code = ("class Store:\n    def __init__(self):\n        self._params = {}\n"
             "STORE = Store()\n"
-            "def param(key):\n    return STORE._params[key]\n")
+            "def param(key):\n    return STORE._params[key]\n"
+            "class Tableau:\n    def __init__(self):\n        self.c = __import__('torch').ones(3)\n"
+            "class Solver:\n    TABLEAU = Tableau()\n    def step(self, x):\n        return x * self.TABLEAU.c\n")
     exec(compile(code, lib.__file__, "exec"), vars(lib))
     monkeypatch.setitem(sys.modules, name, lib)
     lib.STORE._params["loc"] = torch.zeros(3)
     f = hpfun.shard(lambda x: x @ lib.param("loc"), mesh=MESH_TP, in_specs=P("tp"), out_specs=P("tp"))
     _, text = _raise(f, torch.ones(4, 3), error=hpfun.CaptureError)
     assert f"it is a (3,) tensor that {name}.STORE._params['loc'] holds" in text, text
+    solver = lib.Solver()  # (torchode's Dopri5.TABLEAU.c: an instance a library's class holds as a class attribute)
+    g = hpfun.shard(lambda x: solver.step(x), mesh=MESH_TP, in_specs=P("tp"), out_specs=P("tp"))
+    _, text = _raise(g, torch.ones(4, 3), error=hpfun.CaptureError)
+    assert f"it is a (3,) tensor that {name}.Solver.TABLEAU.c holds" in text, text
