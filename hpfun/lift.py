@@ -32,6 +32,7 @@ import numbers
 import operator
 import os
 import sys
+import time
 import types
 import weakref
 
@@ -3470,43 +3471,51 @@ def is_grad_scaler(obj) -> bool:
     return isinstance(obj, torch.amp.GradScaler)
 
 
-def held_at(obj, levels: int = 6, budget: int = 40) -> str | None:
+def held_at(obj, levels: int = 6, seconds: float = 2.0) -> str | None:
     """Where a Python module's globals reach `obj` (`pyro.poutine.runtime._PYRO_PARAM_STORE
-    ._params['loc']`), found by walking its referrers up to `levels` objects (an error's path
-    only: each step scans the heap, at most `budget` of them); None if none is found."""
+    ._params['loc']`), found by walking its referrers up to `levels` objects, for at most
+    `seconds` (an error's path only: each level scans the heap once); None if none is found."""
     modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType)}
-    objs, suffixes, seen = [obj], [""], {id(obj)}
+    deadline = time.perf_counter() + seconds
+    # (object, the path from it to obj, and for a dict, the key it holds the next object under: an object's
+    # or class's attribute dict is named by its owner, found at the next step)
+    entries, seen = [(obj, "", None)], {id(obj)}
     for _ in range(levels):
-        found, found_suffixes = [], []
-        for o, suffix in zip(objs, suffixes):
-            if budget <= 0:
-                return None
-            budget -= 1
-            for r in gc.get_referrers(o):
-                if id(r) in seen or r is objs or r is found or isinstance(r, (types.FrameType, BaseException)):
+        found = []
+        if time.perf_counter() > deadline:
+            return None
+        referrers = gc.get_referrers(*(o for o, _, _ in entries))  # (one scan of the heap for the level)
+        for o, suffix, key in entries:
+            for r in referrers:
+                if id(r) in seen or r is entries or r is found or isinstance(r, (types.FrameType, BaseException)):
                     continue
-                seen.add(id(r))
+                if key is not None and (getattr(r, "__dict__", None) is o or isinstance(r, type)
+                                        and vars(r).get(key, _MISSING) is o.get(key)):
+                    seen.add(id(r))  # the owner of the attribute dict o (`Dopri5.TABLEAU`: a class's, a proxy of o)
+                    found.append((r, f".{key}{suffix}", None))
+                    continue
+                held = suffix if key is None else f"[{key!r}]{suffix}"
                 if type(r) is dict:
-                    key = next((k for k, v in r.items() if v is o), _MISSING)
-                    if key is _MISSING:
+                    k = next((k for k, v in r.items() if v is o), _MISSING)
+                    if k is _MISSING:
                         continue
                     if id(r) in modules:
-                        return f"{modules[id(r)]}.{key}{suffix}"
-                    owner = next((x for x in gc.get_referrers(r) if (getattr(x, "__dict__", None) is r or isinstance(
-                        x, type) and vars(x).get(key, _MISSING) is o) and not isinstance(x, BaseException)), None)
-                    # (an object's attribute; a class's, `Dopri5.TABLEAU`, whose __dict__ is a proxy of r)
-                    found.append(r if owner is None else owner)
-                    found_suffixes.append(f"[{key!r}]{suffix}" if owner is None else f".{key}{suffix}")
+                        return f"{modules[id(r)]}.{k}{held}"
+                    seen.add(id(r))
+                    found.append((r, held, k))
                 elif type(r) in (list, tuple):
-                    found.append(r)
-                    found_suffixes.append(f"[{next(i for i, v in enumerate(r) if v is o)}]{suffix}")
-                elif (key := next((k for k, v in attributes(r).items() if v is o), None)) is not None:
-                    found.append(r)  # (an object holding it as an attribute: Python 3.11 keeps an instance's
-                    found_suffixes.append(f".{key}{suffix}")  # attributes in the object, not in a dict)
-        ranked = sorted(range(len(found)), key=lambda i: (type(found[i]) in (list, tuple)) + 2 * (type(found[i]) is dict))
-        objs, suffixes = [found[i] for i in ranked[:8]], [found_suffixes[i] for i in ranked[:8]]  # (objects and
-        # classes first: an error's frames hold the tensor in argument tuples and locals dicts, which lead nowhere)
-        if not objs:
+                    i = next((i for i, v in enumerate(r) if v is o), None)
+                    if i is None:
+                        continue
+                    seen.add(id(r))
+                    found.append((r, f"[{i}]{held}", None))
+                elif (k := next((k for k, v in attributes(r).items() if v is o), None)) is not None:
+                    seen.add(id(r))  # (an object holding it as an attribute: Python 3.11 keeps an instance's
+                    found.append((r, f".{k}{held}", None))  # attributes in the object, not in a dict)
+        # objects and classes first: an error's frames hold the tensor in argument tuples and locals dicts too
+        found.sort(key=lambda e: (type(e[0]) in (list, tuple)) + 2 * (type(e[0]) is dict))
+        entries = found[:48]
+        if not entries:
             return None
     return None
 
