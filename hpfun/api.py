@@ -839,8 +839,8 @@ class ShardedFunction:
                     continue
                 n_arguments = len(call.flat) - len(call.lifted)  # the arguments' leaves: what pytrees do not go into
                 arguments = list(zip(call.paths()[:n_arguments], call.flat[:n_arguments]))
-                attributes = [(_attribute_path(path, k), v) for path, _, _, held, *own  # (a UserDict's own
-                              in _argument_containers(call.args, call.kwonly) if own  # `batch.scale`)
+                attributes = [(_attribute_path(path, k), container) for path, _, container, held, *own  # (a
+                              in _argument_containers(call.args, call.kwonly) if own  # UserDict's `batch.scale`)
                               for k, v in held.items() if isinstance(v, torch.Tensor)]
                 raise lift.unlifted_tensor_error(call.state, str(err), arguments, attributes, err.tensor) from None
         paths = call.paths()

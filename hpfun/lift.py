@@ -3524,7 +3524,7 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
                           tensor: torch.Tensor | None = None) -> CaptureError:
     """A real tensor reached the trace through something hpfun does not walk: say what it could
     be. `arguments`: (path, value) of the call's arguments, whose own objects' tensors are not
-    flattened (only a pytree's: tuples, lists, dicts, dataclasses); `attributes`: (path, tensor)
+    flattened (only a pytree's: tuples, lists, dicts, dataclasses); `attributes`: (path, container)
     of the tensors a UserDict or UserList argument holds as attributes, beside its items;
     `tensor`: the tensor read, if known (where a module's globals hold it is said)."""
     suspects = []
@@ -3535,8 +3535,9 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
     held = [Problem(path, "is a tensor attribute of a UserDict or UserList argument, which hpfun hands to the "
                     "function as it is: only the container's items are inputs, split by the specs"
                     + (f"; a tensor read at {where}" if where else ""),
-                    f"put the tensor among its items (`batch[{path.rsplit('.', 1)[-1]!r}] = t`), or pass it as an "
-                    "argument of its own") for path, _ in attributes]
+                    ("put the tensor among its items (`batch.append(t)`)" if isinstance(container, collections.UserList)
+                     else f"put the tensor among its items (`batch[{path.rsplit('.', 1)[-1]!r}] = t`)")
+                    + ", or pass it as an argument of its own") for path, container in attributes]
     for path, obj in arguments:
         if isinstance(obj, (torch.Tensor, Sharded, torch.nn.Module, torch.optim.Optimizer, type, types.ModuleType)) or \
                 not (found := _tensor_attributes(obj, path, depth=3)):

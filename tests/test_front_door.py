@@ -313,6 +313,10 @@ def test_a_user_list_or_dicts_own_attributes_reach_the_function_and_what_it_appe
     with pytest.raises(hpfun.CaptureError, match=r"args\[0\]\.scale: is a tensor attribute of a UserDict or "
                                                  r"UserList argument(.|\n)*batch\['scale'\] = t"):
         hpfun.shard(lambda d: d["a"] * d.scale, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))(scaled)
+    listed = _TaggedBatches([x], 1.0)  # (a UserList's: appended, not put under a key)
+    listed.scale = torch.tensor(2.0, dtype=torch.float64)
+    with pytest.raises(hpfun.CaptureError, match=r"args\[0\]\.scale: (.|\n)*batch\.append\(t\)"):
+        hpfun.shard(lambda b: b[0] * b.scale, mesh=MESH, in_specs=([P("dp")],), out_specs=P("dp"))(listed)
 
 
 class _Power:
