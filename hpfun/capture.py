@@ -309,7 +309,15 @@ def _rrelu_eval_backward(grad, x, noise, lower, upper, training, self_is_result)
     return aten.leaky_relu_backward.default(grad, x, (lower + upper) / 2, self_is_result)
 
 
+def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Forward-mode AD's zero tangent (`torch.func.hessian`, jvp of a function whose tangent is
+    zero somewhere) as plain zeros: the ZeroTensor key is an eager shortcut, and whether torch
+    makes one depends on what ran before in the process."""
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
 _OWN = {
+    aten._efficientzerotensor.default: _efficient_zeros,
     aten.rrelu_with_noise.default: _rrelu_eval,
     aten.rrelu_with_noise_functional.default: _rrelu_eval_functional,
     aten.rrelu_with_noise_backward.default: _rrelu_eval_backward,

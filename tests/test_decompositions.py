@@ -3,6 +3,7 @@
 import torch
 from torch._decomp import core_aten_decompositions
 
+import hpfun
 from hpfun import capture
 from hpfun.testing.decompositions import audit
 
@@ -39,3 +40,19 @@ def test_the_audit_compares_forward_and_vjp_against_the_kernels():
     broken[aten.multi_margin_loss.default] = lambda x, *args, **kwargs: decompose(x * 2, *args, **kwargs)
     found = audit(["nn.functional.multi_margin_loss"], table=broken)
     assert {(f.op, f.kind) for f in found.wrong} == {("nn.functional.multi_margin_loss", "forward")}, found
+
+
+def test_a_hessian_after_another_sharded_gradient_runs_as_eager():
+    """torch.func.hessian of a product, after a sharded gradient of a cumprod ran in the same
+    process: forward-mode AD then makes its zero tangents as torch's `_efficientzerotensor`,
+    which had no rule (MissingRuleError, only in that order); it is plain zeros now."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+    first = torch.func.grad(lambda z: torch.cumprod(z * 0.1 + 1.0, dim=1).sum())
+    hpfun.shard(first, mesh=mesh, in_specs=(hpfun.P("a"),), out_specs=None)(torch.randn(8, 4, dtype=torch.float64))
+
+    def hess(a, w):
+        return torch.func.hessian(lambda z: (z * z.prod(-1, keepdim=True) * w).sum())(a)
+
+    a, w = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    got = hpfun.shard(hess, mesh=mesh, in_specs=(hpfun.P("a"), hpfun.P()), out_specs=None)(a, w).full()
+    torch.testing.assert_close(got, hess(a, w), rtol=0, atol=1e-12)
