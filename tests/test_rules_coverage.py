@@ -401,6 +401,17 @@ def test_pinv_of_a_batch_of_matrices(data):
     check_op(data.draw, aten.linalg_pinv.atol_rtol_tensor, lambda x: torch.linalg.pinv(x), (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, "there and back"], ids=str)
+@settings(max_examples=EXAMPLES)
+@given(data=st.data())
+def test_view_as_another_dtype(data, dtype):
+    """`x.view(dtype)`, the bits read as another dtype (a float's exponent bits as int32), had no rule:
+    elementwise for the same element size; another size changes the last dim's length."""
+    x = _rand(4, 2, 6)
+    check_op(data.draw, aten.view.dtype, lambda x: x.view(torch.int32).view(torch.float32) if isinstance(dtype, str)
+             else x.view(dtype), (x,))
+
+
 # ---------------------------------------------------------------------------------------------
 # Dimension algebra
 # ---------------------------------------------------------------------------------------------
