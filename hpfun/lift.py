@@ -1359,9 +1359,11 @@ class ModuleValues:
                 elif _is_config_object(v) and id(v) not in seen:  # a config, walked once where first held
                     seen.add(id(v))
                     objects[_join(base, attr)] = v
+                    exposed = _read_by_properties(type(v))
                     for k, w in attributes(v).items():  # (its public values, `_is_public_value`: a private one is
-                        if not _is_public_value(k):  # bookkeeping a call may change, `self._calls`, which would
-                            continue  # compile a program per call, and differ between ranks)
+                        if not _is_public_value(k) and k not in exposed:  # bookkeeping a call may change,
+                            continue  # `self._calls`, which would compile a program per call, and differ between
+                            # ranks; unless a property reads it, `t` returning `self._t`)
                         if _is_scalar(w):
                             items.append((_join(_join(base, attr), k), w))
                         elif (key := _held_values(w)) is not None:
@@ -1477,6 +1479,20 @@ def _values_of(key, by_kind: bool = False):
         items = tuple(_values_of(k, by_kind) for k in key)
         return _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
     return key
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_by_properties(cls: type) -> frozenset:
+    """The attribute names the property getters of `cls` (a user's class) read (`return
+    self._t`): private values a trace reads through a property, which key the program."""
+    if not _is_user_class(cls):
+        return frozenset()
+    names = set()
+    for c in cls.__mro__[:-1]:
+        for v in vars(c).values():
+            if isinstance(v, property) and isinstance(getattr(v.fget, "__code__", None), types.CodeType):
+                names.update(v.fget.__code__.co_names)
+    return frozenset(n for n in names if n.startswith("_"))
 
 
 def _is_public_value(name: str) -> bool:

@@ -346,6 +346,15 @@ def test_objects_keeping_their_numbers_in_slots_key_the_cache():
         assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
 
 
+class _Temperature:
+    def __init__(self, t):
+        self._t = t
+
+    @property
+    def t(self):
+        return self._t
+
+
 class _Node:
     def __init__(self, s):
         self.s = s
@@ -353,12 +362,14 @@ class _Node:
 
 def test_what_configs_a_module_holds_hold_keys_the_cache_at_any_depth():
     """A number changed in place on an object a module holds ran the first program, silently,
-    where it sat three objects down (`m.cfg.model.act.s`), on a module in a user's object, on the config or list of a module in a plain dict, or where a
+    where it sat three objects down (`m.cfg.model.act.s`), behind a property (`self._t`: a
+    private value a property of the class reads; other private ones are bookkeeping and key
+    nothing, below), on a module in a user's object, on the config or list of a module in a plain dict, or where a
     back-reference was repointed (`c.back = a`, then `c.back = c`: both were one mark)."""
     x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     m = torch.nn.Module()
     m.cfg = types.SimpleNamespace(model=types.SimpleNamespace(act=types.SimpleNamespace(s=2.0)))
-    m.helper = types.SimpleNamespace(act=torch.nn.LeakyReLU(0.1))
+    m.temp, m.helper = _Temperature(2.0), types.SimpleNamespace(act=torch.nn.LeakyReLU(0.1))
     head = torch.nn.Module()
     head.cfg, head.ls = _Node(2.0), [1.0]
     m.heads = {"a": head}
@@ -367,6 +378,7 @@ def test_what_configs_a_module_holds_hold_keys_the_cache_at_any_depth():
     m.nodes = [a]
     m.seqs = {"act": torch.nn.Sequential(torch.nn.LeakyReLU(0.1))}  # (a number on a dict-held module's submodule)
     cases = [(lambda x: x * m.cfg.model.act.s, lambda: setattr(m.cfg.model.act, "s", 5.0)),
+             (lambda x: x / m.temp.t, lambda: setattr(m.temp, "_t", 5.0)),
              (lambda x: m.helper.act(x), lambda: setattr(m.helper.act, "negative_slope", 0.5)),
              (lambda x: x * m.heads["a"].cfg.s, lambda: setattr(head.cfg, "s", 5.0)),
              (lambda x: x + m.heads["a"].ls[0], lambda: head.ls.__setitem__(0, 5.0)),
