@@ -640,11 +640,14 @@ import torch, hpfun
 from hpfun import P
 mesh = hpfun.Mesh.simulated((2,), ("a",))
 x = torch.randn(8, 6)
-try:  # torch's make_fx cannot trace this nesting (a PyTorch limit): a CaptureError
-    hpfun.shard(lambda x: torch.func.vmap(torch.func.jacfwd(lambda t: torch.sin(t) * 2))(x), mesh=mesh,
-                in_specs=P("a"), out_specs=P("a"))(x)
+try:  # a refused op inside the nesting (a softmax of a bool tensor): a CaptureError
+    hpfun.shard(lambda x: torch.func.vmap(torch.func.jacfwd(lambda t: t * torch.softmax(t > 0, 0).sum()))(x),
+                mesh=mesh, in_specs=P("a"), out_specs=P("a"))(x)
 except hpfun.CaptureError:
     print("refused")
+jac = lambda x: torch.func.vmap(torch.func.jacfwd(lambda t: torch.sin(t) * 2))(x)  # (traced since forward-mode
+print("jacobians", torch.equal(hpfun.shard(jac, mesh=mesh, in_specs=P("a"), out_specs=P("a"))(x).full(), jac(x)))
+# AD's zero tangents are plain zeros: it was refused, then the keys leaked)
 model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
 params = {k: v.detach() for k, v in model.named_parameters()}
 def norms(p, x):
@@ -659,11 +662,13 @@ print("equal", torch.equal(got, norms(params, x)))
 def test_a_failed_trace_of_a_transform_leaves_the_next_one_working():
     """A failed trace of vmap(jacfwd(f)) left torch's functorch dispatch keys excluded in the
     thread, so every later torch.func trace in the process failed. hpfun clears the failed
-    frames and sets the keys back: per-example gradient norms (vmap of grad of
-    functional_call) traced next equal eager. In its own process: a leak would reach other tests."""
+    frames and sets the keys back: vmap(jacfwd(sin)) (which failed so, until forward-mode AD's
+    zero tangents were traced as zeros) and per-example gradient norms (vmap of grad of
+    functional_call) traced after a refused nesting equal eager. In its own process: a leak
+    would reach other tests."""
     out = subprocess.run([sys.executable, "-c", _AFTER_A_FAILED_TRANSFORM], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["refused", "equal", "True"], out.stdout + out.stderr[-2000:]
+    assert out.stdout.split() == ["refused", "jacobians", "True", "equal", "True"], out.stdout + out.stderr[-2000:]
 
 
 def test_a_gradient_taken_of_an_expanded_tensor_is_no_write():
