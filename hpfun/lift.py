@@ -2340,8 +2340,8 @@ class Substitution:
                 self._places.append((var, read))
                 if type(container) is tuple and _holds_tensor(container):  # (rebound to another length: refused)
                     self._tuples_held.append((var, read, container))
-                if _is_plain_object(container) and not callable(container):
-                    self._hold_plain_and_parts(var, container)  # (`cfg.sub.m = ...`)
+                if _is_config_object(container) and not callable(container):
+                    self._hold_plain_and_parts(var, container)  # (`cfg.sub.m = ...`; slotted too)
                 if (type(container) is list or _is_dict(container)) and not any(c is container for _, _, c, _ in
                                                                                  self._watched):
                     self._watched.append((var, read, container, dict(container) if _is_dict(container)
@@ -2364,7 +2364,7 @@ class Substitution:
         """`_hold_plain` of `obj` and of the plain objects it holds (in a list or tuple too, with
         `sequences`)."""
         self._hold_plain(var, obj)
-        for k, v in list(vars(obj).items()):
+        for k, v in list(attributes(obj).items()):
             if _is_plain_object(v) and not callable(v):
                 self._hold_plain(_join(var, k), v)
             elif sequences and type(v) in (list, tuple) and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -2378,7 +2378,7 @@ class Substitution:
         every call)."""
         if any(held is obj for _, held, _ in self._plain_held):
             return
-        self._plain_held.append((var, obj, dict(vars(obj))))
+        self._plain_held.append((var, obj, attributes(obj)))
         for k, v in _own_attributes(obj).items():
             if _is_dict(v) and _users_attribute(obj, k) and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
@@ -2450,7 +2450,7 @@ class Substitution:
             for i, v in enumerate(lst[n:]):
                 out.update(_created_items(f"{name}[+{i}]", v, ("append", functools.partial(_same, lst))))
         for var, obj, held in self._plain_held:  # a tensor a plain object is given where it held none (a trainer's
-            for attr, v in list(vars(obj).items()):  # `self.last = loss.detach()`, one shadowing its class's tensor,
+            for attr, v in list(attributes(obj).items()):  # `self.last = loss.detach()`, one shadowing its class's tensor,
                 if _made_attribute(obj, attr, v, held):  # a tuple or dict of them: `self.run = (loss,)`)
                     shadows = isinstance(getattr(type(obj), attr, None), torch.Tensor)  # (its class's: lifted by
                     name = _join(var, attr) + (" (the instance's own)" if shadows else "")  # that name)
@@ -2598,7 +2598,7 @@ class Substitution:
         dict_keep = "its keys (or assign `D[key] = ...` into the dict it holds)"
         for var, obj, held in self._plain_held:  # a plain object's dict given a new one (`self.stats = {...}`):
             for attr, was in held.items():  # merged into the one it held, whose slots the program writes
-                now = vars(obj).get(attr)
+                now = attributes(obj).get(attr)
                 if type(was) is not dict or type(now) is not dict or now is was or not _holds_fake(now):
                     continue
                 if not _holds_tensor(was):  # (where it held none, `self.stats = {}` before: state the step
@@ -2698,7 +2698,8 @@ class Substitution:
             for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
                 del group[key]
         for _, obj, held in self._plain_held:
-            for attr in [a for a, v in vars(obj).items() if _made_attribute(obj, a, v, held)]:  # (as `created` put them)
+            for attr in [a for a, v in attributes(obj).items()  # (as `created` put them)
+                         if _made_attribute(obj, a, v, held)]:
                 setattr(obj, attr, None) if attr in held else delattr(obj, attr)
         for _, _, container, items in self._watched:
             inside = container.values() if _is_dict(container) else container
@@ -2983,7 +2984,7 @@ class Substitution:
                 container.update(items) if _is_dict(container) else container.extend(items)
             _drop_made_modules(container, var, found)  # (in a dict or list it holds)
         for var, obj, held in self._plain_held:
-            for attr, v in list(vars(obj).items()):
+            for attr, v in list(attributes(obj).items()):
                 if _holds_made_module(v) and held.get(attr) is not v:
                     found.append(f"{_join(var, attr)} (a module made inside the function)")
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
@@ -3117,7 +3118,7 @@ def _own_attributes(obj) -> dict:
     hpfun lifts and keys as such)."""
     if isinstance(obj, torch.optim.Optimizer):
         return {k: v for k, v in vars(obj).items() if k not in ("state", "param_groups", "defaults")}
-    return vars(obj)
+    return attributes(obj)
 
 
 def _is_dict(c) -> bool:

@@ -2051,6 +2051,32 @@ def test_a_tensor_the_step_gives_a_plain_object_is_put_there_after_every_call():
     assert _ShadowedEma.ema.abs().sum().item() == 0
 
 
+class _SlottedCache:
+    __slots__ = ("t", "last")
+
+
+def test_a_tensor_the_step_puts_in_a_slotted_object_is_put_there_after_every_call():
+    """An object keeping its attributes in `__slots__` (a lazily built cache, a record of the last
+    loss) given tensors by the step holds eager's after every call (it held the trace's stand-in,
+    silently, where an object with a `__dict__` held the values)."""
+    def make(cache):
+        def step(x):
+            if not hasattr(cache, "t"):
+                cache.t = torch.ones(3, dtype=torch.float64) * 5
+            loss = (x * cache.t).sum()
+            cache.last = loss.detach()
+            return loss
+        return step
+
+    ours, theirs = _SlottedCache(), _SlottedCache()
+    f, eager = hpfun.shard(make(ours), mesh=DP, in_specs=P("dp"), out_specs=P()), make(theirs)
+    for i in range(3):
+        x = torch.full((4, 3), i + 1.0, dtype=torch.float64)
+        assert abs(f(x).full().item() - eager(x).item()) < 1e-12
+        assert type(ours.t) is torch.Tensor and torch.equal(ours.t, theirs.t)
+        assert type(ours.last) is torch.Tensor and torch.equal(ours.last, theirs.last)
+
+
 class DeepcopySGD(_HandSGD):
     """torch-optimizer's AccSGD makes its state with `copy.deepcopy(p.data)`."""
 
