@@ -392,8 +392,10 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
         return taken[-1]
 
     args, kwargs = map_arg((node.args, node.kwargs), take)
-    if widen and kwargs.get("dtype") in _LOW_PRECISION:  # (`x.sum(0, dtype=torch.bfloat16)` of a split dim: each
-        kwargs = {**kwargs, "dtype": torch.float32}  # rank's sum kept in float32 too, rounded once when reduced)
+    if widen and (low := kwargs.get("dtype")) in _LOW_PRECISION:  # (`x.sum(0, dtype=torch.bfloat16)` of a split
+        kwargs = {**kwargs, "dtype": torch.float32}  # dim: each rank's sum kept in float32 too, rounded once when
+        if node.target in _SUMS_OF_CAST:  # reduced; a sum's elements are cast first, as eager casts them)
+            args = (ctx.call(aten.to.dtype, (args[0], low)), *args[1:])
     taken = tuple(taken)
     if node.target in _ADDRESSES_STORAGE:
         args, kwargs = _on_traced_storage(ctx, node, args, kwargs)
@@ -431,6 +433,9 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+# reductions whose `dtype=` casts the input's elements before they are added (a mean's divides
+# the float sum of the uncast elements, and rounds once)
+_SUMS_OF_CAST = frozenset([aten.sum.dim_IntList, aten.sum.default, aten.nansum.default])
 _REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default)
 
 

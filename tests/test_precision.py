@@ -128,11 +128,16 @@ def test_a_sum_asked_for_in_low_precision_is_rounded_once(op):
     rounded to bfloat16 first: 129 + 128 gave 256 on one rank, -256 on the other, 0 in all where
     eager gives 1)."""
     mesh = hpfun.Mesh.simulated((2,), ("tp",))
-    x = torch.tensor([[129.0, 128.0, -128.0, -128.0]])
-    for inp in (x, x.long()) if op == "sum" else (x,):
-        f = (lambda t: t.sum(1, dtype=torch.bfloat16)) if op == "sum" else (lambda t: t.mean(1, dtype=torch.bfloat16))
-        got = hpfun.shard(f, mesh=mesh, in_specs=P(None, "tp"), out_specs=P())(inp).full()
-        assert torch.equal(got, f(inp)) and got.dtype == torch.bfloat16, (got, f(inp))
+    # (and as eager, a sum's elements are cast to the dtype before they are added, a mean's are not:
+    # [257, 257, 1, 1] sums to 512 in bfloat16, its mean is 129)
+    inputs = [torch.tensor([[129.0, 128.0, -128.0, -128.0]]), torch.tensor([[1001.0, 3.0, -1000.0, -3.0]]),
+              torch.tensor([[257.0, 257.0, 1.0, 1.0]])]
+    for x in inputs:
+        for inp in (x, x.long()) if op == "sum" else (x,):
+            for low in (torch.bfloat16, torch.float16):
+                f = (lambda t: t.sum(1, dtype=low)) if op == "sum" else (lambda t: t.mean(1, dtype=low))
+                got = hpfun.shard(f, mesh=mesh, in_specs=P(None, "tp"), out_specs=P())(inp).full()
+                assert torch.equal(got, f(inp)) and got.dtype == low, (got, f(inp))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
