@@ -1563,6 +1563,7 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
     read as `int(t)` does (a float one too, for arange's bounds, whose length depends on them);
     None where there is none or one cannot be read. A method's own tensor stays."""
     first = 1 if func in _TENSOR_METHOD_TAKERS else 0
+    sizes = _SIZE_POSITIONS.get(func)  # (positions after the method's own tensor that are sizes; all if None)
     changed = False
 
     def size(v):
@@ -1570,7 +1571,7 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
         if isinstance(v, (list, tuple)):
             read = [size(u) for u in v]
             return type(v)(read) if any(a is not b for a, b in zip(read, v)) else v
-        if isinstance(v, torch.Tensor) and v.ndim == 0 and _is_traced(v) and \
+        if isinstance(v, torch.Tensor) and v.ndim == 0 and _is_traced(v) and v.dtype != torch.bool and \
                 (not v.is_floating_point() or func is torch.arange):
             value = _read(torch.Tensor.__index__ if not v.is_floating_point() else torch.Tensor.item, v)
             if value is not _UNREADABLE:
@@ -1578,11 +1579,24 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
                 return value
         return v
 
-    new_args = (*args[:first], *(size(a) for a in args[first:]))
+    new_args = (*args[:first], *(size(a) if sizes is None or i in sizes else a for i, a in enumerate(args[first:])))
     new_kwargs = {k: size(v) if k in _SIZE_KEYWORDS else v for k, v in kwargs.items()}
     return (new_args, new_kwargs) if changed else None
 
 
+def _full_of(size, fill: torch.Tensor, dtype=None, device=None) -> torch.Tensor:
+    """`torch.full(size, fill)` with a traced 0-d `fill`, which torch reads as a number: the
+    tensor expanded, in the dtype torch gives that number (a flag's bool, an integer's int64, a
+    float's default dtype)."""
+    if dtype is None:
+        dtype = torch.bool if fill.dtype == torch.bool else torch.int64 if not fill.is_floating_point() \
+            and not fill.is_complex() else torch.get_default_dtype() if fill.is_floating_point() else torch.complex64
+    return fill.detach().to(dtype=dtype, device=device).expand(  # (detached: a number has no gradient)
+        tuple(size) if isinstance(size, (list, tuple)) else (size,)).clone()
+
+
+# where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
+_SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,)}
 _TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                                    torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand,
                                    torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten])
@@ -2245,6 +2259,9 @@ class _TensorScalars(TorchFunctionMode):
             read = _slice_bounds_read(slice(args[2], args[3]))
             args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:
             # n of an argument, read as int(n))
+        if func is torch.full and len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].ndim == 0 \
+                and _is_traced(args[1]) and not (kwargs.keys() - {"dtype", "device"}):
+            return _full_of(args[0], args[1], **kwargs)  # (`torch.full((3,), m.any())`: the tensor, expanded)
         if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:
             args, kwargs = read  # (`torch.arange(n)`, n = mask.sum(1).max() of an argument: read, as int(n) is)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \

@@ -265,3 +265,17 @@ def test_a_0d_tensor_of_an_argument_given_as_a_size_is_read_as_its_integer():
         mask = torch.tensor([rows, [1, 0, 0], [0, 0, 0], [1, 0, 0]])
         torch.testing.assert_close(f(mask, x).full(), sizes(mask, x), rtol=0, atol=1e-12)
     assert f.trace_count == 3  # (n = 2, 3, 1)
+
+
+def test_a_0d_tensor_given_as_a_fill_is_its_value_not_a_size():
+    """`torch.full((3,), m.any())` keeps the flag's bool dtype (fa988c3 read it as a size, an
+    int64 1, and a mask made with it picked the wrong elements); an int fills int64, a float the
+    default dtype, as eager's number does."""
+    m = torch.tensor([0, 1, 0, 0])
+    x = torch.tensor([10.0, 20.0, 30.0], dtype=D)
+
+    def masked(m, x):
+        return x[torch.full((3,), m.any())] + torch.full((3,), m.sum()) + torch.full((3,), (m * 1.5).sum())
+
+    got = hpfun.shard(masked, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())(m, x).full()
+    torch.testing.assert_close(got, masked(m, x), rtol=0, atol=0)
