@@ -1483,10 +1483,8 @@ def _values_of(key, by_kind: bool = False):
 
 @functools.lru_cache(maxsize=1024)
 def _read_by_properties(cls: type) -> frozenset:
-    """The attribute names the property getters of `cls` (a user's class) read (`return
-    self._t`): private values a trace reads through a property, which key the program."""
-    if not _is_user_class(cls):
-        return frozenset()
+    """The private attribute names the property getters of `cls` read (`return self._t`):
+    values a trace reads through a property, which key the program."""
     names = set()
     for c in cls.__mro__[:-1]:
         for v in vars(c).values():
@@ -3492,7 +3490,8 @@ def held_at(obj, levels: int = 6, seconds: float = 2.0) -> str | None:
     """Where a Python module's globals reach `obj` (`pyro.poutine.runtime._PYRO_PARAM_STORE
     ._params['loc']`), found by walking its referrers up to `levels` objects, for at most
     `seconds` (an error's path only: each level scans the heap once); None if none is found."""
-    modules = {id(vars(m)): name for name, m in list(sys.modules.items()) if isinstance(m, types.ModuleType)}
+    modules = {id(vars(m)): name for name, m in sorted(sys.modules.items(), key=lambda e: e[0] == "__main__")
+               if isinstance(m, types.ModuleType)}  # (`__main__` over its alias `__mp_main__`)
     deadline = time.perf_counter() + seconds
     # (object, the path from it to obj, and for a dict, the key it holds the next object under: an object's
     # or class's attribute dict is named by its owner, found at the next step)
@@ -3503,6 +3502,8 @@ def held_at(obj, levels: int = 6, seconds: float = 2.0) -> str | None:
             return None
         referrers = gc.get_referrers(*(o for o, _, _ in entries))  # (one scan of the heap for the level)
         for o, suffix, key in entries:
+            if time.perf_counter() > deadline:
+                return None
             for r in referrers:
                 if id(r) in seen or r is entries or r is found or isinstance(r, (types.FrameType, BaseException)):
                     continue
