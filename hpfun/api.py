@@ -759,7 +759,7 @@ class ShardedFunction:
             runtime_for(self.mesh).agree_on_compile(None, [])
             raise
         runtime_for(self.mesh).agree_on_compile(  # (where the plans differ, the Python values deciding them too)
-            _entry_digest(entry), [f"the value read at{r.where}: {r.value!r}" for r in entry.reads],
+            _entry_digest(entry), [f"{_read_place(r.where)}: {r.value!r}" for r in entry.reads],
             lambda: _plan_lines(entry.program) + [f"{VALUE_LINE}{line}" for line in
                                                   _constant_lines(entry) + _describe(call, leaves)[len(leaves):]])
         return entry
@@ -2356,6 +2356,13 @@ class ArgumentEdit:
 
     def kind(self) -> str:
         return self.container
+
+
+def _read_place(where: str) -> str:
+    """'the value read at file:line (code)' for a read's ' at file:line: code', with no ': ' in
+    it (the ranks' lines are split there into place and value)."""
+    place, _, code = where.strip().removeprefix("at ").partition(": ")
+    return f"the value read at {place}" + (f" ({code.replace(': ', ':')})" if code else "")
 
 
 def _attribute_path(path: str, attr: str) -> str:

@@ -1335,3 +1335,15 @@ def test_a_tensor_a_librarys_globals_hold_is_named_where_it_is_held(monkeypatch)
     g = hpfun.shard(lambda x: solver.step(x), mesh=MESH_TP, in_specs=P("tp"), out_specs=P("tp"))
     _, text = _raise(g, torch.ones(4, 3), error=hpfun.CaptureError)
     assert f"it is a (3,) tensor that {name}.Solver.TABLEAU.c holds" in text, text
+
+
+def test_a_read_value_that_differs_between_ranks_is_named_by_its_place_then_its_values():
+    """The line ranks compare for a value the trace read: its place and code, then ': ' and the
+    value (it said 'the value read at at file:line: code: 4', split at the code's colon)."""
+    from hpfun.api import _read_place
+    from hpfun.runtime.distributed import _differences
+
+    place = _read_place(' at /tmp/step.py:22: k = torch.arange(m.sum())[{"a": 1}]')
+    assert place == 'the value read at /tmp/step.py:22 (k = torch.arange(m.sum())[{"a":1}])'
+    (problem,) = _differences([[f"{place}: 4"], [f"{place}: 7"]])
+    assert problem.where == place and "mesh rank 0: 4; mesh rank 1: 7" in problem.what
