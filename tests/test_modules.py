@@ -1717,44 +1717,28 @@ def test_a_dict_keyed_by_parameter_ids_an_optimizer_makes_at_its_first_step_is_k
         assert (opt.ema[id(p)] - ref_opt.ema[id(q)]).abs().max().item() < 1e-12
 
 
-def test_an_optimizer_a_module_holds_as_an_attribute_is_stepped_as_eager():
-    """`model.opt = Adam(...)` (GAN code keeps its optimizers on the model), stepped inside the
-    step: its update and state are eager's (the parameters were not updated and its state stayed
-    empty, silently; the next call raised KeyError 'exp_avg')."""
-    model, ref = mlp(), mlp()
-    model.opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref.opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-
-    def step(m, x, y):
-        loss = F.cross_entropy(m(x), y)
-        loss.backward()
-        m.opt.step()
-        m.opt.zero_grad()
-        return loss
-
-    f = hpfun.shard(functools.partial(step, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(f(x, y).full().item() - step(ref, x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
-    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in model.opt.state.values())
-
-
-@pytest.mark.parametrize("held", ["list", "dict"])
-def test_an_optimizer_a_module_holds_in_a_list_or_dict_is_stepped_as_eager(held):
-    """`model.opts = [opt]` or `{"g": opt}`, stepped inside the step: eager's update and state
-    (its update was dropped and its state stayed empty, silently; KeyError at the next call)."""
+@pytest.mark.parametrize("held", ["attribute", "list", "dict"])
+def test_an_optimizer_a_module_holds_is_stepped_as_eager(held):
+    """`model.opt = Adam(...)` (GAN code keeps its optimizers on the model), or `model.opts =
+    [opt]` or `{"g": opt}`, stepped inside the step: its update and state are eager's (the
+    parameters were not updated and its state stayed empty, silently; the next call raised
+    KeyError 'exp_avg')."""
     model, ref = mlp(), mlp()
     for m in (model, ref):
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        m.opts = [opt] if held == "list" else {"g": opt}
-    key = 0 if held == "list" else "g"
+        if held == "attribute":
+            m.opt = opt
+        else:
+            m.opts = [opt] if held == "list" else {"g": opt}
+
+    def held_opt(m):
+        return m.opt if held == "attribute" else m.opts[0 if held == "list" else "g"]
 
     def step(m, x, y):
         loss = F.cross_entropy(m(x), y)
         loss.backward()
-        m.opts[key].step()
-        m.opts[key].zero_grad()
+        held_opt(m).step()
+        held_opt(m).zero_grad()
         return loss
 
     f = hpfun.shard(functools.partial(step, model), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
@@ -1762,7 +1746,7 @@ def test_an_optimizer_a_module_holds_in_a_list_or_dict_is_stepped_as_eager(held)
         x, y = batch(i)
         assert abs(f(x, y).full().item() - step(ref, x, y).item()) < 1e-12
         assert max_diff(model, ref) < 1e-12
-    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in model.opts[key].state.values())
+    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in held_opt(model).state.values())
 
 
 def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained():

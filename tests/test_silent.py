@@ -250,6 +250,16 @@ class _Power:
         self.s = s
 
 
+def _each_change_compiles_once(cases, x):
+    """Each (fn, change): sharded fn equals eager, then after the change too, by one new program."""
+    for fn, change in cases:
+        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+        assert torch.equal(f(x).full(), fn(x))
+        change()
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+
+
 def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
     """A number changed in place on an object a module reaches through a container or a
     callable runs a new program (each ran the first, silently): a partial's keyword edited in
@@ -297,12 +307,7 @@ def test_what_objects_held_inside_a_modules_containers_hold_keys_the_cache():
               (lambda x: m.dq[0](x), lambda: setattr(m.dq[0], "s", 3.0)),
               (lambda x: m.selfish[0](x), lambda: setattr(selfish, "s", 3.0)),
               (lambda x: m.deeper["l"][0](x), lambda: setattr(m.deeper["l"][0].inner.inner.inner.inner, "s", 3.0))]
-    for fn, change in cases:
-        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
-        assert torch.equal(f(x).full(), fn(x))
-        change()
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+    _each_change_compiles_once(cases, x)
 
 
 class _SlotScale:
@@ -338,12 +343,7 @@ def test_objects_keeping_their_numbers_in_slots_key_the_cache():
              (lambda x: m.acts[0](x), lambda: setattr(m.acts[0], "s", 5.0)),
              (lambda x: x * m.cfg.s, lambda: setattr(m.cfg, "s", 5.0)),
              (lambda x: x * m.cfg.inner[0].s, lambda: setattr(m.cfg.inner[0], "s", 5.0))]
-    for fn, change in cases:
-        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
-        assert torch.equal(f(x).full(), fn(x))
-        change()
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+    _each_change_compiles_once(cases, x)
 
 
 class _Temperature:
@@ -384,12 +384,7 @@ def test_what_configs_a_module_holds_hold_keys_the_cache_at_any_depth():
              (lambda x: x + m.heads["a"].ls[0], lambda: head.ls.__setitem__(0, 5.0)),
              (lambda x: x * m.nodes[0].child.back.s, lambda: setattr(c, "back", c)),
              (lambda x: m.seqs["act"](x), lambda: setattr(m.seqs["act"][0], "negative_slope", 0.5))]
-    for fn, change in cases:
-        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
-        assert torch.equal(f(x).full(), fn(x))
-        change()
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
-        assert torch.equal(f(x).full(), fn(x)) and f.trace_count == 2
+    _each_change_compiles_once(cases, x)
     m.helper._calls = 0  # a private counter of an object a module holds, which the function never reads: one
     f = hpfun.shard(lambda x: m.helper.act(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))  # program for
     for _ in range(3):  # every value (it compiled at every call, and ranks whose counters differed hung)
