@@ -394,8 +394,9 @@ def _emit(ctx: LowerContext, node, local) -> torch.fx.Node:
     args, kwargs = map_arg((node.args, node.kwargs), take)
     if widen and (low := kwargs.get("dtype")) in _LOW_PRECISION:  # (`x.sum(0, dtype=torch.bfloat16)` of a split
         kwargs = {**kwargs, "dtype": torch.float32}  # dim: each rank's sum kept in float32 too, rounded once when
-        if node.target in _SUMS_OF_CAST:  # reduced; a sum's elements are cast first, as eager casts them)
-            args = (ctx.call(aten.to.dtype, (args[0], low)), *args[1:])
+        if node.target in _SUMS_OF_CAST and not strategy.inputs[0].partial_axes:  # reduced; a sum's elements
+            args = (ctx.call(aten.to.dtype, (args[0], low)), *args[1:])  # are cast first, as eager casts them; a
+            # Partial element's terms are not: its cast is of the whole sum, which no rank holds)
     taken = tuple(taken)
     if node.target in _ADDRESSES_STORAGE:
         args, kwargs = _on_traced_storage(ctx, node, args, kwargs)

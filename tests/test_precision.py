@@ -138,6 +138,11 @@ def test_a_sum_asked_for_in_low_precision_is_rounded_once(op):
                 f = (lambda t: t.sum(1, dtype=low)) if op == "sum" else (lambda t: t.mean(1, dtype=low))
                 got = hpfun.shard(f, mesh=mesh, in_specs=P(None, "tp"), out_specs=P())(inp).full()
                 assert torch.equal(got, f(inp)) and got.dtype == low, (got, f(inp))
+    if op == "sum":  # (a Partial element, a product over a split dim: its terms 257 and -256 are not cast,
+        x, w = torch.tensor([[257.0, -256.0]]), torch.ones(2, 3)  # its whole value 1 is)
+        f = lambda x, w: (x @ w).sum(1, dtype=torch.bfloat16)  # noqa: E731
+        got = hpfun.shard(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp")), out_specs=P())(x, w).full()
+        assert torch.equal(got, f(x, w)), (got, f(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
