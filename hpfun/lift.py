@@ -2302,13 +2302,13 @@ class Substitution:
         for f in functions:  # and lists are watched too, `get_state().setdefault(name, ...)`)
             helper = id(f) in helpers
             while isinstance(f, (functools.partial, types.MethodType)):
-                if isinstance(f, types.MethodType) and _is_plain_object(f.__self__):
+                if isinstance(f, types.MethodType) and _is_config_object(f.__self__):
                     # (`self.stats = {...}`; `self.opt.state.setdefault(p, ...)`: an object it holds, a
                     # hand-written optimizer, or a list or tuple of them, `self.opts`)
                     self._hold_plain_and_parts("self", f.__self__, sequences=True)
                 if isinstance(f, functools.partial):  # (`partial(step, trainer)`: the trainer, as a method's self)
                     for i, a in (*enumerate(f.args), *f.keywords.items()):
-                        if _is_plain_object(a) and not callable(a):
+                        if _is_config_object(a) and not callable(a):
                             self._hold_plain_and_parts(f"args.{i}" if type(i) is int else i, a, sequences=True)
                 f = f.func if isinstance(f, functools.partial) else f.__func__
             if not isinstance(f, types.FunctionType) or (key := (f.__code__, id(f.__closure__), id(f.__defaults__))) in seen:
@@ -2363,11 +2363,11 @@ class Substitution:
         `sequences`)."""
         self._hold_plain(var, obj)
         for k, v in list(attributes(obj).items()):
-            if _is_plain_object(v) and not callable(v):
+            if _is_config_object(v) and not callable(v):
                 self._hold_plain(_join(var, k), v)
             elif sequences and type(v) in (list, tuple) and len(v) <= PLAIN_CONTAINER_ITEMS:
                 for i, w in enumerate(v):
-                    if _is_plain_object(w) and not callable(w):
+                    if _is_config_object(w) and not callable(w):
                         self._hold_plain(_join(var, f"{k}.{i}"), w)
 
     def _hold_plain(self, var: str, obj) -> None:
@@ -3163,8 +3163,8 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
     if isinstance(v, (list, dict, tuple)):  # (an OrderedDict or defaultdict too)
         _take_from(v, dict(v) if isinstance(v, dict) else dict(enumerate(v)), path, found, seen, depth,
                    attributes=False)
-    elif _is_plain_object(v) and not callable(v):
-        _take_from(v, dict(vars(v)), path, found, seen, depth, attributes=True)
+    elif _is_config_object(v) and not callable(v):  # (slotted too)
+        _take_from(v, attributes(v), path, found, seen, depth, attributes=True)
 
 
 def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int, attributes: bool) -> None:
@@ -3393,13 +3393,13 @@ class ObjectValues:
             if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))
                 continue
-            d = getattr(obj, "__dict__", None)
-            if not isinstance(d, dict):
+            d = _fields_of(obj)
+            if d is None:
                 continue
             for attr, v in list(d.items()):
                 if _is_scalar(v) or type(v) is list and all(map(_is_scalar, v)):
                     self.held.append((name, obj, attr, v, copy.copy(v)))
-            self.objects.append((name, obj, dict(d), {a: (v, copy.copy(v)) for a, v in d.items()
+            self.objects.append((name, obj, dict(d.items()), {a: (v, copy.copy(v)) for a, v in d.items()
                                                       if isinstance(v, (dict, list))}))
 
     def leaked(self) -> list[str]:
@@ -3407,7 +3407,7 @@ class ObjectValues:
         an object hpfun does not walk): the names, each set back as it was."""
         out = []
         for name, obj, attrs_before, containers in self.objects:
-            d = vars(obj) if obj is not None else {}
+            d = _fields_of(obj) if obj is not None else {}
             for attr, v in list(d.items()):
                 if isinstance(v, FakeTensor) and attrs_before.get(attr) is not v:
                     out.append(f"{name}.{attr}")
@@ -3430,7 +3430,7 @@ class ObjectValues:
         for name, obj, attr, held, was in self.held:
             if attr.startswith("_"):
                 continue
-            now = vars(obj).get(attr, _MISSING)
+            now = _fields_of(obj).get(attr, _MISSING)
             if now is not held or (type(held) is list and held != was):
                 if not (_is_scalar(now) and now == was and type(now) is type(was)):
                     out.setdefault(id(obj), (name, obj, []))[2].append((attr, was, now))
@@ -3440,7 +3440,7 @@ class ObjectValues:
         for _, obj, attr, held, was in self.held:
             if type(held) is list:
                 held[:] = was
-            vars(obj)[attr] = held
+            _fields_of(obj)[attr] = held
 
     def restore_containers(self) -> None:
         """Set back the contents of the plain dicts and lists the function reaches (a counter in
@@ -3462,11 +3462,49 @@ class ObjectValues:
             for container, was in containers.values():
                 _refill(container, was)
             if obj is not None:
-                d = vars(obj)
-                for attr in [a for a in d if a not in before]:
+                d = _fields_of(obj)
+                for attr in [a for a in list(d) if a not in before]:
                     del d[attr]
                 d.update(before)
         self.restore()
+
+
+def _fields_of(obj):
+    """An object's attributes as a dict to read and write: its `__dict__`, or for one keeping
+    them in `__slots__`, a view setting and deleting them on the object; None for an object with
+    neither."""
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict) and not _slot_values(obj):
+        return d
+    if not isinstance(d, dict) and not any(vars(c).get("__slots__") for c in type(obj).__mro__[:-1]):
+        return None
+    return _Fields(obj)
+
+
+class _Fields:
+    """`_fields_of` for an object with `__slots__`: its attributes, read, set and deleted on it."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def items(self):
+        return attributes(self.obj).items()
+
+    def get(self, key, default=None):
+        return attributes(self.obj).get(key, default)
+
+    def __iter__(self):
+        return iter(attributes(self.obj))
+
+    def __setitem__(self, key, value):
+        setattr(self.obj, key, value)
+
+    def __delitem__(self, key):
+        delattr(self.obj, key)
+
+    def update(self, items: dict):
+        for key, value in items.items():
+            setattr(self.obj, key, value)
 
 
 def _refill(container, was) -> None:
@@ -3667,8 +3705,8 @@ def fakes_inside(value, name: str, skip: int = 0, limit: int = 4096) -> list[str
             items = [(f"{path}[{k!r}]", w) for k, w in v.items()]
         elif type(v) in (list, tuple):
             items = [(f"{path}[{i}]", w) for i, w in enumerate(v)]
-        elif hasattr(v, "__dict__") and not callable(v):
-            items = [(f"{path}.{k}", w) for k, w in vars(v).items()]
+        elif (hasattr(v, "__dict__") or _slot_values(v)) and not callable(v):
+            items = [(f"{path}.{k}", w) for k, w in attributes(v).items()]
         else:
             continue
         stack += [(w, p, depth + 1) for p, w in items]

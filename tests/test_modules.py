@@ -5316,3 +5316,25 @@ def test_a_subclass_given_its_own_tensor_where_it_inherits_one_is_refused_and_le
     with pytest.raises(hpfun.CaptureError, match=r"Sub.ema \(set on Sub, which inherits it from Base: assign it on Base"):
         f(torch.ones(4, 3, dtype=torch.float64))
     assert "ema" not in vars(Sub) and torch.equal(Base.ema, torch.zeros(3, dtype=torch.float64))
+
+
+class _SlottedRecord:
+    __slots__ = ("last", "ema")
+
+
+def test_a_tensor_a_forward_puts_in_a_slotted_object_its_module_holds_is_refused_not_left_a_stand_in():
+    """A module's slotted record given tensors by its forward (`self.rec.ema = ...`) is refused
+    with the places named, as a record with a __dict__ is (after every call it held the trace's
+    stand-ins, silently), and no stand-in is left in it."""
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    model.rec = _SlottedRecord()
+    model.rec.ema = torch.zeros((), dtype=torch.float64)
+
+    def f(x):
+        out = model(x).sum()
+        model.rec.last, model.rec.ema = out.detach(), model.rec.ema * 0.9 + out.detach() * 0.1
+        return out
+
+    with pytest.raises(hpfun.CaptureError, match=r"model.rec.(last|ema), model.rec.(last|ema): holds a tensor"):
+        hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
+    assert not any(isinstance(getattr(model.rec, k, None), torch._subclasses.FakeTensor) for k in ("last", "ema"))
