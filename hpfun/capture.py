@@ -1584,15 +1584,31 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
     return (new_args, new_kwargs) if changed else None
 
 
-def _full_of(size, fill: torch.Tensor, dtype=None, device=None) -> torch.Tensor:
-    """`torch.full(size, fill)` with a traced 0-d `fill`, which torch reads as a number: the
-    tensor expanded, in the dtype torch gives that number (a flag's bool, an integer's int64, a
-    float's default dtype)."""
-    if dtype is None:
-        dtype = torch.bool if fill.dtype == torch.bool else torch.int64 if not fill.is_floating_point() \
-            and not fill.is_complex() else torch.get_default_dtype() if fill.is_floating_point() else torch.complex64
-    return fill.detach().to(dtype=dtype, device=device).expand(  # (detached: a number has no gradient)
-        tuple(size) if isinstance(size, (list, tuple)) else (size,)).clone()
+_FULLS = frozenset([torch.full, torch.Tensor.new_full, torch.full_like])
+
+
+def _traced_fill(func, args: tuple, kwargs: dict):
+    """`torch.full(size, fill)`, `x.new_full(size, fill)` or `torch.full_like(x, fill)` with a
+    traced 0-d `fill`, which torch reads as a number: the tensor expanded (detached: a number
+    has no gradient), in the dtype torch gives that number (a flag's bool, an integer's int64, a
+    float's default dtype; new_full's and full_like's, their tensor's); None for any other call."""
+    like = args[0] if func is not torch.full and args else None  # (new_full's own tensor; full_like's)
+    args, kwargs = list(args[1:] if func is torch.Tensor.new_full else args), dict(kwargs)
+    if len(args) < 2 and "fill_value" in kwargs:
+        args.append(kwargs.pop("fill_value"))
+    if len(args) != 2 or kwargs.keys() - {"dtype", "device"}:
+        return None
+    first, fill = args
+    if not (isinstance(fill, torch.Tensor) and fill.ndim == 0 and _is_traced(fill)):
+        return None
+    dtype = kwargs.get("dtype") or (like.dtype if like is not None else torch.bool if fill.dtype == torch.bool else
+                                    torch.int64 if not (fill.is_floating_point() or fill.is_complex()) else
+                                    torch.get_default_dtype() if fill.is_floating_point() else
+                                    torch.promote_types(torch.get_default_dtype(), torch.complex64))
+    device = kwargs.get("device") or (like.device if like is not None else None)
+    size = tuple(like.shape) if func is torch.full_like else tuple(first) if isinstance(first, (list, tuple, torch.Size)) \
+        else (first,)
+    return fill.detach().to(dtype=dtype, device=device).expand(size).clone()
 
 
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
@@ -2259,9 +2275,8 @@ class _TensorScalars(TorchFunctionMode):
             read = _slice_bounds_read(slice(args[2], args[3]))
             args = (args[0], args[1], read.start, read.stop, *args[4:])  # (`x.narrow(1, n, 3)`, `narrow(1, 0, n)`:
             # n of an argument, read as int(n))
-        if func is torch.full and len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].ndim == 0 \
-                and _is_traced(args[1]) and not (kwargs.keys() - {"dtype", "device"}):
-            return _full_of(args[0], args[1], **kwargs)  # (`torch.full((3,), m.any())`: the tensor, expanded)
+        if func in _FULLS and (filled := _traced_fill(func, args, kwargs)) is not None:
+            return filled  # (`torch.full((3,), m.any())`, `x.new_full(size, n)`: the tensor, expanded)
         if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:
             args, kwargs = read  # (`torch.arange(n)`, n = mask.sum(1).max() of an argument: read, as int(n) is)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \

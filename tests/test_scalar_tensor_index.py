@@ -270,12 +270,22 @@ def test_a_0d_tensor_of_an_argument_given_as_a_size_is_read_as_its_integer():
 def test_a_0d_tensor_given_as_a_fill_is_its_value_not_a_size():
     """`torch.full((3,), m.any())` keeps the flag's bool dtype (fa988c3 read it as a size, an
     int64 1, and a mask made with it picked the wrong elements); an int fills int64, a float the
-    default dtype, as eager's number does."""
+    default dtype, a complex the default's complex type, as eager's number does; `fill_value=`,
+    `new_full` and `full_like` alike (new_full had been refused since dbd64ee)."""
     m = torch.tensor([0, 1, 0, 0])
     x = torch.tensor([10.0, 20.0, 30.0], dtype=D)
 
     def masked(m, x):
-        return x[torch.full((3,), m.any())] + torch.full((3,), m.sum()) + torch.full((3,), (m * 1.5).sum())
+        return x[torch.full((3,), m.any())] + torch.full((3,), m.sum()) + torch.full((3,), (m * 1.5).sum()) \
+            + torch.full((3,), fill_value=m.sum()) + x.new_full((3,), m.sum()) + torch.full_like(x, m.sum())
 
     got = hpfun.shard(masked, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())(m, x).full()
     torch.testing.assert_close(got, masked(m, x), rtol=0, atol=0)
+    before = torch.get_default_dtype()  # (a complex fill: the default dtype's complex type)
+    torch.set_default_dtype(torch.float64)
+    try:
+        f = hpfun.shard(lambda m: torch.full((2,), (m * (1 + 1e-9j)).sum()), mesh=MESH, in_specs=P("dp"), out_specs=P())
+        got, want = f(m).full(), torch.full((2,), (m * (1 + 1e-9j)).sum())
+        assert got.dtype == want.dtype == torch.complex128 and torch.equal(got, want)
+    finally:
+        torch.set_default_dtype(before)
