@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import decimal
 import dis
 import enum
+import fractions
 import functools
 import gc
 import itertools
@@ -895,7 +897,7 @@ PLAIN_CONTAINER_ITEMS = 1024
 # Immutable values a trace reads as constants, keyed by value: Python's numbers, strings and
 # flags, torch's dtypes and devices (`x.to(DTYPE)` with a global DTYPE), and enum members.
 _SCALAR_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format,
-                 torch.layout, enum.Enum)
+                 torch.layout, enum.Enum, fractions.Fraction, decimal.Decimal)
 
 
 def _is_scalar(x) -> bool:

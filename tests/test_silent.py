@@ -330,6 +330,18 @@ class _SlotConfig:
     inner: list
 
 
+def test_a_fraction_or_decimal_on_a_config_keys_the_cache():
+    """`fractions.Fraction` and `decimal.Decimal` are numbers a config holds: changed in place,
+    a new program (the first ran, silently: they were held by identity)."""
+    import decimal
+    import fractions
+
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cfg = types.SimpleNamespace(p=fractions.Fraction(1, 2), d=decimal.Decimal("0.5"))
+    _each_change_compiles_once([(lambda x: x * float(cfg.p), lambda: setattr(cfg, "p", fractions.Fraction(2, 3))),
+                                (lambda x: x * float(cfg.d), lambda: setattr(cfg, "d", decimal.Decimal("0.25")))], x)
+
+
 def test_objects_keeping_their_numbers_in_slots_key_the_cache():
     """An object of the user's whose class declares `__slots__` (or `@dataclass(slots=True)`)
     has no `__dict__` to watch: a number changed on one a module holds directly, in a list, as a
