@@ -759,7 +759,7 @@ class ShardedFunction:
             runtime_for(self.mesh).agree_on_compile(None, [])
             raise
         runtime_for(self.mesh).agree_on_compile(  # (where the plans differ, the Python values deciding them too)
-            _entry_digest(entry), [f"{_read_place(r.where)}: {r.value!r}" for r in entry.reads],
+            _entry_digest(entry), [f"{place}: {r.value!r}" for place, r in zip(_read_places(entry.reads), entry.reads)],
             lambda: _plan_lines(entry.program) + [f"{VALUE_LINE}{line}" for line in
                                                   _constant_lines(entry) + _describe(call, leaves)[len(leaves):]])
         return entry
@@ -2356,6 +2356,18 @@ class ArgumentEdit:
 
     def kind(self) -> str:
         return self.container
+
+
+def _read_places(reads) -> list[str]:
+    """Each read's `_read_place`, a repeated one numbered (two reads on one line, one line read
+    at every turn of a loop): the ranks' lines are compared place by place."""
+    places = [_read_place(r.where) for r in reads]
+    seen: dict = {}
+    out = []
+    for place in places:
+        seen[place] = seen.get(place, 0) + 1
+        out.append(place if places.count(place) == 1 else f"{place} (read {seen[place]})")
+    return out
 
 
 def _read_place(where: str) -> str:

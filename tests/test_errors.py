@@ -1347,3 +1347,10 @@ def test_a_read_value_that_differs_between_ranks_is_named_by_its_place_then_its_
     assert place == 'the value read at /tmp/step.py:22 (k = torch.arange(m.sum())[{"a":1}])'
     (problem,) = _differences([[f"{place}: 4"], [f"{place}: 7"]])
     assert problem.where == place and "mesh rank 0: 4; mesh rank 1: 7" in problem.what
+    from types import SimpleNamespace
+
+    from hpfun.api import _read_places
+    reads = [SimpleNamespace(where=" at /tmp/step.py:22: k = m.sum() + n.sum()")] * 2  # (two reads on one line: the
+    first, second = _read_places(reads)  # second, equal on every rank, hid the first, which differed)
+    (problem,) = _differences([[f"{first}: 4", f"{second}: 1"], [f"{first}: 7", f"{second}: 1"]])
+    assert problem.where == f"{place.split(' (')[0]} (k = m.sum() + n.sum()) (read 1)", problem.where
