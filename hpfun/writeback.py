@@ -422,14 +422,20 @@ def _full_entry(v, inplace: bool, param: torch.Tensor | None):
 def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
     """The tensors `module` holds as blocks outside its state_dict, in the order every rank walks."""
     listed = {id(v) for v in sd.values()}
+    registered = {id(m) for m in module.modules()}
     out, seen = [], set()
     for mod in module.modules():
         items = [*mod._buffers.values(), *(v for k, v in vars(mod).items() if not k.startswith("__"))]
         for v in items:
             for t in (v, *(v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ())):
-                if isinstance(t, torch.Tensor) and id(t) not in listed and id(t) not in seen and held_block(t) is not None:
-                    seen.add(id(t))
-                    out.append(t)
+                tensors = [t] if isinstance(t, torch.Tensor) else []
+                if isinstance(t, torch.nn.Module) and id(t) not in registered:  # (a module kept in a plain list or
+                    tensors = [*t.parameters(), *t.buffers()]  # dict, a DQN's target network: lifted with this one)
+                    tensors += [p.grad for p in t.parameters() if p.grad is not None]
+                for u in tensors:
+                    if id(u) not in listed and id(u) not in seen and held_block(u) is not None:
+                        seen.add(id(u))
+                        out.append(u)
     return out
 
 

@@ -588,9 +588,11 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     keeps = torch.nn.Linear(8, 16, dtype=torch.float64)  # a non-persistent buffer and a tensor attribute, split
     keeps.register_buffer("scale", torch.linspace(1.0, 2.0, 16, dtype=torch.float64), persistent=False)
     keeps.acc = torch.zeros(16, dtype=torch.float64)
+    keeps.targets = [torch.nn.Linear(8, 16, dtype=torch.float64).requires_grad_(False)]  # (a DQN's target network:
+    # a module in a plain list, lifted with it)
 
     def forward(x):
-        z = keeps(x) * keeps.scale
+        z = keeps(x) * keeps.scale + keeps.targets[0](x)
         keeps.acc = keeps.acc + z.detach().sum(0)
         return z.pow(2).mean()
 
@@ -599,6 +601,7 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     hpfun.gather_state(keeps, inplace=True)  # (the README: the module runs unsharded again)
     return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
             "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone()),
+            "listed target": tuple(keeps.targets[0].weight.shape),
             "written": counts.seen.clone(), "assigned": (counts.tab.clone(), kept_outside["t"].clone())}
 
 
