@@ -350,6 +350,24 @@ def test_a_compiled_module_is_traced_as_its_code():
     assert max_diff(model, ref) < 1e-12 and step.trace_count == 2
 
 
+def _scaled(a):
+    return a * 2 + 1
+
+
+def test_a_function_compiled_inside_the_step_is_traced_as_its_code_and_compiles_after():
+    """`torch.compile(fn, fullgraph=True)(x)` inside the step (torchao's 8-bit Adam compiles its
+    update so): traced as fn's code, and eager compiles of fn after the call still compile (the
+    step was refused with Dynamo's 'found no compiled frames', and fn was then kept as one not
+    to compile: every later eager compile of it failed)."""
+    def compiled(a):
+        return torch.compile(_scaled, fullgraph=True, dynamic=False)(a)
+
+    x = torch.arange(4.0, dtype=torch.float64)
+    f = hpfun.shard(compiled, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    assert torch.equal(f(x).full(), _scaled(x))
+    assert torch.equal(compiled(torch.ones(3, dtype=torch.float64)), _scaled(torch.ones(3, dtype=torch.float64)))
+
+
 def _parametrized(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
