@@ -379,8 +379,8 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     Gathered values are new tensors; state that was whole all along comes back as it is held
     (as `state_dict()` gives it, not a copy). `inplace=True` also puts the full values back
     into the tensors (gradients included, and for a module what its state_dict leaves out:
-    non-persistent buffers and tensors it keeps as attributes), so the module or optimizer runs
-    unsharded again.
+    non-persistent buffers, tensors it keeps as attributes, modules it keeps in plain lists or
+    dicts), so the module or optimizer runs unsharded again.
     On a simulated mesh, state is always whole: this is `state_dict()`.
 
     >>> import torch, hpfun
