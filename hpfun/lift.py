@@ -2168,6 +2168,7 @@ class Substitution:
         self._watched: list = []  # (name, read, container, its items) of lists and dicts the function or a hook reaches
         self._places: list = []  # (name, read) of every closed-over, global and default value the function reaches
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
+        self._held_before: set = set()  # ids of the objects in those objects' lists and dicts before the trace
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
@@ -2379,6 +2380,10 @@ class Substitution:
         if any(held is obj for _, held, _ in self._plain_held):
             return
         self._plain_held.append((var, obj, attributes(obj)))
+        for v in attributes(obj).values():  # (what its lists and dicts hold, two levels: `o.lst[0]`, not made by
+            for w in _items_of(v):  # the step, whose tensors are taken out without taking it out)
+                self._held_before.add(id(w))
+                self._held_before.update(map(id, _items_of(w)))
         for k, v in _own_attributes(obj).items():
             if _is_dict(v) and _users_attribute(obj, k) and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
@@ -2990,7 +2995,7 @@ class Substitution:
                     setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
                 elif type(v) in (dict, list) and held.get(attr) is v:  # (one it held, a module added to it)
                     _drop_made_modules(v, _join(var, attr), found)
-                    found += _made_helpers(v, _join(var, attr), seen)
+                    found += _made_helpers(v, _join(var, attr), seen, before=self._held_before)
                 elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")
@@ -3191,25 +3196,36 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
             _take_fakes(w, at(key), found, seen, depth + 1)
 
 
-def _made_helpers(container, name: str, seen: set, depth: int = 3) -> list:
+def _items_of(v) -> list:
+    """A list's, tuple's or dict's items (a dict's values); none for anything else."""
+    return list(v.values()) if type(v) is dict else list(v) if type(v) in (list, tuple) else []
+
+
+def _made_helpers(container, name: str, seen: set, depth: int = 3, before: frozenset | set = frozenset()) -> list:
     """The tensors of the trace inside plain objects a step put in `container` (a list or dict an
     object held: `self.tallies.append(Tally())`, or one level deeper, `[Tally()]`), each taken out
-    with the object; a place each, named with the fix."""
+    with the object; a place each, named with the fix. An object whose id is in `before` was
+    there before the trace: its tensors are taken out, the object stays."""
     found: list = []
     for key, item in list(container.items() if type(container) is dict else enumerate(container))[::-1]:
         if depth > 1 and type(item) in (list, dict, tuple) and _holds_plain_object(item):
-            inner = _made_helpers(item, f"{name}[{key!r}]", seen, depth - 1) if type(item) is not tuple else \
+            inner = _made_helpers(item, f"{name}[{key!r}]", seen, depth - 1, before) if type(item) is not tuple else \
                 [f"{name}[{key!r}] (a tuple holding an object the function made with tensors)"] if any(
                     _holds_fake(vars(w)) for w in item if _is_plain_object(w)) else []
             if inner:
                 found += inner
-                if type(container) is not tuple:
+                if type(container) is not tuple and id(item) not in before:
                     del container[key]
             continue
         if not _is_plain_object(item) or callable(item):
             continue
         inside: list = []  # (a helper made and added by the step: `self.tallies.append(Tally())`)
         _take_fakes(item, f"{name}[{key!r}]", inside, seen)
+        if id(item) in before:  # (one held before: its new tensors taken out, it stays where it was)
+            found += [f"{where} (in a {type(item).__name__} a list or dict holds: hpfun does not lift what such "
+                      "an object holds; keep the tensor in a module's attribute, a dict the function closes over, "
+                      "or return it)" for where in inside]
+            continue
         found += [f"{where} (in a {type(item).__name__} the function made: make it before the first call, in "
                   "__init__, and hpfun lifts its tensors as state)" for where in inside]
         if inside and type(container) is not tuple:

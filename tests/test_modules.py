@@ -5356,3 +5356,28 @@ def test_a_tensor_a_forward_puts_in_a_slotted_object_its_module_holds_is_refused
     with pytest.raises(hpfun.CaptureError, match=r"model.rec.(last|ema), model.rec.(last|ema): holds a tensor"):
         hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
     assert not any(isinstance(getattr(model.rec, k, None), torch._subclasses.FakeTensor) for k in ("last", "ema"))
+
+
+class _Holder:
+    def __init__(self):
+        self.lst = [_Inner()]
+
+
+class _Inner:
+    pass
+
+
+def test_a_refused_tensor_in_an_object_a_list_held_before_leaves_the_list_as_it_was():
+    """A step giving a tensor to an object a plain object's list held before the call
+    (`o.lst[0].v = t`) is refused naming the place, and the list keeps its object (the refusal
+    said the object was made by the function and took it out, emptying the caller's list)."""
+    o = _Holder()
+    inner = o.lst[0]
+
+    def step(x):
+        o.lst[0].v = x.max().detach()
+        return x.sum()
+
+    with pytest.raises(hpfun.CaptureError, match=r"o.lst\[0\].v \(in a _Inner a list or dict holds"):
+        hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
+    assert o.lst == [inner] and not hasattr(inner, "v")
