@@ -1084,8 +1084,7 @@ def _is_user_object(obj) -> bool:
     a namespace of them (`argparse`'s parsed arguments, a `SimpleNamespace` config)."""
     if isinstance(obj, (type, types.ModuleType)):
         return False
-    if not isinstance(getattr(obj, "__dict__", None), dict) and not any("__slots__" in vars(c) and vars(c)["__slots__"]
-                                                                        for c in type(obj).__mro__[:-1]):
+    if not isinstance(getattr(obj, "__dict__", None), dict) and not _declares_slots(type(obj)):
         return False
     if type(obj) in (argparse.Namespace, types.SimpleNamespace):
         return True
@@ -3487,6 +3486,11 @@ class ObjectValues:
         self.restore()
 
 
+def _declares_slots(cls: type) -> bool:
+    """Whether `cls` or a base of it (not `object`) declares non-empty `__slots__`."""
+    return any(vars(c).get("__slots__") for c in cls.__mro__[:-1])
+
+
 def _fields_of(obj):
     """An object's attributes as a dict to read and write: its `__dict__`, or for one keeping
     them in `__slots__`, a view setting and deleting them on the object; None for an object with
@@ -3494,7 +3498,7 @@ def _fields_of(obj):
     d = getattr(obj, "__dict__", None)
     if isinstance(d, dict) and not _slot_values(obj):
         return d
-    if not isinstance(d, dict) and not any(vars(c).get("__slots__") for c in type(obj).__mro__[:-1]):
+    if not isinstance(d, dict) and not _declares_slots(type(obj)):
         return None
     return _Fields(obj)
 
