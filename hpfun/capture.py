@@ -2232,6 +2232,17 @@ def _deepcopy_traced(x, memo=None):
     return out
 
 
+_METHOD_WRAPPER = type(torch.Tensor.shape.__get__)  # (a tensor attribute's getter: `x.shape`, `x.dtype`)
+# what a tensor's methods answer about its layout, never its values
+_METADATA_QUERIES = frozenset([
+    torch._C.TensorBase.stride, torch._C.TensorBase.storage_offset, torch._C.TensorBase._is_view,
+    torch._C.TensorBase.numel, torch._C.TensorBase.nelement, torch._C.TensorBase.dim, torch._C.TensorBase.ndimension,
+    torch._C.TensorBase.size, torch._C.TensorBase.is_inference, torch._C.TensorBase.is_conj,
+    torch._C.TensorBase.is_neg, torch._C.TensorBase.untyped_storage, torch._C.TensorBase.element_size,
+    torch._C.TensorBase.is_contiguous, torch._C.TensorBase.is_floating_point, torch._C.TensorBase.is_complex,
+    torch._C.TensorBase.get_device])
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -2239,7 +2250,9 @@ class _TensorScalars(TorchFunctionMode):
     performs, `p + (m / v) * step_size`, which the trace records. F.one_hot likewise (`_one_hot`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        if type(func) is _METHOD_WRAPPER and func.__name__ == "__get__" or func in _METADATA_QUERIES:
+            return func(*args, **(kwargs or {}))  # (no check below is about them: most calls the mode sees, from
+        kwargs = dict(kwargs or {})  # torch's own tracing machinery, answered without walking the checks)
         if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
             return _deepcopy_traced(*args, **kwargs)
         if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
