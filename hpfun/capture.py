@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import contextvars
+import decimal
 import functools
 import gc
 import io
@@ -2023,8 +2024,13 @@ class _Input:
 def exact_key(v, depth: int = 6):
     """A Python value as a cache key equal only to the same value of the same type: 1, 1.0 and
     True are three (an integer tensor times each is int64, float32 and int64), 0.0 and -0.0 two
-    (`1 / (x * -0.0)`), and NaN equals NaN; lists, tuples, sets and dicts item by item."""
+    (`1 / (x * -0.0)`), and NaN equals NaN; a Fraction by its numerator and denominator, a
+    Decimal by its sign, digits and exponent; lists, tuples, sets and dicts item by item."""
     kind = type(v)
+    if isinstance(v, numbers.Rational) and not isinstance(v, numbers.Integral):  # (a Fraction: exact, where its
+        return kind, v.numerator, v.denominator  # float is the same for two that differ beyond 2**-53)
+    if isinstance(v, decimal.Decimal):  # its sign, digits and exponent: Decimal("-0") and Decimal("0.50") are
+        return kind, v.as_tuple()  # their own values (float() gives -0.0, str() "0.50"), equal as numbers
     if isinstance(v, float) or isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral):
         # (NumPy's float64 and float32 and the user's subclasses too, by their own type)
         return kind, "nan" if v != v else float(v), math.copysign(1.0, float(v)) if v == 0 else 0

@@ -342,6 +342,23 @@ def test_a_fraction_or_decimal_on_a_config_keys_the_cache():
                                 (lambda x: x * float(cfg.d), lambda: setattr(cfg, "d", decimal.Decimal("0.25")))], x)
 
 
+def test_fractions_and_decimals_key_by_their_exact_value():
+    """A Fraction is keyed by its numerator and denominator, not its float (two a float cannot
+    tell apart gave one program); a Decimal by its sign, digits and exponent, not `==`
+    (Decimal("-0") is -0.0 as a float, Decimal("0.50") prints "0.50")."""
+    import decimal
+    import fractions
+
+    x = torch.ones(4, 3, dtype=torch.float64)
+    cfg = types.SimpleNamespace(p=fractions.Fraction(1), d=decimal.Decimal("0"), e=decimal.Decimal("0.5"))
+    _each_change_compiles_once(
+        [(lambda x: x * 0 + float(cfg.p - 1) * 1e20,
+          lambda: setattr(cfg, "p", fractions.Fraction(10**20 + 1, 10**20))),
+         (lambda x: torch.copysign(x, torch.tensor(float(cfg.d), dtype=torch.float64)),
+          lambda: setattr(cfg, "d", decimal.Decimal("-0"))),
+         (lambda x: x * len(str(cfg.e)), lambda: setattr(cfg, "e", decimal.Decimal("0.50")))], x)
+
+
 def test_objects_keeping_their_numbers_in_slots_key_the_cache():
     """An object of the user's whose class declares `__slots__` (or `@dataclass(slots=True)`)
     has no `__dict__` to watch: a number changed on one a module holds directly, in a list, as a
