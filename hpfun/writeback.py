@@ -420,23 +420,41 @@ def _full_entry(v, inplace: bool, param: torch.Tensor | None):
 
 
 def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
-    """The tensors `module` holds as blocks outside its state_dict, in the order every rank walks."""
+    """The tensors `module` holds as blocks outside its state_dict, in the order every rank walks:
+    its modules' tensor attributes, and what they keep in dicts, lists and tuples (nested), the
+    modules among those (a DQN's target networks in a list) with their own attributes alike."""
     listed = {id(v) for v in sd.values()}
-    registered = {id(m) for m in module.modules()}
-    out, seen = [], set()
-    for mod in module.modules():
-        items = [*mod._buffers.values(), *(v for k, v in vars(mod).items() if not k.startswith("__"))]
-        for v in items:
-            for t in (v, *(v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ())):
-                tensors = [t] if isinstance(t, torch.Tensor) else []
-                if isinstance(t, torch.nn.Module) and id(t) not in registered:  # (a module kept in a plain list or
-                    tensors = [*t.parameters(), *t.buffers()]  # dict, a DQN's target network: lifted with this one)
-                    tensors += [p.grad for p in t.parameters() if p.grad is not None]
-                for u in tensors:
-                    if id(u) not in listed and id(u) not in seen and held_block(u) is not None:
-                        seen.add(id(u))
-                        out.append(u)
+    out, seen, visited = [], set(), set()
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and id(t) not in listed and id(t) not in seen and held_block(t) is not None:
+            seen.add(id(t))
+            out.append(t)
+
+    def walk(v, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            add(v)
+        elif isinstance(v, torch.nn.Module) and id(v) not in visited:
+            for mod in v.modules():
+                if id(mod) in visited:
+                    continue
+                visited.add(id(mod))
+                for p in mod._parameters.values():  # (a registered one is in the state_dict: skipped)
+                    add(p)
+                    add(getattr(p, "grad", None))
+                for k, w in [*mod._buffers.items(), *vars(mod).items()]:
+                    if not k.startswith("__") and k not in _MODULE_TABLES:
+                        walk(w, _DEPTH)
+        elif depth and type(v) in (dict, list, tuple):
+            for w in v.values() if type(v) is dict else v:
+                walk(w, depth - 1)
+
+    walk(module, _DEPTH)
     return out
+
+
+_MODULE_TABLES = frozenset(["_parameters", "_buffers", "_modules"])  # (walked as what they are)
+_DEPTH = 4  # containers inside containers a module's attribute holds
 
 
 def _refuse_lost(values: dict) -> None:

@@ -590,10 +590,13 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     keeps.acc = torch.zeros(16, dtype=torch.float64)
     keeps.targets = [torch.nn.Linear(8, 16, dtype=torch.float64).requires_grad_(False)]  # (a DQN's target network:
     # a module in a plain list, lifted with it)
+    keeps.targets[0].acc = torch.zeros(16, dtype=torch.float64)  # (its own tensor attribute, and one a list in a
+    keeps.nested = {"a": [torch.nn.Linear(8, 16, dtype=torch.float64).requires_grad_(False)]}  # dict keeps)
 
     def forward(x):
-        z = keeps(x) * keeps.scale + keeps.targets[0](x)
+        z = keeps(x) * keeps.scale + keeps.targets[0](x) + keeps.nested["a"][0](x)
         keeps.acc = keeps.acc + z.detach().sum(0)
+        keeps.targets[0].acc = keeps.targets[0].acc + z.detach().sum(0)
         return z.pow(2).mean()
 
     kept = hpfun.shard(forward, mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})
@@ -601,7 +604,8 @@ def freeze_then_unfreeze(mesh, x, y) -> list:
     hpfun.gather_state(keeps, inplace=True)  # (the README: the module runs unsharded again)
     return {"states": states, "frozen block": tuple(base[0].weight.shape), "frozen": _snapshot(hpfun.gather_state(base)),
             "table": tuple(table.scale.shape), "outside state_dict": (tuple(keeps.scale.shape), keeps.acc.clone()),
-            "listed target": tuple(keeps.targets[0].weight.shape),
+            "listed target": (tuple(keeps.targets[0].weight.shape), tuple(keeps.targets[0].acc.shape),
+                              tuple(keeps.nested["a"][0].weight.shape)),
             "written": counts.seen.clone(), "assigned": (counts.tab.clone(), kept_outside["t"].clone())}
 
 
