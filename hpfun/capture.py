@@ -678,12 +678,20 @@ def _compiled_code_runs_as_written():
     # function itself, never handed to Dynamo, whose refusal of a disabled fullgraph compile was an
     # error, and which then kept the function as one not to compile, failing eager compiles after)
     stack.enter_context(mock.patch.object(torch, "compile", _not_compiled))
+    # (and Dynamo's entry, which torch.compile calls by its module's name: `from torch import compile`, a
+    # `functools.partial(torch.compile, ...)` made at import, `torch._dynamo.optimize(...)` itself)
+    stack.enter_context(mock.patch.object(torch._dynamo, "optimize", _not_optimized))
     return stack
 
 
 def _not_compiled(model=None, **_options):
     """`torch.compile` while tracing: the function or module as it is (as a decorator too)."""
     return model if model is not None else (lambda m: m)
+
+
+def _not_optimized(*_args, **_options):
+    """`torch._dynamo.optimize(...)` while tracing: a decorator giving the function as it is."""
+    return lambda m: m
 
 
 @contextlib.contextmanager

@@ -368,6 +368,34 @@ def test_a_function_compiled_inside_the_step_is_traced_as_its_code_and_compiles_
     assert torch.equal(compiled(torch.ones(3, dtype=torch.float64)), _scaled(torch.ones(3, dtype=torch.float64)))
 
 
+def _shifted(a):
+    return a * 3 - 1
+
+
+_FULLGRAPH = functools.partial(torch.compile, fullgraph=True)  # (made at import: torch.compile's own function)
+
+
+@pytest.mark.parametrize("how", ["alias", "partial", "optimize"])
+def test_a_function_compiled_by_another_name_inside_the_step_is_traced_as_its_code(how):
+    """torch.compile reached by a name bound before the call (`from torch import compile`, a
+    partial made at import) or Dynamo's `torch._dynamo.optimize(...)`: traced as the function's
+    code too (the step was refused, and eager compiles of the function failed after)."""
+    from torch import compile as compile_
+
+    wrap = {"alias": lambda fn: compile_(fn, fullgraph=True), "partial": _FULLGRAPH,
+            "optimize": lambda fn: torch._dynamo.optimize("eager", nopython=True)(fn)}[how]
+
+    def compiled(a):
+        return wrap(_shifted)(a)
+
+    x = torch.arange(4.0, dtype=torch.float64)
+    f = hpfun.shard(compiled, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    assert torch.equal(f(x).full(), _shifted(x))
+    torch._dynamo.reset()
+    y = torch.ones(3, dtype=torch.float64)
+    assert torch.equal(torch.compile(_shifted, fullgraph=True, backend="eager")(y), _shifted(y))
+
+
 def _parametrized(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
