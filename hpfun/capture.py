@@ -1604,28 +1604,38 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
     return (new_args, new_kwargs) if changed else None
 
 
-_FULLS = frozenset([torch.full, torch.Tensor.new_full, torch.full_like])
+# the parameters of torch's fills, by position or keyword
+_FULLS = {torch.full: ("size", "fill_value"), torch.Tensor.new_full: ("self", "size", "fill_value"),
+          torch.full_like: ("input", "fill_value")}
 
 
 def _traced_fill(func, args: tuple, kwargs: dict):
     """`torch.full(size, fill)`, `x.new_full(size, fill)` or `torch.full_like(x, fill)` with a
     traced 0-d `fill`, which torch reads as a number: the tensor expanded (detached: a number
     has no gradient), in the dtype torch gives that number (a flag's bool, an integer's int64, a
-    float's default dtype; new_full's and full_like's, their tensor's); None for any other call."""
-    like = args[0] if func is not torch.full and args else None  # (new_full's own tensor; full_like's)
-    args, kwargs = list(args[1:] if func is torch.Tensor.new_full else args), dict(kwargs)
-    if len(args) < 2 and "fill_value" in kwargs:
-        args.append(kwargs.pop("fill_value"))
-    if len(args) != 2 or kwargs.keys() - {"dtype", "device"}:
+    float's default dtype; new_full's and full_like's, their tensor's); None for any other call.
+    Its arguments by position or keyword; `layout`, `pin_memory` and `memory_format` where they
+    ask for what this gives (strided, unpinned, contiguous)."""
+    names, kwargs = _FULLS[func], dict(kwargs)
+    if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
         return None
-    first, fill = args
-    if not (isinstance(fill, torch.Tensor) and fill.ndim == 0 and _is_traced(fill)):
+    bound = dict(zip(names, args)) | {n: kwargs.pop(n) for n in names[len(args):]}
+    like = bound.get("self", bound.get("input"))  # (new_full's own tensor; full_like's)
+    if kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") and \
+            kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format) and \
+            (kwargs.get("memory_format") != torch.preserve_format or like is None or like.is_contiguous()):
+        for k in ("layout", "pin_memory", "memory_format"):
+            kwargs.pop(k, None)
+    fill = bound["fill_value"]
+    if kwargs.keys() - {"dtype", "device"} or not (isinstance(fill, torch.Tensor) and fill.ndim == 0 and
+                                                    _is_traced(fill)):
         return None
     dtype = kwargs.get("dtype") or (like.dtype if like is not None else torch.bool if fill.dtype == torch.bool else
                                     torch.int64 if not (fill.is_floating_point() or fill.is_complex()) else
                                     torch.get_default_dtype() if fill.is_floating_point() else
                                     torch.promote_types(torch.get_default_dtype(), torch.complex64))
     device = kwargs.get("device") or (like.device if like is not None else None)
+    first = bound.get("size")
     size = tuple(like.shape) if func is torch.full_like else tuple(first) if isinstance(first, (list, tuple, torch.Size)) \
         else (first,)
     return fill.detach().to(dtype=dtype, device=device).expand(size).clone()

@@ -271,13 +271,18 @@ def test_a_0d_tensor_given_as_a_fill_is_its_value_not_a_size():
     """`torch.full((3,), m.any())` keeps the flag's bool dtype (fa988c3 read it as a size, an
     int64 1, and a mask made with it picked the wrong elements); an int fills int64, a float the
     default dtype, a complex the default's complex type, as eager's number does; `fill_value=`,
-    `new_full` and `full_like` alike (new_full had been refused since dbd64ee)."""
+    `new_full` and `full_like` alike (new_full had been refused since dbd64ee), their arguments
+    by position or keyword."""
     m = torch.tensor([0, 1, 0, 0])
     x = torch.tensor([10.0, 20.0, 30.0], dtype=D)
 
     def masked(m, x):
         return x[torch.full((3,), m.any())] + torch.full((3,), m.sum()) + torch.full((3,), (m * 1.5).sum()) \
-            + torch.full((3,), fill_value=m.sum()) + x.new_full((3,), m.sum()) + torch.full_like(x, m.sum())
+            + torch.full((3,), fill_value=m.sum()) + x.new_full((3,), m.sum()) + torch.full_like(x, m.sum()) \
+            + torch.full(size=(3,), fill_value=m.sum()) + x.new_full(size=(3,), fill_value=m.max()) \
+            + torch.full_like(input=x, fill_value=m.sum()) + torch.full((3,), m.sum(), layout=torch.strided) \
+            + torch.full_like(x, m.max(), memory_format=torch.preserve_format)  # (by keyword, with layout
+        # and memory format: refused as a read of data the trace cannot read)
 
     got = hpfun.shard(masked, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())(m, x).full()
     torch.testing.assert_close(got, masked(m, x), rtol=0, atol=0)
