@@ -1001,6 +1001,7 @@ class ShardedFunction:
         objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots))
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
         given = _argument_containers(args, kwonly)  # (what the function puts in them is put in the caller's)
+        stored_over: list = []  # (module-held values the function replaced by tensors: `_undo_effects`)
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
@@ -1018,7 +1019,7 @@ class ShardedFunction:
             except Exception:  # noqa: BLE001 - read again below, where its own error may show
                 statics_after = None
             if statics_after is not None:
-                traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots)
+                traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots, stored_over)
         # a lifted tensor frozen or unfrozen inside (`p.requires_grad_(False)`): set by every call, as eager's
         # (a block a distributed call left: its module's tensor, which holds the flag)
         flags = [(None, real, fake.requires_grad) for i, fake in zip(tensor_pos, fakes, strict=True)
@@ -1089,9 +1090,11 @@ class ShardedFunction:
                                         "every call, and reads them at the next") for where in leaked],
                                headline="the function stores a tensor where hpfun cannot write it back")
         if left := substitution.left_over():
+            for values, name, old in stored_over:  # (taken out: what the place held before, put back)
+                values.set(name, old)
             raise CaptureError(Problem(", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else ""),
-                                       "holds a tensor the function made, where hpfun cannot write it back (a list "
-                                       "inside a list, an optimizer or module made inside the function, a parameter "
+                                       "holds a tensor the function made, where hpfun cannot write it back (an "
+                                       "object a module holds, a list inside a list, an optimizer or module made inside the function, a parameter "
                                        "group added, a global rebound): a cached call would leave the first call's "
                                        "placeholders there; they were taken out",
                                        "make optimizers, modules and param groups before the first call, outside the "
@@ -1327,19 +1330,25 @@ def _all_hold(reads, inputs: list) -> bool:
     return all([r.holds(inputs) for r in reads])
 
 
-def _undo_effects(before: dict, after: dict, roots) -> tuple:
+def _undo_effects(before: dict, after: dict, roots, stored: list) -> tuple:
     """Python values of modules the trace changed (`self.max_seq_len_cached = n` in a forward,
     `model.eval()` in an evaluation step): set back to what they were, so that tracing changes
     nothing, and returned as (statics key, name, new value) to be set by every call of the
-    program (`_replay`), as eager would; for training flags, (key, the module tree, its flags)."""
+    program (`_replay`), as eager would; for training flags, (key, the module tree, its flags).
+    A value replaced by tensors the trace made (`self.rec.last = y.sum()` where it held None) is
+    no Python value: left for the check of what the trace left behind, which refuses it, and
+    added to `stored` as (values, name, old value), to be set back then."""
     trees = {lift.training_key(r.name): r.value for r in roots if isinstance(r.value, torch.nn.Module)}
     effects = []
     for key, was in before.items():
         now = after.get(key)
         if type(was) is lift.ModuleValues and type(now) is lift.ModuleValues and was != now:
             for name, old, new in was.changes(now):
+                if new is lift._MISSING and lift._holds_fake(held := was.current(name)):
+                    stored.append((was, name, old))
+                    continue
                 was.set(name, old)
-                effects.append((key, name, new))
+                effects.append((key, name, new if new is not lift._MISSING else held))
         elif key in trees and type(was) is tuple and type(now) is tuple and len(was) == len(now) and was != now:
             _set_flags(trees[key], was)
             effects.append((key, trees[key], now))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import decimal
 import dis
 import enum
@@ -236,7 +237,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             seen_objects.add(id(obj))
             note(None)
             for k, v in list(attributes(obj).items()):
-                value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(setattr, obj, k))
+                value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(set_attribute, obj, k))
             user_classes(type(obj), name, obj)  # its methods (`__call__` too) and class attributes
         elif isinstance(obj, type) and _is_user_class(obj) and id(obj) not in seen_objects:
             seen_objects.add(id(obj))  # a class of the user's used as a namespace (`Config.scale`)
@@ -284,11 +285,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
                     note((c, k, v))  # (an attribute set to another object: walked again)
                     holder = instance if instance is not None else c
-                    value(v, _join(name, k), functools.partial(getattr, holder, k), functools.partial(setattr, c, k))
+                    value(v, _join(name, k), functools.partial(getattr, holder, k), functools.partial(set_attribute, c, k))
                 elif isinstance(v, torch.Tensor) and type(v) is not Sharded:  # a tensor the class holds (`Stats.ema`):
                     note((c, k, v))  # state, read and written back at the class, as a global tensor is
                     value(v, _join(name or c.__qualname__, k), functools.partial(getattr, c, k),
-                          functools.partial(setattr, c, k))
+                          functools.partial(set_attribute, c, k))
                     for d in cls.__mro__[:cls.__mro__.index(c)]:  # (its subclasses the walk came through: one
                         if _is_user_class(d) and k not in vars(d):  # given its own, `Sub.ema = ...`, is refused)
                             roots.append(Root(f"{d.__qualname__}.{k}", _Inherited(d, c, k)))
@@ -546,6 +547,23 @@ def _is_user_module(module: types.ModuleType) -> bool:
     """A Python module of the user's (a `config.py` beside the script), not a library's."""
     filename = getattr(module, "__file__", None)
     return filename is not None and filename.endswith(".py") and not _is_library(filename)
+
+
+def set_attribute(obj, name: str, value) -> None:
+    """`setattr`, or where the object's class refuses assignment (a frozen dataclass, whose own
+    code writes with `object.__setattr__`: a cache set so), what that writes."""
+    try:
+        setattr(obj, name, value)
+    except dataclasses.FrozenInstanceError:
+        object.__setattr__(obj, name, value)
+
+
+def del_attribute(obj, name: str) -> None:
+    """`delattr`, or `object.__delattr__` where the class refuses it (as `set_attribute`)."""
+    try:
+        delattr(obj, name)
+    except dataclasses.FrozenInstanceError:
+        object.__delattr__(obj, name)
 
 
 def attributes(obj) -> dict:
@@ -1394,6 +1412,14 @@ class ModuleValues:
         return [(k, before.get(k, _MISSING), now.get(k, _MISSING)) for k in dict.fromkeys([*before, *now])
                 if exact_key(before.get(k, _MISSING)) != exact_key(now.get(k, _MISSING))]
 
+    def current(self, name: str):
+        """What the place of one value holds now (_MISSING where nothing)."""
+        owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
+        owner = self.objects.get(owner_name)
+        if type(owner) is dict:
+            return next((v for k, v in owner.items() if str(k) == attr), _MISSING)
+        return _MISSING if owner is None else attributes(owner).get(attr, _MISSING)
+
     def set(self, name: str, value) -> None:
         """Write one value at its place (deleting it for _MISSING)."""
         owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
@@ -1408,10 +1434,10 @@ class ModuleValues:
                 owner[key] = value
             return
         if value is _MISSING:
-            if attr in vars(owner):
-                delattr(owner, attr)
+            if attr in attributes(owner):  # (its __dict__ or a set slot: never a class's own attribute)
+                del_attribute(owner, attr)
         else:
-            setattr(owner, attr, value)
+            set_attribute(owner, attr, value)
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own bookkeeping in every module
@@ -2386,7 +2412,7 @@ class Substitution:
         for k, v in _own_attributes(obj).items():
             if _is_dict(v) and _users_attribute(obj, k) and not any(c is v for _, _, c, _ in self._watched):
                 self._watched.append((_join(var, k), functools.partial(getattr, obj, k), v, dict(v)))
-                self._writers[id(v)] = functools.partial(setattr, obj, k)
+                self._writers[id(v)] = functools.partial(set_attribute, obj, k)
             elif type(v) is tuple and _holds_tensor(v):  # (rebound to another length: refused)
                 self._tuples_held.append((_join(var, k), functools.partial(getattr, obj, k), v))
 
@@ -2458,7 +2484,7 @@ class Substitution:
                 if _made_attribute(obj, attr, v, held):  # a tuple or dict of them: `self.run = (loss,)`)
                     shadows = isinstance(getattr(type(obj), attr, None), torch.Tensor)  # (its class's: lifted by
                     name = _join(var, attr) + (" (the instance's own)" if shadows else "")  # that name)
-                    out.update(_created_items(name, self._real_keys(v), ("set", functools.partial(setattr, obj, attr))))
+                    out.update(_created_items(name, self._real_keys(v), ("set", functools.partial(set_attribute, obj, attr))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
                 if key not in keys and isinstance(v, FakeTensor):
@@ -2611,7 +2637,7 @@ class Substitution:
                     refused(*other, dict_keep)
                 else:
                     _merge(was, now)
-                setattr(obj, attr, was)
+                set_attribute(obj, attr, was)
         for var, read, held in self._tuples_held:  # (its slots write a tuple of its length at its place)
             try:
                 now = read()
@@ -2704,7 +2730,7 @@ class Substitution:
         for _, obj, held in self._plain_held:
             for attr in [a for a, v in attributes(obj).items()  # (as `created` put them)
                          if _made_attribute(obj, a, v, held)]:
-                setattr(obj, attr, None) if attr in held else delattr(obj, attr)
+                set_attribute(obj, attr, None) if attr in held else del_attribute(obj, attr)
         for _, _, container, items in self._watched:
             inside = container.values() if _is_dict(container) else container
             if any(_holds_fake(v) for v in inside) or type(container) is list and \
@@ -2991,21 +3017,21 @@ class Substitution:
             for attr, v in list(attributes(obj).items()):
                 if _holds_made_module(v) and held.get(attr) is not v:
                     found.append(f"{_join(var, attr)} (a module made inside the function)")
-                    setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
+                    set_attribute(obj, attr, held[attr]) if attr in held else del_attribute(obj, attr)
                 elif type(v) in (dict, list) and held.get(attr) is v:  # (one it held, a module added to it)
                     _drop_made_modules(v, _join(var, attr), found)
                     found += _made_helpers(v, _join(var, attr), seen, before=self._held_before)
                 elif type(v) in (dict, list) and held.get(attr) is not v and _holds_fake(v) and attr in held:
                     found.append(f"{_join(var, attr)} (a {type(v).__name__} assigned anew holding tensors: hpfun "
                                  f"writes back into the places of the one it held; update that one in place)")
-                    setattr(obj, attr, held[attr])
+                    set_attribute(obj, attr, held[attr])
                 elif held.get(attr) is not v and _is_plain_object(v) and not callable(v):
                     inside: list = []  # (a helper made lazily, `self.tracker = Tracker()`, holding the step's tensors)
                     _take_fakes(v, _join(var, attr), inside, seen)
                     found += [f"{where} (in a {type(v).__name__} the function made: make it before the first call, "
                               "in __init__, and hpfun lifts its tensors as state)" for where in inside]
                     if inside:
-                        setattr(obj, attr, held[attr]) if attr in held else delattr(obj, attr)
+                        set_attribute(obj, attr, held[attr]) if attr in held else del_attribute(obj, attr)
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:
@@ -3104,7 +3130,7 @@ def _rebind(read, value) -> None:
     if isinstance(read, functools.partial) and target is getattr and read.args[1:] == ("cell_contents",):
         read.args[0].cell_contents = value
     elif isinstance(read, functools.partial) and target is getattr and len(read.args) == 2:
-        setattr(*read.args, value)  # (a plain object's attribute)
+        set_attribute(*read.args, value)  # (a plain object's attribute)
     elif isinstance(read, functools.partial) and getattr(target, "__name__", "") == "get" \
             and isinstance(getattr(target, "__self__", None), dict):
         target.__self__[read.args[0]] = value
@@ -3519,14 +3545,14 @@ class _Fields:
         return iter(attributes(self.obj))
 
     def __setitem__(self, key, value):
-        setattr(self.obj, key, value)
+        set_attribute(self.obj, key, value)
 
     def __delitem__(self, key):
-        delattr(self.obj, key)
+        del_attribute(self.obj, key)
 
     def update(self, items: dict):
         for key, value in items.items():
-            setattr(self.obj, key, value)
+            set_attribute(self.obj, key, value)
 
 
 def _refill(container, was) -> None:

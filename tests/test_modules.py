@@ -5409,3 +5409,74 @@ def test_a_refused_tensor_in_an_object_a_list_held_before_leaves_the_list_as_it_
     with pytest.raises(hpfun.CaptureError, match=r"o.lst\[0\].v \(in a _Inner a list or dict holds"):
         hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
     assert o.lst == [inner] and not hasattr(inner, "v")
+
+
+@pytest.mark.parametrize("slotted", [False, True], ids=["dict", "slots"])
+@pytest.mark.parametrize("before", [None, 0], ids=["none", "int"])
+def test_a_number_a_module_held_record_kept_replaced_by_a_tensor_is_refused_and_kept(slotted, before):
+    """`self.rec.last = y.sum()` where the record held None or a number: refused at the first
+    call, as where it held nothing, and the record keeps its value (the first call passed and
+    deleted the attribute, which every later call deleted again, silently)."""
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    model.rec = _SlottedRecord() if slotted else types.SimpleNamespace()
+    model.rec.last = before
+
+    def f(x):
+        out = model(x).sum()
+        model.rec.last = out.detach()
+        return out
+
+    g = hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(2):
+        with pytest.raises(hpfun.CaptureError, match=r"model.rec.last: holds a tensor the function made, where hpfun "
+                                                     r"cannot write it back \(an object a module holds"):
+            g(torch.ones(4, 3, dtype=torch.float64))
+        assert model.rec.last is before
+
+
+def test_numbers_a_forward_sets_in_a_module_held_slotted_record_follow_eager():
+    """A number or list a forward sets on its module's slotted record, in a slot unset or holding
+    None (the write-back failed inside hpfun: `vars()` of an object without a `__dict__`)."""
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    model.rec = _SlottedRecord()
+    model.rec.ema = None
+
+    def f(x):
+        model.rec.last, model.rec.ema = x.shape[0], [x.shape[0], 2]
+        return model(x).sum()
+
+    g = hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for rows in (4, 6, 4):
+        x = torch.ones(rows, 3, dtype=torch.float64)
+        assert torch.allclose(g(x).full(), f(x), rtol=1e-12, atol=0)
+        assert model.rec.last == rows and model.rec.ema == [rows, 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenConfig:
+    scale: float = 2.0
+    cache: object = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenSlottedConfig:
+    scale: float = 2.0
+    cache: object = None
+
+
+@pytest.mark.parametrize("cls", [_FrozenConfig, _FrozenSlottedConfig], ids=["dict", "slots"])
+def test_a_frozen_dataclass_whose_cache_the_step_sets_with_object_setattr_follows_eager(cls):
+    """A frozen dataclass the step closes over, its cache set as its own code sets it
+    (`object.__setattr__(cfg, "cache", ...)`): written back at every call, as eager leaves it
+    (hpfun's own setattr raised FrozenInstanceError inside the trace)."""
+    cfg, ref = cls(), cls()
+
+    def step(c, x):
+        object.__setattr__(c, "cache", x.sum(0) if c.cache is None else c.cache + x.sum(0))
+        return x.sum() * c.scale
+
+    f = hpfun.shard(functools.partial(step, cfg), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)
+    for _ in range(3):
+        assert torch.equal(f(x).full(), step(ref, x))
+        assert torch.equal(cfg.cache, ref.cache)
