@@ -1097,6 +1097,9 @@ def _default_writer(fn, i: int):
     return write
 
 
+_TYPES_OWN = frozenset(v for v in vars(types).values() if isinstance(v, type))
+
+
 def _is_user_object(obj) -> bool:
     """An instance of a class defined in the user's code (not a library's), with attributes, or
     a namespace of them (`argparse`'s parsed arguments, a `SimpleNamespace` config)."""
@@ -1106,6 +1109,8 @@ def _is_user_object(obj) -> bool:
         return False
     if type(obj) in (argparse.Namespace, types.SimpleNamespace):
         return True
+    if type(obj).__module__ == "types" and type(obj) not in _TYPES_OWN:  # a class made at run time
+        return True  # (`dataclasses.make_dataclass`, `types.new_class`: named after the module that made it)
     module = sys.modules.get(type(obj).__module__)
     filename = getattr(module, "__file__", None)
     return module is not None and (filename is None or not _is_library(filename))

@@ -342,6 +342,15 @@ def test_a_fraction_or_decimal_on_a_config_keys_the_cache():
                                 (lambda x: x * float(cfg.d), lambda: setattr(cfg, "d", decimal.Decimal("0.25")))], x)
 
 
+def test_an_object_of_a_class_made_at_run_time_keys_the_cache():
+    """An instance of a class made by `dataclasses.make_dataclass` (or `types.new_class`), which
+    Python names after the `types` module: the user's, its numbers keyed (it was taken for the
+    standard library's, and a changed value ran the first program, silently)."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cfg = dataclasses.make_dataclass("Cfg", [("lr", float, 0.5)])()
+    _each_change_compiles_once([(lambda x: x * cfg.lr, lambda: setattr(cfg, "lr", 2.0))], x)
+
+
 def test_fractions_and_decimals_key_by_their_exact_value():
     """A Fraction is keyed by its numerator and denominator, not its float (two a float cannot
     tell apart gave one program); a Decimal by its sign, digits and exponent, not `==`
