@@ -409,13 +409,16 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 
 
-def _full_entry(v, inplace: bool, param: torch.Tensor | None):
-    """An optimizer state entry gathered: a tensor, or each tensor of a list or tuple of them
-    (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks too)."""
+def _full_entry(v, inplace: bool, param: torch.Tensor | None, depth: int = 4):
+    """An optimizer state entry gathered: a tensor, or each tensor of a list, tuple or dict of
+    them, nested (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks too; AggMo's
+    `{beta: buffer}`, made outside from the parameter's block)."""
     if isinstance(v, torch.Tensor):
         return _full(v, inplace, param)
-    if type(v) in (list, tuple) and v and all(isinstance(t, torch.Tensor) for t in v):
-        return type(v)(_full(t, inplace, param) for t in v)
+    if depth and type(v) in (list, tuple):
+        return type(v)(_full_entry(t, inplace, param, depth - 1) for t in v)
+    if depth and type(v) is dict:
+        return {k: _full_entry(t, inplace, param, depth - 1) for k, t in v.items()}
     return v
 
 

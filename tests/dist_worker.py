@@ -416,6 +416,13 @@ def dtypes_gloo_lacks(mesh) -> dict:
     return results
 
 
+def nest_state(opt) -> None:
+    """State kept in a dict and a list under its parameter (torch-optimizer's AggMo keeps
+    `{beta: buffer}`), made from the parameter's block as the optimizer's own entries are."""
+    for state in opt.state.values():
+        state["nested"] = {0.9: state["exp_avg"] * 2, "pair": [state["exp_avg_sq"] * 3]}
+
+
 def stepped_outside(mesh, x, y) -> dict:
     """The README's way for an optimizer stepped outside the sharded function, on parameters
     split over dp: AdamW makes its state from the blocks; gather_state gathers it with theirs."""
@@ -432,6 +439,7 @@ def stepped_outside(mesh, x, y) -> dict:
         forward_backward(x, y)
         opt.step()
         opt.zero_grad()
+    nest_state(opt)
     other = hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT)  # the same ranks, another mesh
     evaluate = hpfun.shard(lambda x: model(x).sum(), mesh=other, in_specs=P(), out_specs=P())
     refused = _error(lambda: evaluate(x))

@@ -313,6 +313,7 @@ def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
         w.eager_step(model, opt, x, y)
+    w.nest_state(opt)  # (state in a dict and a list under the parameter: each rank's block was returned)
     for rank, results in enumerate(lifted_dp_job):
         got = results["stepped outside"]
         _close(got["model"], model.state_dict(), f"rank {rank}: model")
