@@ -3665,6 +3665,15 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
         return CaptureError(held, headline="cannot capture the function")
     fix = ("pass the tensor as an argument, or hold it in an nn.Module (parameter, buffer or attribute), a "
            "closed-over or global tensor variable, or a dict/list of them: hpfun lifts those and reads them at every call")
+    lifted = next((name for name, v in (state.values().items() if state and tensor is not None else ())
+                   if v is tensor), None)
+    if lifted is not None:  # (state reached by a reference of its own: `weakref.ref(lin.weight)()`)
+        return CaptureError(Problem(where or "the function", f"reads {lifted}, state hpfun lifts, through a reference "
+                                    "hpfun does not replace (a weakref, a table keyed by id, a reference taken before "
+                                    "the call): inside the function hpfun puts a stand-in at its place, and this "
+                                    "reference still gives the real tensor",
+                                    f"read it at its place inside the function ({lifted}, module.parameters()), or "
+                                    "pass it as an argument"), headline="cannot capture the function")
     place = held_at(tensor) if tensor is not None else None
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
                         "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)"

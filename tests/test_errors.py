@@ -1354,3 +1354,18 @@ def test_a_read_value_that_differs_between_ranks_is_named_by_its_place_then_its_
     first, second = _read_places(reads)  # second, equal on every rank, hid the first, which differed)
     (problem,) = _differences([[f"{first}: 4", f"{second}: 1"], [f"{first}: 7", f"{second}: 1"]])
     assert problem.where == f"{place.split(' (')[0]} (k = m.sum() + n.sum()) (read 1)", problem.where
+
+
+def test_lifted_state_read_through_a_weakref_is_named_with_its_place():
+    """A parameter read through a reference of its own (`weakref.ref(lin.weight)()`) reaches the
+    trace as the real tensor: the error names the parameter and says to read it at its place
+    (it said the tensor was neither an argument nor state, and to hold it in a module)."""
+    import weakref
+
+    lin = torch.nn.Linear(4, 2, dtype=torch.float64)
+    ref = weakref.ref(lin.weight)
+    f = hpfun.shard(lambda x: lin(x).sum() + ref().sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"reads lin.weight, state hpfun lifts, through a reference hpfun does "
+                                                 r"not replace \(a weakref.*fix: read it at its place inside the "
+                                                 r"function \(lin.weight"):
+        f(torch.ones(4, 4, dtype=torch.float64))
