@@ -1365,7 +1365,7 @@ def test_lifted_state_read_through_a_weakref_is_named_with_its_place():
     lin = torch.nn.Linear(4, 2, dtype=torch.float64)
     ref = weakref.ref(lin.weight)
     f = hpfun.shard(lambda x: lin(x).sum() + ref().sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match=r"reads lin.weight, state hpfun lifts, through a reference hpfun does "
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)reads lin.weight, state hpfun lifts, through a reference hpfun does "
                                                  r"not replace \(a weakref.*fix: read it at its place inside the "
                                                  r"function \(lin.weight"):
         f(torch.ones(4, 4, dtype=torch.float64))
