@@ -349,6 +349,7 @@ def lifted_dp(out: Path):
     got["keyed by id"] = stepped_by_id(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
+    got["nan extremes"] = nan_extremes(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
     got["equal gradients"] = equal_gradients_momentum(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT))
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
@@ -398,6 +399,22 @@ def per_process_globals(mesh, x) -> dict:
             "want": 2 * x.sum(),
             "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)),
             "made into a tensor": _error(lambda: hpfun.shard(weighted, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
+
+
+def nan_extremes(mesh) -> dict:
+    """Maxima and minima over the split dim of values with a NaN in one rank's block or the
+    other's (gloo's max dropped one a later rank held): (got, want) each, all-reduced, and
+    reduce-scattered where the result stays split."""
+    nan = float("nan")
+    x = torch.tensor([[nan, 1.0, 2.0, 0.5], [2.0, 3.0, 1.0, 0.0], [0.5, nan, nan, 1.0], [4.0, 5.0, 1.0, 2.0]],
+                     dtype=torch.float64)
+    results = {}
+    for name, fn in {"amax": lambda a: a.amax(0), "amin": lambda a: a.amin(0), "max": lambda a: a.max(0).values,
+                     "inf norm": lambda a: torch.linalg.vector_norm(a, float("inf"), dim=0)}.items():
+        for out in (P(), P("dp")):
+            got = hpfun.shard(fn, mesh=mesh, in_specs=(P("dp"),), out_specs=out)(x).full()
+            results[f"{name} to {out}"] = (got, fn(x))
+    return results
 
 
 def dtypes_gloo_lacks(mesh) -> dict:

@@ -525,6 +525,15 @@ def test_an_op_that_fails_while_running_is_named(lifted_dp_job):
         assert "aten.index.Tensor" in text and "reading [S(0)], [R] -> [S(0)]" in text and "IndexError" in text, text
 
 
+def test_a_max_or_min_over_the_mesh_keeps_a_nan_of_any_rank(lifted_dp_job):
+    """amax, amin, max and an inf-norm over the split dim are NaN wherever a rank's block has a
+    NaN, all-reduced or reduce-scattered, as eager's are (gloo's max dropped one rank 1 held)."""
+    for got in lifted_dp_job:
+        assert len(got["nan extremes"]) == 8
+        for what, (value, want) in got["nan extremes"].items():
+            torch.testing.assert_close(value, want, equal_nan=True, rtol=0, atol=0, msg=what)
+
+
 def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
     """int16, uint16/32/64 and float8 values, which gloo has no collective for, are gathered and
     all-to-all'd bit for bit (viewed as a same-size dtype), and an int16 sum is exact (summed in

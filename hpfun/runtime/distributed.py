@@ -112,6 +112,7 @@ class DistributedRuntime:
                 if node.op == "call_function" and node.target in _COLLECTIVES:
                     node.args = (*node.args[:-1], self.group_name(node.args[-1]))
                     if gloo:
+                        _nans_kept(graph, node)
                         _through_gloo(graph, node)
             if boxed:
                 graph.set_codegen(_BoxedCodeGen())
@@ -305,6 +306,36 @@ _GLOO_WIRE = {
     torch.uint64: (torch.int64, None),
     **{f8: (torch.uint8, torch.float32) for f8 in _F8},
 }
+
+
+def _nans_kept(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """A max or min of floating values over the mesh keeping a NaN wherever a rank has one, as
+    eager's amax does: gloo's drops one a later rank holds. Each element travels with a flag of
+    whether it is NaN (stacked on a last dim, so a reduce-scatter splits both alike), reduced
+    by the same op, and the result is NaN where any rank's flag was set."""
+    record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
+    dtype = getattr(torch, str(getattr(record, "dtype", None)), None)
+    if node.target not in _SUMS or node.args[1] not in ("max", "min") or not isinstance(dtype, torch.dtype) \
+            or not dtype.is_floating_point:
+        return
+    aten = torch.ops.aten
+    with graph.inserting_before(node):
+        flag = graph.call_function(aten._to_copy.default, (graph.call_function(aten.isnan.default, (node.args[0],)),),
+                                   {"dtype": dtype})
+        if node.args[1] == "min":  # (set flags are -1, which a min keeps)
+            flag = graph.call_function(aten.neg.default, (flag,))
+        moved = graph.call_function(aten.stack.default, ([node.args[0], flag], -1))
+    node.args = (moved, *node.args[1:])
+    wait = next(iter(node.users))
+    with graph.inserting_after(wait):
+        value = graph.call_function(aten.select.int, (wait, -1, 0))
+    with graph.inserting_after(value):
+        flags = graph.call_function(aten.select.int, (wait, -1, 1))
+    with graph.inserting_after(flags):
+        found = graph.call_function(aten.ne.Scalar, (flags, 0))
+    with graph.inserting_after(found):
+        kept = graph.call_function(aten.masked_fill.Scalar, (value, found, float("nan")))
+    wait.replace_all_uses_with(kept, delete_user_cb=lambda user: user not in (value, flags))
 
 
 def _through_gloo(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
