@@ -119,9 +119,14 @@ def lost(values) -> list[str]:
     return names
 
 
+# tensor -> data pointer: lifted state a distributed call left whole (a replicated layout)
+_WHOLE = _Blocks()
+
+
 def _hold(x: torch.Tensor, layout: Layout, shape: tuple) -> None:
     if layout.is_replicated:
         _LOCAL.pop(x, None)
+        _WHOLE[x] = x.data_ptr()
     else:  # (its block's shape and its signature's token, made once: read at every call)
         shape = tuple(shape)
         _LOCAL[x] = (layout, shape, x.data_ptr(), layout.local_shape(shape), signature(layout, shape, x.dtype))
@@ -308,7 +313,7 @@ def _update(target, value: Sharded, whole: bool = False, taken: set | None = Non
         target.copy_(value.full())
     elif value.layout.is_replicated and tuple(target.shape) == tuple(value.global_shape):
         target.copy_(value.shards[0])
-        _LOCAL.pop(target, None)
+        _hold(target, value.layout, value.global_shape)
     elif whole:  # (every rank writes back the same values in the same order: the gather pairs up)
         full = value.full()
         if tuple(target.shape) == tuple(full.shape):
@@ -476,7 +481,8 @@ def _full(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> 
     its parameter holds (`exp_avg` of the block's shape) is that block's, in its layout."""
     block = held_block(x)
     if block is None and param is not None and x.dim() > 0 and (owner := held_block(param)) is not None \
-            and x.shape == param.shape:
+            and x.shape == param.shape and _WHOLE.get(x) != x.data_ptr():  # (not state a call left whole:
+        # Adafactor's (1, 8) column statistics of a (4, 8) weight split over 4 ranks, shaped as its block)
         block = Sharded(owner.layout, owner.global_shape, (x,))
     full = x.detach() if block is None else block.full()
     if inplace and block is not None:

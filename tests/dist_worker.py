@@ -8,6 +8,7 @@ import os
 import sys
 import types
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -350,6 +351,7 @@ def lifted_dp(out: Path):
     got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     got["nan extremes"] = nan_extremes(mesh)
+    got["whole state shaped as a block"] = whole_state_shaped_as_a_block(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
     got["equal gradients"] = equal_gradients_momentum(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT))
     torch.save(got, out / f"lifted_dp-rank{RANK}.pt")
@@ -399,6 +401,31 @@ def per_process_globals(mesh, x) -> dict:
             "want": 2 * x.sum(),
             "read and different": _error(lambda: hpfun.shard(scaled, mesh=mesh, in_specs=P("dp"), out_specs=P())(x)),
             "made into a tensor": _error(lambda: hpfun.shard(weighted, mesh=mesh, in_specs=P("dp"), out_specs=P())(x))}
+
+
+def adafactor_model():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 2, bias=False, dtype=torch.float64)
+    return lin, torch.optim.Adafactor(lin.parameters(), lr=0.01)
+
+
+def whole_state_shaped_as_a_block(mesh) -> dict:
+    """Adafactor on a (2, 8) weight split by rows over 2 ranks: its (1, 8) column statistics,
+    kept whole, have the shape of the weight's block (gather_state stacked the two ranks' copies)."""
+    lin, opt = adafactor_model()
+
+    def step(x):
+        lin(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.linspace(-1.0, 1.0, 32, dtype=torch.float64).reshape(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the pattern's WildcardWarning: the statistics cannot be split)
+        sharded = hpfun.shard(step, mesh=mesh, in_specs=P("dp"), out_specs=None, state_specs={"*": P("dp")})
+        for _ in range(2):
+            sharded(x)
+    return hpfun.gather_state(opt)["state"][0]
 
 
 def nan_extremes(mesh) -> dict:

@@ -534,6 +534,21 @@ def test_a_max_or_min_over_the_mesh_keeps_a_nan_of_any_rank(lifted_dp_job):
             torch.testing.assert_close(value, want, equal_nan=True, rtol=0, atol=0, msg=what)
 
 
+def test_gather_state_keeps_whole_state_shaped_as_its_parameters_block(lifted_dp_job):
+    """Adafactor's (1, 8) column statistics of a (2, 8) weight split by rows are kept whole and
+    have the shape of the weight's block: gathered as they are, equal to eager's (they came
+    back as (2, 8), the ranks' copies stacked)."""
+    w = _worker()
+    lin, opt = w.adafactor_model()
+    x = torch.linspace(-1.0, 1.0, 32, dtype=torch.float64).reshape(4, 8)
+    for _ in range(2):
+        lin(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, got in enumerate(lifted_dp_job):
+        _close(got["whole state shaped as a block"], opt.state_dict()["state"][0], f"rank {rank}")
+
+
 def test_dtypes_gloo_lacks_move_and_sum_exactly(lifted_dp_job):
     """int16, uint16/32/64 and float8 values, which gloo has no collective for, are gathered and
     all-to-all'd bit for bit (viewed as a same-size dtype), and an int16 sum is exact (summed in
