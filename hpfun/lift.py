@@ -44,7 +44,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hpfun.capture import HPFUN_DIR, SITE_PACKAGES, TORCH_DIR, cell_value, exact_key, in_backwards
-from hpfun.optimizers import PythonFloats, read_as_float
+from hpfun.optimizers import FOREACH_SGD, PythonFloats, read_as_float
 from hpfun.errors import CaptureError, Problem
 from hpfun.sharded import Sharded
 from torch._subclasses.fake_tensor import FakeTensor
@@ -2774,6 +2774,10 @@ class Substitution:
                 # the for-loop path does what the foreach one does (capture splits foreach ops per tensor)
                 self._set(functools.partial(group.__setitem__, "foreach"), group["foreach"], False)
                 self.set_aside.add(_join(prefix, f"param_groups.{g}.foreach"))
+                if isinstance(opt, torch.optim.SGD):  # (and to the gradients: `optimizers._sgd_step`)
+                    ids = {id(self.swap.get(id(p), p)) for p in group["params"]}
+                    FOREACH_SGD.update(ids)
+                    self._undo.append(functools.partial(FOREACH_SGD.difference_update, ids))
             for key, v in list(group.items()):
                 held = _group_tensors(key, v)
                 for _, x in held:

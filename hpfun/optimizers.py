@@ -22,6 +22,7 @@ import contextlib
 import sys
 
 import torch
+from torch.optim import sgd as _sgd_module
 
 
 class PythonFloats:
@@ -144,8 +145,32 @@ def _adafactor_step(params, grads, row_vars, col_vars, variances, state_steps, g
         param.add_(update, alpha=-alpha / denom)
 
 
+# ids of the stand-ins of parameters whose SGD group eager steps by its foreach path, which a
+# trace takes the for-loop path of (a lifted learning rate): filled by `lift.Substitution`
+FOREACH_SGD: set = set()
+_SINGLE_TENSOR_SGD = _sgd_module._single_tensor_sgd
+
+
+def _sgd_step(params, grads, momentum_buffer_list, grad_scale, found_inf, *, weight_decay, momentum, lr, dampening,
+              nesterov, maximize, has_sparse_grad) -> None:
+    """`torch.optim.sgd._single_tensor_sgd`, then what the foreach path eager takes also does to
+    the gradients of the parameters in `FOREACH_SGD`: with Nesterov momentum (no weight decay,
+    not maximizing) it adds `momentum * buf` into each `p.grad` in place, which code reading the
+    gradients after the step sees."""
+    _SINGLE_TENSOR_SGD(params, grads, momentum_buffer_list, grad_scale, found_inf, weight_decay=weight_decay,
+                       momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
+                       has_sparse_grad=has_sparse_grad)
+    if not FOREACH_SGD or not nesterov or maximize or weight_decay != 0 or momentum == 0:
+        return
+    with torch.no_grad():
+        for param, grad, buf in zip(params, grads, momentum_buffer_list, strict=True):
+            if id(param) in FOREACH_SGD and buf is not None:
+                grad.add_(buf, alpha=momentum)
+
+
 _TRACED = {"torch.optim._adafactor": {"_single_tensor_adafactor": _adafactor_step,
-                                       "_multi_tensor_adafactor": _adafactor_step}}
+                                       "_multi_tensor_adafactor": _adafactor_step},
+           "torch.optim.sgd": {"_single_tensor_sgd": _sgd_step}}
 
 
 @contextlib.contextmanager

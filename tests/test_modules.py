@@ -5480,3 +5480,32 @@ def test_a_frozen_dataclass_whose_cache_the_step_sets_with_object_setattr_follow
     for _ in range(3):
         assert torch.equal(f(x).full(), step(ref, x))
         assert torch.equal(cfg.cache, ref.cache)
+
+
+@pytest.mark.parametrize("options", [dict(nesterov=True), dict(nesterov=True, weight_decay=0.1),
+                                     dict(nesterov=True, maximize=True), dict()],
+                         ids=["nesterov", "weight_decay", "maximize", "plain"])
+def test_sgd_foreach_leaves_the_gradients_as_its_eager_step_does(options):
+    """SGD's foreach path with Nesterov momentum (no weight decay, not maximizing) adds
+    `momentum * buf` into each `p.grad` in place; hpfun traces its for-loop path, which does not:
+    gradients read after the step (and carried to the next call) are eager's now (they differed)."""
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True, **options)
+
+    (model, opt), (ref, ref_opt) = setup(), setup()
+
+    def step(m, o, x, y):
+        o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        o.step()
+        return torch.stack([p.grad.norm() for p in m.parameters()])  # (read after the step)
+
+    sharded = hpfun.shard(functools.partial(step, model, opt), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        torch.testing.assert_close(sharded(x, y).full(), step(ref, ref_opt, x, y), rtol=1e-12, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
