@@ -2816,6 +2816,12 @@ class Substitution:
         edits = self._rebound() + self._container_edits()  # (before any slot is read: a list cleared holds none of them)
         if edits:
             raise CaptureError(edits, headline="cannot lift the state the function reads")
+        if deleted := [name for name, slot in self.state.slots.items() if not _readable(slot)]:
+            raise CaptureError([Problem(name, "is deleted by the function (`del`): hpfun writes the state it lifts "
+                                        "back after every call, and a program cannot delete it",
+                                        "delete it outside the sharded function, or set it to None inside (hpfun "
+                                        "then sets it to None at every call)") for name in deleted],
+                               headline="the function deletes state")
         for slot in self.state.slots.values():  # (a place assigned under a torch.func transform: `_unwrap_escaped`)
             if isinstance(v := slot.read(), torch.Tensor) and (u := _unwrapped(v)) is not v:
                 slot.write(u)
@@ -3058,6 +3064,15 @@ class Substitution:
                 real_state[p] = v
             else:
                 real_state[p][key] = v
+
+
+def _readable(slot) -> bool:
+    """Whether a slot's place still exists (`del obj.t` inside the function: its getattr fails)."""
+    try:
+        slot.read()
+    except AttributeError:
+        return False
+    return True
 
 
 def _unwrapped(v):

@@ -3,6 +3,7 @@
 import random
 import sys
 import time
+import types
 
 import numpy as np
 import math
@@ -1369,3 +1370,27 @@ def test_lifted_state_read_through_a_weakref_is_named_with_its_place():
                                                  r"not replace \(a weakref.*fix: read it at its place inside the "
                                                  r"function \(lin.weight"):
         f(torch.ones(4, 4, dtype=torch.float64))
+
+
+def test_lifted_state_deleted_inside_is_refused_naming_it_and_kept():
+    """`del c.t` of a tensor hpfun lifts from a closed-over object: refused naming it, with the
+    fix, and the object keeps its tensor (the write-back failed inside hpfun with an
+    AttributeError); set to None inside, it is None after every call, as eager leaves it."""
+    c = types.SimpleNamespace(t=torch.ones(3, dtype=torch.float64))
+
+    def deletes(x):
+        y = x.sum(0) + c.t
+        del c.t
+        return y
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)c.t: is deleted by the function .*fix: delete it outside"):
+        hpfun.shard(deletes, mesh=MESH, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
+    assert torch.equal(c.t, torch.ones(3, dtype=torch.float64))
+
+    def empties(x):
+        y = x.sum(0) + c.t
+        c.t = None
+        return y
+
+    out = hpfun.shard(empties, mesh=MESH, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
+    assert torch.equal(out.full(), torch.full((3,), 5.0, dtype=torch.float64)) and c.t is None
