@@ -3036,7 +3036,10 @@ def _describe(err: Exception) -> str:
                 "compute it outside the sharded function and pass it in, or use torch.where")
         stack = traceback.extract_tb(err.__traceback__)
         frames = {os.path.basename(f.filename) for f in stack}
-        reader = next((f for f in reversed(stack) if _public_torch_file(f.filename)), None)
+        outside = [i for i, f in enumerate(stack) if not f.filename.startswith((TORCH_DIR, HPFUN_DIR))]
+        below = stack[outside[-1] + 1:] if outside else stack  # (torch's frames under the innermost other code's:
+        reader = next((f for f in reversed(below) if _public_torch_file(f.filename)), None)  # not the module call
+        # that ran a model whose own line reads the value, `expert_size.tolist()`)
         if _READABLE[0] is not None and _READABLE[0][2]:
             hint = (" — the function reads values of its arguments here, and they are meta tensors (planning "
                     "only): give real tensors for the arguments it reads (the others may stay meta)")

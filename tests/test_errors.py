@@ -1394,3 +1394,24 @@ def test_lifted_state_deleted_inside_is_refused_naming_it_and_kept():
 
     out = hpfun.shard(empties, mesh=MESH, in_specs=P("dp"), out_specs=P())(torch.ones(4, 3, dtype=torch.float64))
     assert torch.equal(out.full(), torch.full((3,), 5.0, dtype=torch.float64)) and c.t is None
+
+
+class _CountsPositiveWeights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        n = (self.lin.weight > 0).sum().tolist()  # (a read of a parameter's values)
+        return self.lin(x) * n
+
+
+def test_a_read_in_a_models_own_line_is_not_said_to_be_in_torchs_module_call():
+    """A value read by a module's own forward (JetMoE's `expert_size.tolist()`) is named at that
+    line; the hint no longer adds '(the read is in nn/modules/module.py:..., _call_impl)', the
+    torch frame that called the forward."""
+    m = _CountsPositiveWeights()
+    f = hpfun.shard(lambda x: m(x).sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError) as err:
+        f(torch.ones(4, 4, dtype=torch.float64))
+    assert "n = (self.lin.weight > 0).sum().tolist()" in str(err.value) and "the read is in" not in str(err.value)
