@@ -1417,32 +1417,37 @@ class ModuleValues:
         return [(k, before.get(k, _MISSING), now.get(k, _MISSING)) for k in dict.fromkeys([*before, *now])
                 if exact_key(before.get(k, _MISSING)) != exact_key(now.get(k, _MISSING))]
 
-    def current(self, name: str):
-        """What the place of one value holds now (_MISSING where nothing)."""
+    def _place(self, name: str) -> tuple:
+        """(the object holding one value, its key there): a dict's own key, or an attribute name."""
         owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
         owner = self.objects.get(owner_name)
         if type(owner) is dict:
-            return next((v for k, v in owner.items() if str(k) == attr), _MISSING)
-        return _MISSING if owner is None else attributes(owner).get(attr, _MISSING)
+            return owner, next((k for k in owner if str(k) == attr), attr)
+        return owner, attr
+
+    def current(self, name: str):
+        """What the place of one value holds now (_MISSING where nothing)."""
+        owner, key = self._place(name)
+        if owner is None:
+            return _MISSING
+        return owner.get(key, _MISSING) if type(owner) is dict else attributes(owner).get(key, _MISSING)
 
     def set(self, name: str, value) -> None:
         """Write one value at its place (deleting it for _MISSING)."""
-        owner_name, _, attr = name.rpartition(".") if "." in name else ("", "", name)
-        owner = self.objects.get(owner_name)
+        owner, key = self._place(name)
         if owner is None:
             return
         if type(owner) is dict:
-            key = next((k for k in owner if str(k) == attr), attr)
             if value is _MISSING:
                 owner.pop(key, None)
             else:
                 owner[key] = value
             return
         if value is _MISSING:
-            if attr in attributes(owner):  # (its __dict__ or a set slot: never a class's own attribute)
-                del_attribute(owner, attr)
+            if key in attributes(owner):  # (its __dict__ or a set slot: never a class's own attribute)
+                del_attribute(owner, key)
         else:
-            set_attribute(owner, attr, value)
+            set_attribute(owner, key, value)
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own bookkeeping in every module
