@@ -338,3 +338,14 @@ def test_a_complex_parameter_is_trained_by_the_stock_step(w_spec):
         assert abs(sharded(x).full().item() - step(ref, ref_opt, x).item()) < 1e-12
     assert (model.w - ref.w).abs().max().item() < 1e-12 and model.w.grad is not None
     assert (opt.state[model.w]["exp_avg"] - ref_opt.state[ref.w]["exp_avg"]).abs().max().item() < 1e-12
+
+
+def test_a_complex_sum_over_the_mesh_with_an_infinite_part_is_eagers():
+    """A complex sum over a split dim where one rank's partial sum is infinite in one part:
+    eager's `[1+1j, inf+1j].sum(0)` is inf+2j; the simulated mesh added the ranks' terms as
+    complex numbers (`a + b` is a + 1 * b, and 1 * (inf+1j) is inf+nanj) and gave inf+nanj."""
+    x = torch.tensor([1 + 1j, 2 - 1j, complex(float("inf"), 1), 3 + 0j], dtype=torch.complex128)
+    y = torch.tensor([1 + 1j, 2 - 1j, complex(1, float("-inf")), 3 + 0j], dtype=torch.complex128)
+    f = hpfun.shard(lambda a: a.sum(0), mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=P("dp"), out_specs=P())
+    for v in (x, y):
+        torch.testing.assert_close(f(v).full(), v.sum(0), equal_nan=True, rtol=0, atol=0)
