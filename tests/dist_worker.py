@@ -351,6 +351,7 @@ def lifted_dp(out: Path):
     got["stepped in backward"] = stepped_in_backward(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["gloo dtypes"] = dtypes_gloo_lacks(mesh)
     got["nan extremes"] = nan_extremes(mesh)
+    got["complex moves"] = complex_moves(mesh)
     got["whole state shaped as a block"] = whole_state_shaped_as_a_block(mesh)
     got["per-process globals"] = per_process_globals(mesh, x)
     got["equal gradients"] = equal_gradients_momentum(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT))
@@ -426,6 +427,19 @@ def whole_state_shaped_as_a_block(mesh) -> dict:
         for _ in range(2):
             sharded(x)
     return hpfun.gather_state(opt)["state"][0]
+
+
+def complex_moves(mesh) -> dict:
+    """Complex values re-split from one dim to another (an all-to-all, which gloo refuses for
+    complex dtypes) and summed over the split dim: (got, want) each."""
+    results = {}
+    for dtype in (torch.complex64, torch.complex128):
+        x = torch.arange(16, dtype=torch.float64).reshape(4, 4).to(dtype) * (1 - 2j)
+        moved = hpfun.shard(lambda a: a.cumsum(0), mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P("dp", None))
+        results[f"all_to_all {dtype}"] = (moved(x).full(), x.cumsum(0))
+        summed = hpfun.shard(lambda a: a.sum(0), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+        results[f"sum {dtype}"] = (summed(x).full(), x.sum(0))
+    return results
 
 
 def nan_extremes(mesh) -> dict:

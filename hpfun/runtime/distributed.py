@@ -345,22 +345,31 @@ def _through_gloo(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     bits (two's complement adds alike); its max or min has no exact stand-in and is refused."""
     record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
     dtype = getattr(torch, str(getattr(record, "dtype", None)), None)
-    if dtype not in _GLOO_WIRE:
+    if isinstance(dtype, torch.dtype) and dtype.is_complex and node.target not in _SUMS:
+        # (gloo's all-to-all refuses complex values: moved as their pairs of floats, a trailing dim of 2,
+        # which leaves the dim 0 a gather or all-to-all splits and joins as it is)
+        there, back = (torch.ops.aten.view_as_real.default,), (torch.ops.aten.view_as_complex.default,)
+    elif dtype not in _GLOO_WIRE:
         return
-    moves, reduces = _GLOO_WIRE[dtype]
-    reduce = node.args[1] if node.target in _SUMS else None
-    if reduce is None or dtype is torch.uint64 and reduce == "sum":
-        there, back = (torch.ops.aten.view.dtype, moves), (torch.ops.aten.view.dtype, dtype)
-    elif reduces is not None:
-        there, back = (torch.ops.aten.to.dtype, reduces), (torch.ops.aten.to.dtype, dtype)
     else:
-        raise ShardingError(Problem(
-            "torch.distributed (gloo)", f"a {reduce} of {dtype} values over the mesh ({record})",
-            "gloo has no collective for this dtype and no exact stand-in for this reduction: compute it in int64"))
+        there, back = _gloo_stand_in(node, record, dtype)
     with graph.inserting_before(node):
-        moved = graph.call_function(there[0], (node.args[0], there[1]))
+        moved = graph.call_function(there[0], (node.args[0], *there[1:]))
     node.args = (moved, *node.args[1:])
     wait = next(iter(node.users))
     with graph.inserting_after(wait):
-        restored = graph.call_function(back[0], (wait, back[1]))
+        restored = graph.call_function(back[0], (wait, *back[1:]))
     wait.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
+
+
+def _gloo_stand_in(node: torch.fx.Node, record, dtype: torch.dtype) -> tuple:
+    """The ops moving a value of a dtype gloo lacks there and back (`_GLOO_WIRE`)."""
+    moves, reduces = _GLOO_WIRE[dtype]
+    reduce = node.args[1] if node.target in _SUMS else None
+    if reduce is None or dtype is torch.uint64 and reduce == "sum":
+        return (torch.ops.aten.view.dtype, moves), (torch.ops.aten.view.dtype, dtype)
+    if reduces is not None:
+        return (torch.ops.aten.to.dtype, reduces), (torch.ops.aten.to.dtype, dtype)
+    raise ShardingError(Problem(
+        "torch.distributed (gloo)", f"a {reduce} of {dtype} values over the mesh ({record})",
+        "gloo has no collective for this dtype and no exact stand-in for this reduction: compute it in int64"))
