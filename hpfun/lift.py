@@ -550,20 +550,26 @@ def _is_user_module(module: types.ModuleType) -> bool:
 
 
 def set_attribute(obj, name: str, value) -> None:
-    """`setattr`, or where the object's class refuses assignment (a frozen dataclass, whose own
-    code writes with `object.__setattr__`: a cache set so), what that writes."""
+    """`setattr`, or where the object's class refuses assignment (a frozen dataclass or attrs
+    class, whose own code writes with `object.__setattr__`: a cache set so), what that writes."""
     try:
         setattr(obj, name, value)
-    except dataclasses.FrozenInstanceError:
-        object.__setattr__(obj, name, value)
+    except AttributeError as err:  # (dataclasses' and attrs' FrozenInstanceError are AttributeErrors)
+        try:
+            object.__setattr__(obj, name, value)
+        except (AttributeError, TypeError):
+            raise err from None
 
 
 def del_attribute(obj, name: str) -> None:
     """`delattr`, or `object.__delattr__` where the class refuses it (as `set_attribute`)."""
     try:
         delattr(obj, name)
-    except dataclasses.FrozenInstanceError:
-        object.__delattr__(obj, name)
+    except AttributeError as err:
+        try:
+            object.__delattr__(obj, name)
+        except (AttributeError, TypeError):
+            raise err from None
 
 
 def attributes(obj) -> dict:
@@ -622,7 +628,10 @@ def held_sets(roots) -> list:
 
 
 def _is_user_class(cls: type) -> bool:
-    """A class defined in the user's code, not a library's (whose attributes are its own)."""
+    """A class defined in the user's code, not a library's (whose attributes are its own), or
+    made at run time (`dataclasses.make_dataclass`: named after the `types` module)."""
+    if cls.__module__ == "types" and cls not in _TYPES_OWN:
+        return True
     module = sys.modules.get(cls.__module__)
     filename = getattr(module, "__file__", None)
     return module is not None and cls.__module__ != "builtins" and (filename is None or not _is_library(filename))
@@ -3244,7 +3253,7 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
             del owner[key]
     elif fakes and attributes:
         for key in fakes:
-            delattr(owner, key)
+            del_attribute(owner, key)
     for key, w in items.items():
         if not isinstance(w, FakeTensor):
             _take_fakes(w, at(key), found, seen, depth + 1)

@@ -13,6 +13,7 @@ import sys
 import types
 import warnings
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -5464,7 +5465,14 @@ class _FrozenSlottedConfig:
     cache: object = None
 
 
-@pytest.mark.parametrize("cls", [_FrozenConfig, _FrozenSlottedConfig], ids=["dict", "slots"])
+@attrs.frozen
+class _FrozenAttrsConfig:
+    scale: float = 2.0
+    cache: object = None
+
+
+@pytest.mark.parametrize("cls", [_FrozenConfig, _FrozenSlottedConfig, _FrozenAttrsConfig],
+                         ids=["dict", "slots", "attrs"])
 def test_a_frozen_dataclass_whose_cache_the_step_sets_with_object_setattr_follows_eager(cls):
     """A frozen dataclass the step closes over, its cache set as its own code sets it
     (`object.__setattr__(cfg, "cache", ...)`): written back at every call, as eager leaves it
@@ -5509,3 +5517,24 @@ def test_sgd_foreach_leaves_the_gradients_as_its_eager_step_does(options):
     assert max_diff(model, ref) < 1e-12
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+
+def test_a_frozen_dataclass_a_module_holds_given_a_tensor_is_refused_and_left_as_it_was():
+    """A frozen dataclass a module holds, its cache set to a tensor (refused, as for any object
+    a module holds): hpfun's own undo failed to delete the field and left the trace's stand-in
+    in it, which broke every later call; now the refusal is the usual one, and the cache is
+    None again."""
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    model.cfg = _FrozenConfig()
+
+    def f(x):
+        y = model(x)
+        object.__setattr__(model.cfg, "cache", y.detach())
+        return y.sum()
+
+    g = hpfun.shard(f, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for _ in range(2):
+        with pytest.raises(hpfun.CaptureError, match=r"model.cfg.cache: holds a tensor the function made"):
+            g(torch.ones(4, 3, dtype=torch.float64))
+        assert model.cfg.cache is None

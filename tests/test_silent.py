@@ -348,7 +348,10 @@ def test_an_object_of_a_class_made_at_run_time_keys_the_cache():
     standard library's, and a changed value ran the first program, silently)."""
     x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     cfg = dataclasses.make_dataclass("Cfg", [("lr", float, 0.5)])()
-    _each_change_compiles_once([(lambda x: x * cfg.lr, lambda: setattr(cfg, "lr", 2.0))], x)
+    cls = dataclasses.make_dataclass("Scaled", [("lr", float, 0.5)])  # (and a number set on such a class)
+    cls.scale = 1.0
+    _each_change_compiles_once([(lambda x: x * cfg.lr, lambda: setattr(cfg, "lr", 2.0)),
+                                (lambda x: x * cls.scale, lambda: setattr(cls, "scale", 4.0))], x)
 
 
 def test_fractions_and_decimals_key_by_their_exact_value():
