@@ -410,7 +410,8 @@ def test_softmax_of_replicated_scores_feeding_a_head_split_value_runs_the_fused_
     planner cut the scores in the middle of softmax's pieces (after the max), and the float32
     pieces rounded differently from eager's fused kernel (2.4e-7). The scores are cut first now,
     and softmax and log-softmax, forward and backward, run fused on each rank's heads: the gradient is exact."""
-    s, v = (torch.randn(4, 4, 8, 8, generator=_GEN) * 3 for _ in range(2))
+    gen = torch.Generator().manual_seed(0)  # (its own: _GEN's state depends on the tests run before on a worker)
+    s, v = (torch.randn(4, 4, 8, 8, generator=gen) * 3 for _ in range(2))
 
     def f(s, v):
         return torch.func.grad_and_value(lambda s: (F.softmax(s, -1) @ v).square().sum()
@@ -418,8 +419,9 @@ def test_softmax_of_replicated_scores_feeding_a_head_split_value_runs_the_fused_
 
     mesh = hpfun.Mesh.simulated((2,), ("tp",))
     g = hpfun.shard(f, mesh=mesh, in_specs=(P(), P(None, "tp")), out_specs=P())
-    (grad, loss), (want_grad, want_loss) = g(s, v), f(s, v)  # (the loss sums the split heads in another order)
-    assert torch.equal(grad.full(), want_grad) and torch.allclose(loss.full(), want_loss, rtol=1e-6)
+    (grad, loss), (want_grad, want_loss) = g(s, v), f(s, v)  # (the loss sums the split heads in another order:
+    # float32 sums of a thousand terms of a few hundred, reordered, differ by up to 2e-6 relative)
+    assert torch.equal(grad.full(), want_grad) and torch.allclose(loss.full(), want_loss, rtol=1e-5)
     program = str(g.lower(s, v))
     fused = ("_softmax.default", "_log_softmax.default", "_softmax_backward_data", "_log_softmax_backward_data")
     assert all(op in program for op in fused) and " exp.default(" not in program and " amax.default(" not in program
