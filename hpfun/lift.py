@@ -202,6 +202,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
                 optimizer_own(obj, name)
+        elif type(obj) is types.MappingProxyType and len(obj) <= PLAIN_CONTAINER_ITEMS:  # a read-only view of a
+            seen_objects.add(id(obj))  # dict (a class's `__dict__`, `MappingProxyType(cfg)`): what it shows is read
+            note(None)  # (walked again at every call: the dict it shows may change)
+            for k, v in list(obj.items()):
+                if _is_scalar(k) and not _is_an_id(k):
+                    value(v, f"{name}.{k}", functools.partial(obj.get, k), None)
         elif isinstance(obj, dict) and ((holds := _holds_state(obj)) or _length(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if _keyed_by_tensors(obj):  # (`scales[p]`, `scales.get(p, 1.0)`, `buf[id(p)]`)

@@ -354,6 +354,15 @@ def test_an_object_of_a_class_made_at_run_time_keys_the_cache():
                                 (lambda x: x * cls.scale, lambda: setattr(cls, "scale", 4.0))], x)
 
 
+def test_a_read_only_view_of_a_dict_keys_the_cache():
+    """`types.MappingProxyType(cfg)` closed over, the dict it shows changed between calls: a new
+    program (the first ran, silently: the view was held opaque)."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    src = {"lr": 0.5}
+    view = types.MappingProxyType(src)
+    _each_change_compiles_once([(lambda x: x * view["lr"], lambda: src.__setitem__("lr", 9.0))], x)
+
+
 def test_fractions_and_decimals_key_by_their_exact_value():
     """A Fraction is keyed by its numerator and denominator, not its float (two a float cannot
     tell apart gave one program); a Decimal by its sign, digits and exponent, not `==`
