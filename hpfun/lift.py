@@ -636,7 +636,7 @@ def held_sets(roots) -> list:
 def _is_user_class(cls: type) -> bool:
     """A class defined in the user's code, not a library's (whose attributes are its own), or
     made at run time (`dataclasses.make_dataclass`: named after the `types` module)."""
-    if cls.__module__ == "types" and cls not in _TYPES_OWN:
+    if _made_at_run_time(cls):
         return True
     module = sys.modules.get(cls.__module__)
     filename = getattr(module, "__file__", None)
@@ -1115,6 +1115,12 @@ def _default_writer(fn, i: int):
 _TYPES_OWN = frozenset(v for v in vars(types).values() if isinstance(v, type))
 
 
+def _made_at_run_time(cls: type) -> bool:
+    """A class made by `dataclasses.make_dataclass` or `types.new_class`, which Python names after
+    the `types` module (not one of that module's own classes): the user's."""
+    return cls.__module__ == "types" and cls not in _TYPES_OWN
+
+
 def _is_user_object(obj) -> bool:
     """An instance of a class defined in the user's code (not a library's), with attributes, or
     a namespace of them (`argparse`'s parsed arguments, a `SimpleNamespace` config)."""
@@ -1124,8 +1130,8 @@ def _is_user_object(obj) -> bool:
         return False
     if type(obj) in (argparse.Namespace, types.SimpleNamespace):
         return True
-    if type(obj).__module__ == "types" and type(obj) not in _TYPES_OWN:  # a class made at run time
-        return True  # (`dataclasses.make_dataclass`, `types.new_class`: named after the module that made it)
+    if _made_at_run_time(type(obj)):
+        return True
     module = sys.modules.get(type(obj).__module__)
     filename = getattr(module, "__file__", None)
     return module is not None and (filename is None or not _is_library(filename))

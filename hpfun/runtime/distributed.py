@@ -308,13 +308,18 @@ _GLOO_WIRE = {
 }
 
 
+def _record_dtype(node: torch.fx.Node) -> tuple:
+    """A collective's planned record (its bucket's, if bucketed) and the dtype it moves."""
+    record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
+    return record, getattr(torch, str(getattr(record, "dtype", None)), None)
+
+
 def _nans_kept(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """A max or min of floating values over the mesh keeping a NaN wherever a rank has one, as
     eager's amax does: gloo's drops one a later rank holds. Each element travels with a flag of
     whether it is NaN (stacked on a last dim, so a reduce-scatter splits both alike), reduced
     by the same op, and the result is NaN where any rank's flag was set."""
-    record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
-    dtype = getattr(torch, str(getattr(record, "dtype", None)), None)
+    _, dtype = _record_dtype(node)
     if node.target not in _SUMS or node.args[1] not in ("max", "min") or not isinstance(dtype, torch.dtype) \
             or not dtype.is_floating_point:
         return
@@ -343,8 +348,7 @@ def _through_gloo(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     its bits viewed as a same-size dtype where the values only move, or cast to a wider dtype
     where they are reduced, and back after the wait. A uint64 sum is the int64 sum of the same
     bits (two's complement adds alike); its max or min has no exact stand-in and is refused."""
-    record = node.meta.get("hpfun_bucket") or node.meta.get("hpfun_collective")
-    dtype = getattr(torch, str(getattr(record, "dtype", None)), None)
+    record, dtype = _record_dtype(node)
     if isinstance(dtype, torch.dtype) and dtype.is_complex and node.target not in _SUMS:
         # (gloo's all-to-all refuses complex values: moved as their pairs of floats, a trailing dim of 2,
         # which leaves the dim 0 a gather or all-to-all splits and joins as it is)
