@@ -176,7 +176,7 @@ class _Site:
     layouts. `key` names the question without the node, so identical layers share answers."""
 
     __slots__ = ("node", "rule", "fallback", "producers", "mesh", "_leaves", "_shape", "_slots", "outputs", "key",
-                 "values", "kind", "single")
+                 "values", "kind", "single", "same", "asked")
 
     def __init__(self, node: torch.fx.Node, rule, mesh: Mesh, fallback: bool = False):
         self.node, self.rule, self.fallback, self.mesh = node, rule, fallback, mesh
@@ -201,6 +201,8 @@ class _Site:
             key = (node,)
         self.key = key
         self.kind = None  # the key's number in its graph (`_Graph`)
+        self.same = node.target in SAME_VALUE
+        self.asked = None  # in a `_Graph`: every input layouts the rule was asked about
 
     def call(self, layouts: tuple) -> OpCall:
         leaves = list(self._leaves)
@@ -249,6 +251,16 @@ class _Options:
         object.__setattr__(self, "options", [(s, self.call, w, moves, pending) for s, w, moves, pending in self.strategies])
 
 
+_PLACEHOLDER, _GET_ATTR, _GETITEM, _OP, _OUTPUT, _OTHER = range(6)
+
+
+def _step(node: torch.fx.Node) -> int:
+    """What a walk does at `node`."""
+    if node.op == "call_function":
+        return _GETITEM if node.target is operator.getitem else _OP
+    return {"placeholder": _PLACEHOLDER, "get_attr": _GET_ATTR, "output": _OUTPUT}.get(node.op, _OTHER)
+
+
 class _Graph:
     """The graph prepared for greedy passes: one site per op, and the rules' answers, asked once."""
 
@@ -257,6 +269,8 @@ class _Graph:
         self.nodes = list(gm.graph.nodes)
         self.input_layouts = list(input_layouts)
         self.sites: dict = {}
+        self._answers: dict = {}
+        self.asked: dict = {}  # per op node, every input layouts its rule was asked about
         kinds: dict = {}
         for node in self.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
@@ -266,12 +280,13 @@ class _Graph:
                     torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
                 site = self.sites[node] = _Site(node, _FALLBACK if fell else rule, mesh, fell)
                 site.kind = kinds.setdefault(site.key, len(kinds))  # hashing the key once, not per question
+                site.asked = self.asked.setdefault(node, {})
+        # what a walk does at each node, decided once: (node, step, its site)
+        self.steps = [(node, _step(node), self.sites.get(node)) for node in self.nodes]
         out = next(n for n in reversed(self.nodes) if n.op == "output")
         results = tensor_inputs(out)
         wanted = outputs if outputs is not None else [None] * len(results)
         self.sinks = list(zip(results, wanted, strict=True))
-        self._answers: dict = {}
-        self.asked: dict = {}  # per op node, every input layouts its rule was asked about
 
     def greedy(self, resolve: dict, wanted: dict) -> tuple[Annotation, dict]:
         reached: set = set()
@@ -286,7 +301,7 @@ class _Graph:
 
     def options(self, site: _Site, layouts: tuple) -> _Options:
         """The rule's strategies for `site` with inputs in `layouts` (in the inputs' axis orders too)."""
-        self.asked.setdefault(site.node, {})[layouts] = None  # what the exact stage starts from
+        site.asked[layouts] = None  # what the exact stage starts from
         key = (site.kind, layouts)
         found = self._answers.get(key)
         if found is None:
@@ -326,39 +341,39 @@ class _Graph:
         requested: dict = {}
         same: dict = {}  # an alias (or detach) in its input's layout -> that input: one value to move
         costs: list[float] = []  # summed with fsum: the same total in any order, so every rank plans alike
-        sites = self.sites
-        for node in self.nodes:
+        reach, materialize, note = reached.add, materialized.add, costs.append
+        for node, step, site in self.steps:
             plan = None
-            if node.op == "placeholder":
-                layout = next(placeholders)
-            elif node.op == "get_attr":
-                layout = replicated
-            elif node.op == "call_function" and node.target is operator.getitem:
-                layout = layouts[node.args[0]][node.args[1]]
-            elif node.op == "call_function":
-                site = sites[node]
+            if step == _OP:
                 have = tuple([layouts[p] for p in site.producers])
                 if site.rule is None:
                     missing.append(_missing(node, site.call(have)))
                     layout = placed(node, (replicated,) * max(len(site.outputs), 1))
                 else:
                     strategy, call, work = self._choose(site, have, reached, resolve, wanted, same)
-                    costs.append(work)
+                    note(work)
                     for producer, need, current in zip(site.producers, strategy.inputs, have, strict=True):
                         pair = (same.get(producer, producer), need)
-                        reached.add(pair)
-                        materialized.add(pair)
-                        if need != current:  # the layouts passed on the way serve a later consumer too, as lowered
+                        reach(pair)
+                        materialize(pair)
+                        if need is not current and need != current:  # (`is`: most take the layout they have)
+                            # the layouts passed on the way serve a later consumer too, as lowered
                             reached.update((pair[0], layout) for layout in _passed(current, need, producer))
-                        if need != current and producer.op == "call_function":
-                            requested.setdefault(producer, set()).add(need)
+                            if producer.op == "call_function":
+                                requested.setdefault(producer, set()).add(need)
                     layout = strategy.outputs[0] if site.single else placed(node, strategy.outputs)
                     plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
-                    if node.target in SAME_VALUE and have and have[0] == layout == strategy.inputs[0]:
+                    if site.same and have and have[0] == layout == strategy.inputs[0]:
                         same[node] = same.get(site.producers[0], site.producers[0])
+            elif step == _GETITEM:
+                layout = layouts[node.args[0]][node.args[1]]
+            elif step == _PLACEHOLDER:
+                layout = next(placeholders)
+            elif step == _GET_ATTR:
+                layout = replicated
             else:
                 layout = None
-                if node.op == "output":
+                if step == _OUTPUT:
                     costs += self._sinks(layouts, reached, materialized, requested)
             layouts[node] = layout
             plans[node] = plan or NodePlan(layout)
@@ -389,7 +404,11 @@ class _Graph:
         must arrive without Partial on the axes listed there, when the rule offers such a
         strategy. With `wanted` (layouts the consumers asked for, per value), a strategy is also
         charged for reaching those from its outputs, and `_hinted` strategies are offered too."""
-        asked = self.options(site, have)
+        asked = self._answers.get((site.kind, have))
+        if asked is None:
+            asked = self.options(site, have)
+        else:  # (what `options` does for a question asked before, inline: most are)
+            site.asked[have] = None
         if not asked.strategies:
             layouts = ", ".join(layout.placements_str() for layout in have)
             raise ShardingError(Problem(
@@ -410,11 +429,13 @@ class _Graph:
             options = [o for o in options if resolves(o)] or options
         model, reduce_dtype = self.model, self.reduce_dtype
 
+        alias = (same or {}).get
+
         def price(item):
             index, (_, _, work, moves, pending) = item
             seconds, steps = work, 0
             for i, layout, s, n in moves:
-                if ((same or {}).get(producers[i], producers[i]), layout) not in reached:
+                if (alias(producers[i], producers[i]), layout) not in reached:
                     seconds, steps = seconds + s, steps + n
             return seconds, steps, pending, index  # ties: fewer steps, then resolved outputs first
 
@@ -508,30 +529,44 @@ def partial_cuts(gm: torch.fx.GraphModule, mesh: Mesh, annotation: Annotation, r
         layout = layout_of(value)
         return isinstance(layout, Layout) and isinstance(layout.placements[axis], Partial)
 
+    # only what touches a Partial value can be in a cut's graph: found once, for every axis
+    partial = {value for value, plan in annotation.plans.items()
+               if isinstance(plan.layout, Layout) and plan.layout.partial_axes}
+    touching = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node in partial:
+                touching.append((node, None, None))
+        elif node.op == "output":
+            touching.append((node, tensor_inputs(node), None))
+        elif node.op == "call_function" and annotation.plans[node].strategy is not None:
+            if node in partial or any(p in partial for p in node.all_input_nodes) or \
+                    any(u in partial for u in node.users if u.target is operator.getitem):  # (a tuple's Partial element)
+                touching.append((node, tensor_inputs(node), _output_values(node)))
     resolve: dict[torch.fx.Node, set[int]] = {}
     for a, size in enumerate(mesh.shape):
         if size == 1:
             continue
         g = nx.DiGraph()
-        for node in gm.graph.nodes:
+        for node, producers, values in touching:
             plan = annotation.plans[node]
-            if node.op == "placeholder" and partial_on(node, a):
-                g.add_edge("S", ("in", node))
-                g.add_edge(("in", node), ("out", node), capacity=capacity(node, a))
+            if node.op == "placeholder":
+                if partial_on(node, a):
+                    g.add_edge("S", ("in", node))
+                    g.add_edge(("in", node), ("out", node), capacity=capacity(node, a))
             elif node.op == "output":
-                values = tensor_inputs(node)
-                wants = outputs if outputs is not None else [None] * len(values)
-                for value, want in zip(values, wants, strict=True):
+                wants = outputs if outputs is not None else [None] * len(producers)
+                for value, want in zip(producers, wants, strict=True):
                     if partial_on(value, a) and (want is None or want.placements[a] != layout_of(value).placements[a]):
                         g.add_edge(("out", value), "T")
-            elif node.op == "call_function" and plan.strategy is not None:
+            else:
                 kept, needs = [], []
-                for producer, layout in zip(tensor_inputs(node), plan.strategy.inputs, strict=True):
+                for producer, layout in zip(producers, plan.strategy.inputs, strict=True):
                     if partial_on(producer, a):
                         (kept if isinstance(layout.placements[a], Partial) else needs).append(producer)
                 for producer in needs:
                     g.add_edge(("out", producer), "T")
-                for value in _output_values(node):
+                for value in values:
                     if value is None or not partial_on(value, a):
                         continue
                     g.add_edge(("in", value), ("out", value), capacity=capacity(value, a))
