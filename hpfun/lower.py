@@ -77,6 +77,21 @@ class Program:
 _NAMES: dict = {}  # op -> the name fx gives its nodes (numbered apart by the graph)
 
 
+class _ProgramGraph(torch.fx.Graph):
+    """The per-shard program's graph. fx scans every new node's arguments for symbolic sizes
+    (torch.SymInt), to warn about them; a program's sizes are concrete numbers, and the scan is
+    about a seventh of lowering, so its nodes are made without arguments and given them after
+    (the same node: `Node.args` and `Node.kwargs` are assignable, users accounted for)."""
+
+    def create_node(self, op, target, args=None, kwargs=None, name=None, type_expr=None) -> torch.fx.Node:
+        node = super().create_node(op, target, None, None, name, type_expr)
+        if args:
+            node.args = args
+        if kwargs:
+            node.kwargs = kwargs
+        return node
+
+
 class LowerContext:
     """What rules and redistribution steps use to write into the per-shard graph."""
 
@@ -85,7 +100,7 @@ class LowerContext:
         self.mesh, self.rng = mesh, rng
         self.device = device  # where the program's values live: the tensors it makes are made there
         self.reduce_dtype = reduce_dtype  # "float32": low-precision sums reduced in float32; "compute": as they are
-        self.graph = torch.fx.Graph()
+        self.graph = _ProgramGraph()
         self.collectives: list[Collective] = []
         self.consumer: tuple[str, str, str] = ("", "", "")  # node, op, reason for records
         self.gather_for: str | None = None  # an FSDP gather's use (hpfun.fsdp): tags its collectives
