@@ -202,7 +202,7 @@ class Layout:
 
     def shard_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting tensor dim `dim`, major first (in mesh order unless `order` says otherwise)."""
-        axes = tuple(a for a, p in enumerate(self.placements) if p == Shard(dim))
+        axes = tuple(a for a, p in enumerate(self.placements) if p.__class__ is Shard and p.dim == dim)
         if len(axes) > 1:
             for group in self.order:
                 if group[0] in axes:
@@ -278,11 +278,7 @@ class Layout:
 
     def fits(self, global_shape) -> bool:
         """Whether `problems` finds none (without writing them: rules ask this per strategy)."""
-        ndim = len(global_shape)
-        for p in self.placements:
-            if isinstance(p, Shard) and not 0 <= p.dim < ndim:
-                return False
-        return all(global_shape[d] % self.shard_factor(d) == 0 for d in self.sharded_dims())
+        return _fits(self, tuple(global_shape))
 
     def local_shape(self, global_shape) -> tuple[int, ...]:
         """Shape of every rank's shard (all shards have the same shape)."""
@@ -320,6 +316,15 @@ def _placements_str(layout: Layout) -> str:
     position = {a: i for group in layout.order for i, a in enumerate(group)}
     return "[" + ", ".join(f"{p}[{position[a]}]" if a in position else str(p)
                            for a, p in enumerate(layout.placements)) + "]"
+
+
+@functools.lru_cache(maxsize=65536)
+def _fits(layout: Layout, global_shape: tuple) -> bool:
+    ndim = len(global_shape)
+    for p in layout.placements:
+        if isinstance(p, Shard) and not 0 <= p.dim < ndim:
+            return False
+    return all(global_shape[d] % layout.shard_factor(d) == 0 for d in layout.sharded_dims())
 
 
 @functools.lru_cache(maxsize=65536)
