@@ -246,9 +246,22 @@ class _Options:
     strategies: tuple[tuple[Strategy, float, tuple, int], ...]
     # the same, as the walk weighs them: (strategy, call, work, moves, pending)
     options: list = attrs.field(init=False)
+    # (strategy, call, work) of the option a walk chooses whatever layouts were reached, if one is:
+    # a strategy moving nothing that is cheaper than every other's work alone (a walk's price of
+    # an option is its work plus its moves not yet reached; `_Graph._choose`)
+    settled: tuple | None = attrs.field(init=False)
 
     def __attrs_post_init__(self):
-        object.__setattr__(self, "options", [(s, self.call, w, moves, pending) for s, w, moves, pending in self.strategies])
+        options = [(s, self.call, w, moves, pending) for s, w, moves, pending in self.strategies]
+        object.__setattr__(self, "options", options)
+        settled = None
+        if len(options) > 1:
+            still = [(w, 0, pending, i) for i, (_, _, w, moves, pending) in enumerate(options) if not moves]
+            if still:
+                best = min(still)
+                if all(best < (w, 0, pending, i) for i, (_, _, w, moves, pending) in enumerate(options) if moves):
+                    settled = options[best[3]][:3]
+        object.__setattr__(self, "settled", settled)
 
 
 _PLACEHOLDER, _GET_ATTR, _GETITEM, _OP, _OUTPUT, _OTHER = range(6)
@@ -415,12 +428,16 @@ class _Graph:
                 f"{site.node.target} ({site.node.name})", f"the rule offers no strategy for inputs {layouts}",
                 "check the rule's shapes; a rule must at least offer the replicated strategy",
             ))
-        options = asked.options
+        options, producers = asked.options, site.producers
+        if len(options) == 1 and not wanted:  # nothing to weigh (most pointwise ops on their inputs' layouts)
+            return options[0][:3]
+        if asked.settled is not None and not (resolve and any(p in resolve for p in producers)) and \
+                not (wanted and any(v in wanted for v in site.values)):  # (nothing here filters or adds options)
+            return asked.settled
         if wanted:
             options = options + self._hinted(site, asked.call, have, wanted)
-        if len(options) == 1:  # nothing to weigh (most pointwise ops on their inputs' layouts)
+        if len(options) == 1:
             return options[0][:3]
-        producers = site.producers
         if resolve:
             def resolves(option):
                 return not any(isinstance(layout.placements[a], Partial)
