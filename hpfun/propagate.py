@@ -201,7 +201,7 @@ class _Site:
             key = (node,)
         self.key = key
         self.kind = None  # the key's number in its graph (`_Graph`)
-        self.same = node.target in SAME_VALUE
+        self.same = any(node.target is op for op in SAME_VALUE)  # (by identity: an op's hash is Python code)
         self.asked = None  # in a `_Graph`: every input layouts the rule was asked about
 
     def call(self, layouts: tuple) -> OpCall:
@@ -246,7 +246,7 @@ class _Options:
     strategies: tuple[tuple[Strategy, float, tuple, int], ...]
     # the same, as the walk weighs them: (strategy, call, work, moves, pending)
     options: list = attrs.field(init=False)
-    # (strategy, call, work) of the option a walk chooses whatever layouts were reached, if one is:
+    # the option a walk chooses whatever layouts were reached, if one is:
     # a strategy moving nothing that is cheaper than every other's work alone (a walk's price of
     # an option is its work plus its moves not yet reached; `_Graph._choose`)
     settled: tuple | None = attrs.field(init=False)
@@ -260,7 +260,7 @@ class _Options:
             if still:
                 best = min(still)
                 if all(best < (w, 0, pending, i) for i, (_, _, w, moves, pending) in enumerate(options) if moves):
-                    settled = options[best[3]][:3]
+                    settled = options[best[3]]
         object.__setattr__(self, "settled", settled)
 
 
@@ -283,11 +283,15 @@ class _Graph:
         self.input_layouts = list(input_layouts)
         self.sites: dict = {}
         self._answers: dict = {}
+        # (id(strategy), id(call)) of an answer -> its NodePlan (both held by `_answers`: ids stay theirs)
+        self._nodeplans: dict = {}
         self.asked: dict = {}  # per op node, every input layouts its rule was asked about
         kinds: dict = {}
+        rules: dict = {}  # id(op) -> its rule, looked up once per op (an op's own hash is Python code)
         for node in self.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
-                rule = registry.lookup(node.target)
+                key = id(node.target)
+                rule = rules[key] if key in rules else rules.setdefault(key, registry.lookup(node.target))
                 # (not a random op: each rank would draw its own numbers where the layout says one value)
                 fell = rule is None and fallback == "replicate" and \
                     torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
@@ -304,7 +308,9 @@ class _Graph:
     def greedy(self, resolve: dict, wanted: dict) -> tuple[Annotation, dict]:
         reached: set = set()
         for _ in range(PASSES):
-            reached, annotation, requested = self.walk(set(reached), resolve, wanted)
+            reached, annotation, requested, final = self.walk(set(reached), resolve, wanted)
+            if final:  # the next pass would choose the same
+                break
         return annotation, requested
 
     def move(self, value: torch.fx.Node, src: Layout, dst: Layout) -> tuple[float, int]:
@@ -341,21 +347,25 @@ class _Graph:
                      for i, (t, layout) in enumerate(zip(call.tensors, strategy.inputs, strict=True))
                      if layout != t.layout)
 
-    def walk(self, reached: set, resolve: dict, wanted: dict) -> tuple[set, Annotation, dict]:
+    def walk(self, reached: set, resolve: dict, wanted: dict) -> tuple[set, Annotation, dict, bool]:
         """One greedy pass in graph order: the layouts it materialized, its annotation (priced:
         bytes moved, including resolving Partial outputs and reaching out_specs, plus weighted
-        local work) and, per value, the other layouts its consumers asked for."""
+        local work), per value the other layouts its consumers asked for, and whether a pass
+        starting from the layouts this one materialized would choose as it did (`_final`)."""
         placeholders = iter(self.input_layouts)
         missing: list[Problem] = []
         replicated = Layout.replicated(self.mesh)
         layouts: dict = {}
         plans: dict = {}
-        materialized: set = set()
+        materialized: dict = {}  # (value, layout) -> the step that first needed it
+        weighed: list = []  # (step, options, the one chosen, site) where prices were compared
+        passed: dict = {}  # (value, layout) passed on the way to another -> the first step that did
+        fresh = not reached
         requested: dict = {}
         same: dict = {}  # an alias (or detach) in its input's layout -> that input: one value to move
         costs: list[float] = []  # summed with fsum: the same total in any order, so every rank plans alike
-        reach, materialize, note = reached.add, materialized.add, costs.append
-        for node, step, site in self.steps:
+        reach, materialize, note, nodeplans = reached.add, materialized.setdefault, costs.append, self._nodeplans
+        for at, (node, step, site) in enumerate(self.steps):
             plan = None
             if step == _OP:
                 have = tuple([layouts[p] for p in site.producers])
@@ -363,19 +373,31 @@ class _Graph:
                     missing.append(_missing(node, site.call(have)))
                     layout = placed(node, (replicated,) * max(len(site.outputs), 1))
                 else:
-                    strategy, call, work = self._choose(site, have, reached, resolve, wanted, same)
+                    option, compared = self._choose(site, have, reached, resolve, wanted, same)
+                    strategy, call, work = option[:3]
+                    if compared is not None:
+                        weighed.append((at, compared, option, site))
                     note(work)
                     for producer, need, current in zip(site.producers, strategy.inputs, have, strict=True):
                         pair = (same.get(producer, producer), need)
                         reach(pair)
-                        materialize(pair)
+                        materialize(pair, at)
                         if need is not current and need != current:  # (`is`: most take the layout they have)
                             # the layouts passed on the way serve a later consumer too, as lowered
-                            reached.update((pair[0], layout) for layout in _passed(current, need, producer))
+                            for layout in _passed(current, need, producer):
+                                reach((pair[0], layout))
+                                passed.setdefault((pair[0], layout), at)
                             if producer.op == "call_function":
                                 requested.setdefault(producer, set()).add(need)
-                    layout = strategy.outputs[0] if site.single else placed(node, strategy.outputs)
-                    plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
+                    if site.single:  # one plan per answer and strategy, shared by the nodes that asked alike
+                        plan = nodeplans.get((id(strategy), id(call)))
+                        if plan is None:
+                            plan = nodeplans[id(strategy), id(call)] = NodePlan(strategy.outputs[0], call, site.rule,
+                                                                                strategy, site.fallback)
+                        layout = plan.layout
+                    else:
+                        layout = placed(node, strategy.outputs)
+                        plan = NodePlan(layout, call, site.rule, strategy, site.fallback)
                     if site.same and have and have[0] == layout == strategy.inputs[0]:
                         same[node] = same.get(site.producers[0], site.producers[0])
             elif step == _GETITEM:
@@ -395,7 +417,8 @@ class _Graph:
         for producer, layout in materialized:  # each layout a value reaches is paid for once
             if layout != layouts[producer]:
                 costs.append(self.move(producer, layouts[producer], layout)[0])
-        return materialized, Annotation(plans, math.fsum(costs)), requested
+        final = fresh and self._final(weighed, materialized, passed, same, wanted)
+        return set(materialized), Annotation(plans, math.fsum(costs)), requested, final
 
     def _sinks(self, layouts, reached, materialized, requested) -> list[float]:
         """Price of delivering the outputs: their out_specs reached (with the other layouts,
@@ -406,16 +429,17 @@ class _Graph:
             if want is None:
                 costs += [self.move(value, have, have.with_placement(a, R))[0] for a in have.partial_axes]
             elif want != have:
-                materialized.add((value, want))
+                materialized.setdefault((value, want), len(self.steps))
                 reached.add((value, want))
                 if value.op == "call_function":
                     requested.setdefault(value, set()).add(want)
         return costs
 
-    def _choose(self, site: _Site, have: tuple, reached, resolve, wanted, same=None) -> tuple[Strategy, OpCall, float]:
-        """The cheapest strategy, the call its rule saw and its work price. Inputs in `resolve`
-        must arrive without Partial on the axes listed there, when the rule offers such a
-        strategy. With `wanted` (layouts the consumers asked for, per value), a strategy is also
+    def _choose(self, site: _Site, have: tuple, reached, resolve, wanted, same=None) -> tuple[tuple, list | None]:
+        """The cheapest option (strategy, the call its rule saw, its work price, its moves, its
+        Partial outputs), and the options whose prices were compared, if they were. Inputs in
+        `resolve` must arrive without Partial on the axes listed there, when the rule offers such
+        a strategy. With `wanted` (layouts the consumers asked for, per value), a strategy is also
         charged for reaching those from its outputs, and `_hinted` strategies are offered too."""
         asked = self._answers.get((site.kind, have))
         if asked is None:
@@ -430,22 +454,27 @@ class _Graph:
             ))
         options, producers = asked.options, site.producers
         if len(options) == 1 and not wanted:  # nothing to weigh (most pointwise ops on their inputs' layouts)
-            return options[0][:3]
+            return options[0], None
         if asked.settled is not None and not (resolve and any(p in resolve for p in producers)) and \
                 not (wanted and any(v in wanted for v in site.values)):  # (nothing here filters or adds options)
-            return asked.settled
+            return asked.settled, None
         if wanted:
             options = options + self._hinted(site, asked.call, have, wanted)
         if len(options) == 1:
-            return options[0][:3]
+            return options[0], None
         if resolve:
             def resolves(option):
                 return not any(isinstance(layout.placements[a], Partial)
                                for producer, layout in zip(producers, option[0].inputs, strict=True)
                                for a in resolve.get(producer, ()))
             options = [o for o in options if resolves(o)] or options
-        model, reduce_dtype = self.model, self.reduce_dtype
+        return self._cheapest(site, options, reached, wanted, same), options
 
+    def _cheapest(self, site: _Site, options: list, reached, wanted, same) -> tuple:
+        """The option of least price: work plus the moves not in `reached` (a set of (value,
+        layout), or anything that answers `in` alike), plus, with `wanted`, what reaching the
+        layouts the consumers asked for would cost from its outputs."""
+        model, reduce_dtype, producers = self.model, self.reduce_dtype, site.producers
         alias = (same or {}).get
 
         def price(item):
@@ -465,7 +494,22 @@ class _Graph:
                                if value is not None for want in wanted.get(value, ()) if want != layout)
             return (own[0] + onward,) + own[1:]
 
-        return min(enumerate(options), key=ahead if values else price)[1][:3]
+        return min(enumerate(options), key=ahead if values else price)[1]
+
+    def _final(self, weighed: list, materialized: dict, passed: dict, same: dict, wanted: dict) -> bool:
+        """Whether a walk starting from the layouts this one (started from none) materialized
+        would choose as this one did. It would know, at each step, what this one knew (what was
+        materialized or passed on the way before it) and all it materialized: where an option
+        weighed here moves a value to a layout first materialized there or later, the choice is
+        priced again, as that walk would; if every choice stands, so does everything after it."""
+        for at, options, chosen, site in weighed:
+            producers = site.producers
+            if any(materialized.get(pair, -1) >= at and passed.get(pair, at) >= at
+                   for option in options for i, layout, _, _ in option[3]
+                   for pair in [(same.get(producers[i], producers[i]), layout)]):
+                if self._cheapest(site, options, _Known(materialized, passed, at), wanted, same) is not chosen:
+                    return False
+        return True
 
     def _hinted(self, site: _Site, call: OpCall, have: tuple, wanted) -> list:
         """Strategies giving an output layout the consumers asked for, from the rule's view of an
@@ -491,6 +535,18 @@ class _Graph:
         return found
 
 
+class _Known:
+    """The layouts a walk starting from `materialized` knows at step `at` (`_Graph._final`)."""
+
+    __slots__ = ("materialized", "passed", "at")
+
+    def __init__(self, materialized: dict, passed: dict, at: int):
+        self.materialized, self.passed, self.at = materialized, passed, at
+
+    def __contains__(self, pair) -> bool:
+        return pair in self.materialized or self.passed.get(pair, self.at) < self.at
+
+
 # Ops whose output is their input's value: an alias (a gradient read through `p.grad`) or a
 # detach in its input's layout is that value, and a layout either reached serves both.
 SAME_VALUE = frozenset({torch.ops.aten.alias.default, torch.ops.aten.detach.default})
@@ -499,7 +555,7 @@ SAME_VALUE = frozenset({torch.ops.aten.alias.default, torch.ops.aten.detach.defa
 def same_value(node: torch.fx.Node) -> torch.fx.Node:
     """The value `node` is (its input, through aliases and detaches kept in their input's
     layout, as propagation chose them), or `node` itself."""
-    while node.op == "call_function" and node.target in SAME_VALUE and node.args \
+    while node.op == "call_function" and any(node.target is op for op in SAME_VALUE) and node.args \
             and isinstance(node.args[0], torch.fx.Node) and "hpfun_layout" in node.args[0].meta \
             and node.meta.get("hpfun_layout") == node.args[0].meta["hpfun_layout"]:
         node = node.args[0]

@@ -43,9 +43,44 @@ def test_partial_cuts_name_the_values_to_resolve():
     gm = capture(fan_out, [(tuple(t.shape), t.dtype) for t in args], None)
     layouts = [P(None, "tp").to_layout(MESH, 2), P("tp").to_layout(MESH, 2), P().to_layout(MESH, 1),
                P().to_layout(MESH, 1)]
-    _, annotation, _ = _Graph(gm, MESH, layouts, REGISTRY, None, "float32", None, hpfun.CostModel()).walk(set(), {}, {})
+    _, annotation, _, _ = _Graph(gm, MESH, layouts, REGISTRY, None, "float32", None, hpfun.CostModel()).walk(
+        set(), {}, {})
     cuts = partial_cuts(gm, MESH, annotation)
     assert {node.target for node in cuts} == {torch.ops.aten.mm.default} and set(cuts.values()) == {frozenset({0})}
+
+
+def test_a_walk_that_says_the_next_pass_would_choose_the_same_is_right(monkeypatch):
+    """A greedy pass stops early where the walk finds that a second pass (starting from every
+    layout it materialized) would choose as it did. Checked by running that second pass anyway,
+    on the reference GPT step in four layouts (first passes, the minimum cut's and the
+    look-ahead's): where the walk says final, the second pass's annotation, price, requests and
+    layouts reached are the same; and both answers occur."""
+    from hpfun.propagate import _Graph
+    from hpfun.testing.models import adamw_init, gpt_data, gpt_init, gpt_specs, gpt_step
+
+    verdicts = []
+    greedy = _Graph.greedy
+
+    def checked(self, resolve, wanted):
+        reached, first, requested, final = self.walk(set(), resolve, wanted)
+        again, second, asked, _ = self.walk(set(reached), resolve, wanted)
+        if final:
+            assert all(first.plans[n].strategy is second.plans[n].strategy for n in first.plans)
+            assert (first.price, requested, reached) == (second.price, asked, again)
+        verdicts.append(final)
+        return greedy(self, resolve, wanted)
+
+    monkeypatch.setattr(_Graph, "greedy", checked)
+    mesh = hpfun.Mesh.simulated((2, 2), ("dp", "tp"))
+    sizes = {"d": 32, "heads": 2, "vocab": 64, "seq": 8}
+    params, (idx, targets) = gpt_init(layers=1, **sizes), gpt_data(4, **sizes)
+    for which, seq_split in (({"tp": "tp"}, None), ({"vocab": "tp"}, None), ({"tp": "tp"}, P(None, "tp")), ({}, None)):
+        specs = gpt_specs(params, **which)
+        state = {"m": specs, "v": specs, "step": P()}
+        step = hpfun.shard(gpt_step, mesh=mesh, in_specs=(specs, state, P("dp"), P("dp"), None),
+                           out_specs=(specs, state, P()))
+        step.lower(params, adamw_init(params), idx, targets, seq_split)
+    assert True in verdicts and False in verdicts
 
 
 PLANS = """
