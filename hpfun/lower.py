@@ -306,7 +306,11 @@ def lower(gm: torch.fx.GraphModule, mesh: Mesh, output_layouts: list[Layout | No
         producer = same_value(producer)  # a gradient and its alias: moved once for both
         known = reached.setdefault(producer, {})
         if dst not in known:
-            src, val = producer.meta["hpfun_layout"], producer.meta["val"]
+            src = producer.meta["hpfun_layout"]
+            if dst is src or dst == src:  # (most inputs: taken as they are)
+                known[dst] = values[producer]
+                return known[dst]
+            val = producer.meta["val"]
             shape = tuple(val.shape)
             passed = functools.partial(_remember, known)
             start = _reused(src, dst, shape, list(known))
