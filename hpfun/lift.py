@@ -989,7 +989,8 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
-        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
+        return (_class_key(type(x), depth, _path),
+                tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
     if depth and isinstance(x, torch.nn.Module):  # (one a container holds, not a submodule: `{"a": Act()}`,
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()  # its
                                              if k not in _MODULE_INTERNALS),  # values, those of what it holds, and
@@ -1010,11 +1011,37 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
     return x
 
 
+def _class_key(cls: type, depth: int, _path: tuple):
+    """A user object's class in its `object_key`: the class itself (two classes of one name, made
+    by `type()` or defined twice, are two programs: their code and values differ) and the values
+    its user classes hold (`Cfg.v = 4.0` between calls, read as `c.v`, is another program), the
+    methods and properties by identity (one patched on the class: compiled again). A library's
+    class: its name."""
+    if not _is_user_class(cls):
+        return cls.__qualname__
+    held = []
+    for c in cls.__mro__[:-1]:
+        if not _is_user_class(c) or c.__module__.startswith("torch."):
+            continue
+        for k, v in list(vars(c).items()):
+            if k.startswith("__") and k != "__call__":
+                continue
+            if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                held.append((c.__qualname__, k, _Same(v)))  # (by identity: one patched on the class is another)
+            else:
+                held.append((c.__qualname__, k, object_key(v, depth - 1, _path)))
+    return ("class", _Same(cls), tuple(held))
+
+
+# containers `_holds_any` looks into: the plain ones and the standard library's dicts
+_PLAIN_KINDS = (list, tuple, dict, collections.OrderedDict, collections.defaultdict)
+
+
 def _holds_any(container, found, depth: int = 3) -> bool:
     """A list, tuple or dict holding a value `found` is true of (nested `depth` deep)."""
-    if depth <= 0 or type(container) not in (list, tuple, dict) or len(container) > PLAIN_CONTAINER_ITEMS:
+    if depth <= 0 or type(container) not in _PLAIN_KINDS or len(container) > PLAIN_CONTAINER_ITEMS:
         return False  # (a subclass may be anything: e3nn's Irreps, a tuple, refuses len())
-    items = container.values() if type(container) is dict else container
+    items = container.values() if isinstance(container, dict) else container
     return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
 
 

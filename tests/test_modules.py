@@ -1796,14 +1796,16 @@ def test_an_optimizer_a_module_holds_is_stepped_as_eager(held):
     assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in held_opt(model).state.values())
 
 
-def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained():
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict])
+def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
     """`self.heads = {"a": Linear(...)}` (not a submodule: no parameters() of the model's list
-    it): its parameters are lifted, named by their place, and trained as eager's (it was refused
-    as a tensor that is "neither an argument nor state")."""
+    it), in a dict or an OrderedDict: its parameters are lifted, named by their place, and
+    trained as eager's (it was refused as a tensor that is "neither an argument nor state"; in
+    an OrderedDict until 2026-12-07)."""
     model, ref = mlp(), mlp()
     for m in (model, ref):
         torch.manual_seed(3)
-        m.heads = {"a": torch.nn.Linear(4, 4, dtype=torch.float64)}
+        m.heads = kind(a=torch.nn.Linear(4, 4, dtype=torch.float64))
     opts = [torch.optim.Adam([*m.parameters(), *m.heads["a"].parameters()], lr=1e-2) for m in (model, ref)]
 
     def step(m, opt, x, y):

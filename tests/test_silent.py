@@ -354,6 +354,28 @@ def test_an_object_of_a_class_made_at_run_time_keys_the_cache():
                                 (lambda x: x * cls.scale, lambda: setattr(cls, "scale", 4.0))], x)
 
 
+def test_a_config_arguments_class_keys_the_cache():
+    """A config object passed as an argument is keyed by its class too, not its class's name:
+    two classes of one name (made by `type()`, or a class statement run twice) with different
+    class attributes, and a class attribute changed between calls, read through the instance,
+    are other programs (the first ran, silently)."""
+    x = torch.ones(4, 2, dtype=torch.float64)
+    f = hpfun.shard(lambda x, c: x * c.v, mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    a, b = type("N", (), {"v": 1.5}), type("N", (), {"v": 2.5})
+    for cls in (a, b, a):
+        torch.testing.assert_close(f(x, cls()).full(), x * cls.v, rtol=0, atol=0)
+
+    class Cfg:
+        v = 1.5
+
+    c = Cfg()
+    g = hpfun.shard(lambda x, c: x * type(c).v, mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    for v in (1.5, 4.0):
+        Cfg.v = v
+        torch.testing.assert_close(g(x, c).full(), x * v, rtol=0, atol=0)
+    assert (f.trace_count, g.trace_count) == (2, 2)
+
+
 def test_a_read_only_view_of_a_dict_keys_the_cache():
     """`types.MappingProxyType(cfg)` closed over, the dict it shows changed between calls: a new
     program (the first ran, silently: the view was held opaque)."""
