@@ -18,6 +18,7 @@ import weakref
 
 import attrs
 import torch
+from torch.utils import _pytree as pytree
 
 from hpfun import lift
 from hpfun.errors import ExecutionError, Problem
@@ -414,17 +415,13 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 
 
-def _full_entry(v, inplace: bool, param: torch.Tensor | None, depth: int = 4):
-    """An optimizer state entry gathered: a tensor, or each tensor of a list, tuple or dict of
-    them, nested (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks too; AggMo's
-    `{beta: buffer}`, made outside from the parameter's block)."""
-    if isinstance(v, torch.Tensor):
-        return _full(v, inplace, param)
-    if depth and type(v) in (list, tuple):
-        return type(v)(_full_entry(t, inplace, param, depth - 1) for t in v)
-    if depth and type(v) is dict:
-        return {k: _full_entry(t, inplace, param, depth - 1) for k, t in v.items()}
-    return v
+def _full_entry(v, inplace: bool, param: torch.Tensor | None):
+    """An optimizer state entry gathered: a tensor, or each tensor of the containers holding
+    them, nested to any depth (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks
+    too; AggMo's `{beta: buffer}`, made outside from the parameter's block): lists, tuples,
+    dicts and their standard kinds (an OrderedDict, a defaultdict, a namedtuple, a deque), each
+    rebuilt as what it was."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: _full(t, inplace, param), v)
 
 
 def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
@@ -453,8 +450,8 @@ def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
                 for k, w in [*mod._buffers.items(), *vars(mod).items()]:
                     if not k.startswith("__") and k not in _MODULE_TABLES:
                         walk(w, _DEPTH)
-        elif depth and type(v) in (dict, list, tuple):
-            for w in v.values() if type(v) is dict else v:
+        elif depth and isinstance(v, (dict, list, tuple)):  # (an OrderedDict, a namedtuple too)
+            for w in list(v.values() if isinstance(v, dict) else v):
                 walk(w, depth - 1)
 
     walk(module, _DEPTH)
@@ -462,7 +459,7 @@ def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
 
 
 _MODULE_TABLES = frozenset(["_parameters", "_buffers", "_modules"])  # (walked as what they are)
-_DEPTH = 4  # containers inside containers a module's attribute holds
+_DEPTH = lift.HELD_DEPTH  # containers inside containers a module's attribute holds: as deep as lifting reads
 
 
 def _refuse_lost(values: dict) -> None:

@@ -3,6 +3,7 @@
     python tests/dist_worker.py SCENARIO OUT_DIR      # with RANK, WORLD_SIZE, MASTER_* set
 """
 
+import collections
 import copy
 import os
 import sys
@@ -474,11 +475,30 @@ def dtypes_gloo_lacks(mesh) -> dict:
     return results
 
 
+Moments = collections.namedtuple("Moments", "avg sq")
+
+
 def nest_state(opt) -> None:
     """State kept in a dict and a list under its parameter (torch-optimizer's AggMo keeps
-    `{beta: buffer}`), made from the parameter's block as the optimizer's own entries are."""
+    `{beta: buffer}`), in the standard library's other containers, and six levels deep, made
+    from the parameter's block as the optimizer's own entries are."""
     for state in opt.state.values():
-        state["nested"] = {0.9: state["exp_avg"] * 2, "pair": [state["exp_avg_sq"] * 3]}
+        avg, sq = state["exp_avg"], state["exp_avg_sq"]
+        state["nested"] = {0.9: avg * 2, "pair": [sq * 3]}
+        state["kinds"] = {"ordered": collections.OrderedDict(m=avg * 4), "default": collections.defaultdict(int, m=avg * 5),
+                          "named": Moments(avg * 6, sq * 7), "deep": {"a": [{"b": ({"c": [avg * 8]},)}]}}
+
+
+def plain(x):
+    """`x` with its containers as plain dicts, lists and tuples (what `torch.load` reads back),
+    each named by its kind: `{"OrderedDict": {...}}`."""
+    if isinstance(x, dict):
+        inner = {k: plain(v) for k, v in x.items()}
+        return inner if type(x) is dict else {type(x).__name__: inner}
+    if isinstance(x, (list, tuple)):
+        inner = [plain(v) for v in x]
+        return inner if type(x) is list else tuple(inner) if type(x) is tuple else {type(x).__name__: inner}
+    return x
 
 
 def stepped_outside(mesh, x, y) -> dict:
@@ -501,8 +521,25 @@ def stepped_outside(mesh, x, y) -> dict:
     other = hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT)  # the same ranks, another mesh
     evaluate = hpfun.shard(lambda x: model(x).sum(), mesh=other, in_specs=P(), out_specs=P())
     refused = _error(lambda: evaluate(x))
-    return {"model": _snapshot(hpfun.gather_state(model)), "opt": hpfun.gather_state(opt)["state"],
-            "other mesh": refused}
+    inner = torch.nn.Linear(x.shape[1], 4).to(x.dtype)  # a module five containers deep in a module's attribute,
+    nest = [{"k": [{"k": [inner]}]}]  # the function reading it through the containers (closed over)
+    holder = torch.nn.Module()
+    holder.deep = nest
+    deep_opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+
+    @hpfun.shard(mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})
+    def deep(x):  # (stepped: its parameters are held as blocks between calls)
+        loss = nest[0]["k"][0]["k"][0](x).sum()
+        loss.backward()
+        deep_opt.step()
+        deep_opt.zero_grad()
+        return loss
+
+    deep(x)
+    between = tuple(inner.weight.shape)
+    hpfun.gather_state(holder, inplace=True)  # (it was left holding its block)
+    return {"model": _snapshot(hpfun.gather_state(model)), "opt": plain(hpfun.gather_state(opt)["state"]),
+            "other mesh": refused, "deep module": (between, tuple(inner.weight.shape))}
 
 
 def scaled_update(model, x, y):

@@ -313,11 +313,14 @@ def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
         w.eager_step(model, opt, x, y)
-    w.nest_state(opt)  # (state in a dict and a list under the parameter: each rank's block was returned)
+    w.nest_state(opt)  # (state in a dict and a list under the parameter, an OrderedDict, a defaultdict, a
+    # namedtuple, six levels deep: each rank's block was returned)
     for rank, results in enumerate(lifted_dp_job):
         got = results["stepped outside"]
         _close(got["model"], model.state_dict(), f"rank {rank}: model")
-        _close(got["opt"], opt.state_dict()["state"], f"rank {rank}: optimizer state")
+        _close(got["opt"], w.plain(opt.state_dict()["state"]), f"rank {rank}: optimizer state")
+        # a module five containers deep, held as blocks between calls: gather_state(inplace=True) makes it whole
+        assert got["deep module"] == ((2, x.shape[1]), (4, x.shape[1])), got["deep module"]
         # a function on another mesh of the same ranks reading the split state: named, with the fix
         assert "0.weight: holds this rank's block" in got["other mesh"] and "gather_state(model, inplace=True)" \
             in got["other mesh"], got["other mesh"]
