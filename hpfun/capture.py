@@ -1615,12 +1615,15 @@ def _traced_fill(func, args: tuple, kwargs: dict):
     has no gradient), in the dtype torch gives that number (a flag's bool, an integer's int64, a
     float's default dtype; new_full's and full_like's, their tensor's); None for any other call.
     Its arguments by position or keyword; `layout`, `pin_memory` and `memory_format` where they
-    ask for what this gives (strided, unpinned, contiguous)."""
+    ask for what this gives (strided, unpinned, contiguous, or channels last: copied so)."""
     names, kwargs = _FULLS[func], dict(kwargs)
     if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
         return None
     bound = dict(zip(names, args)) | {n: kwargs.pop(n) for n in names[len(args):]}
     like = bound.get("self", bound.get("input"))  # (new_full's own tensor; full_like's)
+    laid = kwargs.get("memory_format")
+    if laid in (torch.channels_last, torch.channels_last_3d):  # (cloned in that format last)
+        kwargs.pop("memory_format")
     if kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") and \
             kwargs.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format) and \
             (kwargs.get("memory_format") != torch.preserve_format or like is None or like.is_contiguous()):
@@ -1638,7 +1641,8 @@ def _traced_fill(func, args: tuple, kwargs: dict):
     first = bound.get("size")
     size = tuple(like.shape) if func is torch.full_like else tuple(first) if isinstance(first, (list, tuple, torch.Size)) \
         else (first,)
-    return fill.detach().to(dtype=dtype, device=device).expand(size).clone()
+    made = fill.detach().to(dtype=dtype, device=device).expand(size)
+    return made.clone(memory_format=laid) if laid in (torch.channels_last, torch.channels_last_3d) else made.clone()
 
 
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end

@@ -294,3 +294,16 @@ def test_a_0d_tensor_given_as_a_fill_is_its_value_not_a_size():
         assert got.dtype == want.dtype == torch.complex128 and torch.equal(got, want)
     finally:
         torch.set_default_dtype(before)
+
+
+def test_a_0d_fill_in_channels_last_is_made_so():
+    """`torch.full_like(x, x.mean(), memory_format=torch.channels_last)` (and its 3-d kind): the
+    fill expanded and copied in that format (it was refused as a read of data)."""
+    for shape, laid in (((4, 3, 2, 2), torch.channels_last), ((4, 3, 2, 2, 2), torch.channels_last_3d)):
+        x = torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(0))
+
+        def fill(x):
+            return x * torch.full_like(x, x.mean(), memory_format=laid)
+
+        got = hpfun.shard(fill, mesh=MESH, in_specs=P("dp"), out_specs=P())(x).full()
+        torch.testing.assert_close(got, fill(x), rtol=1e-12, atol=1e-15)  # (the mean's sum: blocks, then theirs)
