@@ -1645,6 +1645,42 @@ def _traced_fill(func, args: tuple, kwargs: dict):
     return made.clone(memory_format=laid) if laid in (torch.channels_last, torch.channels_last_3d) else made.clone()
 
 
+def _traced_tensor_of(args: tuple, kwargs: dict):
+    """`torch.tensor(data)` of a (nested) list or tuple holding traced 0-d tensors, which torch
+    reads as numbers (transformers' Qwen2-VL: `torch.tensor(mrope_position_deltas)`): the values
+    stacked, detached (a copy has no gradient), in the dtype torch infers (the elements' dtypes
+    promoted, a Python int as int64, a float as the default dtype) on the default device, or
+    those given. None for any other call (no traced element, a ragged or empty list, an element
+    of more than one value, `requires_grad=True`)."""
+    data = args[0] if args else kwargs.get("data")
+    if len(args) > 1 or kwargs.keys() - {"data", "dtype", "device", "pin_memory"} or kwargs.get("pin_memory") or \
+            not isinstance(data, (list, tuple)):
+        return None
+    leaves: list = []
+
+    def shape(x):
+        if isinstance(x, (list, tuple)):
+            inner = {shape(v) for v in x}
+            return (len(x), *inner.pop()) if len(inner) == 1 else None if inner else ()
+        leaves.append(x)
+        return ()
+
+    if (size := shape(data)) is None or not leaves or not any(_is_traced(v) for v in leaves) or \
+            any(isinstance(v, torch.Tensor) and v.numel() != 1 or isinstance(v, torch.Tensor) and v.ndim
+                or not isinstance(v, (torch.Tensor, bool, int, float, complex)) for v in leaves) or len(size) == 0:
+        return None
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        kinds = [v.dtype if isinstance(v, torch.Tensor) else torch.bool if isinstance(v, bool) else torch.int64
+                 if isinstance(v, int) else torch.get_default_dtype() if isinstance(v, float) else
+                 torch.promote_types(torch.get_default_dtype(), torch.complex64) for v in leaves]
+        dtype = functools.reduce(torch.promote_types, kinds)
+    device = kwargs.get("device") or torch.get_default_device()
+    values = [v.detach().to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else
+              torch.tensor(v, dtype=dtype, device=device) for v in leaves]
+    return torch.stack(values).reshape(size)
+
+
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
 _SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,)}
 _TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
@@ -2329,6 +2365,8 @@ class _TensorScalars(TorchFunctionMode):
             # n of an argument, read as int(n))
         if func in _FULLS and (filled := _traced_fill(func, args, kwargs)) is not None:
             return filled  # (`torch.full((3,), m.any())`, `x.new_full(size, n)`: the tensor, expanded)
+        if func is torch.tensor and (made := _traced_tensor_of(args, kwargs)) is not None:
+            return made  # (`torch.tensor([row.max() + 1 for row in ids])`: the values, stacked)
         if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:
             args, kwargs = read  # (`torch.arange(n)`, n = mask.sum(1).max() of an argument: read, as int(n) is)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \

@@ -307,3 +307,25 @@ def test_a_0d_fill_in_channels_last_is_made_so():
 
         got = hpfun.shard(fill, mesh=MESH, in_specs=P("dp"), out_specs=P())(x).full()
         torch.testing.assert_close(got, fill(x), rtol=1e-12, atol=1e-15)  # (the mean's sum: blocks, then theirs)
+
+
+def test_a_tensor_made_of_traced_numbers_holds_their_values():
+    """`torch.tensor([row.max() + 1 - len(row) for row in ids])` (transformers' Qwen2-VL makes its
+    rotary position deltas so): torch reads each 0-d tensor as a number; the program stacks
+    them, in the dtype torch infers (the elements' promoted, Python numbers beside them) or the
+    one given, nested lists too, and computes them anew at each call (it failed inside torch:
+    "data is not allocated yet")."""
+    def deltas(ids, x):
+        out = ids + torch.tensor([row.max() + 1 - len(row) for row in ids]).unsqueeze(1)
+        grid = torch.tensor([[x.sum(), 2.5], [x.amax(), 1]])  # (float64 elements, a float, an int)
+        halves = torch.tensor([x.mean(), x.amin()], dtype=torch.float32)
+        return out, grid, halves
+
+    f = hpfun.shard(deltas, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=(P(), P(), P()))
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        ids, x = torch.randint(0, 50, (4, 6), generator=g), torch.randn(4, 3, dtype=D, generator=g)
+        for got, want in zip(f(ids, x), deltas(ids, x), strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 1
