@@ -2158,6 +2158,8 @@ def _constant_value(t):
                 or torch.Tag.nondeterministic_seeded in target.tags:
             return None  # an input, a random draw: not a constant
         made.append(node)
+        if _fill_of(node) is not None:  # (`zeros_like(x @ w)`: its values are a number's, whatever x @ w holds)
+            continue
         stack += node.all_input_nodes
         if len(seen) > 256:  # constants are small graphs; a long walk is a value made from the inputs
             return None
@@ -2188,6 +2190,13 @@ def _constant_value(t):
                 real[node] = real[node].clone() if copies else real[node]
                 ref[node] = _Input(inputs[node])
                 continue
+            if (fill := _fill_of(node)) is not None:  # made from its input's shape only: made so
+                val = node.meta["val"]
+                made_args = (tuple(val.shape), tuple(val.stride()), val.dtype, fill)
+                real[node] = _filled(*made_args)
+                steps.append((_filled, made_args, {}))
+                ref[node] = _Made(len(steps) - 1)
+                continue
             args, kwargs = pytree.tree_map(arg, (node.args, node.kwargs))
             real[node] = node.target(*args, **kwargs)
             steps.append((node.target, *pytree.tree_map(step_arg, (node.args, node.kwargs))))
@@ -2201,6 +2210,25 @@ def _constant_value(t):
 
 
 _UNREADABLE = object()  # `_read` of a value made from neither constants nor readable inputs
+
+# ops whose values are a number's, their tensor argument giving only a shape, dtype and device:
+# the position of the number (None: it is the op's own)
+_FILLS = {aten.full_like.default: 1, aten.new_full.default: 2, aten.zeros_like.default: None,
+          aten.ones_like.default: None, aten.new_zeros.default: None, aten.new_ones.default: None}
+
+
+def _fill_of(node: torch.fx.Node):
+    """The number a `_FILLS` node fills with (a Python number, not a traced value), else None."""
+    if node.target not in _FILLS or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    at = _FILLS[node.target]
+    fill = (1 if "ones" in node.target.__name__ else 0) if at is None else \
+        node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
+    return fill if isinstance(fill, (bool, int, float, complex)) else None
+
+
+def _filled(shape, stride, dtype, fill) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype).fill_(fill)
 
 
 def _read(func, t, args=(), kwargs=None):

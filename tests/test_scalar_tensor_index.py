@@ -329,3 +329,25 @@ def test_a_tensor_made_of_traced_numbers_holds_their_values():
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
     assert f.trace_count == 1
+
+
+def test_a_mask_made_like_a_parameters_product_is_read_from_its_own_values():
+    """`mask = torch.zeros_like(x @ w)` (w a parameter), set where two labels match, then checked
+    in Python (`assert not (mask > 1).any()`; pytorch-metric-learning's pair losses): the mask's
+    values are a number's and the labels', not the product's, so the check reads them, as it
+    does for `torch.zeros(shape)` (it was refused as a value made from parameters)."""
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=D, generator=torch.Generator().manual_seed(0)))
+
+    def paired(x, labels):
+        mat = x @ w
+        masks = [torch.zeros_like(mat), torch.full_like(mat, 0.0), mat.new_zeros(mat.shape), torch.ones_like(mat) - 1]
+        for mask in masks:
+            i, j = torch.where(labels[:, None] == labels[None, :])
+            mask[i, j] = 1
+            assert not torch.any(mask > 1)
+        return sum((mat * mask).sum() for mask in masks)
+
+    f = hpfun.shard(paired, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    for labels in ([0, 1, 0, 1], [2, 2, 0, 1]):
+        x, labels = torch.randn(4, 4, dtype=D), torch.tensor(labels)
+        torch.testing.assert_close(f(x, labels).full(), paired(x, labels), rtol=1e-12, atol=1e-12)
