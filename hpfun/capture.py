@@ -1645,15 +1645,22 @@ def _traced_fill(func, args: tuple, kwargs: dict):
     return made.clone(memory_format=laid) if laid in (torch.channels_last, torch.channels_last_3d) else made.clone()
 
 
-def _traced_tensor_of(args: tuple, kwargs: dict):
-    """`torch.tensor(data)` of a (nested) list or tuple holding traced 0-d tensors, which torch
-    reads as numbers (transformers' Qwen2-VL: `torch.tensor(mrope_position_deltas)`): the values
-    stacked, detached (a copy has no gradient), in the dtype torch infers (the elements' dtypes
-    promoted, a Python int as int64, a float as the default dtype) on the default device, or
-    those given. None for any other call (no traced element, a ragged or empty list, an element
-    of more than one value, `requires_grad=True`)."""
-    data = args[0] if args else kwargs.get("data")
-    if len(args) > 1 or kwargs.keys() - {"data", "dtype", "device", "pin_memory"} or kwargs.get("pin_memory") or \
+def _traced_tensor_of(func, args: tuple, kwargs: dict):
+    """`torch.tensor(data)` (or `torch.as_tensor`, `x.new_tensor`) of a (nested) list or tuple
+    holding traced one-element tensors, which torch reads as numbers (transformers' Qwen2-VL:
+    `torch.tensor(mrope_position_deltas)`): the values stacked, detached (a copy has no gradient;
+    a new leaf with `requires_grad=True`), in the dtype torch infers (the elements' dtypes
+    promoted: a Python int as int64, a float as the default dtype, a NumPy scalar as its own) on
+    the default device, or those given (new_tensor's: its tensor's). A float element asked for
+    as an integer or bool raises as eager's does. None for any other call (no traced element, a
+    ragged or empty list, an element of several values)."""
+    names = ("self", "data") if func is torch.Tensor.new_tensor else ("data",)
+    kwargs = dict(kwargs)
+    if len(args) > len(names) or any(n not in kwargs for n in names[len(args):]):
+        return None
+    bound = dict(zip(names, args)) | {n: kwargs.pop(n) for n in names[len(args):]}
+    data, like = bound["data"], bound.get("self")
+    if kwargs.keys() - {"dtype", "device", "pin_memory", "requires_grad"} or kwargs.get("pin_memory") or \
             not isinstance(data, (list, tuple)):
         return None
     leaves: list = []
@@ -1665,21 +1672,36 @@ def _traced_tensor_of(args: tuple, kwargs: dict):
         leaves.append(x)
         return ()
 
-    if (size := shape(data)) is None or not leaves or not any(_is_traced(v) for v in leaves) or \
-            any(isinstance(v, torch.Tensor) and v.numel() != 1 or isinstance(v, torch.Tensor) and v.ndim
-                or not isinstance(v, (torch.Tensor, bool, int, float, complex)) for v in leaves) or len(size) == 0:
-        return None
-    dtype = kwargs.get("dtype")
-    if dtype is None:
-        kinds = [v.dtype if isinstance(v, torch.Tensor) else torch.bool if isinstance(v, bool) else torch.int64
-                 if isinstance(v, int) else torch.get_default_dtype() if isinstance(v, float) else
-                 torch.promote_types(torch.get_default_dtype(), torch.complex64) for v in leaves]
-        dtype = functools.reduce(torch.promote_types, kinds)
-    device = kwargs.get("device") or torch.get_default_device()
-    values = [v.detach().to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else
-              torch.tensor(v, dtype=dtype, device=device) for v in leaves]
-    return torch.stack(values).reshape(size)
+    def numpy_scalar(v) -> bool:
+        return type(v).__module__ == "numpy" and hasattr(v, "dtype") and getattr(v, "ndim", None) == 0
 
+    if (size := shape(data)) is None or len(size) == 0 or not any(_is_traced(v) for v in leaves) or any(
+            isinstance(v, torch.Tensor) and v.numel() != 1 or numpy_scalar(v) and v.dtype.kind not in "iuf"
+            or not isinstance(v, (torch.Tensor, bool, int, float, complex)) and not numpy_scalar(v) for v in leaves):
+        return None
+
+    def kind(v) -> torch.dtype:
+        if isinstance(v, torch.Tensor):
+            return v.dtype
+        if numpy_scalar(v):
+            return torch.as_tensor(v).dtype
+        return torch.bool if isinstance(v, bool) else torch.int64 if isinstance(v, int) else \
+            torch.get_default_dtype() if isinstance(v, float) else \
+            torch.promote_types(torch.get_default_dtype(), torch.complex64)
+
+    dtype = kwargs.get("dtype") or (like.dtype if like is not None else functools.reduce(torch.promote_types,
+                                                                                         map(kind, leaves)))
+    if not (dtype.is_floating_point or dtype.is_complex) and any(
+            isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in leaves):
+        raise TypeError("only integer tensors of a single element can be converted to an index")  # (as eager)
+    device = kwargs.get("device") or (like.device if like is not None else torch.get_default_device())
+    values = [v.detach().reshape(()).to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else
+              torch.tensor(v.item() if numpy_scalar(v) else v, dtype=dtype, device=device) for v in leaves]
+    made = torch.stack(values).reshape(size)
+    return made.requires_grad_() if kwargs.get("requires_grad") else made
+
+
+_TENSOR_OF = frozenset([torch.tensor, torch.as_tensor, torch.Tensor.new_tensor])
 
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
 _SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,)}
@@ -2393,7 +2415,7 @@ class _TensorScalars(TorchFunctionMode):
             # n of an argument, read as int(n))
         if func in _FULLS and (filled := _traced_fill(func, args, kwargs)) is not None:
             return filled  # (`torch.full((3,), m.any())`, `x.new_full(size, n)`: the tensor, expanded)
-        if func is torch.tensor and (made := _traced_tensor_of(args, kwargs)) is not None:
+        if func in _TENSOR_OF and (made := _traced_tensor_of(func, args, kwargs)) is not None:
             return made  # (`torch.tensor([row.max() + 1 for row in ids])`: the values, stacked)
         if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:
             args, kwargs = read  # (`torch.arange(n)`, n = mask.sum(1).max() of an argument: read, as int(n) is)

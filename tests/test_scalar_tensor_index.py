@@ -315,13 +315,16 @@ def test_a_tensor_made_of_traced_numbers_holds_their_values():
     them, in the dtype torch infers (the elements' promoted, Python numbers beside them) or the
     one given, nested lists too, and computes them anew at each call (it failed inside torch:
     "data is not allocated yet")."""
+    import numpy as np
+
     def deltas(ids, x):
         out = ids + torch.tensor([row.max() + 1 - len(row) for row in ids]).unsqueeze(1)
         grid = torch.tensor([[x.sum(), 2.5], [x.amax(), 1]])  # (float64 elements, a float, an int)
         halves = torch.tensor([x.mean(), x.amin()], dtype=torch.float32)
-        return out, grid, halves
+        others = torch.as_tensor([x.sum().reshape(1), np.float16(0.5)]) + ids.new_tensor([ids.max(), 3])
+        return out, grid, halves, others
 
-    f = hpfun.shard(deltas, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=(P(), P(), P()))
+    f = hpfun.shard(deltas, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=(P(), P(), P(), P()))
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)
         ids, x = torch.randint(0, 50, (4, 6), generator=g), torch.randn(4, 3, dtype=D, generator=g)
@@ -329,6 +332,8 @@ def test_a_tensor_made_of_traced_numbers_holds_their_values():
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
     assert f.trace_count == 1
+    with pytest.raises(hpfun.CaptureError, match="only integer tensors"):  # (eager's TypeError: a float read as an int)
+        hpfun.shard(lambda x: torch.tensor([x.sum()], dtype=torch.int32), mesh=MESH, in_specs=P("dp"), out_specs=P())(x)
 
 
 def test_a_mask_made_like_a_parameters_product_is_read_from_its_own_values():
