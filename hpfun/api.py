@@ -683,7 +683,7 @@ class ShardedFunction:
         layouts += self._state_layouts(call, problems)
         problems += spec_tree_problems(self.out_specs, "outputs", self.mesh)
         problems += [_argument_problem(path, x) for path, x in zip(call.paths(), call.flat, strict=True)
-                     if not _is_tensor(x) and (not _hashable(x) and not lift.is_config(x) or _not_a_value(x))]
+                     if not _is_tensor(x) and (not _hashable(x) and not lift.is_config_argument(x) or _not_a_value(x))]
         if problems:
             raise SpecError(problems)
         grads = {name for name, slot in call.state.slots.items() if slot.requires_grad}
@@ -1280,6 +1280,14 @@ def _same_but_values(cached: tuple, leaves: tuple) -> bool:
 
 def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> str:
     fn = _name(f.fn)
+    if isinstance(before, _Config) and isinstance(now, _Config) and repr(before) == repr(now) and \
+            (found := lift.class_difference(before.key, now.key)):  # (the config's class's values changed)
+        return (f"hpfun.shard({fn}) compiled a new program {times} times because the class of {name} changed "
+                f"(last {found[0]} -> {found[1]}): what a config's class holds keys the program as the config's "
+                "own values do (its methods may read them), and every new value compiles again (seconds each, and "
+                "every program stays cached). A counter the function never reads (instances counted on the class) "
+                "belongs outside the class (a module-level itertools.count); a value it reads that changes every "
+                "call belongs in a tensor argument.")
     head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
             f"(last {before!r} -> {now!r}): a Python number the function reaches (read, or held beside what it "
             "reads: hpfun cannot tell which a trace read) is baked into the program, and every new value compiles "
@@ -2102,11 +2110,18 @@ def _flatten(tree, flat: list, key: list) -> bool:
 
 def _dict_keys(tree, depth: int = 8) -> tuple:
     """The keys other than strings of the dicts in `tree`, by `exact_key` (the pytree structure
-    compares them by ==: {0.0: a} and {-0.0: a} were one program)."""
+    compares them by ==: {0.0: a} and {-0.0: a} were one program), and the classes of the user's
+    containers in it (a dataclass or a NamedTuple of theirs: what its class holds, a ClassVar or
+    a method, keys the program as a config's class does; `lift.class_key`)."""
     if depth and isinstance(tree, dict):
         return tuple((lift.exact_key(k) if type(k) is not str else k, _dict_keys(v, depth - 1)) for k, v in tree.items())
     if depth and isinstance(tree, (tuple, list)):
-        return tuple(_dict_keys(v, depth - 1) for v in tree)
+        inner = tuple(_dict_keys(v, depth - 1) for v in tree)
+        return inner if type(tree) in (tuple, list) or not lift.is_user_class(type(tree)) else \
+            (lift.class_key(type(tree)), inner)
+    if depth and dataclasses.is_dataclass(tree) and not isinstance(tree, type) and lift.is_user_class(type(tree)):
+        return lift.class_key(type(tree)), tuple(_dict_keys(getattr(tree, f.name, None), depth - 1)
+                                                 for f in dataclasses.fields(tree))
     return ()
 
 
@@ -2120,7 +2135,7 @@ def _flatten_leaf(x, flat: list, key: list) -> bool:
     elif kind in pytree.SUPPORTED_NODES or isinstance(x, (tuple, Sharded)) or _is_numpy(x) or \
             _is_container(x) and register_container(kind):
         return False  # a namedtuple, an OrderedDict, a registered class, a subclass, a BatchEncoding...
-    elif lift.is_config(x):  # its values, read into the program, key it
+    elif lift.is_config_argument(x):  # its values, read into the program, key it
         key.append(("config", kind, lift.object_key(x)))
     else:
         key.append(("static", lift.exact_key(x)))
@@ -2337,7 +2352,7 @@ def _leaf(x, layout, requires_grad: bool = False) -> _Leaf:
         return _Leaf("tensor", tuple(x.shape), x.dtype, layout, device=_run_device(layout.mesh, x),
                      requires_grad=requires_grad and x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex),
                      strides=None if x.is_contiguous() else tuple(x.stride()))
-    if lift.is_config(x):
+    if lift.is_config_argument(x):
         return _Leaf("static", value=_Config(lift.object_key(x), _config_text(x)))
     return _Leaf("static", value=x, exact=lift.exact_key(x))  # (1, 1.0 and True equal, and trace three programs)
 

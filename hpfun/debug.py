@@ -18,7 +18,8 @@ class Difference:
     """One way a call's signature differs from a cached one."""
 
     path: str  # the argument leaf ("args[1]", "args[0]['w1']")
-    field: str  # "shape", "dtype", "layout", "kind", "value", "argument" or "state" (given or absent), "structure"
+    field: str  # "shape", "dtype", "layout", "kind", "value", "class" (a config's), "argument" or "state" (given or
+    # absent), "structure"
     cached: str
     given: str
 
@@ -116,7 +117,12 @@ def _leaf_differences(path: str, cached, given) -> list[Difference]:
     if cached.kind != given.kind:
         return [Difference(path, "kind", _kind(cached), _kind(given))]
     if cached.kind == "static":
-        return [Difference(path, "value", repr(cached.value), repr(given.value))] if cached != given else []
+        if cached == given:
+            return []
+        if repr(cached.value) == repr(given.value) and \
+                (found := lift.class_difference(getattr(cached.value, "key", None), getattr(given.value, "key", None))):
+            return [Difference(path, "class", *found)]  # (a config of one repr: its class's values differ)
+        return [Difference(path, "value", repr(cached.value), repr(given.value))]
     shown = {"shape": lambda l: str(tuple(l.shape)), "dtype": lambda l: str(l.dtype).replace("torch.", ""),
              "layout": lambda l: l.layout.placements_str(), "requires_grad": lambda l: str(l.requires_grad),
              "strides": lambda l: "contiguous" if l.strides is None else str(l.strides),

@@ -193,10 +193,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
                         if _is_optimizer(v) or _holds_any(v, _is_optimizer):  # as one the function reaches
                             value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
-                        elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None)):  # a module
-                            tree = {id(m) for m in obj.modules()} if tree is None else tree  # in a plain dict or list,
-                            if _holds_any(v, _unregistered_module(tree)):  # not a submodule (`self.heads = {"a":
-                                # Linear(...)}`): its state lifted
+                        elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None), HELD_DEPTH):
+                            tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
+                            if _holds_any(v, _unregistered_module(tree), HELD_DEPTH):  # dict or list, not a
+                                # submodule (`self.heads = {"a": Linear(...)}`), as deep as objects are read: its
+                                # state lifted
                                 value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
@@ -967,6 +968,18 @@ def is_config(x) -> bool:
         and not callable(x)
 
 
+def is_user_object(x) -> bool:
+    """An instance of a class of the user's, with attributes (`_is_user_object`)."""
+    return _is_user_object(x)
+
+
+def is_config_argument(x) -> bool:
+    """An argument keyed by its values (`object_key`): a config (`is_config`), or an object of
+    the user's that the function calls (`act = Scale(2.0)`), whose `__call__` reads its values
+    and its class's (it was keyed by identity: a value changed on it ran the first program)."""
+    return is_config(x) or _is_called_object(x)
+
+
 def object_key(x, depth: int = 4, _path: tuple = ()):
     """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
     NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
@@ -1031,6 +1044,38 @@ def _class_key(cls: type, depth: int, _path: tuple):
             else:
                 held.append((c.__qualname__, k, object_key(v, depth - 1, _path)))
     return ("class", _Same(cls), tuple(held))
+
+
+def class_key(cls: type):
+    """What a user's class holds, as a cache key (`_class_key`): the class, its values and methods."""
+    return _class_key(cls, 4, ())
+
+
+def is_user_class(cls: type) -> bool:
+    """A class defined in the user's code or made at run time (`_is_user_class`)."""
+    return _is_user_class(cls)
+
+
+def class_difference(cached, given) -> tuple[str, str] | None:
+    """Where the `object_key`s of two configs of one repr differ in their class (`_class_key`),
+    as (cached, given) text: another class of the same name, or a value or method its class holds
+    (`Cfg.created = 3`, then 4); None where their classes agree."""
+    if not (type(cached) is tuple and type(given) is tuple and len(cached) == len(given) == 2) or \
+            cached[0] == given[0]:
+        return None
+    a, b = cached[0], given[0]
+    if not (type(a) is tuple and type(b) is tuple and a[0] == b[0] == "class"):
+        return str(a), str(b)
+    if a[1] != b[1]:
+        return f"class {a[1]!r}", f"another class of that name ({b[1]!r}, made since)"
+    held_a, held_b = {(q, k): v for q, k, v in a[2]}, {(q, k): v for q, k, v in b[2]}
+    for q, k in sorted(held_a.keys() | held_b.keys()):
+        if held_a.get((q, k), _MISSING) != held_b.get((q, k), _MISSING):
+            def shown(held):
+                v = held.get((q, k), _MISSING)
+                return f"{q}.{k} " + ("absent" if v is _MISSING else f"= {v!r}")
+            return shown(held_a), shown(held_b)
+    return None
 
 
 # containers `_holds_any` looks into: the plain ones and the standard library's dicts

@@ -1824,6 +1824,23 @@ def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
     assert "heads.a.weight" in str(f.lower(*batch(0)))
 
 
+def test_a_module_a_module_holds_deep_in_lists_is_lifted():
+    """`self.held = [[[[Linear]]]]`: a module four lists deep in a module's attribute is lifted
+    (objects a module holds are read eight levels down; it was refused past three)."""
+    class Deep(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.held = [[[[torch.nn.Linear(4, 4, dtype=torch.float64)]]]]
+
+        def forward(self, x):
+            return self.held[0][0][0][0](x)
+
+    model = Deep()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    f = hpfun.shard(lambda x: model(x).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    torch.testing.assert_close(f(x).full(), model(x).sum(), rtol=1e-12, atol=1e-12)
+
+
 class _OwnDict(dict):
     """A dict subclass of the user's: not watched for the state a step puts there."""
 

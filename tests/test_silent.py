@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import types
+import typing
 
 import pytest
 import torch
@@ -374,6 +375,84 @@ def test_a_config_arguments_class_keys_the_cache():
         Cfg.v = v
         torch.testing.assert_close(g(x, c).full(), x * v, rtol=0, atol=0)
     assert (f.trace_count, g.trace_count) == (2, 2)
+
+
+class _Scaled(typing.NamedTuple):
+    a: float
+
+    def scale(self):
+        return 2.0
+
+
+@dataclasses.dataclass
+class _WithClassVar:
+    a: float = 1.0
+    SCALE: typing.ClassVar[float] = 2.0
+
+
+def test_a_container_arguments_class_keys_the_cache():
+    """A dataclass or NamedTuple argument (flattened as a container) is keyed by what its class
+    holds too: a ClassVar changed between calls, a method patched on the class, are other
+    programs (the first ran, silently)."""
+    x = torch.ones(4, 2, dtype=torch.float64)
+    f = hpfun.shard(lambda x, c: x * c.a * c.SCALE, mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    g = hpfun.shard(lambda x, c: x * c.a * c.scale(), mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    scale = _Scaled.scale
+    try:
+        for v in (2.0, 6.0):
+            _WithClassVar.SCALE = v
+            _Scaled.scale = lambda self, v=v: v
+            torch.testing.assert_close(f(x, _WithClassVar()).full(), x * v, rtol=0, atol=0)
+            torch.testing.assert_close(g(x, _Scaled(1.0)).full(), x * v, rtol=0, atol=0)
+    finally:
+        _WithClassVar.SCALE, _Scaled.scale = 2.0, scale
+    assert (f.trace_count, g.trace_count) == (2, 2)
+
+
+def test_a_config_class_counting_its_instances_names_the_count_when_it_compiles_again():
+    """A config whose class counts its instances (`Cfg.created += 1` in `__init__`) keys a new
+    program at every call; the warning names the class's value that changed, not the config's
+    repr (which had read `Cfg(a=2.0) -> Cfg(a=2.0)`), and says where such a counter belongs."""
+    class Cfg:
+        created = 0
+
+        def __init__(self):
+            Cfg.created += 1
+            self.a = 2.0
+
+        def __repr__(self):
+            return f"Cfg(a={self.a})"
+
+    f = hpfun.shard(lambda x, c: x * c.a, mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    x = torch.ones(4, 2, dtype=torch.float64)
+    with pytest.warns(hpfun.RetraceWarning, match=r"(?s)the class of args\[1\] changed \(last .*Cfg\.created = \d+ -> "
+                      r".*Cfg\.created = \d+\).*itertools\.count"):
+        for _ in range(6):
+            f(x, Cfg())
+
+
+def test_a_called_object_argument_keys_the_cache_by_its_values():
+    """An object of the user's passed as an argument and called (`act(x)`, `act = Scale()`) is
+    keyed by its values and its class, as a config is: a value set on it between calls, or its
+    class's `__call__` patched, is another program (it was keyed by identity: the first ran,
+    silently)."""
+    class Scale:
+        def __init__(self):
+            self.a = 1.0
+
+        def __call__(self, x):
+            return x * self.a * 2
+
+    f = hpfun.shard(lambda x, act: act(x), mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    x, act = torch.ones(4, 2, dtype=torch.float64), Scale()
+    torch.testing.assert_close(f(x, act).full(), x * 2, rtol=0, atol=0)
+    act.a = 5.0
+    torch.testing.assert_close(f(x, act).full(), x * 10, rtol=0, atol=0)
+    Scale.__call__ = lambda self, x: x * self.a * 3
+    torch.testing.assert_close(f(x, act).full(), x * 15, rtol=0, atol=0)
+    assert f.trace_count == 3
+    torch.testing.assert_close(f(x, act).full(), x * 15, rtol=0, atol=0)
+    assert f.trace_count == 3
 
 
 def test_a_read_only_view_of_a_dict_keys_the_cache():
