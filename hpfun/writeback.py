@@ -450,8 +450,11 @@ def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
                 for k, w in [*mod._buffers.items(), *vars(mod).items()]:
                     if not k.startswith("__") and k not in _MODULE_TABLES:
                         walk(w, _DEPTH)
-        elif depth and isinstance(v, (dict, list, tuple)):  # (an OrderedDict, a namedtuple too)
-            for w in list(v.values() if isinstance(v, dict) else v):
+        elif depth and id(v) not in visited and (isinstance(v, (dict, list, tuple)) or lift.is_user_object(v)):
+            visited.add(id(v))  # (an OrderedDict, a namedtuple, an object of the user's holding a module too)
+            held = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else \
+                lift.attributes(v).values()
+            for w in list(held):
                 walk(w, depth - 1)
 
     walk(module, _DEPTH)
@@ -459,7 +462,9 @@ def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
 
 
 _MODULE_TABLES = frozenset(["_parameters", "_buffers", "_modules"])  # (walked as what they are)
-_DEPTH = lift.HELD_DEPTH  # containers inside containers a module's attribute holds: as deep as lifting reads
+# containers and objects inside one another that a module's attribute holds: deeper than lifting
+# reads a module's own (`lift.HELD_DEPTH`), since a function may reach them by a closed-over chain
+_DEPTH = 64
 
 
 def _refuse_lost(values: dict) -> None:

@@ -478,6 +478,13 @@ def dtypes_gloo_lacks(mesh) -> dict:
 Moments = collections.namedtuple("Moments", "avg sq")
 
 
+class Box:
+    """An object of the user's holding something."""
+
+    def __init__(self, held):
+        self.held = held
+
+
 def nest_state(opt) -> None:
     """State kept in a dict and a list under its parameter (torch-optimizer's AggMo keeps
     `{beta: buffer}`), in the standard library's other containers, and six levels deep, made
@@ -521,15 +528,15 @@ def stepped_outside(mesh, x, y) -> dict:
     other = hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT)  # the same ranks, another mesh
     evaluate = hpfun.shard(lambda x: model(x).sum(), mesh=other, in_specs=P(), out_specs=P())
     refused = _error(lambda: evaluate(x))
-    inner = torch.nn.Linear(x.shape[1], 4).to(x.dtype)  # a module five containers deep in a module's attribute,
-    nest = [{"k": [{"k": [inner]}]}]  # the function reading it through the containers (closed over)
+    inner = torch.nn.Linear(x.shape[1], 4).to(x.dtype)  # a module nine deep in a module's attribute, through
+    nest = [{"k": [Box([[[[[inner]]]]])]}]  # containers and an object, the function reading it so (closed over)
     holder = torch.nn.Module()
     holder.deep = nest
     deep_opt = torch.optim.SGD(inner.parameters(), lr=0.1)
 
     @hpfun.shard(mesh=mesh, in_specs=P("dp"), out_specs=P(), state_specs={"*": P("dp")})
     def deep(x):  # (stepped: its parameters are held as blocks between calls)
-        loss = nest[0]["k"][0]["k"][0](x).sum()
+        loss = nest[0]["k"][0].held[0][0][0][0][0](x).sum()
         loss.backward()
         deep_opt.step()
         deep_opt.zero_grad()

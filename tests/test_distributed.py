@@ -319,7 +319,8 @@ def test_gather_state_of_an_optimizer_stepped_outside_gathers_its_blocks(lifted_
         got = results["stepped outside"]
         _close(got["model"], model.state_dict(), f"rank {rank}: model")
         _close(got["opt"], w.plain(opt.state_dict()["state"]), f"rank {rank}: optimizer state")
-        # a module five containers deep, held as blocks between calls: gather_state(inplace=True) makes it whole
+        # a module nine deep (containers, an object), held as blocks between calls: gather_state(inplace=True)
+        # makes it whole
         assert got["deep module"] == ((2, x.shape[1]), (4, x.shape[1])), got["deep module"]
         # a function on another mesh of the same ranks reading the split state: named, with the fix
         assert "0.weight: holds this rank's block" in got["other mesh"] and "gather_state(model, inplace=True)" \
