@@ -3157,6 +3157,11 @@ def _describe(err: Exception) -> str:
             hint = (" — torch.distributions checks its parameters' and samples' values (validate_args), a read of "
                     "values computed in the step: pass validate_args=False to the distribution, or call "
                     "torch.distributions.Distribution.set_default_validate_args(False) once")
+        if any(f.filename.endswith(os.path.join("optim", "lr_scheduler.py")) for f in stack):
+            hint = (" — a learning-rate scheduler's step(metric) (ReduceLROnPlateau) compares the metric in Python, "
+                    "a read of a value computed in the step: step the scheduler after the call with the returned "
+                    "loss (`loss = train_step(x, y); scheduler.step(loss.full())`); the learning rate it sets is an "
+                    "input hpfun reads at every call")
         if any(os.sep + os.path.join("torch", "utils", "data") + os.sep in f.filename for f in stack):
             hint = (" — a DataLoader iterated inside the sharded function: its sampler and indices are Python "
                     "values read from tensors, and a program repeats one trace; iterate the loader outside and "

@@ -237,6 +237,22 @@ def test_a_scheduler_stepped_in_a_helper_is_named_at_the_line_that_steps_it(kind
         assert inner.last_epoch == epoch and all(type(v) is float for v in inner._last_lr), vars(inner)
 
 
+def test_a_plateau_scheduler_stepped_inside_on_the_loss_says_to_step_it_after_the_call():
+    """`ReduceLROnPlateau.step(loss)` inside the step compares the loss in Python: the error says
+    so and how to step it after the call (it gave the generic message about reading values)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+
+    def step(x, y):
+        loss = eager_step(model, opt, x, y)
+        sched.step(loss)
+        return loss
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)ReduceLROnPlateau.*scheduler\.step\(loss\.full\(\)\)"):
+        hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(*batch(0))
+
+
 def test_a_scheduler_a_module_holds_stepped_inside_is_named_with_the_fix():
     """`model.sched.step()` inside the step, the scheduler held by the model (so not one the
     function reaches by name): the error is the scheduler's, at the line, with its fix (it said
