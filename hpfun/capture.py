@@ -2234,18 +2234,17 @@ def _constant_value(t):
 _UNREADABLE = object()  # `_read` of a value made from neither constants nor readable inputs
 
 # ops whose values are a number's, their tensor argument giving only a shape, dtype and device:
-# the position of the number (None: it is the op's own)
-_FILLS = {aten.full_like.default: 1, aten.new_full.default: 2, aten.zeros_like.default: None,
-          aten.ones_like.default: None, aten.new_zeros.default: None, aten.new_ones.default: None}
+# ("at", the position of the number) or ("is", the number)
+_FILLS = {aten.full_like.default: ("at", 1), aten.new_full.default: ("at", 2), aten.zeros_like.default: ("is", 0),
+          aten.ones_like.default: ("is", 1), aten.new_zeros.default: ("is", 0), aten.new_ones.default: ("is", 1)}
 
 
 def _fill_of(node: torch.fx.Node):
     """The number a `_FILLS` node fills with (a Python number, not a traced value), else None."""
     if node.target not in _FILLS or not isinstance(node.meta.get("val"), torch.Tensor):
         return None
-    at = _FILLS[node.target]
-    fill = (1 if "ones" in node.target.__name__ else 0) if at is None else \
-        node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
+    how, n = _FILLS[node.target]
+    fill = n if how == "is" else node.args[n] if len(node.args) > n else node.kwargs.get("fill_value")
     return fill if isinstance(fill, (bool, int, float, complex)) else None
 
 
