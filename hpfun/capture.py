@@ -62,7 +62,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun.checkpoint import rematerialize, torch_checkpoints
 from hpfun.errors import CaptureError, Problem
-from hpfun.functionalize import functionalize
+from hpfun.functionalize import _is_view, functionalize
 from hpfun.optimizers import exact_step_scalars, traced_steps
 
 aten = torch.ops.aten
@@ -3035,9 +3035,62 @@ def _replaying(gm: torch.fx.GraphModule):
 
     def run(*args):
         with torch.fx.traceback.preserve_node_meta():
-            return torch.fx.Interpreter(gm).run(*args)
+            return _Replay(gm).run(*args)
 
     return run
+
+
+class _Replay(torch.fx.Interpreter):
+    """The first trace's graph run again, under torch's functionalization.
+
+    An in-place op's out-of-place form may lay its result out otherwise (`x.clone().scatter_(...)`
+    keeps the clone's strides; functionalized, `scatter` returns a contiguous tensor), so a
+    `.view(shape)` the first trace took as a view of a later value may not be one here: it is
+    then a reshape, which copies, where nothing writes the tensors that share its memory (a copy
+    reads the same then). An error carries the line of the node that raised it."""
+
+    def run_node(self, n):
+        try:
+            return super().run_node(n)
+        except Exception as err:
+            if n.op == "call_function" and n.target is aten.view.default and "view" in str(err) \
+                    and not _aliases_written(n):
+                with self._set_current_node(n):
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    return aten.reshape.default(*args, **kwargs)
+            if not hasattr(err, "hpfun_line"):
+                err.hpfun_line = user_line(n.meta.get("stack_trace"))
+            raise
+
+
+def _aliases_written(node: torch.fx.Node) -> bool:
+    """Whether any op of the graph writes a tensor sharing memory with `node`'s input: its base
+    (through the views it was made by) or any view of that base."""
+    from hpfun.functionalize import _is_view
+
+    def viewing(n) -> bool:
+        return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and _is_view(n.target)
+
+    root = node.args[0]
+    while viewing(root) and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    family, todo = {root}, [root]
+    while todo:
+        for user in todo.pop().users:
+            if viewing(user) and user not in family:
+                family.add(user)
+                todo.append(user)
+    for member in family:
+        for user in member.users:
+            if not isinstance(user.target, torch._ops.OpOverload):
+                continue
+            for arg, value in zip(user.target._schema.arguments, user.args):
+                if value is member and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+            for arg in user.target._schema.arguments:
+                if user.kwargs.get(arg.name) is member and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+    return False
 
 
 def _raised_by_the_code(err: Exception) -> bool:
@@ -3069,7 +3122,7 @@ def _user_where(err: Exception) -> str:
     first, the library's line after it."""
     frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_frame(f.filename)]
     if not frames:
-        return ""
+        return getattr(err, "hpfun_line", "")  # (raised in the re-trace through functionalization: `_Replay`)
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}"
     own = [f for f in frames if SITE_PACKAGES not in f.filename]
     if own and SITE_PACKAGES in frames[-1].filename:
@@ -3197,6 +3250,11 @@ def _describe(err: Exception) -> str:
             hint = (" — torch.amp.GradScaler skips the optimizer's step when a gradient is inf or NaN, a Python "
                     "branch on tensor values; inside a sharded function train in bfloat16 (torch.autocast(..., "
                     "dtype=torch.bfloat16) needs no scaler), or scale the loss by a constant instead")
+    if "Cannot view a tensor" in str(err) and getattr(err, "hpfun_line", None) is not None:  # (see `_Replay`)
+        hint = (" — hpfun runs the function's in-place ops out of place, and an out-of-place op may lay its result "
+                "out otherwise (x.clone().scatter_(...) keeps the clone's strides, x.scatter(...) is contiguous), so "
+                "this view is not one there, and a write through it reaches the tensor it views: write the in-place "
+                "op before it out of place, or write the viewed tensor itself instead of the view")
     if "format string passed to FakeTensor" in str(err):  # f"{loss:.3f}": a read of the value
         hint = (" — formatting a tensor's value reads it, and hpfun traces on shapes only: to log a value, return the "
                 "tensor and format it after the call (`f\"{step(x, y).full().item():.3f}\"`)")
