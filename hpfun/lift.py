@@ -1960,10 +1960,12 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
                 # read from the dict itself: while the snapshot holds, `opt.state[p]` is that dict
                 add(name, functools.partial(entries.get, key), functools.partial(_set_state, opt, p, key),
                     follows=owner)
-            elif _tensor_sequence(v):  # a list or tuple of tensors (SPlus's `sides`, PSGD's bounds): each one state
-                if type(v) is list:
+            elif _tensor_sequence(v):  # a list or tuple of tensors (SPlus's `sides`, PSGD's bounds), or a dict of
+                if type(v) is list:  # them by name (`state["ema"] = {"m": ...}`): each one state
                     snapshot.list(v)  # (an item replaced between calls: walked again)
-                for i in range(len(v)):
+                elif isinstance(v, dict):
+                    snapshot.dict(v)
+                for i, _ in _tensor_items(v):
                     add(f"{name}.{i}", functools.partial(_state_item, entries, key, i),
                         functools.partial(_set_state_item, opt, p, key, i), follows=owner)
             elif not _is_scalar(v):  # (a number or flag is a static: `statics`) LBFGS's history lists: not
@@ -2153,6 +2155,13 @@ _STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the fo
 
 
 def _untraceable_state(name: str, v, opt) -> Problem:
+    if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()):  # (`{"m": t, "n": 2}`)
+        items = ", ".join(f"{k!r}: " + (f"tensor{tuple(t.shape)}" if isinstance(t, torch.Tensor) else _short_repr(t))
+                          for k, t in v.items())
+        return Problem(name, f"is a {type(v).__name__} of tensors and other values ({{{items[:80]}}}) in "
+                       f"{type(opt).__name__}'s state: hpfun lifts a dict of tensors keyed by names (strings without "
+                       "dots), tensor by tensor", "keep only tensors in it, under such keys, or each under a key of "
+                       "the parameter's state itself (`state['ema_m']`); or " + _STEP_OUTSIDE)
     if type(v) in (list, tuple) and any(isinstance(t, torch.Tensor) for t in v):  # (SPlus-like `[L, None]`)
         items = ", ".join(f"tensor{tuple(t.shape)}" if isinstance(t, torch.Tensor) else _short_repr(t) for t in v)
         return Problem(name, f"is a {type(v).__name__} of tensors and other values ([{items[:60]}]) in "
@@ -2194,24 +2203,49 @@ def _set_state(opt, p, key, value):
 
 
 def _tensor_sequence(v) -> bool:
-    """A list or tuple of tensors (and nothing else) in a parameter's optimizer state."""
+    """A list or tuple of tensors (and nothing else) in a parameter's optimizer state, or a dict
+    (OrderedDict, defaultdict) of them keyed by names: each of its tensors is lifted in its place."""
+    if isinstance(v, dict):
+        return type(v) in _STATE_DICTS and bool(v) and all(_is_name(k) and isinstance(t, torch.Tensor)
+                                                           for k, t in v.items())
     return type(v) in (list, tuple) and bool(v) and all(isinstance(t, torch.Tensor) for t in v)
 
 
-def _state_item(entries: dict, key, i: int):
+_STATE_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _tensor_items(v) -> list:
+    """(index or key, tensor) of a `_tensor_sequence`, in its order."""
+    return list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+
+
+def _with_tensors(v, tensors):
+    """`v` (a `_tensor_sequence`) of the same type holding `tensors` in its order (a defaultdict
+    keeps its factory)."""
+    if isinstance(v, dict):
+        out = copy.copy(v)
+        out.update(zip(v.keys(), tensors, strict=True))
+        return out
+    return type(v)(tensors)
+
+
+def _state_item(entries: dict, key, i):
     held = entries.get(key)
-    return held[i] if type(held) in (list, tuple) and i < len(held) else None
+    if isinstance(held, dict):
+        return held.get(i) if type(held) in _STATE_DICTS else None
+    return held[i] if type(held) in (list, tuple) and isinstance(i, int) and i < len(held) else None
 
 
-def _set_state_item(opt, p, key, i: int, value) -> None:
-    """Item i of the list (or tuple, rebuilt) of tensors under `key` of a parameter's state."""
+def _set_state_item(opt, p, key, i, value) -> None:
+    """Item i of the list (or tuple, rebuilt), or key i of the dict, of tensors under `key` of a
+    parameter's state."""
     held = opt.state.get(p, {}).get(key)
     if value is None:  # (the step removed the list)
         if held is not None and not _tensor_sequence(held):
             return
         opt.state.get(p, {}).pop(key, None)
         return
-    if type(held) is list:
+    if type(held) is list or type(held) in _STATE_DICTS:
         held[i] = value
     else:
         items = list(held)
@@ -2898,7 +2932,8 @@ class Substitution:
                     self._own_before[id(entries)] = copy.deepcopy(entries)  # (a tensor's stand-in, or the data itself,
                 continue  # which a step may change in place: `_own_data`)
             stand_in_state[self.swap.get(id(p), p)] = entry_type(
-                {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else type(v)(self.swap.get(id(t), t) for t in v)
+                {k: self.swap.get(id(v), v) if isinstance(v, torch.Tensor) else _with_tensors(
+                    v, [self.swap.get(id(t), t) for _, t in _tensor_items(v)])
                  if _tensor_sequence(v) else v for k, v in entries.items()})
         real_state = opt.state
         opt.state = stand_in_state
@@ -3008,23 +3043,28 @@ class Substitution:
         return out, new_state
 
     def _state_sequence(self, name: str, v, real_state, real_p, key, out: dict, new_state: dict, seen: set) -> list:
-        """A list or tuple of tensors in a parameter's state: each tensor written back to its item
-        where the list was lifted with as many items; one the step made (its first) put whole
-        after the call, as eager's step leaves it; one of another length refused."""
-        items = [f"{name}.{i}" for i in range(len(v))]
+        """A list or tuple of tensors in a parameter's state (or a dict of them by name): each
+        tensor written back to its item where the list was lifted with as many items (the dict
+        with the same keys); one the step made (its first) put whole after the call, as eager's
+        step leaves it; one of another length (other keys) refused."""
+        pairs = _tensor_items(v)
+        items = [f"{name}.{i}" for i, _ in pairs]
         lifted = [item in self.state.slots for item in items]
-        if all(lifted) and f"{name}.{len(v)}" not in self.state.slots:
-            for item, t in zip(items, v, strict=True):
+        under = {n for n in self.state.slots if n.startswith(name + ".")}
+        if all(lifted) and under == set(items):
+            for item, (_, t) in zip(items, pairs, strict=True):
                 out[item] = _unwrapped(t)
                 seen.add(item)
             return []
-        if any(lifted) or any(n.startswith(name + ".") for n in self.state.slots) or real_p is None:
-            return [Problem(name, f"is a {type(v).__name__} of {len(v)} tensors the step made anew with another "
-                            "length than the one it held: hpfun lifts each of its tensors in its place",
-                            "keep the list's length from step to step (or one tensor under each key)")]
-        whole = _Assembly(type(v)(_unwrapped(t) for t in v))
+        if under or real_p is None:
+            what = "keys" if isinstance(v, dict) else "length"
+            return [Problem(name, f"is a {type(v).__name__} of {len(v)} tensors the step made anew with other {what} "
+                            f"than the one it held: hpfun lifts each of its tensors in its place",
+                            f"keep the {'dict' if isinstance(v, dict) else 'list'}'s {what} from step to step "
+                            "(or one tensor under each key)")]
+        whole = _Assembly(_with_tensors(v, [_unwrapped(t) for _, t in pairs]))
         place = ("set", functools.partial(_put_state_entry, real_state, real_p, key))
-        for j, (item, t) in enumerate(zip(items, v, strict=True)):
+        for j, (item, (_, t)) in enumerate(zip(items, pairs, strict=True)):
             out[item] = _unwrapped(t)
             new_state[item] = (None, None, ("part", place, whole, j))
         return []

@@ -1501,6 +1501,67 @@ def test_a_list_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
         stock_step(model, opt, DP)(*batch(0))
 
 
+class NamedSidesSGD(_HandSGD):
+    """SidesSGD keeping its two tensors in a dict by name (`st["sides"] = {"left": ..., "right":
+    ...}`, an OrderedDict or a defaultdict too), updated in place or rebound."""
+
+    kind, rebind = dict, False
+
+    def make(self, **tensors):
+        out = collections.defaultdict(lambda: None) if self.kind is collections.defaultdict else self.kind()
+        out.update(tensors)
+        return out
+
+    def update(self, p, lr):
+        st = self.state[p]
+        g = p.grad.reshape(p.shape[0], -1)
+        if "sides" not in st:
+            st["sides"] = self.make(left=torch.zeros(g.shape[0], g.shape[0], dtype=p.dtype),
+                                    right=torch.zeros(g.shape[1], g.shape[1], dtype=p.dtype))
+        sides = st["sides"]
+        if self.rebind:
+            st["sides"] = sides = self.make(left=sides["left"] * 0.9 + g @ g.T, right=sides["right"] * 0.9 + g.T @ g)
+        else:
+            sides["left"].mul_(0.9).add_(g @ g.T)
+            sides["right"].mul_(0.9).add_(g.T @ g)
+        eye = functools.partial(torch.eye, dtype=p.dtype)
+        p.sub_(lr * (torch.linalg.inv(sides["left"] + eye(g.shape[0])) @ g
+                     @ torch.linalg.inv(sides["right"] + eye(g.shape[1]))).reshape(p.shape))
+
+
+@pytest.mark.parametrize("kind,rebind,first,mesh,specs", [
+    (dict, False, "inside", DP, None), (collections.OrderedDict, True, "inside", DP, None),
+    (collections.defaultdict, False, "eager", DP, None), (dict, True, "eager", DP_TP, MEGATRON)],
+    ids=["dict", "OrderedDict rebound", "defaultdict made eagerly", "dict rebound, megatron"])
+def test_a_dict_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind, first, mesh, specs):
+    """A dict of tensors by name under a parameter's state key is state, tensor by tensor, as a
+    list of them is, whether the first step made it inside the sharded function or eagerly before
+    (that one read through the dict was refused as a tensor 'neither an argument nor state')."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = NamedSidesSGD(model.parameters()), NamedSidesSGD(ref.parameters())
+    for o in (opt, ref_opt):
+        o.kind, o.rebind = kind, rebind
+    if first == "eager":
+        eager_step(model, opt, *batch(9))
+        eager_step(ref, ref_opt, *batch(9))
+    step = stock_step(model, opt, mesh, state_specs=specs)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        sides, ref_sides = opt.state[p]["sides"], ref_opt.state[q]["sides"]
+        assert type(sides) is kind and list(sides) == ["left", "right"]
+        assert all(type(t) is torch.Tensor for t in sides.values())
+        assert max((sides[k] - ref_sides[k]).abs().max().item() for k in sides) < 1e-12
+
+    opt = NamedSidesSGD(model.parameters())  # a number beside them: refused naming the dict's items
+    opt.update = lambda p, lr: opt.state[p].setdefault("sides", {"left": torch.zeros(2, 2, dtype=p.dtype), "n": 2})
+    with pytest.raises(hpfun.CaptureError, match=r"sides: is a dict of tensors and other values \(\{'left': "
+                       r"tensor\(2, 2\), 'n': 2\}\)"):
+        stock_step(model, opt, DP)(*batch(0))
+
+
 OPT_SCALE = 1.0  # read by GlobalScaledSGD's step
 
 
