@@ -1282,7 +1282,8 @@ def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> 
     fn = _name(f.fn)
     if isinstance(before, _Config) and isinstance(now, _Config) and repr(before) == repr(now) and \
             (found := lift.class_difference(before.key, now.key)):  # (the config's class's values changed)
-        return (f"hpfun.shard({fn}) compiled a new program {times} times because the class of {name} changed "
+        subject = f"{name}, a class," if before.text.startswith("<class ") else f"the class of {name}"
+        return (f"hpfun.shard({fn}) compiled a new program {times} times because {subject} changed "
                 f"(last {found[0]} -> {found[1]}): what a config's class holds keys the program as the config's "
                 "own values do (its methods may read them), and every new value compiles again (seconds each, and "
                 "every program stays cached). A counter the function never reads (instances counted on the class) "
@@ -2279,8 +2280,10 @@ def _check_configs_unchanged(call: _Call, leaves) -> None:
     for path, x, leaf in zip(call.paths(), call.flat, leaves, strict=False):
         if not isinstance(leaf.value, _Config) or lift.object_key(x) == leaf.value.key:
             continue
-        before, found = dict(leaf.value.key[1]), len(problems)
-        for name, now in lift.object_key(x)[1]:
+        key, now_key = leaf.value.key, lift.object_key(x)
+        named = all(type(k) is tuple and len(k) == 2 and type(k[1]) is tuple for k in (key, now_key))  # (an
+        before, found = dict(key[1]) if named else {}, len(problems)  # object's values by name; not a function's)
+        for name, now in now_key[1] if named else ():
             if before.get(name, now) != now:
                 problems.append(Problem(f"{path}.{name}", f"changed from {_short(before[name])} to {_short(now)} while "
                                         "the function was traced", "a traced program cannot repeat Python side "

@@ -974,10 +974,20 @@ def is_user_object(x) -> bool:
 
 
 def is_config_argument(x) -> bool:
-    """An argument keyed by its values (`object_key`): a config (`is_config`), or an object of
-    the user's that the function calls (`act = Scale(2.0)`), whose `__call__` reads its values
-    and its class's (it was keyed by identity: a value changed on it ran the first program)."""
-    return is_config(x) or _is_called_object(x)
+    """An argument keyed by its values (`object_key`): a config (`is_config`), an object of the
+    user's that the function calls (`act = Scale(2.0)`), whose `__call__` reads its values and its
+    class's, a class of the user's passed as a namespace (`f(x, Hyper)`, read as `ns.lr`), or a
+    function the function calls (the user's own, by the globals and closure it reads; a partial by
+    what it binds; a method of such an object): each was keyed by identity, and a value changed on
+    it ran the first program."""
+    return is_config(x) or _is_called_object(x) or isinstance(x, type) and _is_user_class(x) or \
+        _is_user_function(x) or isinstance(x, functools.partial) or \
+        isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__))
+
+
+def _is_user_function(x) -> bool:
+    """A Python function (a lambda too) of the user's code, not a library's."""
+    return isinstance(x, types.FunctionType) and not _is_library(x.__code__.co_filename)
 
 
 def object_key(x, depth: int = 4, _path: tuple = ()):
@@ -1001,6 +1011,14 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
         return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
+    if depth and _is_user_function(x):  # (by itself, and the globals its code loads, its closure's values and its
+        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # defaults: what a
+        return ("function", x, tuple((name, object_key(x.__globals__[name], depth - 1, _path))  # call reads)
+                                     for name in _global_names(x.__code__) if name in x.__globals__),
+                tuple(object_key(v, depth - 1, _path) for v in cells),
+                object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
+    if depth and isinstance(x, type) and _is_user_class(x):  # a class of the user's as a namespace (`ns.lr`):
+        return _class_key(x, depth, _path), ()  # its values and methods, as an instance's class's
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)
         return (_class_key(type(x), depth, _path),
                 tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))

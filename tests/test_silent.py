@@ -455,6 +455,65 @@ def test_a_called_object_argument_keys_the_cache_by_its_values():
     assert f.trace_count == 3
 
 
+_FN_SCALE = 1.0  # read by _scaled_by_global, a function passed as an argument
+
+
+def _scaled_by_global(x):
+    return x * _FN_SCALE
+
+
+class _Namespace:
+    lr = 1.0
+
+
+def test_a_class_or_function_argument_keys_the_cache_by_what_it_reads(monkeypatch):
+    """A class passed as a namespace (`f(x, Hyper)`, read as `ns.lr`), a function of the user's
+    (the globals it loads, its closure's values), a partial (what it binds, edited in place) and a
+    method of a config object (its object's values), each changed between calls: another program
+    (each was keyed by identity, and the first ran, silently)."""
+    x = torch.ones(4, 2, dtype=torch.float64)
+    cell = [1.0]
+    part = functools.partial(torch.mul, other=1.0)
+
+    class Holder:
+        def __init__(self):
+            self.k = 1.0
+
+        def go(self, t):
+            return t * self.k
+
+    held = Holder()
+    cases = {"a class": (_Namespace, lambda fn, x: x * fn.lr, lambda v: setattr(_Namespace, "lr", v)),
+             "a global": (_scaled_by_global, lambda fn, x: fn(x),
+                          lambda v: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", v)),
+             "a closure": (lambda t: t * cell[0], lambda fn, x: fn(x), lambda v: cell.__setitem__(0, v)),
+             "a partial": (part, lambda fn, x: fn(x), lambda v: part.keywords.__setitem__("other", v)),
+             "a method": (held.go, lambda fn, x: fn(x), lambda v: setattr(held, "k", v))}
+    try:
+        for name, (arg, body, set_value) in cases.items():
+            f = hpfun.shard(body, mesh=MESH, in_specs=(None, P("a")), out_specs=P())
+            for v in (1.0, 3.0, 3.0, 5.0):
+                set_value(v)
+                torch.testing.assert_close(f(arg, x).full(), x * v, rtol=0, atol=0, msg=name)
+            assert f.trace_count == 3, name
+    finally:
+        _Namespace.lr = 1.0
+
+
+def test_a_function_argument_that_changes_what_it_reads_is_refused():
+    """A function argument whose call changes a value it reads (a counter in a global list) would
+    change it once, at the trace: refused, as a changed global is (it was baked in silently)."""
+    count = [0]
+
+    def bump(t):
+        count[0] += 1
+        return t * count[0]
+
+    f = hpfun.shard(lambda x, fn: fn(x), mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\]: changed while the function was traced"):
+        f(torch.ones(4, 2), bump)
+
+
 def test_a_read_only_view_of_a_dict_keys_the_cache():
     """`types.MappingProxyType(cfg)` closed over, the dict it shows changed between calls: a new
     program (the first ran, silently: the view was held opaque)."""
