@@ -2283,6 +2283,11 @@ def _check_configs_unchanged(call: _Call, leaves) -> None:
         key, now_key = leaf.value.key, lift.object_key(x)
         named = all(type(k) is tuple and len(k) == 2 and type(k[1]) is tuple for k in (key, now_key))  # (an
         before, found = dict(key[1]) if named else {}, len(problems)  # object's values by name; not a function's)
+        for name, was, now in lift.class_changes(key, now_key, x):  # (`type(c).n += 1`: named, and set back)
+            problems.append(Problem(f"{path}: {name}", f"changed from {_short(was)} to {_short(now)} while the "
+                                    "function was traced", "a traced program cannot repeat Python side effects: make "
+                                    "this change outside the sharded function, or pass the value as a tensor and "
+                                    "return its new value"))
         for name, now in now_key[1] if named else ():
             if before.get(name, now) != now:
                 problems.append(Problem(f"{path}.{name}", f"changed from {_short(before[name])} to {_short(now)} while "

@@ -30,6 +30,7 @@ import enum
 import fractions
 import functools
 import gc
+import inspect
 import itertools
 import numbers
 import operator
@@ -187,7 +188,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             seen_objects.add(id(obj))
             roots.append(Root(unique(name, owner) if name else name, obj))
             if isinstance(obj, torch.nn.Module):
-                module_code(obj)
+                module_code(obj, name)
                 tree = None
                 for mod_name, mod in obj.named_modules(remove_duplicate=True):  # an optimizer a module holds
                     for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
@@ -256,6 +257,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 v = module[k]
                 if _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list) or _is_user_object(v):
                     value(v, _join(name, k), functools.partial(module.get, k), functools.partial(module.__setitem__, k))
+                elif isinstance(v, types.ModuleType) and _is_user_module(v) or isinstance(v, type) and _is_user_class(v):
+                    value(v, _join(name, k), functools.partial(module.get, k), None, attrs_read=attrs_read)  # (a
+                    # package's module, `cfgpkg.config.LR`; a class in it, `config.Train.lr`)
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
 
@@ -289,6 +293,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     if isinstance(v, functools.partial):  # (its arguments too, as a global partial's)
                         holder = instance if instance is not None else c
                         value(v, _join(name, k), functools.partial(getattr, holder, k), None)
+                    elif isinstance(v, type) and _is_user_class(v):  # a class in it (`Cfg.Optim.lr`): its values
+                        value(v, _join(name or c.__qualname__, k), _constant(v), None)
+                elif _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+                    note((c, k, held))  # an object it holds (`Cfg.opt = Opt()`, a SimpleNamespace): its values
+                    holder = instance if instance is not None else c
+                    value(v, _join(name or c.__qualname__, k), functools.partial(getattr, holder, k), None)
                 elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
                     note((c, k, v))  # (an attribute set to another object: walked again)
                     holder = instance if instance is not None else c
@@ -329,15 +339,40 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     if not isinstance(h, bool):  # (a flags dict, `with_kwargs`: torch leaves a removed hook's
                         value(h, _join(name, kind.lstrip("_")), _constant(h), None)  # flag behind; the hook keys it)
 
-    def module_code(module: torch.nn.Module) -> None:
+    def module_code(module: torch.nn.Module, name: str) -> None:
         """A module tree's code: each module's own class (a user's `forward` reading a global)
         and the hooks it holds, each bound by identity (a hook added or removed compiles
-        again); the walk is done again when a submodule or a hook is added, removed or replaced."""
+        again); the walk is done again when a submodule or a hook is added, removed or replaced.
+        And what a module holds of the user's code: a function, or one a partial binds (`self.fn =
+        helper`, whose globals and closure are read as the function's own), a class (`self.cls = Hyper`,
+        its values and methods) and a config object's class (`self.cfg.s` where `Cfg.s` is a class
+        attribute); the walk is done again when such an attribute holds another object."""
         hooks_code(torch.nn.modules.module, _GLOBAL_HOOK_DICTS, "torch.nn.modules.module")  # every module's
         note((RemovableHandle, "next_id", RemovableHandle.next_id))  # a hook registered anywhere: walked again
         attributes_of = []  # each tensor's attribute dict: one set or added between calls is walked again
         for mod_name, mod in module.named_modules(remove_duplicate=True):  # (a submodule replaced: `RootCache`)
             user_classes(type(mod), "")
+            cls = type(mod)
+            if cls not in seen_classes:  # a library's module class: its forward by identity (one patched after a
+                seen_classes.add(cls)  # call, as kernel libraries patch transformers' norms: compiled again)
+                forward = inspect.getattr_static(cls, "forward", None)  # (a TorchScript module's is a descriptor
+                if isinstance(forward, types.FunctionType):  # that raises on its class)
+                    note((cls, "forward", forward))
+                    bound.append((f"{cls.__module__}.{cls.__qualname__}.forward", _binding(forward)))
+            for k, v in list(vars(mod).items()):
+                if k.startswith("__") or k in _MODULE_INTERNALS:
+                    continue
+                place = _join(_join(name, mod_name), k)
+                held = v.func if isinstance(v, functools.partial) else v  # (a partial's arguments: `ModuleValues`)
+                if _is_user_function(held):
+                    note((mod, k, v))
+                    function(held, place)
+                elif isinstance(v, type) and _is_user_class(v):
+                    note((mod, k, v))
+                    value(v, place, _constant(v), None)
+                elif _is_config_object(v) and _is_user_class(type(v)) and not isinstance(v, torch.nn.Module):
+                    note((mod, k, v))  # (its own values are the module's: `ModuleValues`)
+                    user_classes(type(v), place, v)
             for kind in _HOOK_DICTS:
                 hooks = getattr(mod, kind, None)
                 if hooks:  # (one removed: walked again)
@@ -437,7 +472,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         seen_objects.add(id(fn))
         note((type(fn), "forward", type(fn).forward))
         function(type(fn).forward.__get__(fn), "")
-        module_code(fn)
+        module_code(fn, "")
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the saved_tensors_hooks around the
@@ -1012,10 +1047,11 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
     if depth and _is_user_function(x):  # (by itself, and the globals its code loads, its closure's values and its
-        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # defaults: what a
-        return ("function", x, tuple((name, object_key(x.__globals__[name], depth - 1, _path))  # call reads)
-                                     for name in _global_names(x.__code__) if name in x.__globals__),
-                tuple(object_key(v, depth - 1, _path) for v in cells),
+        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # defaults: what a call reads)
+        code, scope = x.__code__, x.__globals__
+        return ("function", x, tuple((name, _global_key(scope[name], code, depth - 1, _path))
+                                     for name in _global_names(code) if name in scope),
+                tuple(_global_key(v, code, depth - 1, _path) for v in cells),
                 object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
     if depth and isinstance(x, type) and _is_user_class(x):  # a class of the user's as a namespace (`ns.lr`):
         return _class_key(x, depth, _path), ()  # its values and methods, as an instance's class's
@@ -1032,7 +1068,7 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
     if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
         return ("partial", object_key(x.func, depth - 1, _path), object_key(x.args, depth, _path), object_key(x.keywords, depth, _path))
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
-        return ("method", x.__func__, object_key(x.__self__, depth - 1, _path))
+        return ("method", object_key(x.__func__, depth - 1, _path), object_key(x.__self__, depth - 1, _path))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return ("tensor", id(x))
     try:
@@ -1040,6 +1076,17 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
     except TypeError:
         return ("object", type(x).__name__, id(x))
     return x
+
+
+def _global_key(v, code: types.CodeType, depth: int, _path: tuple):
+    """`object_key` of a value a function's code loads: a module of the user's (`import config`)
+    by the attributes the code reads of it (`config.LR`, `cfgpkg.config.LR`), which a module's
+    identity does not show."""
+    if isinstance(v, types.ModuleType) and _is_user_module(v) and depth:
+        scope = vars(v)
+        return ("module", v.__name__, tuple((a, _global_key(scope[a], code, depth - 1, _path))
+                                            for a in sorted(_attribute_names(code) & scope.keys())))
+    return object_key(v, depth, _path)
 
 
 def _class_key(cls: type, depth: int, _path: tuple):
@@ -1057,8 +1104,10 @@ def _class_key(cls: type, depth: int, _path: tuple):
         for k, v in list(vars(c).items()):
             if k.startswith("__") and k != "__call__":
                 continue
-            if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
-                held.append((c.__qualname__, k, _Same(v)))  # (by identity: one patched on the class is another)
+            if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):  # (by identity: one
+                code = v.fget if isinstance(v, property) else getattr(v, "__func__", v)  # patched on the class is
+                held.append((c.__qualname__, k, _Same(v), object_key(code, depth - 1, _path)  # another; and what its
+                             if isinstance(code, types.FunctionType) else None))  # code reads: a global it loads)
             else:
                 held.append((c.__qualname__, k, object_key(v, depth - 1, _path)))
     return ("class", _Same(cls), tuple(held))
@@ -1086,14 +1135,47 @@ def class_difference(cached, given) -> tuple[str, str] | None:
         return str(a), str(b)
     if a[1] != b[1]:
         return f"class {a[1]!r}", f"another class of that name ({b[1]!r}, made since)"
-    held_a, held_b = {(q, k): v for q, k, v in a[2]}, {(q, k): v for q, k, v in b[2]}
+    held_a, held_b = {(q, k): rest for q, k, *rest in a[2]}, {(q, k): rest for q, k, *rest in b[2]}
     for q, k in sorted(held_a.keys() | held_b.keys()):
         if held_a.get((q, k), _MISSING) != held_b.get((q, k), _MISSING):
             def shown(held):
                 v = held.get((q, k), _MISSING)
-                return f"{q}.{k} " + ("absent" if v is _MISSING else f"= {v!r}")
+                if v is _MISSING:
+                    return f"{q}.{k} absent"
+                if len(v) == 2:  # a method: itself, and what its code reads
+                    return f"{q}.{k}, a method reading {_reads_text(v[1])}"
+                return f"{q}.{k} = {v[0]!r}"
             return shown(held_a), shown(held_b)
     return None
+
+
+def class_changes(cached, given, obj) -> list[tuple[str, object, object]]:
+    """(`Class.name`, value before, value now) of each value of `obj`'s class (`obj` a config or
+    a class, `cached` and `given` its `object_key`s) that differs, each plain value set back on
+    its class as it was (the call that changed it is refused); _MISSING where absent."""
+    if not (type(cached) is tuple and type(given) is tuple and len(cached) == len(given) == 2):
+        return []
+    a, b = cached[0], given[0]
+    if not (type(a) is tuple and type(b) is tuple and a[0] == b[0] == "class" and a[1] == b[1]):
+        return []
+    owners = {c.__qualname__: c for c in (obj if isinstance(obj, type) else type(obj)).__mro__}
+    held_a, held_b = {(q, k): rest for q, k, *rest in a[2]}, {(q, k): rest for q, k, *rest in b[2]}
+    out = []
+    for q, k in sorted(held_a.keys() | held_b.keys()):
+        was, now = held_a.get((q, k), [_MISSING]), held_b.get((q, k), [_MISSING])
+        if was == now:
+            continue
+        out.append((f"{q}.{k}", was[0], now[0]))
+        if len(was) == 1 and isinstance(was[0], Exact) and q in owners:
+            setattr(owners[q], k, was[0].value)
+    return out
+
+
+def _reads_text(key) -> str:
+    """The globals a method's `object_key` holds, as text (`G = 1.0`), for a retrace warning."""
+    if not (type(key) is tuple and key and key[0] == "function"):
+        return "its globals"
+    return ", ".join(f"{name} = {value!r}" for name, value in key[2]) or "no globals"
 
 
 # containers `_holds_any` looks into: the plain ones and the standard library's dicts

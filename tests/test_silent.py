@@ -500,6 +500,125 @@ def test_a_class_or_function_argument_keys_the_cache_by_what_it_reads(monkeypatc
         _Namespace.lr = 1.0
 
 
+class _HeldConfig:
+    s = 1.0
+
+
+class _HoldsCode(torch.nn.Module):
+    """A module holding code of the user's: a function, a partial of one, a class and a config
+    object whose class holds a value its forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fn, self.part = _scaled_by_global, functools.partial(_scaled_by_global)
+        self.cls, self.cfg = _Namespace, _HeldConfig()
+
+    def forward(self, x):
+        return self.fn(x) + self.part(x) + x * self.cls.lr * self.cfg.s
+
+
+def test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache(monkeypatch):
+    """A global read by a function a module holds (`self.fn = helper`, or in a partial), a class
+    attribute of a class it holds (`self.cls.lr`) or of its config object's class (`self.cfg.s`
+    where `s` is `_HeldConfig.s`), changed between calls: another program (the first ran, silently)."""
+    m = _HoldsCode()
+    f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
+    x = torch.ones(4, 2, dtype=torch.float64)
+    changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
+               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldConfig, "s", 5.0), lambda: None]
+    try:
+        for change in changes:
+            change()
+            torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
+        assert f.trace_count == 4
+    finally:
+        _Namespace.lr, _HeldConfig.s = 1.0, 1.0
+
+
+class _Reads:
+    """A config whose code reads a global: a property, a method, `__call__`."""
+
+    def __init__(self):
+        self.a = 1.0
+
+    @property
+    def lr(self):
+        return _FN_SCALE
+
+    def scale(self):
+        return _FN_SCALE * _Namespace.lr
+
+    def __call__(self, x):
+        return x * _FN_SCALE
+
+
+class _Outer:
+    class Optim:
+        lr = 1.0
+
+    ns = types.SimpleNamespace(lr=1.0)
+
+
+def test_what_an_arguments_code_or_a_namespaces_inner_values_read_keys_the_cache(monkeypatch, tmp_path):
+    """A global (or a class's value) read by a config argument's property, method or `__call__`; an
+    attribute of the user's config module read through its package (`pkg.settings.LR`); a value
+    of a class or namespace held by a closed-over class (`_Outer.Optim.lr`, `_Outer.ns.lr`): each
+    changed between calls is another program (the first ran, silently)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hpfun_test_pkg").mkdir()
+    (tmp_path / "hpfun_test_pkg" / "__init__.py").write_text("")
+    (tmp_path / "hpfun_test_pkg" / "settings.py").write_text("LR = 1.0\n")
+    import hpfun_test_pkg.settings
+
+    def through_package(t):
+        return t * hpfun_test_pkg.settings.LR
+
+    x, cfg = torch.ones(4, 2, dtype=torch.float64), _Reads()
+    bodies = [lambda c, x: x * c.lr, lambda c, x: x * c.scale(), lambda c, x: c(x), lambda c, x: c(x),
+              lambda c, x: x * _Outer.Optim.lr * _Outer.ns.lr]
+    args = [cfg, cfg, cfg, through_package, None]
+    sharded = [hpfun.shard(body, mesh=MESH, in_specs=(None, P("a")), out_specs=P()) for body in bodies]
+    changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
+               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(hpfun_test_pkg.settings, "LR", 4.0),
+               lambda: setattr(_Outer.Optim, "lr", 5.0), lambda: setattr(_Outer.ns, "lr", 6.0)]
+    try:
+        for change in changes:
+            change()
+            for body, arg, f in zip(bodies, args, sharded, strict=True):
+                torch.testing.assert_close(f(arg, x).full(), body(arg, x), rtol=0, atol=0)
+        # (a config is keyed by what all its class's methods read: `scale` reads `_Namespace.lr`)
+        assert [f.trace_count for f in sharded] == [3, 3, 3, 2, 3]
+    finally:
+        _Namespace.lr, _Outer.Optim.lr, _Outer.ns.lr = 1.0, 1.0, 1.0
+
+
+def test_a_library_module_class_patched_between_calls_compiles_again():
+    """`torch.nn.Linear.forward` patched after a call (as kernel libraries patch a model's norms):
+    another program (the first ran, silently; a class of the user's compiled again already)."""
+    lin = torch.nn.Linear(2, 2, dtype=torch.float64)
+    f = hpfun.shard(lambda x: lin(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
+    x, forward = torch.ones(4, 2, dtype=torch.float64), torch.nn.Linear.forward
+    torch.testing.assert_close(f(x).full(), lin(x), rtol=0, atol=0)
+    try:
+        torch.nn.Linear.forward = lambda self, t: forward(self, t) + 5
+        torch.testing.assert_close(f(x).full(), lin(x), rtol=0, atol=0)
+    finally:
+        torch.nn.Linear.forward = forward
+    torch.testing.assert_close(f(x).full(), lin(x), rtol=0, atol=0)
+    assert f.trace_count == 2
+
+
+def test_a_config_arguments_class_value_changed_by_the_function_is_named_and_set_back():
+    class Counted:
+        n = 0
+
+    f = hpfun.shard(lambda x, c: (setattr(type(c), "n", type(c).n + 1), x * type(c).n)[1], mesh=MESH,
+                    in_specs=(P("a"), None), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\]: .*Counted\.n: changed from 0 to 1 while the function"):
+        f(torch.ones(4, 2), Counted())
+    assert Counted.n == 0
+
+
 def test_a_function_argument_that_changes_what_it_reads_is_refused():
     """A function argument whose call changes a value it reads (a counter in a global list) would
     change it once, at the trace: refused, as a changed global is (it was baked in silently)."""
