@@ -834,3 +834,23 @@ def test_grid_sample_gradient_keeps_split_channels_with_no_collective(dims):
     torch.testing.assert_close(ggrid.full(), want_grid, rtol=0, atol=TOL)
     moved = [(c.kind, c.bytes) for c in f.lower(x, grid).collectives]
     assert moved == [("all_reduce", grid.numel() * 8)], moved
+
+
+@pytest.mark.parametrize("name", ["index_copy", "index_add", "index_fill", "scatter"])
+def test_group_norm_of_a_write_at_indices_of_a_split_dim_equals_eager(name):
+    """A write at indices of a split dim ends in a slice of the whole value, a strided view on each
+    rank, where eager's value is contiguous; the CPU group norm kernel takes contiguous (or
+    channels-last) input only, and failed at run time after planning accepted the program."""
+    x = torch.randn(8, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    src, ix = torch.randn(8, 2, 6, dtype=torch.float64), torch.tensor([6, 5])
+    where = ix.view(1, 2, 1).expand(8, 2, 6).contiguous()
+    writes = {"index_copy": lambda x: x.index_copy(1, ix, src), "index_add": lambda x: x.index_add(1, ix, src),
+              "index_fill": lambda x: x.index_fill(1, ix, 1.0), "scatter": lambda x: x.scatter(1, where, 0.0)}
+
+    def f(x):
+        return F.group_norm(writes[name](x), 4)
+
+    for spec in (P(None, "a"), P(None, None, "a")):
+        out = hpfun.shard(f, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=(spec,), out_specs=P())(x)
+        torch.testing.assert_close(out.full(), f(x), rtol=1e-12, atol=1e-12)
+

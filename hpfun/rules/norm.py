@@ -109,7 +109,7 @@ class GroupNorm(Rule):
         return combine_axes(call, per_axis)
 
     def emit(self, ctx, call: OpCall, strategy: Strategy, args, kwargs):
-        return _group_norm_emit(ctx, call, strategy, args, kwargs, 0, 3)
+        return _group_norm_emit(ctx, call, strategy, args, kwargs, 0, 3, op=group_norm)
 
 
 @attrs.frozen(kw_only=True)
@@ -132,15 +132,29 @@ class GroupNormBackward(Rule):
         return _group_norm_emit(ctx, call, strategy, args, kwargs, 1, 5, op=group_norm_backward)
 
 
+def _norm_format(x) -> torch.memory_format:
+    """The memory format the CPU group norm kernels take `x` in: channels-last where it is laid
+    out so, else contiguous."""
+    if x.dim() in (4, 5) and not x.is_contiguous():
+        cl = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        if x.is_contiguous(memory_format=cl):
+            return cl
+    return torch.contiguous_format
+
+
+def group_norm(x, *args):
+    """aten.native_group_norm of `x` laid out as the kernel requires (contiguous or channels-last;
+    a copy only where it is neither). Eager hands it a value as its op made it; a rank's block
+    may be a strided view of a whole one (a write at indices of a split dim ends in a slice)."""
+    return torch.ops.aten.native_group_norm.default(x.contiguous(memory_format=_norm_format(x)), *args)
+
+
 def group_norm_backward(grad_out, x, *args):
     """aten.native_group_norm_backward with `grad_out` in `x`'s memory format. The CPU kernel
     reads both with the strides of `x`'s format: a contiguous gradient of a channels-last input
     (which a per-shard program makes where a collective delivers one of them, contiguous, and a
     local op the other) gives garbage. Autograd hands the kernel matching formats; so does this."""
-    fmt = torch.contiguous_format
-    if x.dim() in (4, 5) and not x.is_contiguous():
-        cl = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        fmt = cl if x.is_contiguous(memory_format=cl) else fmt
+    fmt = _norm_format(x)
     return torch.ops.aten.native_group_norm_backward.default(
         grad_out.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), *args)
 
