@@ -301,6 +301,9 @@ def bad_spec(where: str, spec, mesh: Mesh | None = None) -> Problem | None:
     """Why `spec` is not a spec (a P, None or AUTO), with the spelling that was meant; None if it is one."""
     if is_spec_leaf(spec):
         return None
+    if isinstance(spec, str) and (placements := _notation_placements(spec)) is not None:  # ('S(0)', what layouts
+        return Problem(where, f"spec is the string {spec!r}, hpfun's layout notation (what a layout prints), not a "  # print)
+                       "spec: a P names, per tensor dim, the mesh axes splitting it", _as_p(placements, mesh))
     if isinstance(spec, str):
         return Problem(where, f"spec is the string {spec!r}, not a P", f"write P({spec!r})")
     if _is_dim_tuple(spec):
@@ -345,6 +348,22 @@ def _notation(placements) -> str:
     if any(_is_dtensor_placement(p) for p in placements):
         return "DTensor's placement per mesh axis"
     return "hpfun's placement per mesh axis (what a Layout holds)"
+
+
+def _notation_placements(text: str) -> tuple | None:
+    """The placements a string in hpfun's layout notation writes (`'S(0)'`, `'[S(0), R]'`,
+    `'[S(0)] on {a: 2}'`), or None where it is not that notation (a mesh axis name)."""
+    from hpfun.layout import parse
+
+    try:
+        parsed = parse(text)
+    except Exception:  # (any text that is not the notation: parse says why in its own words)
+        return None
+    if isinstance(parsed, Layout):
+        return tuple(parsed.placements)
+    if isinstance(parsed, tuple) and parsed and all(_is_placement(p) for p in parsed):
+        return parsed
+    return (parsed,) if _is_placement(parsed) else None
 
 
 def _as_p(placements, mesh: Mesh | None) -> str:

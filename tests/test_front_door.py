@@ -440,6 +440,9 @@ def test_a_print_inside_runs_once_at_the_trace(capsys):
     (hpfun.Shard(1), "hpfun's placement", "write P(None, 'dp') or P(None, 'tp')"),
     ((hpfun.Partial(), hpfun.Replicate()), "hpfun's placement", "a P cannot ask for a pending sum"),
     (0, "must be an hpfun.P or None, got int 0", "write P(...) with one entry per tensor dim"),
+    ("[S(1), R] on {dp: 2, tp: 2}", "hpfun's layout notation", "write P(None, 'dp')"),  # (what a layout prints)
+    ("[S(0), S(0)]", "hpfun's layout notation", "write P(('dp', 'tp'))"),
+    ("P(sum)", "hpfun's layout notation", "a P cannot ask for a pending sum"),
 ], ids=repr)
 def test_a_spec_that_is_not_a_P_names_the_path_and_the_spelling(spec, what, fix):
     """Strings, bare tuples of axis names, DTensor's and hpfun's placements: the path and the P meant."""
