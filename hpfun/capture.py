@@ -707,9 +707,21 @@ def _library_checks_keep_their_messages():
         return
 
     def is_tracing(tensor=None) -> bool:
-        return False if tensor is None else original(tensor)
+        if tensor is None:
+            return False
+        if isinstance(tensor, torch.Tensor) and _constant_value(tensor) is not None:
+            return False  # (a value hpfun reads, as eager does: below)
+        return original(tensor)
 
-    with mock.patch.object(utils, "is_tracing", is_tracing):
+    # Its mask helpers skip an all-ones attention mask in eager (SDPA's is_causal, or no mask for a
+    # bidirectional model), but not while tracing, where reading the mask would break the graph; hpfun
+    # reads a mask made from the arguments (`readable_inputs`), so it decides as eager does: PaliGemma's
+    # bidirectional Gemma attended causally (silently another model). Each module holds its own name.
+    holders = [m for name, m in list(sys.modules.items()) if name.startswith("transformers.") and m is not None
+               and getattr(m, "is_tracing", None) is original]
+    with contextlib.ExitStack() as stack:
+        for module in holders:
+            stack.enter_context(mock.patch.object(module, "is_tracing", is_tracing))
         yield
 
 
@@ -1574,7 +1586,9 @@ _SIZE_TAKERS = frozenset([torch.arange, torch.zeros, torch.ones, torch.empty, to
                           torch.randint, torch.randperm, torch.eye, torch.linspace, torch.logspace, torch.tril_indices,
                           torch.triu_indices, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                           torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
-                          torch.Tensor.expand, torch.Tensor.repeat, torch.Tensor.unflatten, torch.unflatten])
+                          torch.Tensor.expand, torch.Tensor.repeat, torch.Tensor.unflatten, torch.unflatten,
+                          torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
+                          torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll])
 _SIZE_KEYWORDS = ("size", "steps", "start", "end", "n", "m", "high", "low", "row", "col", "offset", "sizes", "shape")
 
 
@@ -1704,10 +1718,13 @@ def _traced_tensor_of(func, args: tuple, kwargs: dict):
 _TENSOR_OF = frozenset([torch.tensor, torch.as_tensor, torch.Tensor.new_tensor])
 
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
-_SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,)}
+_SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,),
+                   torch.nn.functional.pad: (0,)}
 _TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                                    torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand,
-                                   torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten])
+                                   torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten,
+                                   torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
+                                   torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll])
 
 
 _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -1731,6 +1748,12 @@ _COMPARISONS = {torch.equal: _equal, torch.Tensor.equal: _equal,
 # (an `InputRead`, the program right for the calls giving the same result), and made a constant.
 _SHAPE_READS = frozenset([torch.unique, torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive,
                           torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere])
+
+
+def _contains(value, element) -> bool:
+    """`element in value`, run on the real value (its comparison makes tensors of its own)."""
+    with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():
+        return element in value
 
 
 def _listed(op, value, *args, **kwargs):
@@ -2400,6 +2423,11 @@ class _TensorScalars(TorchFunctionMode):
                                        f"(index {name} takes 0 <= index < size)"), *args[3:])
         if func is torch._C.TensorBase.data_ptr and args and _ADDRESSES and (ptr := _address(args[0])) is not None:
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
+        if func is torch.Tensor.__contains__ and len(args) == 2 and _is_traced(args[0]) \
+                and not isinstance(args[1], torch.Tensor):  # (`pad_token_id in ids[:, [-1, 0]]`: a read, as `bool` is)
+            result = _read(_contains, args[0].clone() if args[0]._version else args[0], args[1:])
+            if result is not _UNREADABLE:
+                return result
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
             read = args[0].clone() if args[0]._version else args[0]  # (written in place since it was made, a
             result = _read(func, read, args[1:], kwargs)  # step counter `c.step += 1`: its copy is read, writes too)
@@ -3131,6 +3159,17 @@ def _user_where(err: Exception) -> str:
     return where
 
 
+@functools.lru_cache(maxsize=64)
+def _has_grouped_experts(filename: str) -> bool:
+    """Whether a transformers modeling file offers its experts as grouped matrix multiplies
+    (`@use_experts_implementation`), besides the eager loop."""
+    try:
+        with open(filename, encoding="utf-8") as source:
+            return "use_experts_implementation" in source.read()
+    except OSError:
+        return False
+
+
 def _public_torch_file(filename: str) -> bool:
     """A file of torch's public modules (torch/nn/..., torch/optim/...), not its machinery
     (dispatch, fake tensors, fx, utils)."""
@@ -3222,12 +3261,19 @@ def _describe(err: Exception) -> str:
             hint = (" — transformers' generate() decides in Python when every sequence has finished, from the "
                     "tokens the model chose (a read of computed values): shard the model's forward, one decoding "
                     "step, and run the generation loop outside the sharded function")
-        if any(os.sep + "transformers" + os.sep in f.filename and "expert" in (f.line or "")
-               and "nonzero" in (f.line or "") for f in stack):
+        moe = next((f for f in stack if os.sep + "transformers" + os.sep in f.filename and "expert" in (f.line or "")
+                    and "nonzero" in (f.line or "")), None)
+        if moe is not None and _has_grouped_experts(moe.filename):
             hint = (" — transformers' eager mixture-of-experts loop finds the experts that have tokens with "
                     "nonzero(), a shape read from the routing: build the model with its default experts "
                     "implementation (grouped matrix multiplies: leave experts_implementation unset), which hpfun "
                     "traces and shards")
+        elif moe is not None:
+            hint = (" — this model's mixture-of-experts layer finds the experts that have tokens with nonzero(), a "
+                    "shape read from the routing, and transformers gives it no other implementation (models with "
+                    "experts_implementation have grouped matrix multiplies, which hpfun traces): shard the rest of "
+                    "the model and run this layer outside the sharded function, or write its expert loop with a "
+                    "dense dispatch (every expert on every token, weighted by the router's one-hot choice)")
         if "aten.linalg_lstsq" in str(err):
             hint = (" — torch.linalg.lstsq's outputs (its rank and singular values) have shapes torch decides from "
                     "the driver at run time, which a trace on shapes cannot: solve with torch.linalg.solve (a square, "

@@ -300,6 +300,53 @@ def test_eager_experts_are_refused_naming_the_default_implementation():
         step(tokens(0))
 
 
+def test_a_model_with_only_an_eager_experts_loop_is_refused_without_the_other_implementation():
+    """SwitchTransformers has no grouped experts: the refusal does not send the user to an option
+    the model lacks."""
+    from hpfun.capture import _has_grouped_experts
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+    import transformers.models.switch_transformers.modeling_switch_transformers as switch
+
+    assert _has_grouped_experts(mixtral.__file__) and not _has_grouped_experts(switch.__file__)
+    config = transformers.SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_decoder_layers=2, num_heads=4, num_experts=4,
+                                                   decoder_sparse_step=1, encoder_sparse_step=1)
+    model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    step = hpfun.shard(lambda ids: model(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids).logits,
+                       mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"nonzero\(\).*transformers gives it no other implementation"):
+        step(tokens(0))
+
+
+def test_an_all_ones_mask_is_skipped_as_eager_skips_it():
+    """transformers skips an all-ones attention mask in eager (a bidirectional Gemma then attends
+    to every token) but not while tracing; hpfun reads a mask made from the arguments, so it
+    decides as eager does (PaliGemma's logits differed by 6e-2, silently), and a mask with
+    padding at a later call compiles again."""
+    vision = transformers.SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4)
+    text = transformers.GemmaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(transformers.PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_id=90, projection_dim=32)).double().eval()
+    ids = torch.cat([torch.full((2, 16), 90), torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))], 1)
+    pixels = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def logits(ids, pixels, mask):
+        return model(input_ids=ids, pixel_values=pixels, attention_mask=mask).logits
+
+    f = hpfun.shard(logits, mesh=hpfun.Mesh.simulated((2,), ("dp",)), in_specs=(P("dp"), P("dp"), P("dp")),
+                    out_specs=P("dp"))
+    padded = torch.ones_like(ids)
+    padded[:, -2:] = 0
+    for mask in (torch.ones_like(ids), padded):
+        with torch.no_grad():
+            want = logits(ids, pixels, mask)
+        torch.testing.assert_close(f(ids, pixels, mask).full(), want, rtol=1e-9, atol=1e-9)
+    assert f.trace_count == 2
+
+
 def test_a_returned_model_output_keeps_its_tensors_and_drops_its_cache():
     """`return model(ids, labels=ids)`: the loss and logits come back sharded, equal to eager;
     the DynamicCache in it holds the trace's stand-ins, so it comes back as None with a warning

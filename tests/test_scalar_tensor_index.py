@@ -235,6 +235,26 @@ def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
         hpfun.shard(lambda x: x[:, (w * 2).long():].sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())(x)
 
 
+def test_0d_tensors_of_an_argument_given_as_sizes_are_read_as_their_integers():
+    """`x.split(list(sizes))`, `torch.split`, `F.pad(x, (0, s[0]))`, `x.roll(s[0])` and `v in t`
+    with values of an argument (Mistral3's patch merger splits its features by sizes made from
+    `image_sizes`; transformers checks `pad_token_id in input_ids[:, [-1, 0]]`) read them as
+    `int(t)` does, and key the program by them (torch read them in C++, where the trace refused
+    them as values of parameters)."""
+    def f(x, s):
+        parts = x.split(list(s), 1)
+        padded = torch.nn.functional.pad(x, (0, s[0]))
+        flag = 1.0 if 4 in s else 0.0
+        return parts[1].sum(0) + torch.split(x, list(s), 1)[0].sum() + padded.sum(0)[-1] \
+            + x.roll(s[0], 1).sum(0)[0] + flag
+
+    x = torch.randn(4, 6, dtype=D, generator=_gen())
+    g = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    for sizes in (torch.tensor([2, 4]), torch.tensor([2, 4]), torch.tensor([5, 1])):
+        torch.testing.assert_close(g(x, sizes).full(), f(x, sizes), rtol=0, atol=1e-12)
+    assert g.trace_count == 2
+
+
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
 def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
     """`index_fill` counts a negative index from the end; its gradient, which torch's own
