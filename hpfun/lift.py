@@ -1183,11 +1183,23 @@ _PLAIN_KINDS = (list, tuple, dict, collections.OrderedDict, collections.defaultd
 
 
 def _holds_any(container, found, depth: int = 3) -> bool:
-    """A list, tuple or dict holding a value `found` is true of (nested `depth` deep)."""
-    if depth <= 0 or type(container) not in _PLAIN_KINDS or len(container) > PLAIN_CONTAINER_ITEMS:
-        return False  # (a subclass may be anything: e3nn's Irreps, a tuple, refuses len())
-    items = container.values() if isinstance(container, dict) else container
+    """A list, tuple or dict holding a value `found` is true of (nested `depth` deep); a
+    namedtuple or a dataclass of the user's too (`self.heads = Heads(a=Linear(...), ...)`)."""
+    if depth <= 0:
+        return False
+    if type(container) in _PLAIN_KINDS or _is_namedtuple(container):
+        if _length(container) > PLAIN_CONTAINER_ITEMS:  # (a subclass may be anything: e3nn's Irreps, a tuple,
+            return False  # refuses len())
+        items = container.values() if isinstance(container, dict) else container
+    elif dataclasses.is_dataclass(container) and not isinstance(container, type) and _is_user_object(container):
+        items = attributes(container).values()
+    else:
+        return False
     return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
+
+
+def _is_namedtuple(v) -> bool:
+    return isinstance(v, tuple) and hasattr(type(v), "_fields")
 
 
 def _is_optimizer(v) -> bool:
@@ -3925,12 +3937,13 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
     lifted = next((name for name, v in (state.values().items() if state and tensor is not None else ())
                    if v is tensor), None)
     if lifted is not None:  # (state reached by a reference of its own: `weakref.ref(lin.weight)()`)
-        return CaptureError(Problem(where or "the function", f"reads {lifted}, state hpfun lifts, through a reference "
-                                    "hpfun does not replace (a weakref, a table keyed by id, a reference taken before "
-                                    "the call): inside the function hpfun puts a stand-in at its place, and this "
-                                    "reference still gives the real tensor",
-                                    f"read it at its place inside the function ({lifted}, module.parameters()), or "
-                                    "pass it as an argument"), headline="cannot capture the function")
+        return CaptureError([Problem(where or "the function", f"reads {lifted}, state hpfun lifts, through a reference "
+                                     "hpfun does not replace (a weakref, a table keyed by id, a reference taken before "
+                                     "the call): inside the function hpfun puts a stand-in at its place, and this "
+                                     "reference still gives the real tensor",
+                                     f"read it at its place inside the function ({lifted}, module.parameters()), or "
+                                     "pass it as an argument"), *_objects_modules_hold(state)],
+                            headline="cannot capture the function")
     place = held_at(tensor) if tensor is not None else None
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
                         "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)"
@@ -3967,6 +3980,15 @@ def _objects_modules_hold(state: State | None) -> list[Problem]:
                                            "a module's list, tuple or dict one level deep, not inside a container in it",
                                            "hold them one level deep (a flat list, or a dict of tensors keyed by "
                                            "name: `self.k = {'0.0': t, ...}`), or register them as buffers"))
+                    continue
+                if type(v) in (collections.deque, set, frozenset) and id(v) not in seen and \
+                        any(_unregistered_module(None)(m) for m in list(v)[:PLAIN_CONTAINER_ITEMS]):
+                    seen.add(id(v))  # (modules in a container hpfun does not walk: their parameters are not lifted)
+                    name = _join(_join(root.name, mod_name), attr)
+                    out.append(Problem(f"{name} (a {type(v).__name__})", f"holds modules in a {type(v).__name__}, "
+                                       "which hpfun does not lift: it lifts modules registered as submodules, and "
+                                       "those a module holds in a list, tuple, dict, namedtuple or dataclass",
+                                       "hold them in an nn.ModuleList (or a list or dict)"))
                     continue
                 if attr.startswith("__") or attr in _MODULE_INTERNALS or id(v) in seen or _is_scalar(v) or \
                         isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,

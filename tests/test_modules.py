@@ -1901,6 +1901,46 @@ def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
     assert "heads.a.weight" in str(f.lower(*batch(0)))
 
 
+_Heads = collections.namedtuple("_Heads", "a")
+
+
+@dataclasses.dataclass
+class _HeadsRecord:
+    a: torch.nn.Module
+
+
+@pytest.mark.parametrize("kind", [_Heads, _HeadsRecord], ids=["namedtuple", "dataclass"])
+def test_a_module_a_module_holds_in_a_namedtuple_or_dataclass_is_lifted_and_trained(kind):
+    """`self.heads = Heads(a=Linear(...))`: lifted and trained as in a dict (it was refused as a
+    read "through a reference hpfun does not replace", naming the optimizer's entry); one in a
+    deque is refused naming the deque and the fix."""
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        torch.manual_seed(3)
+        m.heads = kind(a=torch.nn.Linear(4, 4, dtype=torch.float64))
+    opts = [torch.optim.Adam([*m.parameters(), *m.heads.a.parameters()], lr=1e-2) for m in (model, ref)]
+
+    def step(m, opt, x, y):
+        loss = F.cross_entropy(m.heads.a(m(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(functools.partial(step, model, opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(f(x, y).full().item() - step(ref, opts[1], x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+        assert (model.heads.a.weight - ref.heads.a.weight).abs().max().item() < 1e-12
+
+    model.heads = collections.deque([torch.nn.Linear(4, 4, dtype=torch.float64)])
+    g = hpfun.shard(lambda x: model.heads[0](model(x)).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"heads \(a deque\): holds modules in a deque.*\n.*fix: hold them in "
+                                                 r"an nn.ModuleList"):
+        g(batch(0)[0])
+
+
 def test_a_module_a_module_holds_deep_in_lists_is_lifted():
     """`self.held = [[[[Linear]]]]`: a module four lists deep in a module's attribute is lifted
     (objects a module holds are read eight levels down; it was refused past three)."""
