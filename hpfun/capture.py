@@ -2442,6 +2442,11 @@ class _TensorScalars(TorchFunctionMode):
             # n of an argument, read as int(n))
         if func in _FULLS and (filled := _traced_fill(func, args, kwargs)) is not None:
             return filled  # (`torch.full((3,), m.any())`, `x.new_full(size, n)`: the tensor, expanded)
+        if func is torch.scalar_tensor and args and isinstance(args[0], torch.Tensor) and _is_traced(args[0]) \
+                and args[0].numel() == 1:  # (its number, as a tensor of the dtype asked for: the default's if none)
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            return args[0].detach().reshape(()).to(dtype=dtype, device=kwargs.get("device") or args[0].device) \
+                .clone().requires_grad_(bool(kwargs.get("requires_grad")))
         if func in _TENSOR_OF and (made := _traced_tensor_of(func, args, kwargs)) is not None:
             return made  # (`torch.tensor([row.max() + 1 for row in ids])`: the values, stacked)
         if func in _SIZE_TAKERS and (read := _sizes_read(func, args, kwargs)) is not None:

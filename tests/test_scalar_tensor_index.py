@@ -255,6 +255,18 @@ def test_0d_tensors_of_an_argument_given_as_sizes_are_read_as_their_integers():
     assert g.trace_count == 2
 
 
+def test_scalar_tensor_of_a_traced_number_is_that_number_in_the_default_dtype():
+    """`torch.scalar_tensor(x.sum())` is the number as a tensor of the default dtype (or the one
+    asked for), as eager gives it (it was refused as a read of parameters' values)."""
+    x = torch.randn(4, 3, dtype=D, generator=_gen())
+    for f in (lambda x: torch.scalar_tensor(x.sum()) * x, lambda x: torch.scalar_tensor(x.max(), dtype=D) + x,
+              lambda x: torch.scalar_tensor(x.sum().long()) + x):
+        got = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(x).full()
+        want = f(x)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if want.dtype == torch.float32 else 1e-12)
+
+
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
 def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
     """`index_fill` counts a negative index from the end; its gradient, which torch's own
