@@ -461,6 +461,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 seen_places.add((id(g), var))
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var),
                       attrs_read=_attribute_names(code))
+        own = vars(fn)  # its own attributes (`helper.scale = 2.0`, read as `helper.scale`): numbers key the cache
+        if any(not k.startswith("__") for k in own):
+            note(_Unchanged(own))
+            for k, v in list(own.items()):
+                if not k.startswith("__") and _is_scalar(v):
+                    value(v, _join(name, f"{code.co_name}.{k}"), functools.partial(getattr, fn, k),
+                          functools.partial(setattr, fn, k))
 
     note = guard.append if guard is not None else lambda _: None
     bound: list = []  # (name, token) of the functions, classes and modules the walk read from a global or a cell
@@ -577,8 +584,10 @@ _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 @functools.lru_cache(maxsize=1024)
 def _attribute_names(code: types.CodeType) -> frozenset:
-    """Names `code` (and the code inside it) loads as attributes (`config.LR` loads LR)."""
+    """Names `code` (and the code inside it) loads as attributes (`config.LR` loads LR), and the
+    names it may pass to getattr (`getattr(config, "LR")`: its string constants that are names)."""
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")}
+    names |= {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _attribute_names(const)

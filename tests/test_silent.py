@@ -592,6 +592,34 @@ def test_what_an_arguments_code_or_a_namespaces_inner_values_read_keys_the_cache
         _Namespace.lr, _Outer.Optim.lr, _Outer.ns.lr = 1.0, 1.0, 1.0
 
 
+def _scaled_by_own_attribute(t):
+    return t * _scaled_by_own_attribute.scale
+
+
+_scaled_by_own_attribute.scale = 1.0
+
+
+def test_a_functions_own_attribute_and_a_config_module_read_by_getattr_key_the_cache(monkeypatch, tmp_path):
+    """`helper.scale` read by the helper itself and `getattr(settings, "LR")` of the user's config
+    module, changed between calls: another program (the first ran, silently)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "hpfun_test_getattr_settings.py").write_text("LR = 1.0\n")
+    import hpfun_test_getattr_settings as settings
+
+    x = torch.ones(4, 2, dtype=torch.float64)
+    fns = [lambda x: _scaled_by_own_attribute(x), lambda x: x * getattr(settings, "LR")]
+    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P()) for fn in fns]
+    try:
+        for change in (lambda: None, lambda: setattr(_scaled_by_own_attribute, "scale", 2.0),
+                       lambda: setattr(settings, "LR", 3.0)):
+            change()
+            for fn, f in zip(fns, sharded, strict=True):
+                torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+        assert [f.trace_count for f in sharded] == [2, 2]
+    finally:
+        _scaled_by_own_attribute.scale = 1.0
+
+
 def test_a_library_module_class_patched_between_calls_compiles_again():
     """`torch.nn.Linear.forward` patched after a call (as kernel libraries patch a model's norms):
     another program (the first ran, silently; a class of the user's compiled again already)."""
