@@ -1709,10 +1709,23 @@ def _traced_tensor_of(func, args: tuple, kwargs: dict):
             isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in leaves):
         raise TypeError("only integer tensors of a single element can be converted to an index")  # (as eager)
     device = kwargs.get("device") or (like.device if like is not None else torch.get_default_device())
-    values = [v.detach().reshape(()).to(dtype=dtype, device=device) if isinstance(v, torch.Tensor) else
-              torch.tensor(v.item() if numpy_scalar(v) else v, dtype=dtype, device=device) for v in leaves]
+    values = [_fits_dtype(v.detach().reshape(()), dtype).to(dtype=dtype, device=device) if isinstance(v, torch.Tensor)
+              else torch.tensor(v.item() if numpy_scalar(v) else v, dtype=dtype, device=device) for v in leaves]
     made = torch.stack(values).reshape(size)
     return made.requires_grad_() if kwargs.get("requires_grad") else made
+
+
+def _fits_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`v`, checked in the program to fit an integer `dtype` narrower than its own, as torch
+    checks a number it converts (`torch.tensor([n], dtype=torch.int8)` of n = 300 raises)."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or v.dtype.is_floating_point or \
+            v.dtype.is_complex or v.dtype == torch.bool:
+        return v
+    info, have = torch.iinfo(dtype), torch.iinfo(v.dtype)
+    if have.min >= info.min and have.max <= info.max:
+        return v
+    return checked(v, (v >= info.min) & (v <= info.max),
+                   f"value cannot be converted to type {str(dtype).removeprefix('torch.')} without overflow")
 
 
 _TENSOR_OF = frozenset([torch.tensor, torch.as_tensor, torch.Tensor.new_tensor])

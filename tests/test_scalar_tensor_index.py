@@ -267,6 +267,19 @@ def test_scalar_tensor_of_a_traced_number_is_that_number_in_the_default_dtype():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if want.dtype == torch.float32 else 1e-12)
 
 
+def test_a_traced_number_that_does_not_fit_the_integer_dtype_asked_for_raises_as_eager_raises():
+    """`torch.tensor([n], dtype=torch.int8)` of a traced n = 320: eager raises that it cannot be
+    converted without overflow; the program checks it too (it wrapped to 64, silently)."""
+    x = torch.ones(32, dtype=D)
+    f = hpfun.shard(lambda x: torch.tensor([(x > 0).sum() * k], dtype=torch.int8), mesh=MESH, in_specs=(P("dp"),),
+                    out_specs=P())
+    k = 3
+    torch.testing.assert_close(f(x).full(), torch.tensor([96], dtype=torch.int8))
+    k = 10
+    with pytest.raises(hpfun.ExecutionError, match="cannot be converted to type int8 without overflow"):
+        f(x)
+
+
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
 def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
     """`index_fill` counts a negative index from the end; its gradient, which torch's own
