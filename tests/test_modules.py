@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import operator
 import re
 import sys
 import types
@@ -1463,6 +1464,25 @@ class SidesSGD(_HandSGD):
         p.sub_(lr * (torch.linalg.inv(left + eye(g.shape[0])) @ g @ torch.linalg.inv(right + eye(g.shape[1]))).reshape(p.shape))
 
 
+def _sides_trained(cls, kind, rebind, mesh, specs, eager_first=False):
+    """Three steps of a `cls` optimizer keeping its sides as `kind`, sharded and eagerly (after
+    one eager step of each, where `eager_first`): the same losses and parameters; returns the two
+    models and their optimizers."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = cls(model.parameters()), cls(ref.parameters())
+    for o in (opt, ref_opt):
+        o.kind, o.rebind = kind, rebind
+    if eager_first:
+        eager_step(model, opt, *batch(9))
+        eager_step(ref, ref_opt, *batch(9))
+    step = stock_step(model, opt, mesh, state_specs=specs)
+    for i in range(3):
+        x, y = batch(i)
+        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
+        assert max_diff(model, ref) < 1e-12
+    return model, ref, opt, ref_opt
+
+
 class TupleKeySGD(_HandSGD):
     def update(self, p, lr):
         p.sub_(lr * self.state.setdefault((p, "m"), torch.zeros_like(p)).mul_(0.9).add_(p.grad))
@@ -1476,15 +1496,7 @@ def test_a_list_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
     first step makes it, then read and written back item by item (it was refused as a list,
     with a fix about counters that did not fit). A tuple-keyed state, `self.state[(p, "m")]`, is
     refused naming the parameter and torch.optim's layout as the fix."""
-    model, ref = mlp(), mlp()
-    opt, ref_opt = SidesSGD(model.parameters()), SidesSGD(ref.parameters())
-    for o in (opt, ref_opt):
-        o.kind, o.rebind = kind, rebind
-    step = stock_step(model, opt, mesh, state_specs=specs)
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
+    model, ref, opt, ref_opt = _sides_trained(SidesSGD, kind, rebind, mesh, specs)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         sides, ref_sides = opt.state[p]["sides"], ref_opt.state[q]["sides"]
         assert type(sides) is kind and all(type(t) is torch.Tensor for t in sides)
@@ -1537,18 +1549,7 @@ def test_a_dict_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
     """A dict of tensors by name under a parameter's state key is state, tensor by tensor, as a
     list of them is, whether the first step made it inside the sharded function or eagerly before
     (that one read through the dict was refused as a tensor 'neither an argument nor state')."""
-    model, ref = mlp(), mlp()
-    opt, ref_opt = NamedSidesSGD(model.parameters()), NamedSidesSGD(ref.parameters())
-    for o in (opt, ref_opt):
-        o.kind, o.rebind = kind, rebind
-    if first == "eager":
-        eager_step(model, opt, *batch(9))
-        eager_step(ref, ref_opt, *batch(9))
-    step = stock_step(model, opt, mesh, state_specs=specs)
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(step(x, y).full().item() - eager_step(ref, ref_opt, x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
+    model, ref, opt, ref_opt = _sides_trained(NamedSidesSGD, kind, rebind, mesh, specs, eager_first=first == "eager")
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         sides, ref_sides = opt.state[p]["sides"], ref_opt.state[q]["sides"]
         assert type(sides) is kind and list(sides) == ["left", "right"]
@@ -1873,20 +1874,18 @@ def test_an_optimizer_a_module_holds_is_stepped_as_eager(held):
     assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in held_opt(model).state.values())
 
 
-@pytest.mark.parametrize("kind", [dict, collections.OrderedDict])
-def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
-    """`self.heads = {"a": Linear(...)}` (not a submodule: no parameters() of the model's list
-    it), in a dict or an OrderedDict: its parameters are lifted, named by their place, and
-    trained as eager's (it was refused as a tensor that is "neither an argument nor state"; in
-    an OrderedDict until 2026-12-07)."""
+def _train_a_held_head(kind, head):
+    """A model holding a head outside its submodules (`m.heads = kind(a=Linear(...))`, read by
+    `head(m.heads)`), trained with Adam for three steps sharded and eagerly: the same losses,
+    parameters and head; returns the sharded step and the model."""
     model, ref = mlp(), mlp()
     for m in (model, ref):
         torch.manual_seed(3)
         m.heads = kind(a=torch.nn.Linear(4, 4, dtype=torch.float64))
-    opts = [torch.optim.Adam([*m.parameters(), *m.heads["a"].parameters()], lr=1e-2) for m in (model, ref)]
+    opts = [torch.optim.Adam([*m.parameters(), *head(m.heads).parameters()], lr=1e-2) for m in (model, ref)]
 
     def step(m, opt, x, y):
-        loss = F.cross_entropy(m.heads["a"](m(x)), y)
+        loss = F.cross_entropy(head(m.heads)(m(x)), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -1897,7 +1896,17 @@ def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
         x, y = batch(i)
         assert abs(f(x, y).full().item() - step(ref, opts[1], x, y).item()) < 1e-12
         assert max_diff(model, ref) < 1e-12
-        assert (model.heads["a"].weight - ref.heads["a"].weight).abs().max().item() < 1e-12
+        assert (head(model.heads).weight - head(ref.heads).weight).abs().max().item() < 1e-12
+    return f, model
+
+
+@pytest.mark.parametrize("kind", [dict, collections.OrderedDict])
+def test_a_module_a_module_holds_in_a_plain_dict_is_lifted_and_trained(kind):
+    """`self.heads = {"a": Linear(...)}` (not a submodule: no parameters() of the model's list
+    it), in a dict or an OrderedDict: its parameters are lifted, named by their place, and
+    trained as eager's (it was refused as a tensor that is "neither an argument nor state"; in
+    an OrderedDict until 2026-12-07)."""
+    f, _ = _train_a_held_head(kind, operator.itemgetter("a"))
     assert "heads.a.weight" in str(f.lower(*batch(0)))
 
 
@@ -1914,26 +1923,7 @@ def test_a_module_a_module_holds_in_a_namedtuple_or_dataclass_is_lifted_and_trai
     """`self.heads = Heads(a=Linear(...))`: lifted and trained as in a dict (it was refused as a
     read "through a reference hpfun does not replace", naming the optimizer's entry); one in a
     deque is refused naming the deque and the fix."""
-    model, ref = mlp(), mlp()
-    for m in (model, ref):
-        torch.manual_seed(3)
-        m.heads = kind(a=torch.nn.Linear(4, 4, dtype=torch.float64))
-    opts = [torch.optim.Adam([*m.parameters(), *m.heads.a.parameters()], lr=1e-2) for m in (model, ref)]
-
-    def step(m, opt, x, y):
-        loss = F.cross_entropy(m.heads.a(m(x)), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    f = hpfun.shard(functools.partial(step, model, opts[0]), mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    for i in range(3):
-        x, y = batch(i)
-        assert abs(f(x, y).full().item() - step(ref, opts[1], x, y).item()) < 1e-12
-        assert max_diff(model, ref) < 1e-12
-        assert (model.heads.a.weight - ref.heads.a.weight).abs().max().item() < 1e-12
-
+    _, model = _train_a_held_head(kind, operator.attrgetter("a"))
     model.heads = collections.deque([torch.nn.Linear(4, 4, dtype=torch.float64)])
     g = hpfun.shard(lambda x: model.heads[0](model(x)).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"heads \(a deque\): holds modules in a deque.*\n.*fix: hold them in "
