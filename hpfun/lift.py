@@ -1026,7 +1026,8 @@ def is_config_argument(x) -> bool:
     it ran the first program."""
     return is_config(x) or _is_called_object(x) or isinstance(x, type) and _is_user_class(x) or \
         _is_user_function(x) or isinstance(x, functools.partial) or \
-        isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__))
+        isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__)
+                                             or isinstance(x.__self__, type) and _is_user_class(x.__self__))
 
 
 def _is_user_function(x) -> bool:
@@ -3179,8 +3180,12 @@ class Substitution:
             return []
         if under or real_p is None:
             what = "keys" if isinstance(v, dict) else "length"
-            return [Problem(name, f"is a {type(v).__name__} of {len(v)} tensors the step made anew with other {what} "
-                            f"than the one it held: hpfun lifts each of its tensors in its place",
+            held = sorted(n[len(name) + 1:] for n in under)
+            now = [str(i) for i, _ in pairs] if isinstance(v, dict) else [str(len(v))]
+            change = (f" ({', '.join(held)} before, {', '.join(now)} now)" if isinstance(v, dict) else
+                      f" ({len(held)} before, {len(v)} now)") if under else ""
+            return [Problem(name, f"is a {type(v).__name__} of {len(v)} tensors whose {what} the step changed{change}: "
+                            "hpfun lifts each of its tensors in its place",
                             f"keep the {'dict' if isinstance(v, dict) else 'list'}'s {what} from step to step "
                             "(or one tensor under each key)")]
         whole = _Assembly(_with_tensors(v, [_unwrapped(t) for _, t in pairs]))

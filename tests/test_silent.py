@@ -465,6 +465,10 @@ def _scaled_by_global(x):
 class _Namespace:
     lr = 1.0
 
+    @classmethod
+    def scaled(cls, t):
+        return t * cls.lr
+
 
 def test_a_class_or_function_argument_keys_the_cache_by_what_it_reads(monkeypatch):
     """A class passed as a namespace (`f(x, Hyper)`, read as `ns.lr`), a function of the user's
@@ -488,7 +492,8 @@ def test_a_class_or_function_argument_keys_the_cache_by_what_it_reads(monkeypatc
                           lambda v: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", v)),
              "a closure": (lambda t: t * cell[0], lambda fn, x: fn(x), lambda v: cell.__setitem__(0, v)),
              "a partial": (part, lambda fn, x: fn(x), lambda v: part.keywords.__setitem__("other", v)),
-             "a method": (held.go, lambda fn, x: fn(x), lambda v: setattr(held, "k", v))}
+             "a method": (held.go, lambda fn, x: fn(x), lambda v: setattr(held, "k", v)),
+             "a classmethod": (_Namespace.scaled, lambda fn, x: fn(x), lambda v: setattr(_Namespace, "lr", v))}
     try:
         for name, (arg, body, set_value) in cases.items():
             f = hpfun.shard(body, mesh=MESH, in_specs=(None, P("a")), out_specs=P())
