@@ -370,6 +370,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 elif isinstance(v, type) and _is_user_class(v):
                     note((mod, k, v))
                     value(v, place, _constant(v), None)
+                elif isinstance(v, types.MethodType) and isinstance(v.__self__, type) and _is_user_class(v.__self__):
+                    note((mod, k, v))  # a classmethod (`self.act = Scaler.apply`): its class's values, its code's reads
+                    value(v.__self__, place, _constant(v.__self__), None)
+                    function(v.__func__, place)
                 elif _is_config_object(v) and _is_user_class(type(v)) and not isinstance(v, torch.nn.Module):
                     note((mod, k, v))  # (its own values are the module's: `ModuleValues`)
                     user_classes(type(v), place, v)
@@ -1056,10 +1060,11 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
         return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
-    if depth and _is_user_function(x):  # (by itself, and the globals its code loads, its closure's values and its
-        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # defaults: what a call reads)
-        code, scope = x.__code__, x.__globals__
-        return ("function", x, tuple((name, _global_key(scope[name], code, depth - 1, _path))
+    if depth and _is_user_function(x):  # (by its code, the globals it loads, its closure's values, its defaults
+        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # and own numbers: what a call reads;
+        code, scope = x.__code__, x.__globals__  # a lambda made anew at each call with the same values is the same)
+        own = tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items() if not k.startswith("__"))
+        return ("function", _Same(code), own, tuple((name, _global_key(scope[name], code, depth - 1, _path))
                                      for name in _global_names(code) if name in scope),
                 tuple(_global_key(v, code, depth - 1, _path) for v in cells),
                 object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
@@ -1185,7 +1190,7 @@ def _reads_text(key) -> str:
     """The globals a method's `object_key` holds, as text (`G = 1.0`), for a retrace warning."""
     if not (type(key) is tuple and key and key[0] == "function"):
         return "its globals"
-    return ", ".join(f"{name} = {value!r}" for name, value in key[2]) or "no globals"
+    return ", ".join(f"{name} = {value!r}" for name, value in key[3]) or "no globals"
 
 
 # containers `_holds_any` looks into: the plain ones and the standard library's dicts
@@ -3959,12 +3964,23 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
                                      "pass it as an argument"), *_objects_modules_hold(state)],
                             headline="cannot capture the function")
     place = held_at(tensor) if tensor is not None else None
+    if place and ("._parameters[" in place or "._buffers[" in place):  # a module's, which the walk did not reach: read
+        fix = ("hpfun lifts the modules the function reaches through its closures and globals (and the code they "  # by
+               "call), not through code given as an argument (a function, a config's method, a bound method): "  # code
+               "close over that code instead (a global, or `functools.partial` of the function), or reach the "  # given
+               "module from the function itself")  # as an argument)
     problems = [Problem(where or "the function", "reads a tensor that is neither an argument nor state hpfun can lift "
                         "(a module's parameter or buffer, an optimizer's state, a closed-over or global tensor)"
                         + (f"; it is a {tuple(tensor.shape)} tensor that {place} holds"
                            if place else ""), fix)]
     scalers = {name for name, obj in (state.opaque if state else ()) if is_grad_scaler(obj)}
-    problems += [Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar",
+    states = tuple(_join(r.name, "state") + "." for r in (state.roots if state else ()) if _is_optimizer(r.value))
+    problems += [Problem(s, "is in an optimizer's state, and holds its tensors deeper than hpfun lifts: under each key "
+                         "of a parameter's state, a tensor, a number, a list or tuple of tensors, or a dict of tensors "
+                         "by name", "keep each tensor at one of those places (`state['ema_m']`, `state['ema'] = "
+                         "{'m': m}`), or step this optimizer outside the sharded function")
+                 if states and s.startswith(states) else
+                 Problem(s, "is closed over or global, and is not a tensor, module, optimizer or Python scalar",
                          GRAD_SCALER_FIX if s.split(" (a ")[0] in scalers else "") for s in suspects]
     problems += _objects_modules_hold(state)
     return CaptureError(problems, headline="cannot capture the function")

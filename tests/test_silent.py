@@ -510,16 +510,16 @@ class _HeldConfig:
 
 
 class _HoldsCode(torch.nn.Module):
-    """A module holding code of the user's: a function, a partial of one, a class and a config
-    object whose class holds a value its forward reads."""
+    """A module holding code of the user's: a function, a partial of one, a class, a config
+    object whose class holds a value its forward reads, and a classmethod."""
 
     def __init__(self):
         super().__init__()
         self.fn, self.part = _scaled_by_global, functools.partial(_scaled_by_global)
-        self.cls, self.cfg = _Namespace, _HeldConfig()
+        self.cls, self.cfg, self.act = _Namespace, _HeldConfig(), _Namespace.scaled
 
     def forward(self, x):
-        return self.fn(x) + self.part(x) + x * self.cls.lr * self.cfg.s
+        return self.fn(x) + self.part(x) + x * self.cls.lr * self.cfg.s + self.act(x)
 
 
 def test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache(monkeypatch):
@@ -650,6 +650,19 @@ def test_a_config_arguments_class_value_changed_by_the_function_is_named_and_set
     with pytest.raises(hpfun.CaptureError, match=r"args\[1\]: .*Counted\.n: changed from 0 to 1 while the function"):
         f(torch.ones(4, 2), Counted())
     assert Counted.n == 0
+
+
+def test_a_lambda_made_anew_at_every_call_compiles_once_for_the_same_values():
+    """`f(x, lambda t: t * k)` made at every call (a closure of a loop's variable): one program
+    while `k` is the same, another for another `k` (each new lambda compiled again)."""
+    def made(k):
+        return lambda t: t * k
+
+    f = hpfun.shard(lambda x, fn: fn(x), mesh=MESH, in_specs=(P("a"), None), out_specs=P())
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for k in (2.0, 2.0, 2.0, 3.0, 3.0):
+        torch.testing.assert_close(f(x, made(k)).full(), x * k, rtol=0, atol=0)
+    assert f.trace_count == 2
 
 
 def test_a_function_argument_that_changes_what_it_reads_is_refused():
