@@ -726,6 +726,85 @@ def _library_checks_keep_their_messages():
 
 
 @contextlib.contextmanager
+def _nested_encoder_as_eager():
+    """`nn.TransformerEncoder` in eval mode with a key padding mask and no gradient runs in eager
+    on nested tensors (torch's fast path), whose padded positions come out as zeros; while
+    tracing it takes the dense path (its checks see a compiled trace), whose padded rows hold
+    values. Where eager would nest, the encoder runs its layers densely with the padding mask
+    and zeros the padded rows before its norm, as eager's result has them (they were nonzero,
+    silently). Its check that the mask is left-aligned reads the mask, as eager does."""
+    from torch.nn.modules import transformer
+
+    original = torch.nn.TransformerEncoder.forward
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        padded = _eager_nests(self, src, mask, src_key_padding_mask)
+        if padded is None:
+            return original(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
+        keys = torch.nn.functional._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+                                                   other_type=None, other_name="mask", target_type=src.dtype)
+        is_causal = transformer._detect_is_causal_mask(None, is_causal, transformer._get_seq_len(src, True))
+        output = src
+        for layer in self.layers:
+            output = layer(output, src_mask=None, is_causal=is_causal, src_key_padding_mask=keys)
+        output = output.masked_fill(padded.unsqueeze(-1), 0.0)
+        return self.norm(output) if self.norm is not None else output
+
+    with mock.patch.object(torch.nn.TransformerEncoder, "forward", forward):
+        yield
+
+
+def _eager_nests(encoder, src, mask, key_padding_mask):
+    """The padded positions (True: padding) where eager's `TransformerEncoder.forward` would turn
+    `src` into a nested tensor, as its checks decide it (but the trace's own: compiling, tensor
+    subclasses); None where it would not."""
+    first = encoder.layers[0]
+    if not (torch.backends.mha.get_fastpath_enabled() and getattr(encoder, "use_nested_tensor", False)
+            and not first.training and src.dim() == 3 and key_padding_mask is not None and mask is None
+            and not torch.is_autocast_enabled() and src.device.type in ("cpu", "cuda", "xpu")):
+        return None
+    attention = first.self_attn
+    weights = (src, attention.in_proj_weight, attention.in_proj_bias, attention.out_proj.weight,
+               attention.out_proj.bias, first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+               first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in weights):
+        return None
+    keep = torch.nn.functional._canonical_mask(mask=key_padding_mask, mask_name="src_key_padding_mask",
+                                               other_type=None, other_name="mask",
+                                               target_type=src.dtype).logical_not()
+    if getattr(encoder, "mask_check", True):
+        aligned = _read(torch.Tensor.__bool__, (keep[:, 1:].int() <= keep[:, :-1].int()).all())
+        if aligned is _UNREADABLE:
+            raise CaptureError(Problem(f"nn.TransformerEncoder{_at_user_line()}", "in eval mode, eager checks that "
+                                       "the key padding mask is left-aligned (to run the encoder on nested tensors), "
+                                       "a read of the mask's values, and this mask is made from values hpfun cannot "
+                                       "read (parameters, random draws)", "build the encoder with mask_check=False "
+                                       "(a left-aligned mask), or enable_nested_tensor=False"))
+        if not aligned:
+            return None
+    return keep.logical_not()
+
+
+@contextlib.contextmanager
+def _linearize_refused():
+    """`torch.func.linearize` inside the function is refused at its line: it traces its function
+    with a make_fx of its own, which kept hpfun's fake tensors as its graph's constants (an
+    internal error, or outputs whose blocks were fake tensors); under torch.func.grad eager's
+    gradients through it are zeros or garbage too. `torch.func.jvp` computes what the linearized
+    function does."""
+    from torch._functorch import eager_transforms
+
+    def linearize(func, *primals):
+        raise CaptureError(Problem(f"torch.func.linearize{_at_user_line()}", "traces its function with a make_fx of "
+                                   "its own, which cannot run inside hpfun's trace",
+                                   "call torch.func.jvp(func, primals, tangents) where the linearized function is "
+                                   "called: it computes the same values"))
+
+    with mock.patch.object(eager_transforms, "linearize", linearize), mock.patch.object(torch.func, "linearize", linearize):
+        yield
+
+
+@contextlib.contextmanager
 def _lstm_as_matmuls():
     """`nn.LSTM` traced as torch's composite one-layer LSTM (a matmul and gates per step), which
     has rules: with oneDNN on, CPU LSTMs whose input needs no gradient (a model's first layer)
@@ -1125,6 +1204,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), scalars, in_backwards(scalars), _modes_in_backwards(), \
                 _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused(), \
+                _linearize_refused(), _nested_encoder_as_eager(), \
                 _library_checks_keep_their_messages():
             gm = traced(list(fakes))
     except CaptureError:
@@ -1588,8 +1668,11 @@ _SIZE_TAKERS = frozenset([torch.arange, torch.zeros, torch.ones, torch.empty, to
                           torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
                           torch.Tensor.expand, torch.Tensor.repeat, torch.Tensor.unflatten, torch.unflatten,
                           torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
-                          torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll])
-_SIZE_KEYWORDS = ("size", "steps", "start", "end", "n", "m", "high", "low", "row", "col", "offset", "sizes", "shape")
+                          torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll,
+                          torch.topk, torch.Tensor.topk, torch.kthvalue, torch.Tensor.kthvalue, torch.chunk,
+                          torch.Tensor.chunk])
+_SIZE_KEYWORDS = ("size", "steps", "start", "end", "n", "m", "high", "low", "row", "col", "offset", "sizes", "shape",
+                  "k", "shifts", "split_size_or_sections", "split_size", "indices_or_sections", "pad", "chunks")
 
 
 def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
@@ -1737,7 +1820,9 @@ _TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones
                                    torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand,
                                    torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten,
                                    torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
-                                   torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll])
+                                   torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll,
+                                   torch.topk, torch.Tensor.topk, torch.kthvalue, torch.Tensor.kthvalue, torch.chunk,
+                                   torch.Tensor.chunk])
 
 
 _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -2293,6 +2378,8 @@ def _read(func, t, args=(), kwargs=None):
     made from constants, or from inputs whose real values the trace was given: then recorded as
     an `InputRead`, for every call to check. `_UNREADABLE` for any other tensor."""
     kwargs = kwargs or {}
+    if isinstance(t, torch.Tensor) and t._version:  # (written in place since made, `m |= ~m.any()`: its copy is
+        t = t.clone()  # read, which the writes recorded before it make)
     value = _constant_value(t)
     if value is None:
         return _UNREADABLE
@@ -3114,7 +3201,9 @@ def _aliases_written(node: torch.fx.Node) -> bool:
     (through the views it was made by) or any view of that base."""
     from hpfun.functionalize import _is_view
 
-    def viewing(n) -> bool:
+    def viewing(n) -> bool:  # (a piece of a split or chunk, through getitem, as the view it is)
+        if n.op == "call_function" and n.target is operator.getitem:
+            return isinstance(n.args[0], torch.fx.Node) and viewing(n.args[0])
         return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and _is_view(n.target)
 
     root = node.args[0]

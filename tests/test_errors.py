@@ -253,6 +253,34 @@ def test_masked_select_of_a_readable_mask_is_read_like_an_index_by_it(spec):
         torch.testing.assert_close(got.full(), want)
 
 
+def test_torch_func_linearize_inside_is_refused_at_its_line_with_jvp_as_the_fix():
+    """linearize traces with a make_fx of its own: inside hpfun's trace it kept fake tensors as
+    constants (an internal error, or outputs whose blocks were fake tensors)."""
+    def f(x):
+        return torch.func.linearize(torch.sin, x)[1](x)
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)torch.func.linearize at .*return torch.func.linearize.*"
+                                                 r"fix: call torch.func.jvp"):
+        hpfun.shard(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(torch.randn(4, 2))
+
+
+def test_a_readable_mask_written_in_place_before_it_indexes_is_read_as_written():
+    """SmolVLM's `real[0] |= ~torch.any(real)` on a mask made from the argument, then `x[real]`:
+    the mask is read as the writes left it (it was refused as a shape read from the data), and
+    another argument at the next call gives its own positions."""
+    def picked(x):
+        real = (x == 0.0).sum(-1) != x.shape[-1]
+        real[0] |= ~torch.any(real)
+        real |= real.roll(1)
+        return x[real].sum(0)
+
+    f = hpfun.shard(picked, mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    for rows in ([2], [0, 1, 2, 3, 4, 5, 6, 7], [1, 5]):
+        x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
+        x[rows] = 0
+        torch.testing.assert_close(f(x).full(), picked(x))
+
+
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
 def test_equal_and_allclose_of_the_arguments_are_read_as_bool_is(spec):
     """`torch.equal(y, prev)` and `torch.allclose(y, ones)` of the arguments (torchmetrics'

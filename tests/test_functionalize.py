@@ -167,27 +167,37 @@ def test_a_write_through_unfold_windows_not_tiling_the_dim_is_refused_at_its_lin
         f(torch.arange(9.0 if step == 2 and size == 2 else 8.0, dtype=torch.float64))
 
 
-def _scattered_then_viewed(x, y, written):
+WRITES = {  # a write into the memory a view shares, after the view
+    "through the view": lambda z, flat: flat.mul_(3),
+    "through a split's piece": lambda z, flat: z.split(2, 0)[0].add_(9),
+    "through a chunk's piece": lambda z, flat: z.t().chunk(2)[1].add_(9),
+}
+
+
+def _scattered_then_viewed(x, y, write=None):
     """`scatter_` into a clone of a transposed `x` keeps the clone's strides, so `.t().view(-1)` of
     the result is a view; functionalized, `scatter` returns a contiguous tensor, and it is not. The
     write into `y` through a view makes the graph go through torch's functionalization."""
     z = x.clone().scatter_(1, torch.tensor([[2, 1, 3, 0]] * 4), x * 2)
     flat = z.t().view(-1)
-    if written:
-        flat.mul_(3)
+    if write is not None:
+        write(z, flat)
     y.t()[0].add_(1)
     return flat * 1, z
 
 
 def test_a_view_that_the_functional_program_lays_out_otherwise_is_a_reshape_there(traces):
     """Nothing writes through the view: a copy reads the same, and the results are the eager ones."""
-    _check(lambda x, y: _scattered_then_viewed(x, y, written=False)[0],
+    _check(lambda x, y: _scattered_then_viewed(x, y)[0],
            torch.randn(4, 4, dtype=torch.float64).t(), torch.zeros(4, 4, dtype=torch.float64), specs=(P(), P()))
     assert len(traces) == 2
 
 
-def test_a_write_through_a_view_that_the_functional_program_lays_out_otherwise_is_refused_at_its_line():
-    f = hpfun.shard(lambda x, y: _scattered_then_viewed(x, y, written=True)[1], mesh=DP, in_specs=(P(), P()),
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_a_write_through_a_view_that_the_functional_program_lays_out_otherwise_is_refused_at_its_line(write):
+    """A write into the viewed memory, through the view or through another view of its base (a
+    split's piece reached by getitem too), after the view: refused, never a copy that misses it."""
+    f = hpfun.shard(lambda x, y: _scattered_then_viewed(x, y, WRITES[write]), mesh=DP, in_specs=(P(), P()),
                     out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"(?s)flat = z.t\(\).view\(-1\).*write the in-place op before "
                                                  r"it out of place"):

@@ -1556,6 +1556,14 @@ def test_a_dict_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
         assert all(type(t) is torch.Tensor for t in sides.values())
         assert max((sides[k] - ref_sides[k]).abs().max().item() for k in sides) < 1e-12
 
+    opt = NamedSidesSGD(model.parameters())  # deeper (made eagerly): refused naming the optimizer's state
+    for p in model.parameters():
+        opt.state[p]["sides"] = {"left": [torch.zeros(2, dtype=p.dtype)]}
+    opt.update = lambda p, lr: opt.state[p]["sides"]["left"][0].add_(1)
+    with pytest.raises(hpfun.CaptureError, match=r"state.model.0.weight.sides \(a dict\) holds tensors.*is in an optimizer's "
+                                                 r"state, and holds its tensors deeper than hpfun lifts"):
+        stock_step(model, opt, DP)(*batch(0))
+
     opt = NamedSidesSGD(model.parameters())  # a number beside them: refused naming the dict's items
     opt.update = lambda p, lr: opt.state[p].setdefault("sides", {"left": torch.zeros(2, 2, dtype=p.dtype), "n": 2})
     with pytest.raises(hpfun.CaptureError, match=r"sides: is a dict of tensors and other values \(\{'left': "
@@ -5664,3 +5672,26 @@ def test_a_frozen_dataclass_a_module_holds_given_a_tensor_is_refused_and_left_as
         with pytest.raises(hpfun.CaptureError, match=r"model.cfg.cache: holds a tensor the function made"):
             g(torch.ones(4, 3, dtype=torch.float64))
         assert model.cfg.cache is None
+
+
+@pytest.mark.parametrize("padding", ["left-aligned", "not left-aligned", "none padded"])
+def test_a_transformer_encoder_in_eval_with_a_padding_mask_equals_eagers_nested_path(padding):
+    """`nn.TransformerEncoder` in eval mode under no_grad with a key padding mask runs eagerly on
+    nested tensors, which leave its padded rows zero (before its norm); the sharded call gave the
+    dense path's values there, silently. A mask that is not left-aligned keeps eager dense."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    encoder = torch.nn.TransformerEncoder(layer, 2, norm=torch.nn.LayerNorm(16, dtype=torch.float64)).eval()
+    x = torch.randn(4, 10, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    if padding != "none padded":
+        mask[1, 6:] = mask[2, 3:] = True
+    if padding == "not left-aligned":
+        mask[3, 0] = True
+
+    def encode(x, mask):
+        with torch.no_grad():
+            return encoder(x, src_key_padding_mask=mask)
+
+    f = hpfun.shard(encode, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    torch.testing.assert_close(f(x, mask).full(), encode(x, mask), rtol=1e-9, atol=1e-9)

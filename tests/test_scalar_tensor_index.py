@@ -236,7 +236,7 @@ def test_a_0d_tensor_of_an_argument_as_a_slice_bound_is_read_as_its_integer():
 
 
 def test_0d_tensors_of_an_argument_given_as_sizes_are_read_as_their_integers():
-    """`x.split(list(sizes))`, `torch.split`, `F.pad(x, (0, s[0]))`, `x.roll(s[0])` and `v in t`
+    """`x.split(list(sizes))`, `torch.split`, `F.pad(x, (0, s[0]))`, `x.roll(s[0])`, `x.topk(s[0])` and `v in t`
     with values of an argument (Mistral3's patch merger splits its features by sizes made from
     `image_sizes`; transformers checks `pad_token_id in input_ids[:, [-1, 0]]`) read them as
     `int(t)` does, and key the program by them (torch read them in C++, where the trace refused
@@ -246,7 +246,7 @@ def test_0d_tensors_of_an_argument_given_as_sizes_are_read_as_their_integers():
         padded = torch.nn.functional.pad(x, (0, s[0]))
         flag = 1.0 if 4 in s else 0.0
         return parts[1].sum(0) + torch.split(x, list(s), 1)[0].sum() + padded.sum(0)[-1] \
-            + x.roll(s[0], 1).sum(0)[0] + flag
+            + x.roll(s[0], 1).sum(0)[0] + flag + x.topk(s[0], dim=1).values.sum() + x.chunk(s[0], 1)[0].sum()
 
     x = torch.randn(4, 6, dtype=D, generator=_gen())
     g = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
