@@ -787,16 +787,21 @@ def _eager_nests(encoder, src, mask, key_padding_mask):
 
 @contextlib.contextmanager
 def _linearize_refused():
-    """`torch.func.linearize` inside the function is refused at its line: it traces its function
-    with a make_fx of its own, which kept hpfun's fake tensors as its graph's constants (an
-    internal error, or outputs whose blocks were fake tensors); under torch.func.grad eager's
-    gradients through it are zeros or garbage too. `torch.func.jvp` computes what the linearized
-    function does."""
+    """`torch.func.linearize` under another torch.func transform (grad, jacrev) is refused at its
+    line: it traces its function with a make_fx of its own, which there kept hpfun's fake tensors
+    as its graph's constants (an internal error, or outputs whose blocks were fake tensors), and
+    eager's gradients through it are zeros or garbage too. `torch.func.jvp` computes what the
+    linearized function does. On its own it traces as written."""
     from torch._functorch import eager_transforms
 
+    original = eager_transforms.linearize
+
     def linearize(func, *primals):
-        raise CaptureError(Problem(f"torch.func.linearize{_at_user_line()}", "traces its function with a make_fx of "
-                                   "its own, which cannot run inside hpfun's trace",
+        if torch._C._functorch.maybe_current_level() is None:  # (on its own it traces as written)
+            return original(func, *primals)
+        raise CaptureError(Problem(f"torch.func.linearize{_at_user_line()}", "under another torch.func transform "
+                                   "traces its function with a make_fx of its own, which cannot run inside hpfun's "
+                                   "trace (eager's gradients through it are zeros there)",
                                    "call torch.func.jvp(func, primals, tangents) where the linearized function is "
                                    "called: it computes the same values"))
 

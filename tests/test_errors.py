@@ -253,15 +253,21 @@ def test_masked_select_of_a_readable_mask_is_read_like_an_index_by_it(spec):
         torch.testing.assert_close(got.full(), want)
 
 
-def test_torch_func_linearize_inside_is_refused_at_its_line_with_jvp_as_the_fix():
-    """linearize traces with a make_fx of its own: inside hpfun's trace it kept fake tensors as
-    constants (an internal error, or outputs whose blocks were fake tensors)."""
-    def f(x):
-        return torch.func.linearize(torch.sin, x)[1](x)
+def test_torch_func_linearize_under_grad_is_refused_at_its_line_with_jvp_as_the_fix():
+    """linearize traces with a make_fx of its own: under torch.func.grad inside hpfun's trace it
+    kept fake tensors as constants (an internal error, or outputs whose blocks were fake
+    tensors). On its own it runs as written."""
+    def under_grad(x):
+        return torch.func.grad(lambda x: torch.func.linearize(torch.sin, x)[1](x).sum())(x)
 
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)torch.func.linearize at .*return torch.func.linearize.*"
+    def alone(x):
+        return torch.func.linearize(torch.sin, x)[1](x * 2)
+
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)torch.func.linearize at .*return torch.func.grad.*"
                                                  r"fix: call torch.func.jvp"):
-        hpfun.shard(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(torch.randn(4, 2))
+        hpfun.shard(under_grad, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(torch.randn(4, 2))
+    x = torch.randn(4, 2, dtype=torch.float64)
+    torch.testing.assert_close(hpfun.shard(alone, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(x).full(), alone(x))
 
 
 def test_a_readable_mask_written_in_place_before_it_indexes_is_read_as_written():
