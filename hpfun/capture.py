@@ -738,16 +738,14 @@ def _nested_encoder_as_eager():
     original = torch.nn.TransformerEncoder.forward
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
-        padded = _eager_nests(self, src, mask, src_key_padding_mask)
-        if padded is None:
+        keys = _eager_nests(self, src, mask, src_key_padding_mask)
+        if keys is None:
             return original(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
-        keys = torch.nn.functional._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
-                                                   other_type=None, other_name="mask", target_type=src.dtype)
         is_causal = transformer._detect_is_causal_mask(None, is_causal, transformer._get_seq_len(src, True))
         output = src
         for layer in self.layers:
             output = layer(output, src_mask=None, is_causal=is_causal, src_key_padding_mask=keys)
-        output = output.masked_fill(padded.unsqueeze(-1), 0.0)
+        output = output.masked_fill((keys != 0).unsqueeze(-1), 0.0)  # (the padded positions: -inf there)
         return self.norm(output) if self.norm is not None else output
 
     with mock.patch.object(torch.nn.TransformerEncoder, "forward", forward):
@@ -755,9 +753,9 @@ def _nested_encoder_as_eager():
 
 
 def _eager_nests(encoder, src, mask, key_padding_mask):
-    """The padded positions (True: padding) where eager's `TransformerEncoder.forward` would turn
-    `src` into a nested tensor, as its checks decide it (but the trace's own: compiling, tensor
-    subclasses); None where it would not."""
+    """The key padding mask as eager's `TransformerEncoder.forward` makes it (a float mask, -inf
+    where padded), where that forward would turn `src` into a nested tensor, as its checks
+    decide it (but the trace's own: compiling, tensor subclasses); None where it would not."""
     first = encoder.layers[0]
     if not (torch.backends.mha.get_fastpath_enabled() and getattr(encoder, "use_nested_tensor", False)
             and not first.training and src.dim() == 3 and key_padding_mask is not None and mask is None
@@ -769,9 +767,9 @@ def _eager_nests(encoder, src, mask, key_padding_mask):
                first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in weights):
         return None
-    keep = torch.nn.functional._canonical_mask(mask=key_padding_mask, mask_name="src_key_padding_mask",
-                                               other_type=None, other_name="mask",
-                                               target_type=src.dtype).logical_not()
+    keys = torch.nn.functional._canonical_mask(mask=key_padding_mask, mask_name="src_key_padding_mask",
+                                               other_type=None, other_name="mask", target_type=src.dtype)
+    keep = keys.logical_not()
     if getattr(encoder, "mask_check", True):
         aligned = _read(torch.Tensor.__bool__, (keep[:, 1:].int() <= keep[:, :-1].int()).all())
         if aligned is _UNREADABLE:
@@ -782,7 +780,7 @@ def _eager_nests(encoder, src, mask, key_padding_mask):
                                        "(a left-aligned mask), or enable_nested_tensor=False"))
         if not aligned:
             return None
-    return keep.logical_not()
+    return keys
 
 
 @contextlib.contextmanager
@@ -1667,15 +1665,16 @@ def _slice_bounds_read(index):
 
 # functions taking sizes or counts, which torch reads from a 0-d tensor given for one in C++
 # (Longformer's `torch.arange(max_num_global_attn_indices)`): a readable one is read first
+# ops taking a tensor, then ints torch parses in C++ (split sizes, pad amounts, shifts, k)
+_TENSOR_THEN_SIZES = (torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
+                      torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll, torch.topk,
+                      torch.Tensor.topk, torch.kthvalue, torch.Tensor.kthvalue, torch.chunk, torch.Tensor.chunk)
 _SIZE_TAKERS = frozenset([torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
                           torch.randint, torch.randperm, torch.eye, torch.linspace, torch.logspace, torch.tril_indices,
                           torch.triu_indices, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                           torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
                           torch.Tensor.expand, torch.Tensor.repeat, torch.Tensor.unflatten, torch.unflatten,
-                          torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
-                          torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll,
-                          torch.topk, torch.Tensor.topk, torch.kthvalue, torch.Tensor.kthvalue, torch.chunk,
-                          torch.Tensor.chunk])
+                          *_TENSOR_THEN_SIZES])
 _SIZE_KEYWORDS = ("size", "steps", "start", "end", "n", "m", "high", "low", "row", "col", "offset", "sizes", "shape",
                   "k", "shifts", "split_size_or_sections", "split_size", "indices_or_sections", "pad", "chunks")
 
@@ -1824,10 +1823,7 @@ _SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace
 _TENSOR_METHOD_TAKERS = frozenset([torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                                    torch.Tensor.new_full, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.expand,
                                    torch.Tensor.repeat, torch.Tensor.unflatten, torch.reshape, torch.unflatten,
-                                   torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes, torch.tensor_split,
-                                   torch.Tensor.tensor_split, torch.nn.functional.pad, torch.roll, torch.Tensor.roll,
-                                   torch.topk, torch.Tensor.topk, torch.kthvalue, torch.Tensor.kthvalue, torch.chunk,
-                                   torch.Tensor.chunk])
+                                   *_TENSOR_THEN_SIZES])
 
 
 _READS = frozenset([torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -2530,12 +2526,11 @@ class _TensorScalars(TorchFunctionMode):
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func is torch.Tensor.__contains__ and len(args) == 2 and _is_traced(args[0]) \
                 and not isinstance(args[1], torch.Tensor):  # (`pad_token_id in ids[:, [-1, 0]]`: a read, as `bool` is)
-            result = _read(_contains, args[0].clone() if args[0]._version else args[0], args[1:])
+            result = _read(_contains, args[0], args[1:])
             if result is not _UNREADABLE:
                 return result
         if func in _READS and _is_traced(args[0]):  # (under torch.func.grad too: `if (x > 0).any()`)
-            read = args[0].clone() if args[0]._version else args[0]  # (written in place since it was made, a
-            result = _read(func, read, args[1:], kwargs)  # step counter `c.step += 1`: its copy is read, writes too)
+            result = _read(func, args[0], args[1:], kwargs)  # (a step counter `c.step += 1`: its copy, `_read`)
             if result is not _UNREADABLE:
                 return result
         if func in _NARROWS and 1 <= len(args) < 4 and kwargs.keys() >= set(_NARROW_NAMES[len(args) - 1:]):
@@ -2600,8 +2595,7 @@ class _TensorScalars(TorchFunctionMode):
         if func is torch.where and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             func, kwargs = torch.nonzero, {"as_tuple": True}  # torch.where(mask): the positions of its True values
         if func in _SHAPE_READS and args and isinstance(args[0], torch.Tensor):
-            read = args[0].clone() if args[0]._version else args[0]  # (written in place since it was made:
-            result = _read(functools.partial(_listed, func), read, args[1:], kwargs)  # its copy is read, writes too)
+            result = _read(functools.partial(_listed, func), args[0], args[1:], kwargs)
             if result is not _UNREADABLE:
                 return _unlisted(result)
         if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and (out := _repeated(*args, **kwargs)) \
@@ -3204,7 +3198,6 @@ class _Replay(torch.fx.Interpreter):
 def _aliases_written(node: torch.fx.Node) -> bool:
     """Whether any op of the graph writes a tensor sharing memory with `node`'s input: its base
     (through the views it was made by) or any view of that base."""
-    from hpfun.functionalize import _is_view
 
     def viewing(n) -> bool:  # (a piece of a split or chunk, through getitem, as the view it is)
         if n.op == "call_function" and n.target is operator.getitem:
