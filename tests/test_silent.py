@@ -509,6 +509,16 @@ class _HeldConfig:
     s = 1.0
 
 
+class _HeldScaler:
+    """Held by a module only through its classmethod."""
+
+    c = 1.0
+
+    @classmethod
+    def apply(cls, t):
+        return t * cls.c
+
+
 class _HoldsCode(torch.nn.Module):
     """A module holding code of the user's: a function, a partial of one, a class, a config
     object whose class holds a value its forward reads, and a classmethod."""
@@ -516,7 +526,7 @@ class _HoldsCode(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fn, self.part = _scaled_by_global, functools.partial(_scaled_by_global)
-        self.cls, self.cfg, self.act = _Namespace, _HeldConfig(), _Namespace.scaled
+        self.cls, self.cfg, self.act = _Namespace, _HeldConfig(), _HeldScaler.apply
 
     def forward(self, x):
         return self.fn(x) + self.part(x) + x * self.cls.lr * self.cfg.s + self.act(x)
@@ -524,20 +534,22 @@ class _HoldsCode(torch.nn.Module):
 
 def test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache(monkeypatch):
     """A global read by a function a module holds (`self.fn = helper`, or in a partial), a class
-    attribute of a class it holds (`self.cls.lr`) or of its config object's class (`self.cfg.s`
-    where `s` is `_HeldConfig.s`), changed between calls: another program (the first ran, silently)."""
+    attribute of a class it holds (`self.cls.lr`), of its config object's class (`self.cfg.s`
+    where `s` is `_HeldConfig.s`) or of a classmethod's class (`self.act = _HeldScaler.apply`),
+    changed between calls: another program (the first ran, silently)."""
     m = _HoldsCode()
     f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
     x = torch.ones(4, 2, dtype=torch.float64)
     changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
-               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldConfig, "s", 5.0), lambda: None]
+               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldConfig, "s", 5.0),
+               lambda: setattr(_HeldScaler, "c", 7.0), lambda: None]
     try:
         for change in changes:
             change()
             torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
-        assert f.trace_count == 4
+        assert f.trace_count == 5
     finally:
-        _Namespace.lr, _HeldConfig.s = 1.0, 1.0
+        _Namespace.lr, _HeldConfig.s, _HeldScaler.c = 1.0, 1.0, 1.0
 
 
 class _Reads:
