@@ -3135,7 +3135,7 @@ class Substitution:
                 for key, v in entries.items():
                     if owner is not None and _tensor_sequence(v):  # a list of tensors: each its own state
                         problems += self._state_sequence(f"{_join(prefix, 'state')}.{owner}.{key}", v, real_state,
-                                                         real_p, key, out, new_state, seen)
+                                                         real_p, owner, key, out, new_state, seen)
                         continue
                     if owner is not None and v is not None and not isinstance(v, torch.Tensor):
                         name = f"{_join(prefix, 'state')}.{owner}.{key}"
@@ -3169,11 +3169,13 @@ class Substitution:
                 new_state[name] = (None, None, setter)
         return out, new_state
 
-    def _state_sequence(self, name: str, v, real_state, real_p, key, out: dict, new_state: dict, seen: set) -> list:
+    def _state_sequence(self, name: str, v, real_state, real_p, owner: str, key, out: dict, new_state: dict,
+                        seen: set) -> list:
         """A list or tuple of tensors in a parameter's state (or a dict of them by name): each
         tensor written back to its item where the list was lifted with as many items (the dict
         with the same keys); one the step made (its first) put whole after the call, as eager's
-        step leaves it; one of another length (other keys) refused."""
+        step leaves it, each tensor in its parameter's layout (`owner`, as a tensor of the state
+        is); one of another length (other keys) refused."""
         pairs = _tensor_items(v)
         items = [f"{name}.{i}" for i, _ in pairs]
         lifted = [item in self.state.slots for item in items]
@@ -3197,7 +3199,7 @@ class Substitution:
         place = ("set", functools.partial(_put_state_entry, real_state, real_p, key))
         for j, (item, (_, t)) in enumerate(zip(items, pairs, strict=True)):
             out[item] = _unwrapped(t)
-            new_state[item] = (None, None, ("part", place, whole, j))
+            new_state[item] = (None, owner, ("part", place, whole, j))
         return []
 
     def _unwrap_escaped(self) -> None:

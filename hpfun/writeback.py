@@ -295,7 +295,11 @@ def module_state(roots, attributes: bool = False) -> set:
         elif isinstance(root.value, torch.optim.Optimizer):
             for entries in root.value.state.values():  # (a tensor under a key of the optimizer's own: itself)
                 held = entries.values() if isinstance(entries, dict) else (entries,)
-                out.update(id(t) for t in held if isinstance(t, torch.Tensor))
+                for t in held:  # (a list or dict of tensors under a parameter: each is state, `lift._tensor_sequence`)
+                    if isinstance(t, torch.Tensor):
+                        out.add(id(t))
+                    elif lift._tensor_sequence(t):
+                        out.update(id(x) for _, x in lift._tensor_items(t))
     return out
 
 

@@ -164,7 +164,37 @@ OPTIMIZERS = {
     "sgd_foreach": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
     "sgd_loop": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False),
     "adamw_cosine": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),  # stepped by a scheduler
+    "nested": lambda params: NestedMomentum(params),
 }
+
+
+class NestedMomentum(torch.optim.Optimizer):
+    """Momentum kept in a dict and a list under each parameter, made by its first step."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "bufs" not in st:
+                    st["bufs"] = {"fast": torch.zeros_like(p), "slow": torch.zeros_like(p)}
+                    st["log"] = [torch.zeros_like(p)]
+                st["bufs"]["fast"].mul_(0.5).add_(p.grad)
+                st["bufs"]["slow"].mul_(0.9).add_(p.grad)
+                st["log"][0].add_(p.grad)
+                p.sub_(group["lr"] * (st["bufs"]["fast"] + st["bufs"]["slow"] + 0.1 * st["log"][0]))
+
+
+def state_tensors(entries: dict) -> dict:
+    """A parameter's optimizer state by key, a dict's or list's tensors as `key.item`."""
+    out = {}
+    for key, v in entries.items():
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else [(None, v)]
+        out |= {key if i is None else f"{key}.{i}": t for i, t in items}
+    return out
 STEPS = 3
 
 
@@ -210,7 +240,7 @@ def _held_shapes(model, opt) -> dict:
     names = {id(p): k for k, p in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for p, entries in opt.state.items():
-        shapes |= {f"{names[id(p)]}.{key}": tuple(v.shape) for key, v in entries.items() if v.ndim}
+        shapes |= {f"{names[id(p)]}.{key}": tuple(v.shape) for key, v in state_tensors(entries).items() if v.ndim}
     shapes["grads"] = [p.grad for p in model.parameters()].count(None)
     shapes["same parameters"] = all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"], strict=True))
     return shapes

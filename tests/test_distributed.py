@@ -143,7 +143,7 @@ def _close(got, expected, what):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd_foreach", "sgd_loop", "adamw_cosine"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_foreach", "sgd_loop", "adamw_cosine", "nested"])
 def test_lifted_module_and_optimizer_on_dp_x_tp(lifted_job, optimizer):
     """The stock step (backward, opt.step, zero_grad on a closed-over module and optimizer),
     Megatron-split on (2, 2): each rank holds its blocks between calls, gathered state equals
@@ -160,10 +160,11 @@ def test_lifted_module_and_optimizer_on_dp_x_tp(lifted_job, optimizer):
         if scheduler is not None:
             scheduler.step()
     names = {id(p): k for k, p in model.named_parameters()}
-    blocks = dict(w.BLOCK_SHAPES) | {f"{names[id(p)]}.{key}": w.BLOCK_SHAPES[names[id(p)]]
-                                     for p, entries in opt.state.items() for key, v in entries.items() if v.ndim}
+    state = {(names[id(p)], key): v for p, entries in opt.state.items()
+             for key, v in w.state_tensors(entries).items() if v.ndim}
+    blocks = dict(w.BLOCK_SHAPES) | {f"{p}.{key}": w.BLOCK_SHAPES[p] for p, key in state}
     whole = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    whole |= {k: whole[k.rsplit(".", 1)[0]] for k in blocks if k not in whole}
+    whole |= {f"{p}.{key}": whole[p] for p, key in state}
     model_after, opt_after = w._snapshot(model.state_dict()), w._snapshot(opt.state_dict()["state"])
     losses += [w.eager_step(model, opt, x, y) for _ in range(2)]
     for rank, results in enumerate(lifted_job):
