@@ -2229,6 +2229,10 @@ def exact_key(v, depth: int = 6):
     (`1 / (x * -0.0)`), and NaN equals NaN; a Fraction by its numerator and denominator, a
     Decimal by its sign, digits and exponent; lists, tuples, sets and dicts item by item."""
     kind = type(v)
+    if kind is float:  # (the common cases first: the checks against numbers' abstract classes are slow)
+        return kind, "nan" if v != v else v, math.copysign(1.0, v) if v == 0 else 0
+    if kind is int or kind is bool or kind is str or v is None:
+        return kind, v
     if isinstance(v, numbers.Rational) and not isinstance(v, numbers.Integral):  # (a Fraction: exact, where its
         return kind, v.numerator, v.denominator  # float is the same for two that differ beyond 2**-53)
     if isinstance(v, decimal.Decimal):  # its sign, digits and exponent: Decimal("-0") and Decimal("0.50") are
