@@ -3200,26 +3200,42 @@ class _Replay(torch.fx.Interpreter):
 
 
 def _aliases_written(node: torch.fx.Node) -> bool:
-    """Whether any op of the graph writes a tensor sharing memory with `node`'s input: its base
-    (through the views it was made by) or any view of that base."""
+    """Whether an op after `node` writes a tensor sharing memory with `node`'s input: its base
+    (through the views and in-place ops it was made by) or any view of that base, taken before
+    or after (`row = c[0]; c.scatter_(...); flat = c.t().view(-1); row.mul_(5)`). A write
+    before `node` is read by a copy as by the view."""
 
-    def viewing(n) -> bool:  # (a piece of a split or chunk, through getitem, as the view it is)
-        if n.op == "call_function" and n.target is operator.getitem:
-            return isinstance(n.args[0], torch.fx.Node) and viewing(n.args[0])
-        return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and _is_view(n.target)
+    def same_memory(n) -> bool:  # a view of its first argument, or an in-place op's result (its first argument)
+        if n.op != "call_function":
+            return False
+        if n.target is operator.getitem:  # (a piece of a split or chunk, as the view it is)
+            return isinstance(n.args[0], torch.fx.Node) and same_memory(n.args[0])
+        if not isinstance(n.target, torch._ops.OpOverload):
+            return False
+        if _is_view(n.target):
+            return True
+        schema = n.target._schema
+        return bool(schema.returns and schema.arguments) and schema.returns[0].alias_info is not None \
+            and schema.returns[0].alias_info.is_write and schema.arguments[0].alias_info is not None \
+            and schema.arguments[0].alias_info.is_write
 
     root = node.args[0]
-    while viewing(root) and isinstance(root.args[0], torch.fx.Node):
+    while same_memory(root) and isinstance(root.args[0], torch.fx.Node):
         root = root.args[0]
     family, todo = {root}, [root]
     while todo:
         for user in todo.pop().users:
-            if viewing(user) and user not in family:
+            if same_memory(user) and user not in family:
                 family.add(user)
                 todo.append(user)
+    later = set()
+    for n in reversed(node.graph.nodes):
+        if n is node:
+            break
+        later.add(n)
     for member in family:
         for user in member.users:
-            if not isinstance(user.target, torch._ops.OpOverload):
+            if user not in later or not isinstance(user.target, torch._ops.OpOverload):
                 continue
             for arg, value in zip(user.target._schema.arguments, user.args):
                 if value is member and arg.alias_info is not None and arg.alias_info.is_write:
@@ -3408,8 +3424,9 @@ def _describe(err: Exception) -> str:
     if "Cannot view a tensor" in str(err) and getattr(err, "hpfun_line", None) is not None:  # (see `_Replay`)
         hint = (" — hpfun runs the function's in-place ops out of place, and an out-of-place op may lay its result "
                 "out otherwise (x.clone().scatter_(...) keeps the clone's strides, x.scatter(...) is contiguous), so "
-                "this view is not one there, and a write through it reaches the tensor it views: write the in-place "
-                "op before it out of place, or write the viewed tensor itself instead of the view")
+                "this view is not one there, and a later write (through it, or to the tensor it views or another "
+                "view of that) must reach both: write the in-place op before it out of place (`c = c.scatter(...)`), "
+                "which lays its result out alike in eager and in hpfun")
     if "format string passed to FakeTensor" in str(err):  # f"{loss:.3f}": a read of the value
         hint = (" — formatting a tensor's value reads it, and hpfun traces on shapes only: to log a value, return the "
                 "tensor and format it after the call (`f\"{step(x, y).full().item():.3f}\"`)")

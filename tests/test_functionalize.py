@@ -168,9 +168,10 @@ def test_a_write_through_unfold_windows_not_tiling_the_dim_is_refused_at_its_lin
 
 
 WRITES = {  # a write into the memory a view shares, after the view
-    "through the view": lambda z, flat: flat.mul_(3),
-    "through a split's piece": lambda z, flat: z.split(2, 0)[0].add_(9),
-    "through a chunk's piece": lambda z, flat: z.t().chunk(2)[1].add_(9),
+    "through the view": lambda z, flat, row: flat.mul_(3),
+    "through a split's piece": lambda z, flat, row: z.split(2, 0)[0].add_(9),
+    "through a chunk's piece": lambda z, flat, row: z.t().chunk(2)[1].add_(9),
+    "through a view taken before the in-place op": lambda z, flat, row: row.mul_(5),
 }
 
 
@@ -178,10 +179,12 @@ def _scattered_then_viewed(x, y, write=None):
     """`scatter_` into a clone of a transposed `x` keeps the clone's strides, so `.t().view(-1)` of
     the result is a view; functionalized, `scatter` returns a contiguous tensor, and it is not. The
     write into `y` through a view makes the graph go through torch's functionalization."""
-    z = x.clone().scatter_(1, torch.tensor([[2, 1, 3, 0]] * 4), x * 2)
+    c = x.clone()
+    row = c[0]
+    z = c.scatter_(1, torch.tensor([[2, 1, 3, 0]] * 4), x * 2)
     flat = z.t().view(-1)
     if write is not None:
-        write(z, flat)
+        write(z, flat, row)
     y.t()[0].add_(1)
     return flat * 1, z
 
@@ -196,7 +199,8 @@ def test_a_view_that_the_functional_program_lays_out_otherwise_is_a_reshape_ther
 @pytest.mark.parametrize("write", sorted(WRITES))
 def test_a_write_through_a_view_that_the_functional_program_lays_out_otherwise_is_refused_at_its_line(write):
     """A write into the viewed memory, through the view or through another view of its base (a
-    split's piece reached by getitem too), after the view: refused, never a copy that misses it."""
+    split's piece reached by getitem too, one taken before the in-place op), after the view:
+    refused, never a copy that misses it."""
     f = hpfun.shard(lambda x, y: _scattered_then_viewed(x, y, WRITES[write]), mesh=DP, in_specs=(P(), P()),
                     out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"(?s)flat = z.t\(\).view\(-1\).*write the in-place op before "
