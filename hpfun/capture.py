@@ -1742,7 +1742,7 @@ def _traced_fill(func, args: tuple, kwargs: dict):
     first = bound.get("size")
     size = tuple(like.shape) if func is torch.full_like else tuple(first) if isinstance(first, (list, tuple, torch.Size)) \
         else (first,)
-    made = fill.detach().to(dtype=dtype, device=device).expand(size)
+    made = _fits_dtype(fill.detach(), dtype).to(dtype=dtype, device=device).expand(size)
     return made.clone(memory_format=laid) if laid in (torch.channels_last, torch.channels_last_3d) else made.clone()
 
 
@@ -1804,14 +1804,16 @@ def _traced_tensor_of(func, args: tuple, kwargs: dict):
 
 def _fits_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`v`, checked in the program to fit an integer `dtype` narrower than its own, as torch
-    checks a number it converts (`torch.tensor([n], dtype=torch.int8)` of n = 300 raises)."""
+    checks a number it converts (`torch.tensor([n], dtype=torch.int8)` of n = 300 raises; an
+    unsigned type takes a negative number down to minus its maximum, wrapped: -32 is 224)."""
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or v.dtype.is_floating_point or \
             v.dtype.is_complex or v.dtype == torch.bool:
         return v
     info, have = torch.iinfo(dtype), torch.iinfo(v.dtype)
-    if have.min >= info.min and have.max <= info.max:
+    low = info.min if info.min < 0 else -info.max
+    if have.min >= low and have.max <= info.max:
         return v
-    return checked(v, (v >= info.min) & (v <= info.max),
+    return checked(v, (v >= low) & (v <= info.max),
                    f"value cannot be converted to type {str(dtype).removeprefix('torch.')} without overflow")
 
 
@@ -2549,7 +2551,7 @@ class _TensorScalars(TorchFunctionMode):
         if func is torch.scalar_tensor and args and isinstance(args[0], torch.Tensor) and _is_traced(args[0]) \
                 and args[0].numel() == 1:  # (its number, as a tensor of the dtype asked for: the default's if none)
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            return args[0].detach().reshape(()).to(dtype=dtype, device=kwargs.get("device") or args[0].device) \
+            return _fits_dtype(args[0].detach().reshape(()), dtype).to(dtype=dtype, device=kwargs.get("device") or args[0].device) \
                 .clone().requires_grad_(bool(kwargs.get("requires_grad")))
         if func in _TENSOR_OF and (made := _traced_tensor_of(func, args, kwargs)) is not None:
             return made  # (`torch.tensor([row.max() + 1 for row in ids])`: the values, stacked)

@@ -267,17 +267,32 @@ def test_scalar_tensor_of_a_traced_number_is_that_number_in_the_default_dtype():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if want.dtype == torch.float32 else 1e-12)
 
 
-def test_a_traced_number_that_does_not_fit_the_integer_dtype_asked_for_raises_as_eager_raises():
-    """`torch.tensor([n], dtype=torch.int8)` of a traced n = 320: eager raises that it cannot be
-    converted without overflow; the program checks it too (it wrapped to 64, silently)."""
+MADE_OF_A_NUMBER = {  # each makes an integer tensor of the traced number n
+    "tensor": lambda n, dtype: torch.tensor([n], dtype=dtype),
+    "scalar_tensor": lambda n, dtype: torch.scalar_tensor(n, dtype=dtype),
+    "full": lambda n, dtype: torch.full((2,), n, dtype=dtype),
+    "new_full": lambda n, dtype: torch.zeros(1, dtype=dtype).new_full((3,), n),
+}
+
+
+@pytest.mark.parametrize("make", sorted(MADE_OF_A_NUMBER))
+def test_a_traced_number_that_does_not_fit_the_integer_dtype_asked_for_raises_as_eager_raises(make):
+    """`torch.tensor([n], dtype=torch.int8)` (or scalar_tensor, full, new_full) of a traced
+    n = 320: eager raises that it cannot be converted without overflow; the program checks it too
+    (it wrapped to 64, silently). An unsigned type takes what torch's check lets through, a
+    negative number down to minus its maximum, wrapped (it raised where eager gives 224)."""
     x = torch.ones(32, dtype=D)
-    f = hpfun.shard(lambda x: torch.tensor([(x > 0).sum() * k], dtype=torch.int8), mesh=MESH, in_specs=(P("dp"),),
+    f = hpfun.shard(lambda x: MADE_OF_A_NUMBER[make]((x > 0).sum() * k, dtype), mesh=MESH, in_specs=(P("dp"),),
                     out_specs=P())
-    k = 3
-    torch.testing.assert_close(f(x).full(), torch.tensor([96], dtype=torch.int8))
-    k = 10
-    with pytest.raises(hpfun.ExecutionError, match="cannot be converted to type int8 without overflow"):
-        f(x)
+    for dtype, k, fits in ((torch.int8, 3, True), (torch.int8, 10, False), (torch.uint8, -1, True),
+                           (torch.uint8, -7, True), (torch.uint8, -8, False), (torch.uint8, 8, False)):
+        if fits:
+            torch.testing.assert_close(f(x).full(), MADE_OF_A_NUMBER[make](torch.tensor(32 * k), dtype))
+            continue
+        with pytest.raises(RuntimeError, match="without overflow"):
+            MADE_OF_A_NUMBER[make](torch.tensor(32 * k), dtype)
+        with pytest.raises(hpfun.ExecutionError, match=f"cannot be converted to type {str(dtype)[6:]} without overflow"):
+            f(x)
 
 
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
