@@ -271,6 +271,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if c in seen_classes or not _is_user_class(c) or c.__module__.startswith("torch."):
                 continue
             seen_classes.add(c)
+            note(_SameNames(c))  # (a value added to the class, or deleted: walked again, its roots anew)
             for k, v in list(vars(c).items()):
                 if k.startswith("__") and k != "__call__":
                     continue
@@ -362,21 +363,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for k, v in list(vars(mod).items()):
                 if k.startswith("__") or k in _MODULE_INTERNALS:
                     continue
-                place = _join(_join(name, mod_name), k)
-                held = v.func if isinstance(v, functools.partial) else v  # (a partial's arguments: `ModuleValues`)
-                if _is_user_function(held):
+                if held_code(v, _join(_join(name, mod_name), k), HELD_DEPTH):
                     note((mod, k, v))
-                    function(held, place)
-                elif isinstance(v, type) and _is_user_class(v):
-                    note((mod, k, v))
-                    value(v, place, _constant(v), None)
-                elif isinstance(v, types.MethodType) and isinstance(v.__self__, type) and _is_user_class(v.__self__):
-                    note((mod, k, v))  # a classmethod (`self.act = Scaler.apply`): its class's values, its code's reads
-                    value(v.__self__, place, _constant(v.__self__), None)
-                    function(v.__func__, place)
-                elif _is_config_object(v) and _is_user_class(type(v)) and not isinstance(v, torch.nn.Module):
-                    note((mod, k, v))  # (its own values are the module's: `ModuleValues`)
-                    user_classes(type(v), place, v)
             for kind in _HOOK_DICTS:
                 hooks = getattr(mod, kind, None)
                 if hooks:  # (one removed: walked again)
@@ -388,6 +376,40 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     tensor_code(p, _join(mod_name, p_name))
                     attributes_of.append(vars(p))
         note(_AllUnchanged(attributes_of))
+
+    def held_code(v, place: str, depth: int) -> bool:
+        """The user's code a module holds, at `place`, directly or in its lists, tuples, dicts and
+        objects (to `depth` levels): a function, or one a partial binds (`self.fn = helper`, whose
+        globals and closure are read as the function's own), a class (`self.cls = Hyper`, its
+        values and methods), a classmethod (its class, its code) and a config object's class
+        (`self.cfg.s` where `Cfg.s` is a class attribute); whether it found any (the containers
+        and objects it found some in are guarded: one changed in place walks again)."""
+        held = v.func if isinstance(v, functools.partial) else v  # (a partial's arguments: `ModuleValues`)
+        if _is_user_function(held):
+            function(held, place)
+            return True
+        if isinstance(v, type) and _is_user_class(v):
+            value(v, place, _constant(v), None)
+            return True
+        if isinstance(v, types.MethodType) and isinstance(v.__self__, type) and _is_user_class(v.__self__):
+            value(v.__self__, place, _constant(v.__self__), None)  # a classmethod (`self.act = Scaler.apply`)
+            function(v.__func__, place)
+            return True
+        if not depth or isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
+            return False
+        if type(v) in (list, tuple, dict) and _length(v) <= PLAIN_CONTAINER_ITEMS:
+            items = v.items() if type(v) is dict else enumerate(v)
+            found = [held_code(x, f"{place}.{i}", depth - 1) for i, x in list(items)]
+            if any(found) and type(v) is not tuple:
+                note(_Unchanged(v))
+            return any(found)
+        if _is_config_object(v) and _is_user_class(type(v)):  # (its own values are the module's: `ModuleValues`)
+            user_classes(type(v), place, v)
+            found = [held_code(x, _join(place, k), depth - 1) for k, x in list(attributes(v).items())]
+            if any(found):  # (one keeping them in `__slots__`: walked at every call)
+                note(_SameAttributes(v) if isinstance(getattr(v, "__dict__", None), dict) else None)
+            return True
+        return False
 
     def tensor_code(p: torch.Tensor, p_name: str) -> None:
         """A tensor's own gradient hooks (what they read keys the cache) and the Python values it
@@ -459,12 +481,17 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             value(d, var, functools.partial(kwdefaults.get, var), functools.partial(kwdefaults.__setitem__, var),
                   owner=name)
         g = fn.__globals__
-        for var in _global_names(code):
+        loaded = _global_names(code)
+        attrs_read = _attribute_names(code)
+        if "globals" in loaded and "globals" not in g:  # (`globals()["G"]`: the names it may look up)
+            loaded = (*loaded, *sorted(attrs_read & g.keys()))
+        attrs_read = attrs_read.union(*(_identifiers(g[var]) for var in loaded if var in g))  # (`getattr(config,
+        for var in loaded:  # KEY)`, KEY = "LR" a global)
             note((g, var, g.get(var, _MISSING)))
             if var in g and (id(g), var) not in seen_places:
                 seen_places.add((id(g), var))
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var),
-                      attrs_read=_attribute_names(code))
+                      attrs_read=attrs_read)
         own = vars(fn)  # its own attributes (`helper.scale = 2.0`, read as `helper.scale`): numbers key the cache
         if any(not k.startswith("__") for k in own):
             note(_Unchanged(own))
@@ -591,17 +618,30 @@ def _attribute_names(code: types.CodeType) -> frozenset:
     """Names `code` (and the code inside it) loads as attributes (`config.LR` loads LR), and the
     names it may pass to getattr (`getattr(config, "LR")`: its string constants that are names)."""
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")}
-    names |= {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _attribute_names(const)
+        names |= _identifiers(const)  # (`for k in ("LR", "WD"): getattr(config, k)`)
     return frozenset(names)
 
 
+def _identifiers(v) -> set:
+    """The strings that are names in `v`: itself, or a tuple's, list's or set's of them."""
+    if isinstance(v, str):
+        return {v} if v.isidentifier() else set()
+    if type(v) in (tuple, frozenset, list, set) and len(v) <= PLAIN_CONTAINER_ITEMS:
+        return {x for x in v if isinstance(x, str) and x.isidentifier()}
+    return set()
+
+
 def _is_user_module(module: types.ModuleType) -> bool:
-    """A Python module of the user's (a `config.py` beside the script), not a library's."""
+    """A Python module of the user's (a `config.py` beside the script, or one made at run time,
+    `types.ModuleType("settings")`), not a library's or a built-in one."""
     filename = getattr(module, "__file__", None)
-    return filename is not None and filename.endswith(".py") and not _is_library(filename)
+    if filename is None:
+        return getattr(module, "__spec__", None) is None and module.__name__ not in sys.builtin_module_names \
+            and module.__name__ != "__main__"
+    return filename.endswith(".py") and not _is_library(filename)
 
 
 def set_attribute(obj, name: str, value) -> None:
@@ -892,7 +932,7 @@ class _SavedTensorsHooks:
 def _holds(guard: list) -> bool:
     """Every place a walk read still holds the object it held then."""
     for entry in guard:
-        if type(entry) in (_Unchanged, _AllUnchanged, _SavedTensorsHooks, _SameAttributes):
+        if type(entry) in (_Unchanged, _AllUnchanged, _SavedTensorsHooks, _SameAttributes, _SameNames):
             if not entry.holds():
                 return False
             continue
@@ -942,6 +982,19 @@ class _Unchanged:
         if self.version is not None:
             return _dict_version(self.container) == self.version
         return self._ids() == self.ids
+
+
+class _SameNames:
+    """A guard on the names a class holds (`setattr(Config, "smoothing", 0.5)` between calls,
+    read as `getattr(Config, "smoothing", 0.0)`): the same set."""
+
+    __slots__ = ("cls", "names")
+
+    def __init__(self, cls: type):
+        self.cls, self.names = cls, vars(cls).keys() - ()
+
+    def holds(self) -> bool:
+        return vars(self.cls).keys() == self.names
 
 
 class _SameAttributes:
@@ -1030,8 +1083,10 @@ def is_config_argument(x) -> bool:
     it ran the first program."""
     return is_config(x) or _is_called_object(x) or isinstance(x, type) and _is_user_class(x) or \
         _is_user_function(x) or isinstance(x, functools.partial) or \
+        isinstance(x, types.ModuleType) and _is_user_module(x) or \
         isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__)
-                                             or isinstance(x.__self__, type) and _is_user_class(x.__self__))
+                                             or isinstance(x.__self__, type) and _is_user_class(x.__self__)
+                                             or isinstance(x.__self__, torch.nn.Module))
 
 
 def _is_user_function(x) -> bool:
@@ -1068,6 +1123,9 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
                                      for name in _global_names(code) if name in scope),
                 tuple(_global_key(v, code, depth - 1, _path) for v in cells),
                 object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
+    if depth and isinstance(x, types.ModuleType) and _is_user_module(x):  # a config module (`import settings`):
+        return ("module", x.__name__, tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())
+                                            if not k.startswith("_") and not isinstance(v, types.ModuleType)))
     if depth and isinstance(x, type) and _is_user_class(x):  # a class of the user's as a namespace (`ns.lr`):
         return _class_key(x, depth, _path), ()  # its values and methods, as an instance's class's
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)

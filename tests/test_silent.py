@@ -552,6 +552,107 @@ def test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache(monkey
         _Namespace.lr, _HeldConfig.s, _HeldScaler.c = 1.0, 1.0, 1.0
 
 
+@dataclasses.dataclass
+class _CodeBox:
+    fn: object
+
+
+class _CodeHolder:
+    def __init__(self):
+        self.fn = _scaled_by_global
+
+
+class _HoldsCodeInContainers(torch.nn.Module):
+    """The same code held in a list, a dict (a partial), a tuple (a classmethod), a dataclass, a
+    plain object and a list of classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.acts, self.parts, self.cms = [_scaled_by_global], {"a": functools.partial(_scaled_by_global)}, \
+            (_HeldScaler.apply,)
+        self.box, self.holder, self.classes = _CodeBox(_scaled_by_global), _CodeHolder(), [_Namespace]
+
+    def forward(self, x):
+        return self.acts[0](x) + 2 * self.parts["a"](x) + 4 * self.cms[0](x) + 8 * self.box.fn(x) \
+            + 16 * self.holder.fn(x) + 32 * x * self.classes[0].lr
+
+
+def test_code_a_closed_over_module_holds_in_containers_and_objects_keys_the_cache(monkeypatch):
+    """What `test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache` checks, with
+    the code in the module's lists, dicts, tuples, dataclasses and objects (each was keyed only
+    held directly: a global it read changed between calls ran the first program)."""
+    m = _HoldsCodeInContainers()
+    f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
+    x = torch.ones(4, 2, dtype=torch.float64)
+    changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
+               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldScaler, "c", 7.0), lambda: None]
+    try:
+        for change in changes:
+            change()
+            torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
+        assert f.trace_count == 4
+    finally:
+        _Namespace.lr, _HeldScaler.c = 1.0, 1.0
+
+
+class _Overrides:
+    """A class used as a namespace, a setting added to it between calls (`setattr(cls, k, v)`
+    from command-line overrides)."""
+
+    lr = 1.0
+
+
+_SETTING = "LR"  # the name of a config module's setting, read with getattr
+
+
+def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_argument_key_the_cache():
+    """Each changed between calls is another program (the first ran, silently): a class attribute
+    added and read with a default (`getattr(_Overrides, "smoothing", 0.0)`), directly or through a
+    module holding the class; a config module's setting read by a name in a global
+    (`getattr(settings, _SETTING)`), in a tuple of names, or a global read through `globals()`;
+    a config module given as an argument, made at run time; a module's bound method given as an
+    argument (`crit.forward`, `crit.label_smoothing` changed)."""
+    settings = types.ModuleType("hpfun_test_settings")
+    settings.LR, settings.WD = 1.0, 0.0
+    holder = torch.nn.Module()
+    holder.cls = _Overrides
+    crit = torch.nn.CrossEntropyLoss()
+    module = sys.modules[__name__]
+    module.hpfun_test_settings, module._GLOBAL_READ = settings, 1.0
+    x = torch.ones(4, 2, dtype=torch.float64)
+    y = torch.randint(0, 2, (4,), generator=torch.Generator().manual_seed(0))
+    cases = {
+        "class attribute added": (lambda x: x * (1.0 - getattr(_Overrides, "smoothing", 0.0)), (),
+                                  lambda: setattr(_Overrides, "smoothing", 0.5)),
+        "through a module": (lambda x: x * getattr(holder.cls, "scale", 1.0), (),
+                             lambda: setattr(_Overrides, "scale", 3.0)),
+        "name in a global": (lambda x: x * getattr(hpfun_test_settings, _SETTING), (),  # noqa: F821
+                             lambda: setattr(settings, "LR", 2.0)),
+        "names in a tuple": (lambda x: x * {k: getattr(hpfun_test_settings, k) for k in ("LR", "WD")}["LR"],  # noqa: F821
+                             (), lambda: setattr(settings, "LR", 4.0)),
+        "globals()": (lambda x: x * globals()["_GLOBAL_READ"], (), lambda: setattr(module, "_GLOBAL_READ", 5.0)),
+        "module argument": (lambda x, cfg: x * cfg.LR, (settings,), lambda: setattr(settings, "LR", 6.0)),
+        "bound method argument": (lambda x, loss: loss(x, y), (crit.forward,),
+                                  lambda: setattr(crit, "label_smoothing", 0.3)),
+    }
+    try:
+        for name, (fn, extra, change) in cases.items():
+            settings.LR, module._GLOBAL_READ, crit.label_smoothing = 1.0, 1.0, 0.0
+            for k in ("smoothing", "scale"):
+                if k in vars(_Overrides):
+                    delattr(_Overrides, k)
+            f = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"), *[None] * len(extra)), out_specs=P())
+            for step in (lambda: None, change, lambda: None):
+                step()
+                torch.testing.assert_close(f(x, *extra).full(), fn(x, *extra), rtol=0, atol=1e-15, msg=name)
+            assert f.trace_count == 2, name
+    finally:
+        for k in ("smoothing", "scale"):
+            if k in vars(_Overrides):
+                delattr(_Overrides, k)
+        del module.hpfun_test_settings, module._GLOBAL_READ
+
+
 class _Reads:
     """A config whose code reads a global: a property, a method, `__call__`."""
 
