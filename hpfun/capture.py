@@ -3207,27 +3207,33 @@ def _aliases_written(node: torch.fx.Node) -> bool:
     or after (`row = c[0]; c.scatter_(...); flat = c.t().view(-1); row.mul_(5)`). A write
     before `node` is read by a copy as by the view."""
 
-    def same_memory(n) -> bool:  # a view of its first argument, or an in-place op's result (its first argument)
+    def source(n):  # the node whose memory `n` is: a view's base, an in-place or out= op's written argument
         if n.op != "call_function":
-            return False
+            return None
         if n.target is operator.getitem:  # (a piece of a split or chunk, as the view it is)
-            return isinstance(n.args[0], torch.fx.Node) and same_memory(n.args[0])
+            return source(n.args[0]) and n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
         if not isinstance(n.target, torch._ops.OpOverload):
-            return False
+            return None
         if _is_view(n.target):
-            return True
+            return n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
         schema = n.target._schema
-        return bool(schema.returns and schema.arguments) and schema.returns[0].alias_info is not None \
-            and schema.returns[0].alias_info.is_write and schema.arguments[0].alias_info is not None \
-            and schema.arguments[0].alias_info.is_write
+        out = schema.returns[0].alias_info if schema.returns else None
+        if out is None or not out.is_write:
+            return None
+        for i, arg in enumerate(schema.arguments):  # (`scatter_(self, ...)`, `scatter(..., out=c)`)
+            if arg.alias_info is not None and arg.alias_info.is_write and arg.alias_info.before_set == out.before_set:
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                return value if isinstance(value, torch.fx.Node) else None
+        return None
 
     root = node.args[0]
-    while same_memory(root) and isinstance(root.args[0], torch.fx.Node):
-        root = root.args[0]
+    while (up := source(root)) is not None:
+        root = up
     family, todo = {root}, [root]
     while todo:
-        for user in todo.pop().users:
-            if same_memory(user) and user not in family:
+        member = todo.pop()
+        for user in member.users:
+            if user not in family and source(user) is member:
                 family.add(user)
                 todo.append(user)
     later = set()

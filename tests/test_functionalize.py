@@ -175,13 +175,14 @@ WRITES = {  # a write into the memory a view shares, after the view
 }
 
 
-def _scattered_then_viewed(x, y, write=None):
+def _scattered_then_viewed(x, y, write=None, out=False):
     """`scatter_` into a clone of a transposed `x` keeps the clone's strides, so `.t().view(-1)` of
     the result is a view; functionalized, `scatter` returns a contiguous tensor, and it is not. The
     write into `y` through a view makes the graph go through torch's functionalization."""
     c = x.clone()
     row = c[0]
-    z = c.scatter_(1, torch.tensor([[2, 1, 3, 0]] * 4), x * 2)
+    index = torch.tensor([[2, 1, 3, 0]] * 4)
+    z = torch.scatter(x, 1, index, x * 2, out=c) if out else c.scatter_(1, index, x * 2)
     flat = z.t().view(-1)
     if write is not None:
         write(z, flat, row)
@@ -189,19 +190,21 @@ def _scattered_then_viewed(x, y, write=None):
     return flat * 1, z
 
 
-def test_a_view_that_the_functional_program_lays_out_otherwise_is_a_reshape_there(traces):
+@pytest.mark.parametrize("out", [False, True], ids=["scatter_", "out="])
+def test_a_view_that_the_functional_program_lays_out_otherwise_is_a_reshape_there(traces, out):
     """Nothing writes through the view: a copy reads the same, and the results are the eager ones."""
-    _check(lambda x, y: _scattered_then_viewed(x, y)[0],
+    _check(lambda x, y: _scattered_then_viewed(x, y, out=out)[0],
            torch.randn(4, 4, dtype=torch.float64).t(), torch.zeros(4, 4, dtype=torch.float64), specs=(P(), P()))
     assert len(traces) == 2
 
 
+@pytest.mark.parametrize("out", [False, True], ids=["scatter_", "out="])
 @pytest.mark.parametrize("write", sorted(WRITES))
-def test_a_write_through_a_view_that_the_functional_program_lays_out_otherwise_is_refused_at_its_line(write):
+def test_a_write_through_a_view_that_the_functional_program_lays_out_otherwise_is_refused_at_its_line(write, out):
     """A write into the viewed memory, through the view or through another view of its base (a
-    split's piece reached by getitem too, one taken before the in-place op), after the view:
-    refused, never a copy that misses it."""
-    f = hpfun.shard(lambda x, y: _scattered_then_viewed(x, y, WRITES[write]), mesh=DP, in_specs=(P(), P()),
+    split's piece reached by getitem too, one taken before the in-place op, or the out= op,
+    that wrote the base), after the view: refused, never a copy that misses it."""
+    f = hpfun.shard(lambda x, y: _scattered_then_viewed(x, y, WRITES[write], out), mesh=DP, in_specs=(P(), P()),
                     out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"(?s)flat = z.t\(\).view\(-1\).*write the in-place op before "
                                                  r"it out of place"):
