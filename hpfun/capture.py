@@ -1805,11 +1805,15 @@ def _traced_tensor_of(func, args: tuple, kwargs: dict):
 def _fits_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`v`, checked in the program to fit an integer `dtype` narrower than its own, as torch
     checks a number it converts (`torch.tensor([n], dtype=torch.int8)` of n = 300 raises; an
-    unsigned type takes a negative number down to minus its maximum, wrapped: -32 is 224)."""
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or v.dtype.is_floating_point or \
-            v.dtype.is_complex or v.dtype == torch.bool:
+    unsigned type takes a negative integer down to minus its maximum, wrapped: -32 is 224; a
+    float is checked against the type's range, truncated after)."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or v.dtype.is_complex or v.dtype == torch.bool:
         return v
-    info, have = torch.iinfo(dtype), torch.iinfo(v.dtype)
+    info = torch.iinfo(dtype)
+    if v.dtype.is_floating_point:  # (a float in [min, max]; NaN is none)
+        return checked(v, (v >= info.min) & (v <= info.max),
+                       f"value cannot be converted to type {str(dtype).removeprefix('torch.')} without overflow")
+    have = torch.iinfo(v.dtype)
     low = info.min if info.min < 0 else -info.max
     if have.min >= low and have.max <= info.max:
         return v
@@ -1818,6 +1822,8 @@ def _fits_dtype(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _TENSOR_OF = frozenset([torch.tensor, torch.as_tensor, torch.Tensor.new_tensor])
+_VALUE_FILLS = {torch.index_fill: 3, torch.Tensor.index_fill: 3, torch.Tensor.index_fill_: 3,  # the value's position
+                torch.masked_fill: 2, torch.Tensor.masked_fill: 2, torch.Tensor.masked_fill_: 2}
 
 # where a taker's other arguments are values, not sizes: full's fill, linspace's start and end
 _SIZE_POSITIONS = {torch.full: (0,), torch.Tensor.new_full: (0,), torch.linspace: (2,), torch.logspace: (2,),
@@ -2528,6 +2534,11 @@ class _TensorScalars(TorchFunctionMode):
             index, name = args[2], func.__name__.rstrip("_")
             args = (*args[:2], checked(index, index >= 0, f"{name}(): index out of bounds: a negative index "
                                        f"(index {name} takes 0 <= index < size)"), *args[3:])
+        if func in _VALUE_FILLS and len(args) > (at := _VALUE_FILLS[func]) and isinstance(args[0], torch.Tensor) \
+                and isinstance(value := args[at], torch.Tensor) and value.ndim == 0 and value.dtype != args[0].dtype \
+                and _is_traced(value) and not value.is_complex():  # (read as a number, checked and cast, by eager's
+            # kernel; torch's decomposition takes it as it is, or casts it unchecked)
+            args = (*args[:at], _fits_dtype(value, args[0].dtype).to(args[0].dtype), *args[at + 1:])
         if func is torch._C.TensorBase.data_ptr and args and _ADDRESSES and (ptr := _address(args[0])) is not None:
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func is torch.Tensor.__contains__ and len(args) == 2 and _is_traced(args[0]) \

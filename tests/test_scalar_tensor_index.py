@@ -272,6 +272,8 @@ MADE_OF_A_NUMBER = {  # each makes an integer tensor of the traced number n
     "scalar_tensor": lambda n, dtype: torch.scalar_tensor(n, dtype=dtype),
     "full": lambda n, dtype: torch.full((2,), n, dtype=dtype),
     "new_full": lambda n, dtype: torch.zeros(1, dtype=dtype).new_full((3,), n),
+    "masked_fill": lambda n, dtype: torch.zeros(4, dtype=dtype).masked_fill(torch.tensor([True, False] * 2), n),
+    "index_fill": lambda n, dtype: torch.zeros(4, dtype=dtype).index_fill(0, torch.tensor([1, 3]), n),
 }
 
 
@@ -293,6 +295,30 @@ def test_a_traced_number_that_does_not_fit_the_integer_dtype_asked_for_raises_as
             MADE_OF_A_NUMBER[make](torch.tensor(32 * k), dtype)
         with pytest.raises(hpfun.ExecutionError, match=f"cannot be converted to type {str(dtype)[6:]} without overflow"):
             f(x)
+
+
+@pytest.mark.parametrize("make", sorted(MADE_OF_A_NUMBER))
+def test_a_traced_float_made_an_integer_or_a_number_of_another_dtype_is_checked_and_cast_as_eager(make):
+    """A traced float asked for as an integer is checked against the type's range, then
+    truncated (eager raises for 127.5 as an int8, NaN too); a traced integer filled into a float
+    tensor (`index_fill`, `masked_fill`) is cast (it failed in torch's decomposition of
+    index_fill: "Index put requires the source and destination dtypes match")."""
+    x = torch.ones(32, dtype=D)
+    for value, dtype in ((lambda x: x.sum() * 3.9, torch.int8), (lambda x: x.sum() * 3.99, torch.int8),
+                         (lambda x: x.sum() / 0 * 0, torch.int8), (lambda x: (x > 0).sum() * 4, D),
+                         (lambda x: -x.sum() * 0.01, torch.uint8), (lambda x: x.sum() * 7.9, torch.uint8)):
+        def fn(x):
+            return MADE_OF_A_NUMBER[make](value(x), dtype)
+        try:
+            want = fn(x)
+        except (RuntimeError, TypeError) as err:  # (torch.tensor([a float], dtype=torch.int8): a TypeError at once)
+            kind, says = (hpfun.ExecutionError, "without overflow") if isinstance(err, RuntimeError) else \
+                (hpfun.CaptureError, "only integer tensors")
+            with pytest.raises(kind, match=says):
+                hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(x)
+            continue
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(x).full()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
