@@ -709,7 +709,7 @@ def _library_checks_keep_their_messages():
     def is_tracing(tensor=None) -> bool:
         if tensor is None:
             return False
-        if isinstance(tensor, torch.Tensor) and _constant_value(tensor) is not None:
+        if isinstance(tensor, torch.Tensor) and _constant_value(_as_made(tensor)) is not None:
             return False  # (a value hpfun reads, as eager does: below)
         return original(tensor)
 
@@ -2265,6 +2265,16 @@ def same_value(a, b) -> bool:
     return exact_key(a) == exact_key(b)
 
 
+def _as_made(t):
+    """`t`, or where it may have been written in place since made (`m |= ~m.any()`; made under
+    torch.inference_mode, which keeps no count of writes) its copy, which the writes recorded
+    before it make (made outside inference mode: its count starts at 0)."""
+    if isinstance(t, torch.Tensor) and (t.is_inference() or t._version):
+        with torch.inference_mode(False):
+            return t.clone()
+    return t
+
+
 def _constant_value(t):
     """The real value of a traced tensor computed from constants only (no input, no random op:
     `nn.Transformer.generate_square_subsequent_mask(n)`, which torch's transformer layers compare
@@ -2272,8 +2282,8 @@ def _constant_value(t):
     real values the trace was given (`readable_inputs`): then (value, steps), for an
     `InputRead`. None for any other tensor."""
     mode = proxy_tensor.get_proxy_mode()
-    if mode is None or not isinstance(t, torch.Tensor) or t._version:  # written in place since made
-        return None
+    if mode is None or not isinstance(t, torch.Tensor) or t.is_inference() or t._version:  # written in place since
+        return None  # made (an inference tensor keeps no count: `_as_made`)
     while torch._C._functorch.is_functorch_wrapped_tensor(t):  # under torch.func.grad: the traced value inside
         if torch._C._functorch.is_batchedtensor(t):
             return None  # (vmapped: a value per batch element, which eager refuses to read too)
@@ -2391,9 +2401,7 @@ def _read(func, t, args=(), kwargs=None):
     made from constants, or from inputs whose real values the trace was given: then recorded as
     an `InputRead`, for every call to check. `_UNREADABLE` for any other tensor."""
     kwargs = kwargs or {}
-    if isinstance(t, torch.Tensor) and t._version:  # (written in place since made, `m |= ~m.any()`: its copy is
-        t = t.clone()  # read, which the writes recorded before it make)
-    value = _constant_value(t)
+    value = _constant_value(_as_made(t))
     if value is None:
         return _UNREADABLE
     if not isinstance(value, tuple):

@@ -270,15 +270,20 @@ def test_torch_func_linearize_under_grad_is_refused_at_its_line_with_jvp_as_the_
     torch.testing.assert_close(hpfun.shard(alone, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(x).full(), alone(x))
 
 
-def test_a_readable_mask_written_in_place_before_it_indexes_is_read_as_written():
+@pytest.mark.parametrize("inference", [False, True], ids=["", "inference_mode"])
+def test_a_readable_mask_written_in_place_before_it_indexes_is_read_as_written(inference):
     """SmolVLM's `real[0] |= ~torch.any(real)` on a mask made from the argument, then `x[real]`:
     the mask is read as the writes left it (it was refused as a shape read from the data), and
-    another argument at the next call gives its own positions."""
+    another argument at the next call gives its own positions. Under torch.inference_mode too,
+    whose tensors keep no count of writes (reading it raised torch's "Inference tensors do not
+    track version counter")."""
     def picked(x):
-        real = (x == 0.0).sum(-1) != x.shape[-1]
-        real[0] |= ~torch.any(real)
-        real |= real.roll(1)
-        return x[real].sum(0)
+        with torch.inference_mode(inference):
+            real = (x == 0.0).sum(-1) != x.shape[-1]
+            head = real[:1]  # (a view the write below changes)
+            real[0] |= ~torch.any(real)
+            real |= real.roll(1)
+            return x[real].sum(0) * (2.0 if head.all() else 1.0)
 
     f = hpfun.shard(picked, mesh=MESH, in_specs=(P("dp"),), out_specs=P())
     for rows in ([2], [0, 1, 2, 3, 4, 5, 6, 7], [1, 5]):

@@ -318,11 +318,13 @@ def test_a_model_with_only_an_eager_experts_loop_is_refused_without_the_other_im
         step(tokens(0))
 
 
-def test_an_all_ones_mask_is_skipped_as_eager_skips_it():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_an_all_ones_mask_is_skipped_as_eager_skips_it(mode):
     """transformers skips an all-ones attention mask in eager (a bidirectional Gemma then attends
     to every token) but not while tracing; hpfun reads a mask made from the arguments, so it
     decides as eager does (PaliGemma's logits differed by 6e-2, silently), and a mask with
-    padding at a later call compiles again."""
+    padding at a later call compiles again. Evaluated under torch.inference_mode too (the read
+    raised torch's "Inference tensors do not track version counter")."""
     vision = transformers.SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=1, num_attention_heads=4)
     text = transformers.GemmaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -341,9 +343,10 @@ def test_an_all_ones_mask_is_skipped_as_eager_skips_it():
     padded = torch.ones_like(ids)
     padded[:, -2:] = 0
     for mask in (torch.ones_like(ids), padded):
-        with torch.no_grad():
+        with mode():
             want = logits(ids, pixels, mask)
-        torch.testing.assert_close(f(ids, pixels, mask).full(), want, rtol=1e-9, atol=1e-9)
+            got = f(ids, pixels, mask).full()
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     assert f.trace_count == 2
 
 
