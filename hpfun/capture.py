@@ -35,6 +35,7 @@ import contextvars
 import decimal
 import functools
 import gc
+import importlib
 import io
 import logging
 import math
@@ -1192,6 +1193,65 @@ def _modes_in_backwards():
         yield
 
 
+@contextlib.contextmanager
+def _flex_attention_as_math():
+    """torch's flex_attention traced as the math it computes on a CPU (its reference: scores,
+    `score_mod` and `mask_mod` vectorized over them, softmax, times the values), plain ops whose
+    rules hpfun has. Its operator takes the score and mask functions as graphs of their own,
+    which hpfun's passes cannot read (an internal error)."""
+    api = sys.modules.get("torch.nn.attention.flex_attention")
+    if api is None or not hasattr(api, "flex_attention_hop"):
+        yield
+        return
+    hop = importlib.import_module("torch._higher_order_ops.flex_attention")
+
+    def math(query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_other_buffers=(),
+             mask_mod_other_buffers=()):
+        out, lse, max_scores = hop.math_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                                  score_mod_other_buffers, mask_mod_other_buffers)
+        return hop._permute_strides(out, query.stride()), lse, max_scores
+
+    with mock.patch.object(api, "flex_attention_hop", math):
+        yield
+
+
+def _control_flow_predicate(pred, op: str) -> bool:
+    """A control-flow operator's predicate as a Python bool, where hpfun can read it (a number,
+    or a value made from the arguments, checked at every call); refused otherwise."""
+    if not isinstance(pred, torch.Tensor):
+        return bool(pred)
+    value = _read(bool, pred)
+    if value is _UNREADABLE:
+        raise CaptureError(Problem(f"{op}{_at_user_line()}", f"{op} branches on a tensor value hpfun cannot read "
+                                   "(made from parameters or random draws): a program traced once takes one branch",
+                                   "compute both branches and pick with torch.where(pred, a, b) (for a loop, a fixed "
+                                   "number of steps), or make the predicate from the arguments, whose values hpfun "
+                                   "reads"))
+    return value
+
+
+@contextlib.contextmanager
+def _control_flow_as_python():
+    """`torch.cond` and `while_loop` run as the Python control flow they stand for where hpfun can
+    read their predicates (a Python number, a value made from the arguments: the program is
+    right for those values, checked at every call), and are refused by name otherwise. Their
+    operators take the branches as graphs of their own, which hpfun's passes cannot read."""
+    cond_module = importlib.import_module("torch._higher_order_ops.cond")
+    loop_module = importlib.import_module("torch._higher_order_ops.while_loop")
+
+    def cond(pred, true_fn, false_fn, operands=()):  # (`cond_op`: what `torch.cond` calls while compiling)
+        return (true_fn if _control_flow_predicate(pred, "torch.cond") else false_fn)(*operands)
+
+    def while_loop(cond_fn, body_fn, carried_inputs, additional_inputs=()):  # (`while_loop_op`: on the flat
+        carried = tuple(carried_inputs)  # inputs, as `while_loop` calls it while compiling)
+        while _control_flow_predicate(cond_fn(*carried, *additional_inputs), "while_loop"):
+            carried = tuple(body_fn(*carried, *additional_inputs))
+        return carried
+
+    with mock.patch.object(cond_module, "cond_op", cond), mock.patch.object(loop_module, "while_loop_op", while_loop):
+        yield
+
+
 def _make_fx(fn, fakes) -> torch.fx.GraphModule:
     # The tensors go in as one list, not one argument each. make_fx wraps the function in a
     # generated `lambda arg0, ..., argN: fn(arg0, ..., argN)`, whose frame holds two slots per
@@ -1207,7 +1267,7 @@ def _make_fx(fn, fakes) -> torch.fx.GraphModule:
                 mock.patch.object(torch.compiler, "_is_compiling_flag", True), exact_step_scalars(), traced_steps(), \
                 _compiled_code_runs_as_written(), torch_checkpoints(), scalars, in_backwards(scalars), _modes_in_backwards(), \
                 _lstm_as_matmuls(), _cumulative_batch_norm(), _module_conversions(), _python_random_refused(), \
-                _linearize_refused(), _nested_encoder_as_eager(), \
+                _linearize_refused(), _nested_encoder_as_eager(), _flex_attention_as_math(), _control_flow_as_python(), \
                 _library_checks_keep_their_messages():
             gm = traced(list(fakes))
     except CaptureError:

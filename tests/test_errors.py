@@ -1454,3 +1454,51 @@ def test_a_read_in_a_models_own_line_is_not_said_to_be_in_torchs_module_call():
     with pytest.raises(hpfun.CaptureError) as err:
         f(torch.ones(4, 4, dtype=torch.float64))
     assert "n = (self.lin.weight > 0).sum().tolist()" in str(err.value) and "the read is in" not in str(err.value)
+
+
+def test_torch_cond_and_while_loop_run_as_python_where_their_predicates_are_read():
+    """`torch.cond` and `while_loop` on values made from the arguments take the branch (run the
+    steps) eager takes, and a call whose values choose otherwise compiles again; on a value
+    hpfun cannot read (a parameter's), refused by name with the fix (both failed inside hpfun:
+    their operators hold the branches as graphs of their own)."""
+    from torch._higher_order_ops import while_loop
+
+    def branch(x):
+        return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos() * 2, (x,))
+
+    def loop(x, n):
+        return while_loop(lambda i, t: i < n.sum(), lambda i, t: (i + 1, t * 2 + 1), (torch.tensor(0), x))[1]
+
+    f = hpfun.shard(branch, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    g = hpfun.shard(loop, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for sign, steps in ((1, 3), (-1, 3), (1, 5)):
+        x = x.abs() * sign
+        n = torch.tensor([steps - 1, 1])
+        torch.testing.assert_close(f(x).full(), branch(x), rtol=0, atol=0)
+        torch.testing.assert_close(g(x, n).full(), loop(x, n), rtol=0, atol=0)
+    assert (f.trace_count, g.trace_count) == (2, 2)
+    lin = torch.nn.Linear(4, 4).double()
+    h = hpfun.shard(lambda x: torch.cond(lin(x).sum() > 0, torch.sin, torch.cos, (x,)), mesh=MESH,
+                    in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)torch.cond at .*branches on a tensor value hpfun cannot read.*"
+                                                 r"torch.where"):
+        h(x)
+
+
+def test_flex_attention_runs_as_the_math_it_computes():
+    """torch's flex_attention with a score_mod and a block mask (causal), the batch or the heads
+    split: equal to eager's (it failed inside hpfun, its operator holding the score and mask
+    functions as graphs of their own)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def attend(q, k, v):
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[2], k.shape[2], device="cpu")
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + 0.1 * (i - j), block_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    want = attend(q, k, v)
+    for spec in (P("dp"), P(None, "dp")):
+        f = hpfun.shard(attend, mesh=MESH, in_specs=(spec,) * 3, out_specs=P())
+        torch.testing.assert_close(f(q, k, v).full(), want, rtol=1e-12, atol=1e-12)
