@@ -318,8 +318,25 @@ def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=N
     return torch.zeros(size, dtype=dtype, layout=layout, device=device)
 
 
+@functools.cache
+def _core_decomposition(op):
+    return core_aten_decompositions()[op]
+
+
+def _with_flat_index(op):
+    """torch's decomposition of `op` (index_add, index_copy), given a 0-d index as the one-element
+    index it is (the kernel takes it so: `index_select`'s backward by a 0-d index, what
+    `mask.nonzero().squeeze()` gives for one hit; the decomposition wrote an index_put that fails)."""
+    def run(x, dim, index, source, *args, **kwargs):
+        return _core_decomposition(op)(x, dim, index.reshape(1) if index.ndim == 0 else index, source, *args, **kwargs)
+
+    return run
+
+
 _OWN = {
     aten._efficientzerotensor.default: _efficient_zeros,
+    aten.index_add.default: _with_flat_index(aten.index_add.default),
+    aten.index_copy.default: _with_flat_index(aten.index_copy.default),
     aten.rrelu_with_noise.default: _rrelu_eval,
     aten.rrelu_with_noise_functional.default: _rrelu_eval_functional,
     aten.rrelu_with_noise_backward.default: _rrelu_eval_backward,

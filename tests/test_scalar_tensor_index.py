@@ -442,3 +442,23 @@ def test_a_mask_made_like_a_parameters_product_is_read_from_its_own_values():
     for labels in ([0, 1, 0, 1], [2, 2, 0, 1]):
         x, labels = torch.randn(4, 4, dtype=D), torch.tensor(labels)
         torch.testing.assert_close(f(x, labels).full(), paired(x, labels), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_ops_by_a_0d_index_and_their_gradients_equal_eager(spec):
+    """`index_select` by a 0-d index (what `mask.nonzero().squeeze()` gives for one hit, as
+    nn.AdaptiveLogSoftmaxWithLoss does per cluster) differentiates as eager (its backward, an
+    index_add by the 0-d index, failed in torch's decomposition); index_add and index_copy by one."""
+    w = torch.randn(4, 4, dtype=D, generator=_gen())
+    x = torch.randn(8, 4, dtype=D, generator=_gen())
+
+    def step(w, x, i):
+        h = x @ w
+        picked = h.index_select(0, i).pow(2).sum() + h.index_add(0, i, h[:1]).sum() + h.index_copy(0, i, h[1:2]).pow(2).sum()
+        return torch.func.grad(lambda w: (x @ w).index_select(0, i).pow(2).sum())(w), picked
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=(P(), spec, P()), out_specs=(P(), P()))
+    for i in (5, 0):
+        i = torch.tensor(i)
+        for got, want in zip(f(w, x, i), step(w, x, i), strict=True):
+            torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
