@@ -301,9 +301,12 @@ def bad_spec(where: str, spec, mesh: Mesh | None = None) -> Problem | None:
     """Why `spec` is not a spec (a P, None or AUTO), with the spelling that was meant; None if it is one."""
     if is_spec_leaf(spec):
         return None
-    if isinstance(spec, str) and (placements := _notation_placements(spec)) is not None:  # ('S(0)', what layouts
-        return Problem(where, f"spec is the string {spec!r}, hpfun's layout notation (what a layout prints), not a "  # print)
-                       "spec: a P names, per tensor dim, the mesh axes splitting it", _as_p(placements, mesh))
+    if isinstance(spec, str) and (parsed := _parsed_notation(spec, mesh)) is not None:  # ('S(0)', what layouts print)
+        placements = parsed.placements if isinstance(parsed, Layout) else parsed
+        fix = _as_p(placements, mesh) if not isinstance(parsed, Layout) or \
+            any(not _is_replicate(p) and _shard_dim(p) is None for p in placements) else f"write {_p_of_layout(parsed)}"
+        return Problem(where, f"spec is the string {spec!r}, hpfun's layout notation (what a layout prints), not a "
+                       "spec: a P names, per tensor dim, the mesh axes splitting it", fix)
     if isinstance(spec, str):
         return Problem(where, f"spec is the string {spec!r}, not a P", f"write P({spec!r})")
     if _is_dim_tuple(spec):
@@ -350,20 +353,31 @@ def _notation(placements) -> str:
     return "hpfun's placement per mesh axis (what a Layout holds)"
 
 
-def _notation_placements(text: str) -> tuple | None:
-    """The placements a string in hpfun's layout notation writes (`'S(0)'`, `'[S(0), R]'`,
-    `'[S(0)] on {a: 2}'`), or None where it is not that notation (a mesh axis name)."""
+def _parsed_notation(text: str, mesh: Mesh | None):
+    """What a string in hpfun's layout notation writes: a Layout (`'[S(0)] on {a: 2}'`; a list
+    of placements on `mesh` whose order is not the mesh's, `'[S(0)[1], S(0)[0]]'`), or its
+    placements (`'S(0)'`, `'[S(0), R]'`); None where it is not that notation (a mesh axis name)."""
     from hpfun.layout import parse
 
-    try:
-        parsed = parse(text)
-    except Exception:  # (any text that is not the notation: parse says why in its own words)
-        return None
-    if isinstance(parsed, Layout):
-        return tuple(parsed.placements)
-    if isinstance(parsed, tuple) and parsed and all(_is_placement(p) for p in parsed):
-        return parsed
-    return (parsed,) if _is_placement(parsed) else None
+    for on in ((None, mesh) if mesh is not None else (None,)):
+        try:
+            parsed = parse(text, on)
+        except Exception:  # (any text that is not the notation: parse says why in its own words)
+            continue
+        if isinstance(parsed, Layout):
+            return parsed
+        if isinstance(parsed, tuple) and parsed and all(_is_placement(p) for p in parsed):
+            return parsed
+        return (parsed,) if _is_placement(parsed) else None
+    return None
+
+
+def _p_of_layout(layout: Layout) -> P:
+    """The P of a layout of Shards and Replicates: per tensor dim, the axes splitting it, in its order."""
+    dims = {p.dim for p in layout.placements if isinstance(p, Shard)}
+    names = layout.mesh.axis_names
+    entries = [tuple(names[a] for a in layout.shard_axes(d)) or None for d in range(max(dims) + 1 if dims else 0)]
+    return P(*[e[0] if e is not None and len(e) == 1 else e for e in entries])
 
 
 def _as_p(placements, mesh: Mesh | None) -> str:

@@ -442,6 +442,8 @@ def test_a_print_inside_runs_once_at_the_trace(capsys):
     (0, "must be an hpfun.P or None, got int 0", "write P(...) with one entry per tensor dim"),
     ("[S(1), R] on {dp: 2, tp: 2}", "hpfun's layout notation", "write P(None, 'dp')"),  # (what a layout prints)
     ("[S(0), S(0)]", "hpfun's layout notation", "write P(('dp', 'tp'))"),
+    ("[S(0)[1], S(0)[0]] on {dp: 2, tp: 2}", "hpfun's layout notation", "write P(('tp', 'dp'))"),  # (P(('tp', 'dp'))
+    ("[S(0)[1], S(0)[0]]", "hpfun's layout notation", "write P(('tp', 'dp'))"),  # prints so; without its mesh)
     ("P(sum)", "hpfun's layout notation", "a P cannot ask for a pending sum"),
 ], ids=repr)
 def test_a_spec_that_is_not_a_P_names_the_path_and_the_spelling(spec, what, fix):
