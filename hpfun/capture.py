@@ -1782,6 +1782,26 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
     return (new_args, new_kwargs) if changed else None
 
 
+def _ints_read(args: tuple, kwargs: dict) -> tuple | None:
+    """`args` and `kwargs` with each traced 0-d integer tensor after the first argument (in a list
+    or tuple too) read as `int(t)`; None where there is none or one cannot be read."""
+    changed = False
+
+    def number(v):
+        nonlocal changed
+        if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+            read = [number(u) for u in v]
+            return type(v)(read) if any(a is not b for a, b in zip(read, v)) else v
+        if _is_traced_int_scalar(v) and (value := _read(torch.Tensor.__index__, v)) is not _UNREADABLE:
+            changed = True
+            return value
+        return v
+
+    new_args = (*args[:1], *map(number, args[1:]))
+    new_kwargs = {k: number(v) for k, v in kwargs.items()}
+    return (new_args, new_kwargs) if changed else None
+
+
 # the parameters of torch's fills, by position or keyword
 _FULLS = {torch.full: ("size", "fill_value"), torch.Tensor.new_full: ("self", "size", "fill_value"),
           torch.full_like: ("input", "fill_value")}
@@ -2680,11 +2700,6 @@ class _TensorScalars(TorchFunctionMode):
             args, kwargs = _long_target(args, kwargs)
         if (write_check := _INDEX_WRITES.get(written := _base_name(func))) is not None:
             write_check(*_bound(args, kwargs, _WRITE_ARGS[written]))
-        if written == "index_add":  # a 0-d index, which eager takes and torch's decomposition does not
-            if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].ndim == 0:
-                args = (*args[:2], args[2].reshape(1), *args[3:])
-            elif isinstance((kwargs or {}).get("index"), torch.Tensor) and kwargs["index"].ndim == 0:
-                kwargs = {**kwargs, "index": kwargs["index"].reshape(1)}
         if func is torch.Tensor.__getitem__ and len(args) == 2 and (index := _mask_as_positions(args[1])) is not None:
             return func(args[0], index)
         if func in (torch.masked_select, torch.Tensor.masked_select) and len(args) == 2 and not kwargs:
@@ -2713,7 +2728,12 @@ class _TensorScalars(TorchFunctionMode):
             with sdpa_kernel(SDPBackend.MATH):
                 return func(*args, **kwargs)
         if func is torch.nn.functional.one_hot:
+            if (read := _ints_read(args, kwargs)) is not None:  # (`num_classes=n`, n a 0-d tensor of an argument)
+                args, kwargs = read
             return _one_hot(func, *args, **kwargs)
+        if func in (torch.take, torch.Tensor.take) and len(args) == 2 and not kwargs \
+                and isinstance(args[1], torch.Tensor) and args[1].ndim == 0:  # (by a 0-d index, which torch's
+            return func(args[0], args[1].reshape(1)).reshape(())  # decomposition reads as a Python int)
         if func is torch.nn.functional.gaussian_nll_loss:
             return _gaussian_nll_loss(func, args, kwargs)
         if func in (torch.bincount, torch.Tensor.bincount) and isinstance(args[0], torch.Tensor):
@@ -2761,7 +2781,15 @@ class _TensorScalars(TorchFunctionMode):
             # computed in float, value * t1 is rounded once more; float copies would cost memory)
             out = _VALUE[func](x, torch.mul(t1, value), t2)
             return x.copy_(out) if func.__name__.endswith("_") else _as_eager(out, x, t1, t2)
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except torch._subclasses.fake_tensor.DataDependentOutputException as err:
+            if (read := _ints_read(args, kwargs)) is None:  # (`x.tile((1, n))`, `torch.tril(x, n)`, `select(0, n)`:
+                raise  # torch parses a 0-d integer tensor given for an int with `.item()`: read, as `int(n)` is)
+            try:
+                return func(*read[0], **read[1])
+            except Exception:  # (it was a tensor operand after all)
+                raise err from None
 
 
 class _CheckedAtRun:

@@ -462,3 +462,29 @@ def test_ops_by_a_0d_index_and_their_gradients_equal_eager(spec):
         i = torch.tensor(i)
         for got, want in zip(f(w, x, i), step(w, x, i), strict=True):
             torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+
+
+TAKING_AN_INT = {  # each given a 0-d integer tensor of an argument where torch takes an int (or an index)
+    "tile": lambda x, n: x.tile((1, n)), "tril": lambda x, n: torch.tril(x, diagonal=n), "triu": lambda x, n: x.triu(n),
+    "select": lambda x, n: x.select(1, n), "diagonal": lambda x, n: x.diagonal(offset=n),
+    "unfold": lambda x, n: x.unfold(1, n, 1), "movedim": lambda x, n: x.movedim(n - 2, 1),
+    "cumsum": lambda x, n: x.cumsum(n - 1), "flip": lambda x, n: x.flip(n - 1),
+    "one_hot": lambda x, n: torch.nn.functional.one_hot((x > 0).long()[:, 0], num_classes=n + 1) * x[:, :1],
+    "adaptive_avg_pool1d": lambda x, n: torch.nn.functional.adaptive_avg_pool1d(x[:, None], n)[:, 0],
+    "take": lambda x, n: torch.take(x, n) * x[:, :1],
+}
+
+
+@pytest.mark.parametrize("op", sorted(TAKING_AN_INT))
+def test_a_0d_integer_argument_given_for_an_int_is_read_as_int_reads_it(op):
+    """`x.tile((1, n))`, `torch.tril(x, n)`, `x.select(1, n)`, `one_hot(t, num_classes=n)`... with
+    `n` a 0-d integer tensor of an argument: read as `int(n)`, as eager's argument parsing reads
+    it (refused as a read of data-dependent values); another value compiles again. torch.take by
+    a 0-d index of an argument too (its decomposition read it as a Python int)."""
+    fn = TAKING_AN_INT[op]
+    x = torch.randn(8, 6, dtype=D, generator=_gen())
+    f = hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    for n in (2, 1, 2):
+        n = torch.tensor(n)
+        torch.testing.assert_close(f(x, n).full(), fn(x, n), rtol=0, atol=0)
+    assert f.trace_count == (1 if op == "take" else 2)
