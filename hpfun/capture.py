@@ -336,7 +336,9 @@ def _with_flat_index(op):
 _OWN = {
     aten._efficientzerotensor.default: _efficient_zeros,
     aten.index_add.default: _with_flat_index(aten.index_add.default),
+    aten.index_add_.default: _with_flat_index(aten.index_add_.default),
     aten.index_copy.default: _with_flat_index(aten.index_copy.default),
+    aten.index_copy_.default: _with_flat_index(aten.index_copy_.default),
     aten.rrelu_with_noise.default: _rrelu_eval,
     aten.rrelu_with_noise_functional.default: _rrelu_eval_functional,
     aten.rrelu_with_noise_backward.default: _rrelu_eval_backward,
