@@ -2620,6 +2620,13 @@ class _TensorScalars(TorchFunctionMode):
             # a collective a library holds its own reference to (vector-quantize-pytorch's `self.all_reduce_fn =
             # distributed.all_reduce`), which the patch of torch.distributed's names cannot see: refused alike
             return _guard_collective(func.__name__, func, threading.get_ident(), caller_depth=2)(*args, **kwargs)
+        if func is torch.Tensor.__format__ and args[1:] == ("",) and isinstance(args[0], torch.Tensor) \
+                and torch._C._functorch.is_functorch_wrapped_tensor(args[0]) and _is_traced(args[0]):
+            inner = args[0]  # (`f"{n}"` under torch.func.grad: as outside it, the traced tensor printed, not read)
+            while torch._C._functorch.is_functorch_wrapped_tensor(inner):
+                inner = torch._C._functorch.get_unwrapped(inner)
+            _warn_printed(inner)
+            return func(inner, "")
         if func in _PRINTS and isinstance(args[0], FakeTensor) and not (func is torch.Tensor.__format__ and args[1:2] != ("",)):
             _warn_printed(args[0])  # (a format spec reads the value: `f"{loss:.3f}"` is a read, refused as such)
         if func in _COMPARISONS and len(args) >= 2 and all(isinstance(a, torch.Tensor) for a in args[:2]) \

@@ -424,6 +424,25 @@ def test_a_print_inside_runs_once_at_the_trace(capsys):
     assert printed.count("x is") == 1 and "FakeTensor" in printed
 
 
+def test_a_count_formatted_into_a_message_under_torch_func_grad_is_printed_as_outside_it():
+    """`f"tokens: {n}"` of a 0-d count made from the arguments (transformers' vision-language
+    models build such a message before checking it) under torch.func.grad: formatted as outside
+    it, a fake tensor printed (it was refused as a read of parameters' values)."""
+    def loss(w, x, ids):
+        message = f"tokens: {(ids == 3).sum()}"
+        return (x @ w).pow(2).mean() + 0 * len(message)
+
+    def step(w, x, ids):
+        return torch.func.grad(loss)(w, x, ids)
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(8, 4, dtype=torch.float64, generator=g)
+    ids = torch.randint(0, 5, (8, 3), generator=g)
+    f = hpfun.shard(step, mesh=MESH, in_specs=(P(), P("dp"), P("dp")), out_specs=P())
+    with pytest.warns(hpfun.TracingWarning):
+        torch.testing.assert_close(f(w, x, ids).full(), step(w, x, ids), rtol=1e-12, atol=1e-12)
+
+
 # -- spec mistakes ----------------------------------------------------------------------------
 
 
