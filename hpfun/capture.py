@@ -516,11 +516,21 @@ def _caches_filled_cleared():
     """functools.lru_cache entries the trace made are cleared after it: a helper memoizing a tensor
     (yet-another-retnet's decay mask) would otherwise hand the trace's placeholder to every later
     call, eager ones too (they failed inside torch). The wrappers are `_lru_caches`; each is asked
-    its counts, before and after."""
+    its counts, before and after. A `functools.cached_property` not yet computed is computed at
+    each use while tracing and kept nowhere (transformers' Emu3 memoizes a lookup table so, on an
+    object its model holds, where hpfun could not write the placeholder back)."""
     caches = list(_lru_caches())
     before = [w.cache_info().misses for w in caches]
+    get = functools.cached_property.__get__
+
+    def uncached(prop, instance, owner=None):
+        if instance is None or prop.attrname in getattr(instance, "__dict__", {prop.attrname: None}):
+            return get(prop, instance, owner)
+        return prop.func(instance)  # (computed at each use while tracing, kept nowhere)
+
     try:
-        yield
+        with mock.patch.object(functools.cached_property, "__get__", uncached):
+            yield
     finally:
         for w, misses in zip(caches, before):
             if w.cache_info().misses != misses:

@@ -603,3 +603,34 @@ def test_a_tensor_a_memoized_helper_makes_is_a_constant_of_the_program():
         want = f(x)  # (eagerly, after the trace: from the cache)
         torch.testing.assert_close(got, want)
         assert type(_decay_mask(3)) is torch.Tensor
+
+
+class _Vocabulary:
+    """Memoizes a lookup table built from a dict, as transformers' Emu3 image vocabulary does."""
+
+    def __init__(self, ids: dict):
+        self.ids = ids
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        t = torch.zeros(max(self.ids) + 1, dtype=torch.long)
+        for k, v in self.ids.items():
+            t[k] = v
+        return t
+
+
+def test_a_cached_property_a_held_object_computes_while_tracing_is_a_constant_of_the_program():
+    """A `functools.cached_property` an object held by a module computes first inside the trace:
+    the program computes it as a constant and the object keeps no placeholder (it was refused as
+    a tensor stored where hpfun cannot write it back); eager code after the call fills it."""
+    model = torch.nn.Linear(4, 4, dtype=torch.float64)
+    model.vocab = _Vocabulary({0: 0, 1: 3, 2: 5, 3: 1})
+
+    def f(x, ids):
+        return (model(x) * model.vocab.table[ids].unsqueeze(-1)).sum()
+
+    x, ids = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    got = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())(x, ids).full()
+    assert "table" not in vars(model.vocab)
+    torch.testing.assert_close(got, f(x, ids), rtol=1e-12, atol=1e-12)
+    assert type(vars(model.vocab)["table"]) is torch.Tensor
