@@ -1257,14 +1257,16 @@ _PLAIN_KINDS = (list, tuple, dict, collections.OrderedDict, collections.defaultd
 
 def _holds_any(container, found, depth: int = 3) -> bool:
     """A list, tuple or dict holding a value `found` is true of (nested `depth` deep); a
-    namedtuple or a dataclass of the user's too (`self.heads = Heads(a=Linear(...), ...)`)."""
+    namedtuple, a dataclass or a plain object of the user's too (`self.heads = Heads(a=Linear(...),
+    ...)`, a SimpleNamespace)."""
     if depth <= 0:
         return False
     if type(container) in _PLAIN_KINDS or _is_namedtuple(container):
         if _length(container) > PLAIN_CONTAINER_ITEMS:  # (a subclass may be anything: e3nn's Irreps, a tuple,
             return False  # refuses len())
         items = container.values() if isinstance(container, dict) else container
-    elif dataclasses.is_dataclass(container) and not isinstance(container, type) and _is_user_object(container):
+    elif (dataclasses.is_dataclass(container) or _is_plain_object(container)) and not isinstance(container, type) \
+            and _is_user_object(container):
         items = attributes(container).values()
     else:
         return False

@@ -1926,11 +1926,18 @@ class _HeadsRecord:
     a: torch.nn.Module
 
 
-@pytest.mark.parametrize("kind", [_Heads, _HeadsRecord], ids=["namedtuple", "dataclass"])
+class _HeadsHolder:
+    def __init__(self, a):
+        self.a = a
+
+
+@pytest.mark.parametrize("kind", [_Heads, _HeadsRecord, types.SimpleNamespace, _HeadsHolder],
+                         ids=["namedtuple", "dataclass", "SimpleNamespace", "object"])
 def test_a_module_a_module_holds_in_a_namedtuple_or_dataclass_is_lifted_and_trained(kind):
-    """`self.heads = Heads(a=Linear(...))`: lifted and trained as in a dict (it was refused as a
-    read "through a reference hpfun does not replace", naming the optimizer's entry); one in a
-    deque is refused naming the deque and the fix."""
+    """`self.heads = Heads(a=Linear(...))` (a namedtuple, a dataclass, a SimpleNamespace or a plain
+    object of the user's): lifted and trained as in a dict (it was refused as a read "through a
+    reference hpfun does not replace", naming the optimizer's entry); one in a deque is refused
+    naming the deque and the fix."""
     _, model = _train_a_held_head(kind, operator.attrgetter("a"))
     model.heads = collections.deque([torch.nn.Linear(4, 4, dtype=torch.float64)])
     g = hpfun.shard(lambda x: model.heads[0](model(x)).sum(), mesh=DP, in_specs=P("dp"), out_specs=P())
