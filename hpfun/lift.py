@@ -198,8 +198,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                             tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
                             if _holds_any(v, _unregistered_module(tree), HELD_DEPTH):  # dict or list, not a
                                 # submodule (`self.heads = {"a": Linear(...)}`), as deep as objects are read: its
-                                # state lifted
-                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
+                                # state lifted (a tuple's tensors, `Head(proj, offset)`, put in a tuple set anew)
+                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k),
+                                      functools.partial(set_attribute, mod, k) if isinstance(v, tuple) else None)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
@@ -2536,8 +2537,10 @@ class Substitution:
                 self._optimizer(root.value)  # ...)` in a hand-written step, watched as a trainer's are)
             elif id(root.value) in swap:
                 if root.write is None:
-                    raise CaptureError(Problem(root.name, "is a tensor bound in a functools.partial, where hpfun cannot "
-                                               "lift it", "pass it as an argument, or close over it in a def"))
+                    raise CaptureError(Problem(root.name, "is a tensor held where hpfun cannot put the value it "
+                                               "lifts (an argument a functools.partial binds, an item of a tuple "
+                                               "inside another object)", "pass it as an argument, close over it in a "
+                                               "def, or hold it in a module's buffer or attribute"))
                 self._set(root.write, root.value, swap[id(root.value)])
         self._rekey()
         for real_id, grad in grads.items():  # stand-in parameters get their gradients' stand-ins
