@@ -2181,6 +2181,8 @@ def _short(x, n: int = 60, names: dict | None = None) -> str:
 
 
 def _render(x, names: dict) -> str:
+    if x is lift._MISSING:
+        return "nothing (not set)"
     if type(x) is lift.Exact:
         x = x.value
     if isinstance(x, torch.Tensor):

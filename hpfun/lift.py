@@ -1242,6 +1242,8 @@ def class_changes(cached, given, obj) -> list[tuple[str, object, object]]:
         out.append((f"{q}.{k}", was[0], now[0]))
         if len(was) == 1 and isinstance(was[0], Exact) and q in owners:
             setattr(owners[q], k, was[0].value)
+        elif was[0] is _MISSING and q in owners and k in vars(owners[q]):  # (made by the step: taken away)
+            delattr(owners[q], k)
     return out
 
 

@@ -764,6 +764,13 @@ def test_a_config_arguments_class_value_changed_by_the_function_is_named_and_set
         f(torch.ones(4, 2), Counted())
     assert Counted.n == 0
 
+    class Sub(Counted):  # (`type(c).n += 1` sets n on Sub, where it was inherited: taken away again)
+        pass
+
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\]: .*Sub\.n: changed from nothing \(not set\) to 1 while"):
+        f(torch.ones(4, 2), Sub())
+    assert "n" not in vars(Sub) and Sub.n == 0
+
 
 def test_a_lambda_made_anew_at_every_call_compiles_once_for_the_same_values():
     """`f(x, lambda t: t * k)` made at every call (a closure of a loop's variable): one program
