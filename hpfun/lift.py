@@ -2344,7 +2344,16 @@ _STEP_OUTSIDE = ("step this optimizer outside the sharded function: shard the fo
                  "(torch.optim's do)")
 
 
+def _is_a_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
 def _untraceable_state(name: str, v, opt) -> Problem:
+    if _holds_any(v, lambda t: isinstance(t, (list, tuple, dict)) and _holds_any(t, _is_a_tensor)):
+        return Problem(name, f"is a {type(v).__name__} in {type(opt).__name__}'s state holding its tensors deeper than "
+                       "hpfun lifts: under each key of a parameter's state, a tensor, a number, a list or tuple of "
+                       "tensors, or a dict of tensors by name", "keep each tensor at one of those places "
+                       "(`state['ema_m']`, `state['ema'] = {'m': m}`), or " + _STEP_OUTSIDE)
     if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()):  # (`{"m": t, "n": 2}`)
         items = ", ".join(f"{k!r}: " + (f"tensor{tuple(t.shape)}" if isinstance(t, torch.Tensor) else _short_repr(t))
                           for k, t in v.items())

@@ -1564,6 +1564,12 @@ def test_a_dict_of_tensors_in_a_parameters_optimizer_state_is_state(kind, rebind
                                                  r"state, and holds its tensors deeper than hpfun lifts"):
         stock_step(model, opt, DP)(*batch(0))
 
+    opt = NamedSidesSGD(model.parameters())  # deeper, made by the step: named so, not by FakeTensor reprs
+    opt.update = lambda p, lr: opt.state[p].setdefault("sides", {"left": {"m": torch.zeros(2, 2, dtype=p.dtype)}})
+    with pytest.raises(hpfun.CaptureError, match=r"sides: is a dict in NamedSidesSGD's state holding its tensors "
+                                                 r"deeper than hpfun lifts"):
+        stock_step(model, opt, DP)(*batch(0))
+
     opt = NamedSidesSGD(model.parameters())  # a number beside them: refused naming the dict's items
     opt.update = lambda p, lr: opt.state[p].setdefault("sides", {"left": torch.zeros(2, 2, dtype=p.dtype), "n": 2})
     with pytest.raises(hpfun.CaptureError, match=r"sides: is a dict of tensors and other values \(\{'left': "
