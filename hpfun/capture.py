@@ -3524,6 +3524,10 @@ def _describe(err: Exception) -> str:
             hint = (" — torch.distributions checks its parameters' and samples' values (validate_args), a read of "
                     "values computed in the step: pass validate_args=False to the distribution, or call "
                     "torch.distributions.Distribution.set_default_validate_args(False) once")
+            if any(f.filename.endswith("continuous_bernoulli.py") and f.name == "__init__" for f in stack):
+                hint = (" — torch.distributions.ContinuousBernoulli checks `probs` whenever validate_args is given, "
+                        "False too, a read of values computed in the step: leave validate_args out and call "
+                        "torch.distributions.Distribution.set_default_validate_args(False) once, or give it logits")
         if any(f.filename.endswith(os.path.join("optim", "lr_scheduler.py")) for f in stack):
             hint = (" — a learning-rate scheduler's step(metric) (ReduceLROnPlateau) compares the metric in Python, "
                     "a read of a value computed in the step: step the scheduler after the call with the returned "

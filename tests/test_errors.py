@@ -616,6 +616,11 @@ def test_sparse_gradients_and_distribution_checks_are_named_with_the_fix():
                                  .log_prob(x[:, :2]).mean(),
                                  mesh=MESH, in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
     assert "validate_args=False" in text
+    # (ContinuousBernoulli checks probs whenever validate_args is given, False too: the fix leaves it out)
+    _, text = _raise(hpfun.shard(lambda x: torch.distributions.ContinuousBernoulli(
+        probs=torch.sigmoid(head(x)), validate_args=False).log_prob(torch.full_like(x[:, :2], 0.3)).mean(),
+        mesh=MESH, in_specs=P("dp"), out_specs=P()), x, error=hpfun.CaptureError)
+    assert "leave validate_args out" in text
 
 
 def test_sharded_input_on_another_mesh():
