@@ -1976,6 +1976,12 @@ def _held_dict(attr: str, v) -> bool:
 
 
 def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot) -> None:
+    def held(name, read, write) -> None:  # a tensor a module holds outside its parameters and buffers: one made
+        v = read()  # with requires_grad=True (`self.h = [Linear, Parameter]`) has its gradient too, as a global does
+        leaf = isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf
+        if add(name, read, write, requires_grad=leaf) and leaf:
+            add(f"{name}.grad", functools.partial(_grad_at, read), functools.partial(_set_grad_at, read), follows=name)
+
     params, objects = [], set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         base = _join(prefix, mod_name)
@@ -2020,35 +2026,35 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                 add(_join(base, attr), functools.partial(mod._buffers.get, attr), functools.partial(mod._buffers.__setitem__, attr))
         for attr, v in list(vars(mod).items()):
             if isinstance(v, torch.Tensor) and not attr.startswith("__"):
-                add(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
+                held(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
             elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values())) or any(
                     isinstance(t, torch.Tensor) or _tensor_list(t) or type(t) is tuple and _holds_tensor(t)
                     for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for i, (key, t) in enumerate(list(v.items())):  # (an empty one is watched: filled, the walk is done again)
                     if isinstance(t, torch.Tensor) and _is_plain_key(key) and not _is_tensor_key(key):
-                        add(_entry_name(base, attr, key), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
+                        held(_entry_name(base, attr, key), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
                     elif isinstance(t, torch.Tensor) and _is_tensor_key(key):  # keyed by a parameter or its id
-                        add(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position
+                        held(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position
                             functools.partial(v.__setitem__, key))
                     elif _tensor_list(t) and _is_plain_key(key):  # a list in it a metric appends to
                         for i, u in enumerate(t):
                             if isinstance(u, torch.Tensor):
-                                add(f"{_entry_name(base, attr, key)}.{i}", functools.partial(t.__getitem__, i),
+                                held(f"{_entry_name(base, attr, key)}.{i}", functools.partial(t.__getitem__, i),
                                     functools.partial(t.__setitem__, i))
                     elif type(t) is tuple and _is_plain_key(key) and any(isinstance(u, torch.Tensor) for u in t):
                         for i, u in enumerate(t):  # a tuple of tensors under a key: rebuilt where written
                             if isinstance(u, torch.Tensor):
-                                add(f"{_entry_name(base, attr, key)}.{i}", functools.partial(_keyed_tuple_item, v, key, i),
+                                held(f"{_entry_name(base, attr, key)}.{i}", functools.partial(_keyed_tuple_item, v, key, i),
                                     functools.partial(_keyed_tuple_writer, v, key, i))
             elif _modules_own(mod, attr) and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
                     if isinstance(t, torch.Tensor):
-                        add(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
+                        held(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
             elif isinstance(v, tuple) and not attr.startswith("__") and any(isinstance(t, torch.Tensor) for t in v):
                 for i, t in enumerate(v):  # gpytorch's `self.train_inputs = (x,)`: rebuilt where written
                     if isinstance(t, torch.Tensor):
-                        add(_join(base, f"{attr}.{i}"), functools.partial(_tuple_item, mod, attr, i),
+                        held(_join(base, f"{attr}.{i}"), functools.partial(_tuple_item, mod, attr, i),
                             functools.partial(_tuple_item_writer, mod, attr, i))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
     # A frozen one's too: it may hold one from before it was frozen (the optimizer still steps

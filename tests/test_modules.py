@@ -1983,6 +1983,40 @@ def test_a_module_and_a_tensor_a_module_holds_in_a_tuple_are_lifted_and_trained(
     assert type(model.head) is type(ref.head)
 
 
+@pytest.mark.parametrize("where", ["attribute", "list", "tuple", "dict"])
+def test_a_parameter_a_module_holds_outside_its_parameters_gets_its_gradient_and_is_stepped(where):
+    """`m.h = [Linear(...), Parameter(...)]` (or in the module's `__dict__`, a tuple, a dict): the
+    parameter's gradient is computed and the optimizer steps it as eager (it was lifted without
+    one: the step silently left it unchanged, or backward found nothing requiring a gradient)."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4, dtype=torch.float64)
+        scale = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+        if where == "attribute":
+            m.__dict__["scale"] = scale  # (not registered: `register_parameter` would make it one)
+        else:
+            m.held = {"list": [scale], "tuple": (scale,), "dict": {"scale": scale}}[where]
+        return m, scale, torch.optim.SGD([*m.parameters(), scale], lr=0.1)
+
+    def step(m, scale, opt, x):
+        loss = (m(x) * scale).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    (model, scale, opt), (ref, ref_scale, ref_opt) = build(), build()
+    f = hpfun.shard(lambda x: step(model, model.__dict__["scale"] if where == "attribute" else
+                                   model.held["scale"] if where == "dict" else model.held[0], opt, x),
+                    mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(2):
+        x = batch(i)[0]
+        torch.testing.assert_close(f(x).full(), step(ref, ref_scale, ref_opt, x), rtol=1e-12, atol=1e-12)
+    held = model.__dict__["scale"] if where == "attribute" else model.held["scale"] if where == "dict" else model.held[0]
+    torch.testing.assert_close(held, ref_scale, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(ref_scale, torch.ones(4, dtype=torch.float64))
+
+
 def test_a_module_a_module_holds_deep_in_lists_is_lifted():
     """`self.held = [[[[Linear]]]]`: a module four lists deep in a module's attribute is lifted
     (objects a module holds are read eight levels down; it was refused past three)."""
