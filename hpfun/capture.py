@@ -2658,6 +2658,8 @@ class _TensorScalars(TorchFunctionMode):
             index, name = args[2], func.__name__.rstrip("_")
             args = (*args[:2], checked(index, index >= 0, f"{name}(): index out of bounds: a negative index "
                                        f"(index {name} takes 0 <= index < size)"), *args[3:])
+        if func in _VALUE_FILLS and "value" in kwargs and len(args) == _VALUE_FILLS[func]:  # (`value=v`: by position)
+            args, kwargs = (*args, kwargs["value"]), {k: v for k, v in kwargs.items() if k != "value"}
         if func in _VALUE_FILLS and len(args) > (at := _VALUE_FILLS[func]) and isinstance(args[0], torch.Tensor) \
                 and isinstance(value := args[at], torch.Tensor) and value.ndim == 0 and value.dtype != args[0].dtype \
                 and _is_traced(value) and not value.is_complex():  # (read as a number, checked and cast, by eager's

@@ -404,8 +404,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             if any(found) and type(v) is not tuple:
                 note(_Unchanged(v))
             return any(found)
-        if _is_config_object(v) and _is_user_class(type(v)):  # (its own values are the module's: `ModuleValues`)
-            user_classes(type(v), place, v)
+        if _is_config_object(v) and _is_user_object(v):  # (its own values are the module's: `ModuleValues`)
+            user_classes(type(v), place, v)  # (a SimpleNamespace's class is no user's: only what it holds)
             found = [held_code(x, _join(place, k), depth - 1) for k, x in list(attributes(v).items())]
             if any(found):  # (one keeping them in `__slots__`: walked at every call)
                 note(_SameAttributes(v) if isinstance(getattr(v, "__dict__", None), dict) else None)

@@ -274,6 +274,9 @@ MADE_OF_A_NUMBER = {  # each makes an integer tensor of the traced number n
     "new_full": lambda n, dtype: torch.zeros(1, dtype=dtype).new_full((3,), n),
     "masked_fill": lambda n, dtype: torch.zeros(4, dtype=dtype).masked_fill(torch.tensor([True, False] * 2), n),
     "index_fill": lambda n, dtype: torch.zeros(4, dtype=dtype).index_fill(0, torch.tensor([1, 3]), n),
+    "masked_fill value=": lambda n, dtype: torch.zeros(4, dtype=dtype).masked_fill(torch.tensor([True, False] * 2),
+                                                                                  value=n),
+    "index_fill value=": lambda n, dtype: torch.zeros(4, dtype=dtype).index_fill(0, torch.tensor([1, 3]), value=n),
 }
 
 

@@ -564,17 +564,18 @@ class _CodeHolder:
 
 class _HoldsCodeInContainers(torch.nn.Module):
     """The same code held in a list, a dict (a partial), a tuple (a classmethod), a dataclass, a
-    plain object and a list of classes."""
+    plain object, a list of classes and a SimpleNamespace."""
 
     def __init__(self):
         super().__init__()
         self.acts, self.parts, self.cms = [_scaled_by_global], {"a": functools.partial(_scaled_by_global)}, \
             (_HeldScaler.apply,)
         self.box, self.holder, self.classes = _CodeBox(_scaled_by_global), _CodeHolder(), [_Namespace]
+        self.ns = types.SimpleNamespace(fn=_scaled_by_global)
 
     def forward(self, x):
         return self.acts[0](x) + 2 * self.parts["a"](x) + 4 * self.cms[0](x) + 8 * self.box.fn(x) \
-            + 16 * self.holder.fn(x) + 32 * x * self.classes[0].lr
+            + 16 * self.holder.fn(x) + 32 * x * self.classes[0].lr + 64 * self.ns.fn(x)
 
 
 def test_code_a_closed_over_module_holds_in_containers_and_objects_keys_the_cache(monkeypatch):
