@@ -526,7 +526,14 @@ def _caches_filled_cleared():
     def uncached(prop, instance, owner=None):
         if instance is None or prop.attrname in getattr(instance, "__dict__", {prop.attrname: None}):
             return get(prop, instance, owner)
-        return prop.func(instance)  # (computed at each use while tracing, kept nowhere)
+        value = prop.func(instance)  # (computed at each use while tracing, kept nowhere)
+        if any(_made_from_inputs(t) for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)):
+            raise CaptureError(Problem(f"{type(instance).__name__}.{prop.attrname}{_at_user_line()}",
+                                       "is a functools.cached_property first computed inside the sharded function, from "
+                                       "its inputs or state: eager keeps that first value for later calls, a program "
+                                       "would compute it anew at every call", "read it once before the first call, or "
+                                       "make it a plain property (computed at every call)"))
+        return value
 
     try:
         with mock.patch.object(functools.cached_property, "__get__", uncached):
@@ -2382,6 +2389,27 @@ def _as_made(t):
         with torch.inference_mode(False):
             return t.clone()
     return t
+
+
+def _made_from_inputs(t) -> bool:
+    """Whether a traced tensor is computed from the program's inputs (arguments or lifted state),
+    not from constants only."""
+    mode = proxy_tensor.get_proxy_mode()
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None) if mode is not None else None
+    if slot is None:
+        return False
+    todo, seen = [slot.proxy.node], set()
+    while todo:
+        node = todo.pop()
+        if node.op == "placeholder":
+            return True
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return False
 
 
 def _constant_value(t):

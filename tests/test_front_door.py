@@ -634,3 +634,24 @@ def test_a_cached_property_a_held_object_computes_while_tracing_is_a_constant_of
     assert "table" not in vars(model.vocab)
     torch.testing.assert_close(got, f(x, ids), rtol=1e-12, atol=1e-12)
     assert type(vars(model.vocab)["table"]) is torch.Tensor
+
+
+class _Frozen(torch.nn.Linear):
+    @functools.cached_property
+    def frozen(self) -> torch.Tensor:
+        return self.weight.detach() * 2
+
+
+def test_a_cached_property_computed_from_state_inside_the_trace_is_refused_with_the_fix():
+    """One computed from a parameter: eager keeps the first call's value, a program would compute
+    it at every call (silently other numbers from the second step on); refused, and read once
+    before the call it is a tensor the module holds, state like any other."""
+    model = _Frozen(4, 4, dtype=torch.float64)
+    f = hpfun.shard(lambda x: (model(x) * (x @ model.frozen.T)).sum(), mesh=MESH, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)_Frozen.frozen at .*cached_property first computed inside.*"
+                                                 r"read it once before the first call"):
+        f(x)
+    assert "frozen" not in vars(model)
+    want = (model(x) * (x @ model.frozen.T)).sum()
+    torch.testing.assert_close(f(x).full(), want, rtol=1e-12, atol=1e-12)
