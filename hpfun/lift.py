@@ -254,7 +254,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read:
             module = vars(obj)  # a module of the user's read as a config (`import config; config.LR`)
             note(_Unchanged(module))
-            for k in sorted(attrs_read & module.keys()):
+            for k in sorted(attrs_read & module.keys() if attrs_read is not EVERY_NAME else
+                            (k for k in module if not k.startswith("_"))):
                 v = module[k]
                 if _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list) or _is_user_object(v):
                     value(v, _join(name, k), functools.partial(module.get, k), functools.partial(module.__setitem__, k))
@@ -462,6 +463,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             return
         seen_functions.add(key)
         note((fn, "__code__", code))
+        g = fn.__globals__
+        loaded = _global_names(code)
+        attrs_read = _attribute_names(code)
+        if any(reader in loaded and reader not in g for reader in ("getattr", "vars")):  # (`getattr(config, key)`
+            attrs_read = EVERY_NAME  # with a name it is given or computes: every setting of a config module read)
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
             contents = cell_value(cell, _MISSING)
             note((cell, "cell_contents", contents))
@@ -469,7 +475,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 continue
             seen_places.add((id(cell), var))
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
-                  functools.partial(setattr, cell, "cell_contents"), owner=name, attrs_read=_attribute_names(code))
+                  functools.partial(setattr, cell, "cell_contents"), owner=name, attrs_read=attrs_read)
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
         defaults = fn.__defaults__ or ()
         for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):
@@ -481,12 +487,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         for var, d in kwdefaults.items():
             value(d, var, functools.partial(kwdefaults.get, var), functools.partial(kwdefaults.__setitem__, var),
                   owner=name)
-        g = fn.__globals__
-        loaded = _global_names(code)
-        attrs_read = _attribute_names(code)
         if "globals" in loaded and "globals" not in g:  # (`globals()["G"]`: the names it may look up)
-            loaded = (*loaded, *sorted(attrs_read & g.keys()))
-        attrs_read = attrs_read.union(*(_identifiers(g[var]) for var in loaded if var in g))  # (`getattr(config,
+            loaded = (*loaded, *sorted(_attribute_names(code) & g.keys()))
+        if attrs_read is not EVERY_NAME:
+            attrs_read = attrs_read.union(*(_identifiers(g[var]) for var in loaded if var in g))  # (`getattr(config,
         for var in loaded:  # KEY)`, KEY = "LR" a global)
             note((g, var, g.get(var, _MISSING)))
             if var in g and (id(g), var) not in seen_places:
@@ -624,6 +628,9 @@ def _attribute_names(code: types.CodeType) -> frozenset:
             names |= _attribute_names(const)
         names |= _identifiers(const)  # (`for k in ("LR", "WD"): getattr(config, k)`)
     return frozenset(names)
+
+
+EVERY_NAME = frozenset(["<every name>"])  # what code that calls getattr(obj, name) or vars(obj) may read of a module
 
 
 def _identifiers(v) -> set:

@@ -606,11 +606,16 @@ class _Overrides:
 _SETTING = "LR"  # the name of a config module's setting, read with getattr
 
 
+def _setting_reader(key):
+    return lambda x: x * getattr(hpfun_test_settings, key)  # noqa: F821
+
+
 def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_argument_key_the_cache():
     """Each changed between calls is another program (the first ran, silently): a class attribute
     added and read with a default (`getattr(_Overrides, "smoothing", 0.0)`), directly or through a
     module holding the class; a config module's setting read by a name in a global
-    (`getattr(settings, _SETTING)`), in a tuple of names, or a global read through `globals()`;
+    (`getattr(settings, _SETTING)`), in a tuple of names, in a closure or an argument (every
+    setting of a module so read keys it), or a global read through `globals()`;
     a config module given as an argument, made at run time; a module's bound method given as an
     argument (`crit.forward`, `crit.label_smoothing` changed)."""
     settings = types.ModuleType("hpfun_test_settings")
@@ -632,6 +637,9 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
         "names in a tuple": (lambda x: x * {k: getattr(hpfun_test_settings, k) for k in ("LR", "WD")}["LR"],  # noqa: F821
                              (), lambda: setattr(settings, "LR", 4.0)),
         "globals()": (lambda x: x * globals()["_GLOBAL_READ"], (), lambda: setattr(module, "_GLOBAL_READ", 5.0)),
+        "name in a closure": (_setting_reader("LR"), (), lambda: setattr(settings, "LR", 7.0)),
+        "name as an argument": (lambda x, k: x * getattr(hpfun_test_settings, k), ("LR",),  # noqa: F821
+                                lambda: setattr(settings, "LR", 8.0)),
         "module argument": (lambda x, cfg: x * cfg.LR, (settings,), lambda: setattr(settings, "LR", 6.0)),
         "bound method argument": (lambda x, loss: loss(x, y), (crit.forward,),
                                   lambda: setattr(crit, "label_smoothing", 0.3)),
