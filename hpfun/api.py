@@ -1449,7 +1449,33 @@ class _Traced:
                 # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))
+        _refuse_shared_state([(name, v) for name, v in self.assigned if new_state.get(name, (None,))[0] is not None],
+                             stand_ins, stand_in_ids)
         return self.out_tensors + list(self.edit_tensors) + [v for _, v in self.assigned]
+
+
+def _refuse_shared_state(assigned: list, stand_ins: dict, inputs: set) -> None:
+    """Optimizer state a first step makes sharing memory (`st["m"] = st["m2"] = buf`, or
+    `st["v"] = p.view(-1)` of a parameter): hpfun writes each place back as a tensor of its own,
+    and the next step's write through one would not reach the other (the numbers drifted from
+    eager's, silently). Refused, naming both places. (A tensor moved from place to place is an
+    input: it keeps its identity.)"""
+    state = {id(v): name for name, v in stand_ins.items() if isinstance(v, torch.Tensor)}
+    made: dict = {}
+    problems = []
+    for name, value in assigned:
+        if id(value) in inputs:
+            continue
+        base = value._base
+        if (first := made.setdefault(id(value), name)) != name:
+            problems.append(Problem(name, f"holds the tensor {first} holds (the step stored one tensor at both)"))
+        elif base is not None and id(base) in state:
+            problems.append(Problem(name, f"holds a view of {state[id(base)]} (the step stored a view of it)"))
+    if problems:
+        raise CaptureError([attrs.evolve(p, what=p.what + ": hpfun writes each place back as a tensor of its own, so a "
+                                         "later write through one would not reach the other", fix="keep the tensor at "
+                                         "one place and read it from there, or store a copy (`.clone()`)")
+                            for p in problems], headline="the function stores one tensor at several places")
 
 
 def _without_caches(out, flat: list, tree):

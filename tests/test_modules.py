@@ -5773,3 +5773,33 @@ def test_a_transformer_encoder_in_eval_with_a_padding_mask_equals_eagers_nested_
 
     f = hpfun.shard(encode, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
     torch.testing.assert_close(f(x, mask).full(), encode(x, mask), rtol=1e-9, atol=1e-9)
+
+
+class _TwoKeys(torch.optim.Optimizer):
+    """Keeps one momentum buffer under two keys (or a view of the parameter), made by its first step."""
+
+    def __init__(self, params, view=False):
+        super().__init__(params, {"lr": 0.05})
+        self.view = view
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    buf = torch.zeros_like(p)
+                    st["m"], st["m2"] = buf, p.view(-1) if self.view else buf
+                st["m"].mul_(0.9).add_(p.grad)
+                p.sub_(group["lr"] * st["m"])
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["one tensor under two keys", "a view of the parameter"])
+def test_state_a_step_stores_at_two_places_sharing_memory_is_refused_naming_both(view):
+    """`st["m"] = st["m2"] = buf` (or `st["m2"] = p.view(-1)`) made by the first step: hpfun writes
+    each place back as its own tensor, so later steps drifted from eager's, silently."""
+    model = mlp()
+    opt = _TwoKeys(model.parameters(), view)
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)stores one tensor at several places.*state.model.0.weight.m2: "
+                       r"holds (the tensor opt.state.model.0.weight.m holds|a view of model.0.weight)"):
+        stock_step(model, opt, DP)(*batch(0))
