@@ -198,9 +198,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                             tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
                             if _holds_any(v, _unregistered_module(tree), HELD_DEPTH):  # dict or list, not a
                                 # submodule (`self.heads = {"a": Linear(...)}`), as deep as objects are read: its
-                                # state lifted (a tuple's tensors, `Head(proj, offset)`, put in a tuple set anew)
-                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k),
-                                      functools.partial(set_attribute, mod, k) if isinstance(v, tuple) else None)
+                                # state lifted (a tensor beside them in a tuple, `Head(proj, offset)`, is refused:
+                                # rebuilt around the stand-ins, the tuple did not keep the tensor itself)
+                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
