@@ -397,6 +397,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             value(v.__self__, place, _constant(v.__self__), None)  # a classmethod (`self.act = Scaler.apply`)
             function(v.__func__, place)
             return True
+        if isinstance(held, types.MethodType) and _is_user_function(held.__func__) and _is_user_object(held.__self__) \
+                and not isinstance(held.__self__, (torch.nn.Module, torch.optim.Optimizer)):
+            function(held, place)  # a method of an object of the user's (`self.fns = [obj.act]`): its code, its object
+            return True
         if not depth or isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)):
             return False
         if type(v) in (list, tuple, dict) and _length(v) <= PLAIN_CONTAINER_ITEMS:
@@ -1102,10 +1106,11 @@ def _is_user_function(x) -> bool:
     return isinstance(x, types.FunctionType) and not _is_library(x.__code__.co_filename)
 
 
-def object_key(x, depth: int = 4, _path: tuple = ()):
+def object_key(x, depth: int = 8, _path: tuple = ()):
     """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
     NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
-    levels, containers to PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
+    levels, as deep as a module's objects are read, `HELD_DEPTH`; containers to
+    PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
     other by identity. Equal snapshots: a trace reading it records the same program. An object
     met again inside itself (`self.me = self`) is a mark of how many levels up it was met, not
     walked again."""
@@ -1133,7 +1138,8 @@ def object_key(x, depth: int = 4, _path: tuple = ()):
                 object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
     if depth and isinstance(x, types.ModuleType) and _is_user_module(x):  # a config module (`import settings`):
         return ("module", x.__name__, tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())
-                                            if not k.startswith("_") and not isinstance(v, types.ModuleType)))
+                                            if not k.startswith("_") and (not isinstance(v, types.ModuleType)
+                                                                          or _is_user_module(v))))  # (`c.train.LR`)
     if depth and isinstance(x, type) and _is_user_class(x):  # a class of the user's as a namespace (`ns.lr`):
         return _class_key(x, depth, _path), ()  # its values and methods, as an instance's class's
     if depth and (is_config(x) or _is_called_object(x)):  # (one that is called: its type's `__call__` reads them)

@@ -557,14 +557,21 @@ class _CodeBox:
     fn: object
 
 
+_METHOD_SCALE = 1.0  # read only by _CodeHolder.scaled
+
+
 class _CodeHolder:
     def __init__(self):
         self.fn = _scaled_by_global
 
+    def scaled(self, x):
+        return x * _METHOD_SCALE
+
 
 class _HoldsCodeInContainers(torch.nn.Module):
     """The same code held in a list, a dict (a partial), a tuple (a classmethod), a dataclass, a
-    plain object, a list of classes and a SimpleNamespace."""
+    plain object, a list of classes and a SimpleNamespace; a method of an object of the user's in
+    a list, and in a partial."""
 
     def __init__(self):
         super().__init__()
@@ -572,10 +579,12 @@ class _HoldsCodeInContainers(torch.nn.Module):
             (_HeldScaler.apply,)
         self.box, self.holder, self.classes = _CodeBox(_scaled_by_global), _CodeHolder(), [_Namespace]
         self.ns = types.SimpleNamespace(fn=_scaled_by_global)
+        self.methods = [_CodeHolder().scaled, functools.partial(_CodeHolder().scaled)]
 
     def forward(self, x):
         return self.acts[0](x) + 2 * self.parts["a"](x) + 4 * self.cms[0](x) + 8 * self.box.fn(x) \
-            + 16 * self.holder.fn(x) + 32 * x * self.classes[0].lr + 64 * self.ns.fn(x)
+            + 16 * self.holder.fn(x) + 32 * x * self.classes[0].lr + 64 * self.ns.fn(x) + 128 * self.methods[0](x) \
+            + 256 * self.methods[1](x)
 
 
 def test_code_a_closed_over_module_holds_in_containers_and_objects_keys_the_cache(monkeypatch):
@@ -586,12 +595,13 @@ def test_code_a_closed_over_module_holds_in_containers_and_objects_keys_the_cach
     f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
     x = torch.ones(4, 2, dtype=torch.float64)
     changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
-               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldScaler, "c", 7.0), lambda: None]
+               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldScaler, "c", 7.0),
+               lambda: monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 5.0), lambda: None]
     try:
         for change in changes:
             change()
             torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
-        assert f.trace_count == 4
+        assert f.trace_count == 5
     finally:
         _Namespace.lr, _HeldScaler.c = 1.0, 1.0
 
@@ -620,6 +630,8 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
     argument (`crit.forward`, `crit.label_smoothing` changed)."""
     settings = types.ModuleType("hpfun_test_settings")
     settings.LR, settings.WD = 1.0, 0.0
+    settings.train, settings.SCHED = types.ModuleType("hpfun_test_settings.train"), {"a": {"b": {"c": {"d": 1.0}}}}
+    settings.train.LR = 1.0
     holder = torch.nn.Module()
     holder.cls = _Overrides
     crit = torch.nn.CrossEntropyLoss()
@@ -641,6 +653,10 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
         "name as an argument": (lambda x, k: x * getattr(hpfun_test_settings, k), ("LR",),  # noqa: F821
                                 lambda: setattr(settings, "LR", 8.0)),
         "module argument": (lambda x, cfg: x * cfg.LR, (settings,), lambda: setattr(settings, "LR", 6.0)),
+        "module argument's module": (lambda x, cfg: x * cfg.train.LR, (settings,),
+                                     lambda: setattr(settings.train, "LR", 9.0)),
+        "deep in a module argument": (lambda x, cfg: x * cfg.SCHED["a"]["b"]["c"]["d"], (settings,),
+                                      lambda: settings.SCHED["a"]["b"]["c"].__setitem__("d", 3.0)),
         "bound method argument": (lambda x, loss: loss(x, y), (crit.forward,),
                                   lambda: setattr(crit, "label_smoothing", 0.3)),
     }
@@ -1562,3 +1578,21 @@ def test_a_lifted_tensors_data_ptr_is_its_own_in_the_trace():
     for i in range(3):
         assert abs(g(x * (i + 1)).full().item() - momentum_step(ref, ref_bufs, x * (i + 1)).item()) < 1e-12
     assert (m.weight - ref.weight).abs().max().item() < 1e-12 and len(bufs) == 2
+
+
+def test_a_method_of_a_users_object_a_module_holds_keys_the_cache_by_the_globals_it_reads(monkeypatch):
+    """`m.fns = [obj.scaled]` (or a partial of it, or `m.fn = obj.scaled`) on a plain nn.Module:
+    a global the method reads, changed between calls, is another program (the first ran)."""
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for hold in (lambda m, f: setattr(m, "fns", [f]), lambda m, f: setattr(m, "fns", [functools.partial(f)]),
+                 lambda m, f: setattr(m, "fn", f)):
+        monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 1.0)
+        m = torch.nn.Module()
+        hold(m, _CodeHolder().scaled)
+        def fn(x, m=m):
+            return m.fn(x) if hasattr(m, "fn") else m.fns[0](x)
+        f = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P())
+        f(x)
+        monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 4.0)
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+        assert f.trace_count == 2
