@@ -470,8 +470,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         g = fn.__globals__
         loaded = _global_names(code)
         attrs_read = _attribute_names(code)
-        if any(reader in loaded and reader not in g for reader in ("getattr", "vars")):  # (`getattr(config, key)`
-            attrs_read = EVERY_NAME  # with a name it is given or computes: every setting of a config module read)
+        every = _read_by_name(code) if not any(reader in g for reader in ("getattr", "vars")) else frozenset()
         for var, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
             contents = cell_value(cell, _MISSING)
             note((cell, "cell_contents", contents))
@@ -479,7 +478,8 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 continue
             seen_places.add((id(cell), var))
             value(contents, var, functools.partial(getattr, cell, "cell_contents"),
-                  functools.partial(setattr, cell, "cell_contents"), owner=name, attrs_read=attrs_read)
+                  functools.partial(setattr, cell, "cell_contents"), owner=name,
+                  attrs_read=EVERY_NAME if var in every else attrs_read)
         note((fn, "__defaults__", fn.__defaults__))  # `def step(x, model=model)`: read when not given
         defaults = fn.__defaults__ or ()
         for i, (var, d) in enumerate(zip(code.co_varnames[code.co_argcount - len(defaults):code.co_argcount], defaults)):
@@ -493,14 +493,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                   owner=name)
         if "globals" in loaded and "globals" not in g:  # (`globals()["G"]`: the names it may look up)
             loaded = (*loaded, *sorted(_attribute_names(code) & g.keys()))
-        if attrs_read is not EVERY_NAME:
-            attrs_read = attrs_read.union(*(_identifiers(g[var]) for var in loaded if var in g))  # (`getattr(config,
+        attrs_read = attrs_read.union(*(_identifiers(g[var]) for var in loaded if var in g))  # (`getattr(config,
         for var in loaded:  # KEY)`, KEY = "LR" a global)
             note((g, var, g.get(var, _MISSING)))
             if var in g and (id(g), var) not in seen_places:
                 seen_places.add((id(g), var))
                 value(g[var], var, functools.partial(g.get, var), functools.partial(g.__setitem__, var),
-                      attrs_read=attrs_read)
+                      attrs_read=EVERY_NAME if var in every else attrs_read)
         own = vars(fn)  # its own attributes (`helper.scale = 2.0`, read as `helper.scale`): numbers key the cache
         if any(not k.startswith("__") for k in own):
             note(_Unchanged(own))
@@ -634,7 +633,23 @@ def _attribute_names(code: types.CodeType) -> frozenset:
     return frozenset(names)
 
 
-EVERY_NAME = frozenset(["<every name>"])  # what code that calls getattr(obj, name) or vars(obj) may read of a module
+EVERY_NAME = frozenset(["<every name>"])  # what `getattr(config, name)` or `vars(config)` may read of a module
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_by_name(code: types.CodeType) -> frozenset:
+    """The globals and closed-over names `code` (and the code inside it) gives to `getattr` or
+    `vars` (`getattr(settings, key)`: any setting of `settings` may be read, by a name the
+    function is given or computes)."""
+    names, after_reader = set(), False
+    for i in dis.get_instructions(code):
+        if after_reader and i.opname in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME"):
+            names.add(i.argval)
+        after_reader = i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval in ("getattr", "vars")
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _read_by_name(const)
+    return frozenset(names)
 
 
 def _identifiers(v) -> set:

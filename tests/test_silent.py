@@ -1596,3 +1596,29 @@ def test_a_method_of_a_users_object_a_module_holds_keys_the_cache_by_the_globals
         monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 4.0)
         torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
         assert f.trace_count == 2
+
+
+def test_getattr_of_one_object_keys_no_other_config_modules_settings():
+    """Code that calls `getattr` on one object keys every setting only of what it gives getattr:
+    a counter another config module holds, changed between calls, compiles nothing again."""
+    module = sys.modules[__name__]
+    counters = types.ModuleType("hpfun_test_counters")
+    counters.LR, counters.STEPS = 2.0, 0
+    module.hpfun_test_counters = counters
+    holder = types.SimpleNamespace(s=3.0)
+
+    def fn(x):
+        return x * hpfun_test_counters.LR * getattr(holder, "s")  # noqa: F821
+
+    try:
+        f = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P())
+        x = torch.ones(4, 2, dtype=torch.float64)
+        for steps in range(3):
+            counters.STEPS = steps
+            torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+        assert f.trace_count == 1
+        counters.LR = 5.0
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+        assert f.trace_count == 2
+    finally:
+        del module.hpfun_test_counters
