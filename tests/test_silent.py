@@ -537,19 +537,23 @@ def test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache(monkey
     attribute of a class it holds (`self.cls.lr`), of its config object's class (`self.cfg.s`
     where `s` is `_HeldConfig.s`) or of a classmethod's class (`self.act = _HeldScaler.apply`),
     changed between calls: another program (the first ran, silently)."""
-    m = _HoldsCode()
-    f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
-    x = torch.ones(4, 2, dtype=torch.float64)
-    changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
-               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldConfig, "s", 5.0),
-               lambda: setattr(_HeldScaler, "c", 7.0), lambda: None]
     try:
-        for change in changes:
-            change()
-            torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
-        assert f.trace_count == 5
+        _each_change_compiles_again(_HoldsCode(), [
+            lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0), lambda: setattr(_Namespace, "lr", 3.0),
+            lambda: setattr(_HeldConfig, "s", 5.0), lambda: setattr(_HeldScaler, "c", 7.0)])
     finally:
         _Namespace.lr, _HeldConfig.s, _HeldScaler.c = 1.0, 1.0, 1.0
+
+
+def _each_change_compiles_again(m, changes) -> None:
+    """A closed-over module's step called before and after each change (and once more unchanged):
+    equal to eager's every time, one program per change."""
+    f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for change in [lambda: None, *changes, lambda: None]:
+        change()
+        torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
+    assert f.trace_count == 1 + len(changes)
 
 
 @dataclasses.dataclass
@@ -591,17 +595,11 @@ def test_code_a_closed_over_module_holds_in_containers_and_objects_keys_the_cach
     """What `test_what_a_closed_over_module_holds_of_the_users_code_keys_the_cache` checks, with
     the code in the module's lists, dicts, tuples, dataclasses and objects (each was keyed only
     held directly: a global it read changed between calls ran the first program)."""
-    m = _HoldsCodeInContainers()
-    f = hpfun.shard(lambda x: m(x), mesh=MESH, in_specs=(P("a"),), out_specs=P())
-    x = torch.ones(4, 2, dtype=torch.float64)
-    changes = [lambda: None, lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0),
-               lambda: setattr(_Namespace, "lr", 3.0), lambda: setattr(_HeldScaler, "c", 7.0),
-               lambda: monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 5.0), lambda: None]
     try:
-        for change in changes:
-            change()
-            torch.testing.assert_close(f(x).full(), m(x), rtol=0, atol=0)
-        assert f.trace_count == 5
+        _each_change_compiles_again(_HoldsCodeInContainers(), [
+            lambda: monkeypatch.setattr(sys.modules[__name__], "_FN_SCALE", 2.0), lambda: setattr(_Namespace, "lr", 3.0),
+            lambda: setattr(_HeldScaler, "c", 7.0),
+            lambda: monkeypatch.setattr(sys.modules[__name__], "_METHOD_SCALE", 5.0)])
     finally:
         _Namespace.lr, _HeldScaler.c = 1.0, 1.0
 
