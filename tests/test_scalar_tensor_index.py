@@ -475,6 +475,8 @@ TAKING_AN_INT = {  # each given a 0-d integer tensor of an argument where torch 
     "one_hot": lambda x, n: torch.nn.functional.one_hot((x > 0).long()[:, 0], num_classes=n + 1) * x[:, :1],
     "adaptive_avg_pool1d": lambda x, n: torch.nn.functional.adaptive_avg_pool1d(x[:, None], n)[:, 0],
     "take": lambda x, n: torch.take(x, n) * x[:, :1],
+    "leaky_relu (a float)": lambda x, n: torch.nn.functional.leaky_relu(x, n * 0.1),
+    "huber_loss (a float)": lambda x, n: torch.nn.functional.huber_loss(x, x.flip(0), delta=n * 0.5, reduction="none"),
 }
 
 
@@ -483,7 +485,8 @@ def test_a_0d_integer_argument_given_for_an_int_is_read_as_int_reads_it(op):
     """`x.tile((1, n))`, `torch.tril(x, n)`, `x.select(1, n)`, `one_hot(t, num_classes=n)`... with
     `n` a 0-d integer tensor of an argument: read as `int(n)`, as eager's argument parsing reads
     it (refused as a read of data-dependent values); another value compiles again. torch.take by
-    a 0-d index of an argument too (its decomposition read it as a Python int)."""
+    a 0-d index of an argument too (its decomposition read it as a Python int); a 0-d float where
+    torch parses a float (`leaky_relu(x, slope)`) as `float(slope)`."""
     fn = TAKING_AN_INT[op]
     x = torch.randn(8, 6, dtype=D, generator=_gen())
     f = hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
