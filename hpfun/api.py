@@ -1132,16 +1132,19 @@ class ShardedFunction:
     def _write_targets(self, call, traced, captured, names, lifted_index, layouts, tensor_pos, leaves) -> list:
         """Where each extra output goes, and the layout it is produced in."""
         writes = []
+        first: dict = {}  # id of a tensor the step assigned -> the index of its first write
         for name, value in traced.assigned:
+            same_as = first.setdefault(id(value), len(writes))
+            same_as = None if same_as == len(writes) else same_as  # (`self.a = self.b = t`: one tensor at both)
             shape = tuple(value.shape)
             follows = call.state.slots[name].follows if name in call.state.slots else traced.new_state[name][1]
             layout = _write_layout(self.mesh, shape, layouts, lifted_index, name, follows, call)
             if name in call.state.slots:
-                writes.append(WriteBack(layout, shape, name, slot=name))
+                writes.append(WriteBack(layout, shape, name, slot=name, same_as=same_as))
             else:
                 opt, param, key = traced.new_state[name]
                 if opt is None:  # a tensor the step put into a module
-                    writes.append(WriteBack(layout, shape, name, place=key))
+                    writes.append(WriteBack(layout, shape, name, place=key, same_as=same_as))
                 else:
                     writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key))
         for j in captured.mutated:

@@ -1455,6 +1455,9 @@ class State:
     roots: tuple
     opaque: tuple
     param_names: dict  # id(tensor) -> its name: optimizer state is named after its parameter
+    # (name, read, write, id of the tensor) of each further place holding a lifted tensor (`self.a = self.b =
+    # t`, `self.stats = {"last": self.ema}`): one input, lifted by its first name; one the step rebinds is put
+    aliases: tuple = ()
 
     def root(self, name: str):
         return next(r.value for r in self.roots if r.name == name)
@@ -1480,12 +1483,15 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     snapshot = snapshot or Snapshot()
     slots: dict[str, Slot] = {}
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
+    aliases: list = []  # and the other places holding it (`State.aliases`)
     alive: list = []  # every value read, kept until the walk ends: a slot reading a new tensor each time
     problems: list[Problem] = []  # (a Python number as a 0-d tensor) would free it, and its id be another's
 
     def add(name, read, write, **kw) -> bool:
         v = read()
         if v is not None and id(v) in names:
+            if write is not None and names[id(v)] != name and not kw.get("follows"):
+                aliases.append((name, read, write, id(v)))
             return False
         if v is not None:
             names[id(v)] = name
@@ -1503,7 +1509,10 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
         if isinstance(root.value, torch.optim.Optimizer):
             _optimizer_slots(root.name, root.value, add, names, problems, snapshot, opaque)
         elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed, _Inherited)) and \
-                id(root.value) not in names:
+                id(root.value) in names:  # another place of a tensor lifted already
+            if root.write is not None and isinstance(root.value, torch.Tensor) and root.read() is root.value:
+                add(root.name, root.read, root.write)
+        elif root.value is not _SCALAR and not isinstance(root.value, (torch.nn.Module, _Keyed, _Inherited)):
             leaf = isinstance(root.value, torch.Tensor) and root.value.requires_grad and root.value.is_leaf
             if add(root.name, root.read, root.write or _cannot_write(root.name), requires_grad=leaf) and leaf:
                 # a tensor made with requires_grad=True (a from-scratch model: `w -= lr * w.grad`): its gradient too
@@ -1516,7 +1525,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     # that gets no gradient this step is still its own, and stays
     params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None
               and not alive.append(v)}  # (kept alive too: a freed number's id is another's)
-    return State(slots, statics(roots), tuple(roots), tuple(opaque), params)
+    return State(slots, statics(roots), tuple(roots), tuple(opaque), params, tuple(aliases))
 
 
 def statics(roots, known: dict | None = None) -> dict:
@@ -2834,8 +2843,9 @@ class Substitution:
                             # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`, `id(p)`)
                             out.update(_created_items(f"{_join(prefix, attr)}[{found[0]}]", v, (
                                 "key", functools.partial(vars(mod).get, attr), found[1])))
-                        elif isinstance(v, FakeTensor) and items.get(key) is not v and _is_plain_key(key):
-                            out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
+                        elif isinstance(v, FakeTensor):  # (a lifted tensor it held, or one held elsewhere too: kept)
+                            if put_there(v, items.get(key)) and _is_plain_key(key):
+                                out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
                         elif items.get(key) is not v and _is_plain_key(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
                             # a container put under a key (`d.setdefault(k, []).append(t)`, `d[k] = d[k] + [t]`):
                             # put whole at every call, each tensor as that call computes it
@@ -3275,6 +3285,15 @@ class Substitution:
             if name not in out:
                 out[name] = value
                 new_state[name] = (None, None, setter)
+        for name, read, write, held in self.state.aliases:  # a second place of a lifted tensor that the step
+            if name not in out:
+                try:  # rebound (`self.stats = {"last": loss}` where it held `self.ema`'s tensor): put there
+                    v = read()
+                except Exception:  # noqa: BLE001 (a place the step took away: as eager leaves it)
+                    continue
+                if isinstance(v, FakeTensor) and v is not self.swap.get(held):
+                    out[name] = _unwrapped(v)
+                    new_state[name] = (None, None, ("set", write))
         return out, new_state
 
     def _state_sequence(self, name: str, v, real_state, real_p, owner: str, key, out: dict, new_state: dict,

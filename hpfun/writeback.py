@@ -151,6 +151,7 @@ class WriteBack:
     param: str | None = None
     key: str | None = None
     place: tuple | None = None  # a tensor the step put into a module: where (`lift.put`)
+    same_as: int | None = None  # the write whose tensor this place gets too (the step stored one tensor at both)
 
 
 def apply(writes, shards_per_output, inputs: list, state) -> None:
@@ -166,6 +167,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     kept = None  # and with the tensors modules keep as attributes (an assigned slot's owner)
     taken: set = set()  # ids of the program's blocks given to a slot: one output written to two slots (two
     # momentum buffers of equal gradients, one value in the program) is copied for the second, or they shared storage
+    made: dict = {}  # j -> the tensor an assigned write put in place: a later write `same_as` j puts that one too
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -188,6 +190,13 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
             if targets:  # (before anything that may read them: a gradient meets its parameter's new value)
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
+            if wb.same_as is not None and wb.same_as in made:  # one tensor the step stored at two places
+                new = made[wb.same_as]
+                if wb.place is not None:
+                    lift.put(state, wb.place, new)
+                else:
+                    state.slots[wb.slot].write(new)
+                continue
             if wb.input is not None:
                 target = inputs[wb.input]  # (a block held from an earlier call is a module's: no walk at every step)
                 whole = False
@@ -199,7 +208,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 if slot is not None and slot.scalar:  # a lifted float hyperparameter, read as a tensor, updated in place
                     slot.write(inputs[wb.input])
             elif wb.place is not None:
-                lift.put(state, wb.place, _new_tensor(value, taken=taken))
+                lift.put(state, wb.place, made.setdefault(j, _new_tensor(value, taken=taken)))
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
                 param = state.slots[wb.param].read()
@@ -215,7 +224,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                         isinstance(like, torch.Tensor) and id(like) not in held:
                     kept = module_state(state.roots, attributes=True) if kept is None else kept
                     whole = id(like) not in kept  # a plain object's tensor, a dict's or list's: whole
-                slot.write(_new_tensor(value, like=like, whole=whole, taken=taken))
+                slot.write(made.setdefault(j, _new_tensor(value, like=like, whole=whole, taken=taken)))
         if targets:
             _copy(targets, sources, scalars)
 

@@ -5789,3 +5789,66 @@ def test_state_a_step_stores_at_two_places_sharing_memory_is_refused_naming_both
     with pytest.raises(hpfun.CaptureError, match=r"(?s)stores one tensor at several places.*state.model.0.weight.m2: "
                        r"holds (the tensor opt.state.model.0.weight.m holds|a view of model.0.weight)"):
         stock_step(model, opt, DP)(*batch(0))
+
+
+class _StoredTwice(torch.nn.Module):
+    """A cache the first forward makes and keeps at two attributes and in a dict (HF's rotary
+    embedding keeps `original_inv_freq = inv_freq`), updated in place through one of them."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.lin, self.where, self.d = torch.nn.Linear(4, 4).double(), where, {}
+        self.a = self.b = None
+
+    def forward(self, x):
+        if self.a is None:
+            t = torch.zeros(4, dtype=x.dtype)
+            self.a = t
+            if self.where == "attribute":
+                self.b = t
+            else:
+                self.d["c"] = t
+        (self.b if self.where == "attribute" else self.d["c"]).add_(x.mean(0))
+        return self.lin(x) + self.a
+
+
+@pytest.mark.parametrize("where", ["attribute", "dict"])
+def test_a_tensor_a_step_stores_at_two_places_of_a_module_stays_one_tensor(where):
+    """Written back as two tensors, the second call's update through one missed the other:
+    the outputs drifted from eager's from the second call on, silently."""
+    model = _StoredTwice(where)
+    eager = copy.deepcopy(model)
+    step = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(step(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        assert model.a is (model.b if where == "attribute" else model.d["c"])
+    torch.testing.assert_close(model.a, eager.a, rtol=1e-12, atol=1e-12)
+
+
+class _SharedStats:
+    """A trainer holding one tensor at an attribute and in its stats dict from the start, the
+    step rebinding both."""
+
+    def __init__(self):
+        self.w = torch.ones(3, dtype=torch.float64)
+        self._ema = torch.zeros((), dtype=torch.float64)
+        self.stats = {"last": self._ema}
+
+    def step(self, x):
+        loss = (x.sum(0) * self.w).sum()
+        self._ema = self._ema * 0.5 + loss
+        self.stats = {"last": loss}
+        return self._ema
+
+
+def test_a_place_holding_a_tensor_lifted_by_another_name_gets_what_the_step_puts_there():
+    """A tensor held at two places is one input, lifted by its first name; the second place
+    rebound by the step kept the old tensor (`trainer.stats["last"]` stayed 0), silently."""
+    trainer, ref = _SharedStats(), _SharedStats()
+    step = hpfun.shard(trainer.step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.full((4, 3), i + 1.0, dtype=torch.float64)
+        assert step(x).full().item() == ref.step(x).item()
+        assert torch.equal(trainer.stats["last"], ref.stats["last"]) and torch.equal(trainer._ema, ref._ema)
+        assert type(trainer.stats["last"]) is torch.Tensor
