@@ -1161,9 +1161,12 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
         return (_class_key(type(x), depth, _path),
                 tuple((k, object_key(v, depth - 1, _path)) for k, v in attributes(x).items()))
     if depth and isinstance(x, torch.nn.Module):  # (one a container holds, not a submodule: `{"a": Act()}`,
-        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()  # its
-                                             if k not in _MODULE_INTERNALS),  # values, those of what it holds, and
-                tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))  # its submodules'
+        return (_class_key(type(x), depth, _path),  # its class (a forward patched), its values, those of what it
+                tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()  # holds, its hooks (one
+                      if k not in _MODULE_INTERNALS),  # added between calls runs in the next) and its submodules'
+                tuple((kind, tuple(object_key(h, depth - 1, _path) for h in getattr(x, kind).values()))
+                      for kind in _HOOK_DICTS if getattr(x, kind, None)),
+                tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))
     if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
                                              if _is_public_value(k)))

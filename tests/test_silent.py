@@ -618,6 +618,14 @@ def _setting_reader(key):
     return lambda x: x * getattr(hpfun_test_settings, key)  # noqa: F821
 
 
+class _Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+    def scaled(self, x):
+        return self.forward(x) * 3
+
+
 def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_argument_key_the_cache():
     """Each changed between calls is another program (the first ran, silently): a class attribute
     added and read with a default (`getattr(_Overrides, "smoothing", 0.0)`), directly or through a
@@ -625,7 +633,8 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
     (`getattr(settings, _SETTING)`), in a tuple of names, in a closure or an argument (every
     setting of a module so read keys it), or a global read through `globals()`;
     a config module given as an argument, made at run time; a module's bound method given as an
-    argument (`crit.forward`, `crit.label_smoothing` changed)."""
+    argument (`crit.forward`, `crit.label_smoothing` changed; `m.__call__` with a hook added;
+    `m.scaled` with its class's forward patched)."""
     settings = types.ModuleType("hpfun_test_settings")
     settings.LR, settings.WD = 1.0, 0.0
     settings.train, settings.SCHED = types.ModuleType("hpfun_test_settings.train"), {"a": {"b": {"c": {"d": 1.0}}}}
@@ -633,6 +642,7 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
     holder = torch.nn.Module()
     holder.cls = _Overrides
     crit = torch.nn.CrossEntropyLoss()
+    hooked, patched, forward = _Doubler(), _Doubler(), _Doubler.forward
     module = sys.modules[__name__]
     module.hpfun_test_settings, module._GLOBAL_READ = settings, 1.0
     x = torch.ones(4, 2, dtype=torch.float64)
@@ -657,6 +667,10 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
                                       lambda: settings.SCHED["a"]["b"]["c"].__setitem__("d", 3.0)),
         "bound method argument": (lambda x, loss: loss(x, y), (crit.forward,),
                                   lambda: setattr(crit, "label_smoothing", 0.3)),
+        "bound method argument, a hook added": (lambda x, f: f(x), (hooked.__call__,), lambda: hooked.register_forward_hook(
+            lambda m, i, out: out * 5)),
+        "bound method argument, its class patched": (lambda x, f: f(x), (patched.scaled,), lambda: setattr(
+            _Doubler, "forward", lambda self, x: x * 9)),
     }
     try:
         for name, (fn, extra, change) in cases.items():
@@ -670,6 +684,7 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
                 torch.testing.assert_close(f(x, *extra).full(), fn(x, *extra), rtol=0, atol=1e-15, msg=name)
             assert f.trace_count == 2, name
     finally:
+        _Doubler.forward = forward
         for k in ("smoothing", "scale"):
             if k in vars(_Overrides):
                 delattr(_Overrides, k)
