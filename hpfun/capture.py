@@ -37,6 +37,7 @@ import functools
 import gc
 import importlib
 import io
+import itertools
 import logging
 import math
 import numbers
@@ -2642,6 +2643,16 @@ _METADATA_QUERIES = frozenset([
     torch._C.TensorBase.get_device])
 
 
+def _combinations(x, r=2, with_replacement=False):
+    """torch.combinations: `x`'s elements at every r-combination of its positions, which its
+    length alone decides (torch's kernel masks a grid of them: a shape read from the data)."""
+    if r <= 0:  # (torch's own answer, or its error)
+        return torch.combinations(x, r, with_replacement)
+    pick = itertools.combinations_with_replacement if with_replacement else itertools.combinations
+    index = [i for c in pick(range(x.shape[0]), r) for i in c]
+    return x.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device)).view(len(index) // r, r)
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -2654,6 +2665,8 @@ class _TensorScalars(TorchFunctionMode):
         kwargs = dict(kwargs or {})  # torch's own tracing machinery, answered without walking the checks)
         if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
             return _deepcopy_traced(*args, **kwargs)
+        if func is torch.combinations and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 1:
+            return _combinations(*args, **kwargs)
         if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
             return _istft(*args, **kwargs)  # envelope by reading it, which its reference divides by)
         _refuse_overlapping_write(func, args)

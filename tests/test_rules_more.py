@@ -854,3 +854,21 @@ def test_group_norm_of_a_write_at_indices_of_a_split_dim_equals_eager(name):
         out = hpfun.shard(f, mesh=hpfun.Mesh.simulated((2,), ("a",)), in_specs=(spec,), out_specs=P())(x)
         torch.testing.assert_close(out.full(), f(x), rtol=1e-12, atol=1e-12)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.combinations
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("r, with_replacement", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_combinations_pick_positions_their_length_decides(r, with_replacement):
+    """torch.combinations masks a grid of positions (a shape read from the data, refused): its
+    rows are the r-combinations of the positions, which the length decides, picked by a constant
+    index; of a split vector and under torch.func.grad, with a length short of r too."""
+    x, w = _rand(6), _rand(5)
+    fn = lambda x, w: torch.combinations(x, r, with_replacement)  # noqa: E731
+    _run(fn, (x, w), (2,), (P("a"), P()))
+    _run(lambda x, w: torch.combinations(x[:2], 3, with_replacement), (x, w), (2,), (P("a"), P()))
+    loss = lambda w: (torch.combinations(w, r, with_replacement).prod(-1) if r else w).sum()  # noqa: E731
+    _run(lambda x, w: torch.func.grad(loss)(w), (x, w), (2, 2), (P("a"), P()))
