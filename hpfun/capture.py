@@ -1804,8 +1804,9 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
 
 def _ints_read(args: tuple, kwargs: dict) -> tuple | None:
     """`args` and `kwargs` with each traced 0-d integer tensor after the first argument (in a list
-    or tuple too) read as `int(t)`, and each 0-d float one as `float(t)` (`F.leaky_relu(x, slope)`,
-    where torch parses a float); None where there is none or one cannot be read."""
+    or tuple too) read as `int(t)` (a uint8 one too: an index takes it as a mask, `x.select(1, t)`
+    as an int; a bool one torch refuses), and each 0-d float one as `float(t)` (`F.leaky_relu(x,
+    slope)`, where torch parses a float); None where there is none or one cannot be read."""
     changed = False
 
     def number(v):
@@ -1813,7 +1814,8 @@ def _ints_read(args: tuple, kwargs: dict) -> tuple | None:
         if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
             read = [number(u) for u in v]
             return type(v)(read) if any(a is not b for a, b in zip(read, v)) else v
-        if _is_traced_int_scalar(v) and (value := _read(torch.Tensor.__index__, v)) is not _UNREADABLE:
+        if (_is_traced_int_scalar(v) or isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.uint8
+                and _is_traced(v)) and (value := _read(torch.Tensor.__index__, v)) is not _UNREADABLE:
             changed = True
             return value
         if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point() and _is_traced(v) \

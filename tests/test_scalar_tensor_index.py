@@ -475,6 +475,7 @@ TAKING_AN_INT = {  # each given a 0-d integer tensor of an argument where torch 
     "one_hot": lambda x, n: torch.nn.functional.one_hot((x > 0).long()[:, 0], num_classes=n + 1) * x[:, :1],
     "adaptive_avg_pool1d": lambda x, n: torch.nn.functional.adaptive_avg_pool1d(x[:, None], n)[:, 0],
     "take": lambda x, n: torch.take(x, n) * x[:, :1],
+    "select of a uint8": lambda x, n: x.select(1, n.to(torch.uint8)),  # (an index takes it as a mask; select, an int)
     "leaky_relu (a float)": lambda x, n: torch.nn.functional.leaky_relu(x, n * 0.1),
     "huber_loss (a float)": lambda x, n: torch.nn.functional.huber_loss(x, x.flip(0), delta=n * 0.5, reduction="none"),
 }
