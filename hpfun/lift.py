@@ -264,6 +264,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     # package's module, `cfgpkg.config.LR`; a class in it, `config.Train.lr`)
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
+            if _is_block_mask(obj) and id(obj) not in seen_objects:  # flex_attention's, made outside the step (as
+                seen_objects.add(id(obj))  # torch's docs advise): its mask_mod's code and what it reads (a document
+                note((obj, "mask_mod", obj.mask_mod))  # id table) are the function's own; its block tensors are
+                value(obj.mask_mod, _join(name, "mask_mod"), functools.partial(getattr, obj, "mask_mod"), None)
+                # read by torch's kernels only, never by the math hpfun traces it as
 
     def user_classes(cls: type, name: str, instance=None) -> None:
         """The user's classes in `cls`'s method order: their methods are walked (the globals they
@@ -1114,6 +1119,12 @@ def is_config_argument(x) -> bool:
         isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__)
                                              or isinstance(x.__self__, type) and _is_user_class(x.__self__)
                                              or isinstance(x.__self__, torch.nn.Module))
+
+
+def _is_block_mask(x) -> bool:
+    """A flex_attention BlockMask (`create_block_mask`)."""
+    cls = type(x)
+    return cls.__name__ == "BlockMask" and cls.__module__ == "torch.nn.attention.flex_attention"
 
 
 def _is_user_function(x) -> bool:
@@ -4072,7 +4083,10 @@ def unlifted_tensor_error(state: State | None, where: str, arguments: tuple = ()
                 not (found := _tensor_attributes(obj, path, depth=3)):
             continue
         cls = type(obj).__name__
-        if _is_user_object(obj):
+        if _is_block_mask(obj):  # (its mask_mod's reads: an argument's code is not walked for state)
+            fix = ("close over the BlockMask instead of passing it (hpfun then lifts the tensors its mask_mod reads, "
+                   "as the function's own), or make it inside the function with create_block_mask")
+        elif _is_user_object(obj):
             fix = (f"make {cls} a dataclass (its tensors are then inputs, given specs like any argument), pass the "
                    "tensors as arguments, or close over the object (hpfun lifts the tensors it holds)")
         else:  # a library's object (a transformers cache): its tensors, passed themselves, rebuild it inside

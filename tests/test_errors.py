@@ -1507,3 +1507,37 @@ def test_flex_attention_runs_as_the_math_it_computes():
     for spec in (P("dp"), P(None, "dp")):
         f = hpfun.shard(attend, mesh=MESH, in_specs=(spec,) * 3, out_specs=P())
         torch.testing.assert_close(f(q, k, v).full(), want, rtol=1e-12, atol=1e-12)
+
+
+_DOCUMENTS = torch.tensor([0] * 50 + [1] * 70 + [2] * 8)
+
+
+def _same_document(b, h, i, j):
+    return (_DOCUMENTS[i] == _DOCUMENTS[j]) & (i >= j)
+
+
+def test_a_block_mask_made_outside_the_step_reads_its_global_tensor_at_every_call():
+    """The document mask as torch's docs write it: a mask_mod reading a global table of document
+    ids, its BlockMask made once outside the step. Its mask_mod's reads are lifted as the
+    function's own (refused: 'reads a tensor that is neither an argument nor state'), the table
+    read at every call (edited in place between calls); given as an argument instead, the
+    refusal says to close over it."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(_same_document, None, None, 128, 128, device="cpu")
+    attend = lambda q, k, v: flex_attention(q, k, v, block_mask=mask)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    f = hpfun.shard(attend, mesh=MESH, in_specs=(P("dp"),) * 3, out_specs=P("dp"))
+    saved = _DOCUMENTS.clone()
+    try:
+        for documents in (saved, torch.arange(128) // 32):
+            _DOCUMENTS.copy_(documents)
+            torch.testing.assert_close(f(q, k, v).full(), attend(q, k, v), rtol=1e-12, atol=1e-12)
+    finally:
+        _DOCUMENTS.copy_(saved)
+    assert f.trace_count == 1
+    given = hpfun.shard(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m), mesh=MESH,
+                        in_specs=(P("dp"),) * 3 + (None,), out_specs=P("dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)args\[3\].*a BlockMask.*close over the BlockMask"):
+        given(q, k, v, mask)
