@@ -1186,7 +1186,7 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
         return ("method", object_key(x.__func__, depth - 1, _path), object_key(x.__self__, depth - 1, _path))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
-        return ("tensor", id(x))
+        return _TensorKey(id(x))
     try:
         hash(x)
     except TypeError:
@@ -1203,6 +1203,17 @@ def _global_key(v, code: types.CodeType, depth: int, _path: tuple):
         return ("module", v.__name__, tuple((a, _global_key(scope[a], code, depth - 1, _path))
                                             for a in sorted(_attribute_names(code) & scope.keys())))
     return object_key(v, depth, _path)
+
+
+@attrs.frozen
+class _TensorKey:
+    """A tensor in an `object_key`, by identity (a tensor's == is elementwise); a message shows
+    it as a tensor, not as its id."""
+
+    ident: int
+
+    def __repr__(self):
+        return "a tensor"
 
 
 def _class_key(cls: type, depth: int, _path: tuple):

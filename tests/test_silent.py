@@ -809,6 +809,13 @@ def test_a_config_arguments_class_value_changed_by_the_function_is_named_and_set
         f(torch.ones(4, 2), Sub())
     assert "n" not in vars(Sub) and Sub.n == 0
 
+    g = hpfun.shard(lambda x, c: (setattr(type(c), "last", x.sum()), x * 2)[1], mesh=MESH, in_specs=(P("a"), None),
+                    out_specs=P())  # (a tensor: named so, not by the id hpfun keys it by)
+    with pytest.raises(hpfun.CaptureError, match=r"args\[1\]: .*Counted\.last: changed from nothing \(not set\) to a "
+                       r"tensor while"):
+        g(torch.ones(4, 2), Counted())
+    assert "last" not in vars(Counted)
+
 
 def test_a_lambda_made_anew_at_every_call_compiles_once_for_the_same_values():
     """`f(x, lambda t: t * k)` made at every call (a closure of a loop's variable): one program
