@@ -2645,6 +2645,23 @@ _METADATA_QUERIES = frozenset([
     torch._C.TensorBase.get_device])
 
 
+_INDEX_FILLS = (torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_)
+
+
+def _index_fill_differentiable(func, x, dim, index, value):
+    """`x.index_fill(dim, index, value)` with a value that takes a gradient, as `torch.where`
+    over the positions `index` names: the same values, and gradients, without torch's backward
+    for the value, which takes `_unique` of the index (a shape read from the data)."""
+    dim = dim % max(x.ndim, 1)
+    n = x.shape[dim] if x.ndim else 1
+    picked = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, index.reshape(-1), True)
+    shape = [1] * x.ndim
+    if x.ndim:
+        shape[dim] = n
+    out = torch.where(picked.view(shape), value.to(x.dtype), x)
+    return x.copy_(out) if func is torch.Tensor.index_fill_ else out
+
+
 def _combinations(x, r=2, with_replacement=False):
     """torch.combinations: `x`'s elements at every r-combination of its positions, which its
     length alone decides (torch's kernel masks a grid of them: a shape read from the data)."""
@@ -2713,6 +2730,10 @@ class _TensorScalars(TorchFunctionMode):
                 and _is_traced(value) and not value.is_complex():  # (read as a number, checked and cast, by eager's
             # kernel; torch's decomposition takes it as it is, or casts it unchecked)
             args = (*args[:at], _fits_dtype(value, args[0].dtype).to(args[0].dtype), *args[at + 1:])
+        if func in _INDEX_FILLS and len(args) == 4 and not kwargs and isinstance(args[0], torch.Tensor) \
+                and isinstance(args[1], int) and isinstance(args[3], torch.Tensor) and args[3].requires_grad \
+                and args[3].ndim == 0 and isinstance(args[2], torch.Tensor) and args[2].ndim <= 1:
+            return _index_fill_differentiable(func, *args)
         if func is torch._C.TensorBase.data_ptr and args and _ADDRESSES and (ptr := _address(args[0])) is not None:
             return ptr  # a stand-in's: its tensor's (`{p.data_ptr(): p for p in model.parameters()}`, dedup of ties)
         if func is torch.Tensor.__contains__ and len(args) == 2 and _is_traced(args[0]) \

@@ -339,6 +339,29 @@ def test_index_fill_by_a_negative_index_differentiates_as_eager(spec):
     torch.testing.assert_close(f(x, idx).full(), step(x, idx), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp")], ids=str)
+def test_index_fill_by_a_value_that_takes_a_gradient_differentiates_as_eager(spec):
+    """`x.index_fill(dim, idx, w.prod())`: torch's backward for the value takes `_unique` of the
+    index (a shape read from the data: refused); written as `torch.where` over the positions it
+    names, the gradients of the value and of `x` equal eager's: a repeated index,
+    in place, under `loss.backward()` and `torch.func.grad`."""
+    x, w = torch.randn(4, 6, dtype=D, generator=_gen()), torch.randn(3, dtype=D, generator=_gen())
+    idx = torch.tensor([0, 5, 2, 0])
+
+    def step(x, w, idx):
+        w, x = w.clone().requires_grad_(), x.clone().requires_grad_()
+        filled = x.index_fill(1, idx, w.prod()) + torch.index_fill(x, 0, idx[2:], w.sum())
+        y = x * 1.0
+        y.index_fill_(1, idx[1:], w[0])
+        ((filled ** 2).sum() + (y ** 3).sum()).backward()
+        in_grad = torch.func.grad(lambda w: (x.detach().index_fill(1, idx, w.sum()) ** 2).sum())(w.detach())
+        return x.grad, w.grad, in_grad
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=(spec, P(), P()), out_specs=(spec, P(), P()))
+    for got, want in zip(f(x, w, idx), step(x, w, idx), strict=True):
+        torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_0d_tensor_of_an_argument_given_as_a_size_is_read_as_its_integer():
     """`torch.arange(n)`, `torch.zeros(n)`, `linspace(0, 1, n)`, `x.new_zeros(n)` and `x.view(n, -1)` with `n`
     computed from the arguments (Longformer's `torch.arange(max_num_global_attn_indices)`, n a mask's
