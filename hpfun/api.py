@@ -770,8 +770,9 @@ class ShardedFunction:
         if grad_args:
             warnings.warn(f"{', '.join(grad_args[:3])}{' ...' if len(grad_args) > 3 else ''} require grad, but a "
                           "sharded function's outputs are not connected to autograd outside it (backward() on them "
-                          "fails): compute gradients inside the function (torch.func.grad, or loss.backward() on "
-                          "lifted parameters)", stacklevel=user_stacklevel())
+                          "fails), and inside it they are plain inputs (requires_grad False: backward() leaves their "
+                          ".grad None): compute gradients inside the function with torch.func.grad with respect to "
+                          "them, or loss.backward() on lifted parameters", stacklevel=user_stacklevel())
         # graph modules write their Python code when first run or read, not at every pass's
         # recompile(): at 8 layers of a Llama each recompile costs 0.2-0.4 s, and planning runs none
         self._stage = "capturing"
@@ -1022,8 +1023,10 @@ class ShardedFunction:
                 traced.effects = _undo_effects(call.state.statics, statics_after, call.state.roots, stored_over)
         # a lifted tensor frozen or unfrozen inside (`p.requires_grad_(False)`): set by every call, as eager's
         # (a block a distributed call left: its module's tensor, which holds the flag)
+        # (an argument's stand-in takes no gradient: its caller's flag stays as it was)
+        arguments = len(call.flat) - len(call.lifted)  # (lifted state comes last)
         flags = [(None, real, fake.requires_grad) for i, fake in zip(tensor_pos, fakes, strict=True)
-                 if isinstance(real := _held_owner(call.flat[i]), torch.Tensor) and type(real) is not Sharded
+                 if i >= arguments and isinstance(real := _held_owner(call.flat[i]), torch.Tensor) and type(real) is not Sharded
                  and real.is_leaf and fake.is_leaf and fake.requires_grad != real.requires_grad]
         traced.effects = (*traced.effects, *flags)
         paths = call.paths()

@@ -883,9 +883,21 @@ def test_an_op_refusing_its_inputs_mixed_dtypes_says_to_cast_not_to_report_a_bug
 
 
 def test_arguments_requiring_grad_warn_that_outputs_are_not_differentiable_outside():
-    f = hpfun.shard(lambda x: (x * 2).sum(), mesh=MESH_TP, in_specs=(P("tp"),), out_specs=P())
-    with pytest.warns(UserWarning, match=r"args\[0\] require grad, but a sharded function's outputs are not connected"):
-        f(torch.ones(4, 2, requires_grad=True))
+    """The warning says so, and what the function sees; the caller's tensors keep their flag (a
+    call turned requires_grad off on every argument that had it: the README's
+    `dict(model.named_parameters())` argument froze the model)."""
+    f = hpfun.shard(lambda x, w: (x * w).sum(), mesh=MESH_TP, in_specs=(P("tp"), P()), out_specs=P())
+    model = torch.nn.Linear(2, 1)
+    params = dict(model.named_parameters())
+    x = torch.ones(4, 2, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"(?s)args\[0\] require grad, but a sharded function's outputs are not "
+                      r"connected.*inside it they are plain inputs \(requires_grad False"):
+        f(x, params["weight"][0].detach())
+    g = hpfun.shard(lambda p, x: torch.func.functional_call(model, p, (x,)).sum(), mesh=MESH_TP,
+                    in_specs=({"*": P()}, P("tp")), out_specs=P())
+    with pytest.warns(UserWarning, match="require grad"):
+        g(params, x)
+    assert x.requires_grad and all(p.requires_grad for p in model.parameters())
 
 
 def test_bad_constrain_specs_are_reported_together_at_their_lines():
