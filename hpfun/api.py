@@ -1129,8 +1129,9 @@ class ShardedFunction:
                                    _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
-        substitution.put_numbers()
-        return traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})
+        outputs = traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})  # (its refusals: before the
+        substitution.put_numbers()  # numbers the step made are put, or the next step skips its setup of the state)
+        return outputs
 
     def _write_targets(self, call, traced, captured, names, lifted_index, layouts, tensor_pos, leaves) -> list:
         """Where each extra output goes, and the layout it is produced in."""
