@@ -251,6 +251,12 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         elif isinstance(obj, type) and _is_user_class(obj) and id(obj) not in seen_objects:
             seen_objects.add(id(obj))  # a class of the user's used as a namespace (`Config.scale`)
             user_classes(obj, name)
+            for c in obj.__mro__:  # or made inside (`Smooth()(x)`): what its constructors read (`self.eps = EPS`)
+                if _is_user_class(c) and not c.__module__.startswith("torch."):  # keys the program too
+                    for k in _CONSTRUCTORS:
+                        if isinstance(v := vars(c).get(k), (types.FunctionType, staticmethod)):
+                            note((c, k, v))  # (one patched on the class: walked again)
+                            function(getattr(v, "__func__", v), name)
         elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read:
             module = vars(obj)  # a module of the user's read as a config (`import config; config.LR`)
             note(_Unchanged(module))
@@ -1119,6 +1125,9 @@ def is_config_argument(x) -> bool:
         isinstance(x, types.MethodType) and (is_config(x.__self__) or _is_called_object(x.__self__)
                                              or isinstance(x.__self__, type) and _is_user_class(x.__self__)
                                              or isinstance(x.__self__, torch.nn.Module))
+
+
+_CONSTRUCTORS = ("__new__", "__init__", "__post_init__")  # what making an instance runs
 
 
 def _is_block_mask(x) -> bool:

@@ -1642,3 +1642,51 @@ def test_getattr_of_one_object_keys_no_other_config_modules_settings():
         assert f.trace_count == 2
     finally:
         del module.hpfun_test_counters
+
+
+_INIT_SCALE = 1.0
+
+
+class _MadeInside:
+    def __init__(self):
+        self.scale = _INIT_SCALE
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+class _MadeInsideChild(_MadeInside):  # (its base's constructor reads the global)
+    pass
+
+
+class _ModuleMadeInside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = _INIT_SCALE + 1
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@dataclasses.dataclass
+class _Defaults:
+    scale: float = dataclasses.field(default_factory=lambda: _INIT_SCALE * 3)
+
+
+def test_a_global_a_constructor_reads_keys_the_program_of_a_step_that_makes_the_object():
+    """`Smooth()(x)` inside the step, `Smooth.__init__` reading a global (directly, through a base
+    class, an nn.Module's, a dataclass's default_factory): the global changed between calls is
+    another program (the first ran, silently)."""
+    global _INIT_SCALE
+    fns = [lambda x: _MadeInside()(x), lambda x: _MadeInsideChild()(x), lambda x: _ModuleMadeInside()(x),
+           lambda x: x * _Defaults().scale]
+    x = torch.ones(4, 2, dtype=torch.float64)
+    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P()) for fn in fns]
+    try:
+        for value in (1.0, 5.0):
+            _INIT_SCALE = value
+            for fn, f in zip(fns, sharded, strict=True):
+                torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+    finally:
+        _INIT_SCALE = 1.0
+    assert [f.trace_count for f in sharded] == [2, 2, 2, 2]
