@@ -528,10 +528,14 @@ def _caches_filled_cleared():
         if instance is None or prop.attrname in getattr(instance, "__dict__", {prop.attrname: None}):
             return get(prop, instance, owner)
         value = prop.func(instance)  # (computed at each use while tracing, kept nowhere)
-        if any(_made_from_inputs(t) for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)):
+        leaves = torch.utils._pytree.tree_leaves(value)
+        if not any(isinstance(t, torch.Tensor) for t in leaves) and isinstance(getattr(instance, "__dict__", None), dict):
+            instance.__dict__[prop.attrname] = value  # (no tensor, no placeholder: kept, as eager keeps it)
+            return value
+        if any(_made_from_inputs(t, draws=True) for t in leaves if isinstance(t, torch.Tensor)):
             raise CaptureError(Problem(f"{type(instance).__name__}.{prop.attrname}{_at_user_line()}",
                                        "is a functools.cached_property first computed inside the sharded function, from "
-                                       "its inputs or state: eager keeps that first value for later calls, a program "
+                                       "its inputs, state or a random draw: eager keeps that first value for later calls, a program "
                                        "would compute it anew at every call", "read it once before the first call, or "
                                        "make it a plain property (computed at every call)"))
         return value
@@ -2399,9 +2403,9 @@ def _as_made(t):
     return t
 
 
-def _made_from_inputs(t) -> bool:
+def _made_from_inputs(t, draws: bool = False) -> bool:
     """Whether a traced tensor is computed from the program's inputs (arguments or lifted state),
-    not from constants only."""
+    not from constants only (`draws`: or from a random draw)."""
     mode = proxy_tensor.get_proxy_mode()
     while torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
@@ -2411,7 +2415,8 @@ def _made_from_inputs(t) -> bool:
     todo, seen = [slot.proxy.node], set()
     while todo:
         node = todo.pop()
-        if node.op == "placeholder":
+        if node.op == "placeholder" or draws and isinstance(node.target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in node.target.tags:
             return True
         for arg in node.all_input_nodes:
             if arg not in seen:

@@ -655,3 +655,34 @@ def test_a_cached_property_computed_from_state_inside_the_trace_is_refused_with_
     assert "frozen" not in vars(model)
     want = (model(x) * (x @ model.frozen.T)).sum()
     torch.testing.assert_close(f(x).full(), want, rtol=1e-12, atol=1e-12)
+
+
+class _Drawn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = 2
+
+    @functools.cached_property
+    def projection(self) -> torch.Tensor:  # (random features, drawn once)
+        return torch.randn(4, 8, dtype=torch.float64)
+
+    @functools.cached_property
+    def scale(self) -> float:
+        return 1.0 / self.heads
+
+
+def test_a_cached_property_drawn_inside_the_trace_is_refused_and_a_number_is_kept_as_eager_keeps_it():
+    """One drawn inside the trace: eager draws once and keeps it, a program would draw anew at
+    every call (two calls on one input differed): refused. One holding no tensor is kept on the
+    object as eager keeps it (it was computed anew, so a later change of `heads` reached the
+    program while eager kept the first value)."""
+    model, ref = _Drawn(), _Drawn()
+    f = hpfun.shard(lambda x: torch.cos(x @ model.projection), mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)_Drawn.projection at .*from its inputs, state or a random draw"):
+        f(torch.randn(4, 4, dtype=torch.float64))
+    g = hpfun.shard(lambda x: x * model.scale, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for heads in (2, 8):
+        model.heads = ref.heads = heads
+        torch.testing.assert_close(g(x).full(), x * ref.scale, rtol=0, atol=0)
+    assert vars(model)["scale"] == 0.5
