@@ -475,6 +475,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     function(wrapped, name)
                 else:  # a module it wraps (`hpfun.checkpoint(block)` kept in a global): its state
                     value(wrapped, name, _constant(wrapped), None)
+                return
+            for i, cell in enumerate(fn.__closure__ or ()):  # a library's closure over the user's code (flex
+                held = cell_value(cell, _MISSING)  # attention's `and_masks(causal, window)`): that code is read too
+                if _is_user_function(held) or type(held) in (tuple, list) and _length(held) <= PLAIN_CONTAINER_ITEMS \
+                        and any(map(_is_user_function, held)):
+                    seen_functions.add(key)
+                    value(held, _join(name, f"<closure {i}>"), _constant(held), None)
             return
         seen_functions.add(key)
         note((fn, "__code__", code))

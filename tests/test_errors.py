@@ -1553,3 +1553,40 @@ def test_a_block_mask_made_outside_the_step_reads_its_global_tensor_at_every_cal
                         in_specs=(P("dp"),) * 3 + (None,), out_specs=P("dp"))
     with pytest.raises(hpfun.CaptureError, match=r"(?s)args\[3\].*a BlockMask.*close over the BlockMask"):
         given(q, k, v, mask)
+
+
+_WINDOW = 2
+
+
+def _within_window(b, h, i, j):
+    return (i - j) <= _WINDOW
+
+
+def _causal(b, h, i, j):
+    return i >= j
+
+
+def test_mask_functions_torch_combines_are_read_as_the_functions_own():
+    """`and_masks(causal, window)` and `or_masks(same_document, ...)` made outside the step: torch's
+    closure over the user's mask functions was not walked, so a global window changed between
+    calls ran the first program, and a global document table was refused as a tensor neither
+    argument nor state."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention, or_masks
+
+    global _WINDOW
+    windowed = and_masks(_causal, _within_window)
+    either = create_block_mask(or_masks(_same_document, _within_window), None, None, 128, 128, device="cpu")
+    fns = [lambda q, k, v: flex_attention(q, k, v, block_mask=create_block_mask(windowed, None, None, 128, 128,
+                                                                                 device="cpu")),
+           lambda q, k, v: flex_attention(q, k, v, block_mask=either)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 128, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("dp"),) * 3, out_specs=P("dp")) for fn in fns]
+    try:
+        for window in (2, 40):
+            _WINDOW = window
+            for fn, f in zip(fns, sharded, strict=True):
+                torch.testing.assert_close(f(q, k, v).full(), fn(q, k, v), rtol=1e-12, atol=1e-12)
+    finally:
+        _WINDOW = 2
+    assert [f.trace_count for f in sharded] == [2, 2]
