@@ -1869,11 +1869,11 @@ def _values_of(key, by_kind: bool = False):
     is state, read at every call: its identity keys nothing, and one reassigned each call is one
     program); `_BY_IDENTITY` where it holds an object by identity (a None in it is a value), or,
     `by_kind`, that object as a mark of its type (the values beside it still key the program)."""
+    if type(key) is _TensorKey:
+        return ("tensor",)
     if isinstance(key, tuple):
         if len(key) == 3 and key[0] == "object":
             return ("object", key[1]) if by_kind else _BY_IDENTITY
-        if len(key) == 2 and key[0] == "tensor":
-            return ("tensor",)
         items = tuple(_values_of(k, by_kind) for k in key)
         return _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
     return key
