@@ -1150,7 +1150,7 @@ class ShardedFunction:
                 if opt is None:  # a tensor the step put into a module
                     writes.append(WriteBack(layout, shape, name, place=key, same_as=same_as))
                 else:
-                    writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key))
+                    writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key, same_as=same_as))
         for j in captured.mutated:
             x = call.flat[tensor_pos[j]]
             layout = layouts[j]
@@ -1456,28 +1456,32 @@ class _Traced:
                 # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))
-        _refuse_shared_state([(name, v) for name, v in self.assigned if new_state.get(name, (None,))[0] is not None],
-                             stand_ins, stand_in_ids)
+        _refuse_shared_state(self.assigned, stand_ins, stand_in_ids, new_state)
         return self.out_tensors + list(self.edit_tensors) + [v for _, v in self.assigned]
 
 
-def _refuse_shared_state(assigned: list, stand_ins: dict, inputs: set) -> None:
-    """Optimizer state a first step makes sharing memory (`st["m"] = st["m2"] = buf`, or
-    `st["v"] = p.view(-1)` of a parameter): hpfun writes each place back as a tensor of its own,
-    and the next step's write through one would not reach the other (the numbers drifted from
-    eager's, silently). Refused, naming both places. (A tensor moved from place to place is an
-    input: it keeps its identity.)"""
+def _refuse_shared_state(assigned: list, stand_ins: dict, inputs: set, new_state: dict) -> None:
+    """Optimizer state a step stores as a view of other state (`st["v"] = p.view(-1)` of a parameter,
+    `st["m2"] = buf.view(-1)` of a tensor it stores too): hpfun writes each place back as a tensor
+    of its own, and the next step's write through one would not reach the other (the numbers
+    drifted from eager's, silently). Refused, naming both places; so is one tensor stored in a list
+    or dict of an optimizer's state and at another place too (`st["d"] = {"a": st["m"]}`: the
+    list or dict is put anew at every call). (One tensor stored at two other places is written
+    back as one tensor, `WriteBack.same_as`; a tensor moved from place to place is an input: it
+    keeps its identity.)"""
     state = {id(v): name for name, v in stand_ins.items() if isinstance(v, torch.Tensor)}
-    made: dict = {}
+    made = {id(value): name for name, value in reversed(assigned)}
     problems = []
     for name, value in assigned:
-        if id(value) in inputs:
-            continue
-        base = value._base
-        if (first := made.setdefault(id(value), name)) != name:
+        if id(value) in inputs or new_state.get(name, (None, None))[:2] == (None, None):
+            continue  # (a module's or an object's: a cache made anew at every call, `self.w_t = self.weight.t()`)
+        first = made[id(value)]
+        place = new_state.get(name, (None, None, None))[2]
+        if first != name and (type(place) is tuple and place[:1] == ("part",) or type(
+                other := new_state.get(first, (None, None, None))[2]) is tuple and other[:1] == ("part",)):
             problems.append(Problem(name, f"holds the tensor {first} holds (the step stored one tensor at both)"))
-        elif base is not None and id(base) in state:
-            problems.append(Problem(name, f"holds a view of {state[id(base)]} (the step stored a view of it)"))
+        elif (base := value._base) is not None and (held := state.get(id(base), made.get(id(base)))) is not None:
+            problems.append(Problem(name, f"holds a view of {held} (the step stored a view of it)"))
     if problems:
         raise CaptureError([attrs.evolve(p, what=p.what + ": hpfun writes each place back as a tensor of its own, so a "
                                          "later write through one would not reach the other", fix="keep the tensor at "

@@ -194,6 +194,8 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 new = made[wb.same_as]
                 if wb.place is not None:
                     lift.put(state, wb.place, new)
+                elif wb.optimizer is not None:
+                    state.root(wb.optimizer).state[state.slots[wb.param].read()][wb.key] = new
                 else:
                     state.slots[wb.slot].write(new)
                 continue
@@ -213,7 +215,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 opt = state.root(wb.optimizer)
                 param = state.slots[wb.param].read()
                 _meet(param, value)
-                opt.state[param][wb.key] = _new_tensor(value, taken=taken)
+                opt.state[param][wb.key] = made.setdefault(j, _new_tensor(value, taken=taken))
             else:
                 slot = state.slots[wb.slot]
                 if slot.follows in state.slots:

@@ -5762,11 +5762,13 @@ def test_a_transformer_encoder_in_eval_with_a_padding_mask_equals_eagers_nested_
 
 
 class _TwoKeys(torch.optim.Optimizer):
-    """Keeps one momentum buffer under two keys (or a view of the parameter), made by its first step."""
+    """Keeps its momentum buffer at a second place too, made by its first step: under another key,
+    in a nested dict, with the parameter's gradient (zeroed in place, not set to None); or keeps
+    a view of the buffer, or of the parameter, in a list."""
 
-    def __init__(self, params, view=False):
+    def __init__(self, params, how):
         super().__init__(params, {"lr": 0.05})
-        self.view = view
+        self.how = how
 
     @torch.no_grad()
     def step(self):
@@ -5775,20 +5777,56 @@ class _TwoKeys(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     buf = torch.zeros_like(p)
-                    st["m"], st["m2"] = buf, p.view(-1) if self.view else buf
-                    st["count"] = 0
+                    st["m"], st["count"] = buf, 0
+                    if self.how in ("two keys", "a view"):
+                        st["m2"] = buf if self.how == "two keys" else buf.view(-1)
+                    elif self.how == "nested":
+                        st["d"] = {"a": buf}
+                    elif self.how == "the parameter's view":
+                        st["l"] = [p.view(-1)]
+                    else:
+                        st["g"] = p.grad
                 st["m"].mul_(0.9).add_(p.grad)
                 p.sub_(group["lr"] * st["m"])
+                for t in [st.get("m2"), *st.get("d", {}).values(), *st.get("l", [])]:
+                    if t is not None:
+                        t.add_(0.5)
+                if "g" in st:
+                    p.sub_(0.01 * st["g"])
 
 
-@pytest.mark.parametrize("view", [False, True], ids=["one tensor under two keys", "a view of the parameter"])
-def test_state_a_step_stores_at_two_places_sharing_memory_is_refused_naming_both(view):
-    """`st["m"] = st["m2"] = buf` (or `st["m2"] = p.view(-1)`) made by the first step: hpfun writes
-    each place back as its own tensor, so later steps drifted from eager's, silently."""
+@pytest.mark.parametrize("how", ["two keys", "the gradient"])
+def test_one_tensor_a_step_stores_at_two_places_of_an_optimizers_state_stays_one(how):
+    """`st["m"] = st["m2"] = buf` or `st["g"] = p.grad` made by a first step: written back as one
+    tensor (as two, later steps drifted from eager's, silently; the first was refused)."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = _TwoKeys(model.parameters(), how), _TwoKeys(ref.parameters(), how)
+    step = hpfun.shard(lambda x, y: (loss := F.cross_entropy(model(x), y), loss.backward(), opt.step(),
+                                     opt.zero_grad(set_to_none=how != "the gradient"))[0],
+                       mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        x, y = batch(i)
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=how != "the gradient")
+        torch.testing.assert_close(step(x, y).full(), loss.detach(), rtol=1e-12, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12
+    st = opt.state[model[0].weight]
+    assert st["m2"] is st["m"] if how == "two keys" else st["g"] is model[0].weight.grad
+
+
+@pytest.mark.parametrize("how", ["a view", "the parameter's view", "nested"])
+def test_state_a_step_stores_as_a_view_of_other_state_is_refused_naming_both(how):
+    """`st["m2"] = buf.view(-1)`, `st["l"] = [p.view(-1)]` or `st["d"] = {"a": buf}` made by the
+    first step: hpfun writes each place back as its own tensor (the dict, put anew at every
+    call), so later steps drifted from eager's, silently; refused, and the optimizer's state left
+    as it was."""
     model = mlp()
-    opt = _TwoKeys(model.parameters(), view)
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)stores one tensor at several places.*state.model.0.weight.m2: "
-                       r"holds (the tensor opt.state.model.0.weight.m holds|a view of model.0.weight)"):
+    opt = _TwoKeys(model.parameters(), how)
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)stores one tensor at several places.*state.model.0.weight."
+                       r"(m2: holds a view of opt.state.model.0.weight.m|l.0: holds a view of model.0.weight|"
+                       r"d.a: holds the tensor opt.state.model.0.weight.m holds)"):
         stock_step(model, opt, DP)(*batch(0))
     assert not opt.state  # (its count was left there: the next step skipped making its state, KeyError 'm')
 
