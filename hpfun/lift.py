@@ -2623,10 +2623,13 @@ class Substitution:
         self._stood_for = {id(stand_in): real[real_id] for real_id, stand_in in swap.items() if real_id in real}
         if fn is not None:  # (their contents, and the modules', as they are before anything is swapped)
             self._watch(fn)
+        for root in state.roots:  # (every module tree before any is swapped: one module reached by two roots, `m`
+            if isinstance(root.value, torch.nn.Module):  # and `wrap.model`, was kept the second time holding
+                self._keep(root.name, root.value)  # the first's stand-ins, and set back to them)
+        swapped: set = set()  # ids of the modules whose tensors hold their stand-ins
         for root in state.roots:
             if isinstance(root.value, torch.nn.Module):
-                self._keep(root.name, root.value)
-                self._module(root.value)
+                self._module(root.value, swapped)
             elif isinstance(root.value, torch.optim.Optimizer):
                 self._hold_plain(root.name or "optimizer", root.value)  # (its own dicts: `self.by_id.setdefault(id(p),
                 self._optimizer(root.value)  # ...)` in a hand-written step, watched as a trainer's are)
@@ -2709,8 +2712,11 @@ class Substitution:
             _rekeyed_back(container, {**self._stood_for, **real})
         self._rekeyed.clear()
 
-    def _module(self, module):
+    def _module(self, module, swapped: set):
         for mod in module.modules():
+            if id(mod) in swapped:
+                continue
+            swapped.add(id(mod))
             caches = [v for k, v in vars(mod).items() if _held_dict(k, v)]
             caches += [v for k, v in vars(mod).items() if type(v) is list and _modules_own(mod, k)
                        and (not k.startswith("_") or _tensor_list(v))]

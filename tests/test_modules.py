@@ -5892,3 +5892,42 @@ def test_a_place_holding_a_tensor_lifted_by_another_name_gets_what_the_step_puts
         assert step(x).full().item() == ref.step(x).item()
         assert torch.equal(trainer.stats["last"], ref.stats["last"]) and torch.equal(trainer._ema, ref._ema)
         assert type(trainer.stats["last"]) is torch.Tensor
+
+
+class _HoldsInputs(torch.nn.Module):
+    """Holds its training inputs in a tuple or list, as gpytorch's ExactGP does."""
+
+    def __init__(self, x, kind):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.train_inputs = (x,) if kind == "tuple" else [x]
+
+    def forward(self, x):
+        return (x * self.w).sum() + sum(t.sum() for t in self.train_inputs)
+
+
+class _Wraps(torch.nn.Module):  # (as gpytorch's ExactMarginalLogLikelihood(likelihood, model) holds the model)
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list"])
+def test_a_module_two_closed_over_modules_reach_keeps_its_tuple_of_tensors(kind):
+    """`model` and `wrap.model is model` both closed over: the module was kept a second time
+    holding the first root's stand-ins, so the call was refused ('holds a tensor the function
+    made') and left a stand-in in the tuple (eager then failed) or the list emptied."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    model = _HoldsInputs(x, kind)
+    wrap = _Wraps(model)
+
+    def step(x):
+        return model(x) + wrap(x)
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P(),), out_specs=P())
+    for _ in range(2):
+        torch.testing.assert_close(f(x).full(), step(x), rtol=1e-12, atol=1e-12)
+    assert type(model.train_inputs) is (tuple if kind == "tuple" else list) and model.train_inputs[0] is x
