@@ -1223,12 +1223,14 @@ def test_a_gradient_taken_of_an_expanded_tensor_is_no_write():
             assert torch.equal(got.full(), want)
 
 
-def test_group_norm_backward_of_a_channels_last_input():
+@pytest.mark.parametrize("batch", [2, 4], ids=["one sample per rank", "two"])
+def test_group_norm_backward_of_a_channels_last_input(batch):
     """Tokens turned back into an image (`h.transpose(1, 2).reshape(B, C, H, W)`, as diffusers'
     attention blocks do) are channels-last; a group norm of them, with the projection before it
     split on its output features, gets its gradient through a collective, contiguous. torch's
     CPU group norm backward reads the gradient with the input's strides, so the two must agree
-    (the gradient was garbage, 4.2 off)."""
+    (the gradient was garbage, 4.2 off). With one sample per rank the block's strides look
+    channels-last to `is_contiguous(channels_last)` but not to the kernel, which failed."""
     torch.manual_seed(0)
     proj, norm = torch.nn.Linear(16, 16).double(), torch.nn.GroupNorm(4, 16).double()
     qkv = torch.nn.Linear(16, 48).double()
@@ -1244,7 +1246,7 @@ def test_group_norm_backward_of_a_channels_last_input():
         return grad
 
     f = hpfun.shard(block, mesh=MESH, in_specs=(P("a"), P("a")), out_specs=P("a"), state_specs={"proj.*": P("a")})
-    x, w = torch.randn(4, 16, 4, 4, dtype=torch.float64), torch.randn(4, 16, 4, 4, dtype=torch.float64)
+    x, w = torch.randn(batch, 16, 4, 4, dtype=torch.float64), torch.randn(batch, 16, 4, 4, dtype=torch.float64)
     torch.testing.assert_close(f(x, w).full(), block(x.clone(), w), rtol=0, atol=1e-12)
 
 

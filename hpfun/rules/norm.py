@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from torch._prims_common import suggest_memory_format
 
 from hpfun.layout import Partial, R, Shard
 from hpfun.rules.base import OpCall, Rule, Strategy, combine_axes, replicated_option
@@ -133,13 +134,11 @@ class GroupNormBackward(Rule):
 
 
 def _norm_format(x) -> torch.memory_format:
-    """The memory format the CPU group norm kernels take `x` in: channels-last where it is laid
-    out so, else contiguous."""
-    if x.dim() in (4, 5) and not x.is_contiguous():
-        cl = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        if x.is_contiguous(memory_format=cl):
-            return cl
-    return torch.contiguous_format
+    """The memory format the CPU group norm kernels take `x` in: the one torch suggests for its
+    strides, which the kernel checks it is contiguous in (channels-last where it is laid out so).
+    (`is_contiguous(channels_last)` ignores a dim of size 1: a batch of one with channels-last-like
+    strides passed it, and the kernel, asking for contiguous, failed.)"""
+    return suggest_memory_format(x)
 
 
 def group_norm(x, *args):
