@@ -1360,7 +1360,7 @@ def _undo_effects(before: dict, after: dict, roots, stored: list) -> tuple:
         now = after.get(key)
         if type(was) is lift.ModuleValues and type(now) is lift.ModuleValues and was != now:
             for name, old, new in was.changes(now):
-                if new is lift._MISSING and lift._holds_fake(held := was.current(name)):
+                if new is lift._MISSING and lift.holds_trace_tensors(held := was.current(name)):
                     stored.append((was, name, old))
                     continue
                 was.set(name, old)

@@ -3737,6 +3737,20 @@ def _holds_fake(v) -> bool:
         any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
 
 
+def holds_trace_tensors(v, depth: int = 4) -> bool:
+    """Whether `v` holds a tensor of the trace: itself, in its containers, or in the attributes
+    of a plain object (a helper a forward makes lazily, `self.cache = Cache(self.w.detach())`),
+    `depth` levels deep."""
+    if _holds_fake(v):
+        return True
+    if depth <= 0 or isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, str, bytes)) or _is_scalar(v):
+        return False
+    if isinstance(v, (tuple, list, dict)):
+        return any(holds_trace_tensors(w, depth - 1) for w in _items_of(v) if not isinstance(w, (str, bytes)))
+    return _is_config_object(v) and not callable(v) and \
+        any(holds_trace_tensors(w, depth - 1) for w in attributes(v).values())
+
+
 def _other_keys(old: dict, new: dict, var: str):
     """(where, "dict", what) for the first dict of `new` (itself, or one nested in it holding the
     trace's tensors) whose keys are not those of the dict at its place in `old`; None if none."""

@@ -5931,3 +5931,43 @@ def test_a_module_two_closed_over_modules_reach_keeps_its_tuple_of_tensors(kind)
     for _ in range(2):
         torch.testing.assert_close(f(x).full(), step(x), rtol=1e-12, atol=1e-12)
     assert type(model.train_inputs) is (tuple if kind == "tuple" else list) and model.train_inputs[0] is x
+
+
+class _LazyHelper:
+    def __init__(self, w):
+        self.w, self.memo = w, None
+
+    def mean(self):
+        if self.memo is None:
+            self.memo = self.w * 2.0
+        return self.memo
+
+
+class _MakesItsHelper(torch.nn.Module):
+    """Makes a helper object holding a tensor of its weight at its first forward, where it held
+    None (gpytorch's ExactGP makes its prediction_strategy so in eval mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.helper = None
+
+    def forward(self, x):
+        if self.helper is None:
+            self.helper = _LazyHelper(self.w.detach())
+        return x @ self.helper.mean()
+
+
+def test_a_helper_object_a_forward_makes_holding_the_steps_tensors_is_refused_and_taken_out():
+    """The new object was replayed as a Python value of the module after every call: it kept the
+    trace's placeholders (the next call failed inside torch, and so did eager code on the
+    module). Refused, naming its tensors, and the attribute set back to None."""
+    model = _MakesItsHelper().eval()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with torch.no_grad(), pytest.raises(hpfun.CaptureError, match=r"model.helper.w, model.helper.memo: holds a tensor "
+                                                                 r"the function made"):
+        f(x)
+    assert model.helper is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), x @ (model.w * 2))
