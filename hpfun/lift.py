@@ -4196,6 +4196,18 @@ def _objects_modules_hold(state: State | None) -> list[Problem]:
                              f"{f'[{k!r}]' if isinstance(v, dict) else f'[{k}]'}"
                              for k, w in (v.items() if isinstance(v, dict) else enumerate(v))
                              if isinstance(w, (list, tuple, dict)) and _tensor_attributes(w, "", depth=2)]
+                    objects = [f"{_join(_join(root.name, mod_name), attr)}{f'[{k!r}]' if isinstance(v, dict) else f'[{k}]'}"
+                               for k, w in (v.items() if isinstance(v, dict) else enumerate(v))
+                               if not isinstance(w, (torch.Tensor, torch.nn.Module, list, tuple, dict, str, type))
+                               and not _is_scalar(w) and _tensor_attributes(w, "", depth=2)]
+                    if objects:  # (a dict of distributions: pyro's priors, `{"w": Normal(loc, scale)}`)
+                        name = _join(_join(root.name, mod_name), attr)
+                        out.append(Problem(f"{name} (a {type(v).__name__} of objects)", f"holds tensors inside "
+                                           f"{', '.join(objects[:3])}, which hpfun does not lift: it lifts a module's "
+                                           "parameters, buffers and tensor attributes (and dicts, lists and tuples of "
+                                           "them), not tensors inside other objects", "hold the tensors on the module "
+                                           "(`self.register_buffer('prior_loc', ...)`) and build the object from them "
+                                           "where it is used, or pass them as arguments"))
                     if inner and items:
                         name = _join(_join(root.name, mod_name), attr)
                         out.append(Problem(f"{name} (a {type(v).__name__} of containers)", f"holds tensors inside "

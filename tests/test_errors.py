@@ -1270,6 +1270,22 @@ def test_a_tensor_read_from_an_object_a_module_holds_names_the_object():
     assert "aug.sampler (a Uniform): holds tensors (aug.sampler.low, aug.sampler.high)" in text, text
     assert "register_buffer" in text and "test_errors.py" in text, text
 
+    class Priors(torch.nn.Module):  # (in a dict, as pyro's priors are: the error named no holder)
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+            self.priors = {"w": torch.distributions.Normal(torch.zeros(3), 1.0, validate_args=False)}
+
+        def forward(self, x):
+            return (x * self.w).sum() - self.priors["w"].log_prob(self.w).sum()
+
+    def make():
+        model = Priors()
+        return hpfun.shard(lambda x: model(x), mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+
+    _, text = _raise(make(), torch.randn(4, 3), error=hpfun.CaptureError)
+    assert "model.priors (a dict of objects): holds tensors inside model.priors['w']" in text, text
+
 
 def test_a_read_in_an_autograd_functions_backward_is_read_as_in_its_forward():
     """torchdiffeq's adjoint checks its time points in its backward (`_assert_increasing`): a
