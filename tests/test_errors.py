@@ -1242,6 +1242,28 @@ def test_an_op_torch_refuses_for_its_dtypes_is_said_to_be_the_functions(fn, x):
     assert "the unsharded function raises the same" in text and "bug in hpfun" not in text, text
 
 
+def test_an_op_failing_for_its_blocks_strides_is_not_said_to_be_the_functions():
+    """A kernel refusing the strides of a rank's block (group norm's contiguity check failed so at
+    one sample per rank) is the per-shard program's, not the unsharded function's: zeros like
+    the block (its strides too) failed alike, and the error said the unsharded function raises
+    the same. Zeros of its shape and dtype run, so no such claim is made."""
+    from hpfun.runtime import failure
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.aten.view.default, (graph.placeholder("x"), [8]))
+    block = torch.zeros(2, 4).t()  # (not contiguous: a view cannot flatten it)
+    with pytest.raises(RuntimeError) as err:
+        torch.ops.aten.view.default(block, [8])
+    first = str(err.value).splitlines()[0]
+    assert failure._refused_alike(node, err.value, first, inputs=((block, [8]), {})) is None
+    bools = torch.zeros(4, 2, dtype=torch.bool)
+    node = graph.call_function(torch.ops.aten.sub.Tensor, (graph.placeholder("b"), 0.5))
+    with pytest.raises(RuntimeError) as err:
+        torch.ops.aten.sub.Tensor(bools, 0.5)
+    first = str(err.value).splitlines()[0]
+    assert "raises the same" in failure._refused_alike(node, err.value, first, inputs=((bools, 0.5), {}))
+
+
 def test_an_op_failing_for_its_values_along_a_whole_dim_names_the_values():
     """An index out of range fails for its values (zeros would not): along a dim every rank
     holds whole, torch's own check raised it as on the unsharded tensor, so the fix names the

@@ -144,8 +144,10 @@ def _refused_alike(node: torch.fx.Node, err: BaseException, first: str, inputs=N
         return torch.zeros(shape, dtype=meta[1])
 
     try:
-        if inputs is not None:  # the values it ran on: zeros like them
-            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.zeros_like, inputs)
+        if inputs is not None:  # the values it ran on: zeros of their shapes and dtypes, contiguous (a block's
+            # strides are the per-shard program's, not the unsharded function's: a kernel refusing them is hpfun's)
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device), inputs)
         else:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), zeros)
     except LookupError:
