@@ -1806,7 +1806,7 @@ def _sizes_read(func, args: tuple, kwargs: dict) -> tuple | None:
     return (new_args, new_kwargs) if changed else None
 
 
-def _ints_read(args: tuple, kwargs: dict) -> tuple | None:
+def _ints_read(args: tuple, kwargs: dict, masks: bool = False) -> tuple | None:
     """`args` and `kwargs` with each traced 0-d integer tensor after the first argument (in a list
     or tuple too) read as `int(t)` (a uint8 one too: an index takes it as a mask, `x.select(1, t)`
     as an int; a bool one torch refuses), and each 0-d float one as `float(t)` (`F.leaky_relu(x,
@@ -1818,8 +1818,8 @@ def _ints_read(args: tuple, kwargs: dict) -> tuple | None:
         if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
             read = [number(u) for u in v]
             return type(v)(read) if any(a is not b for a, b in zip(read, v)) else v
-        if (_is_traced_int_scalar(v) or isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == torch.uint8
-                and _is_traced(v)) and (value := _read(torch.Tensor.__index__, v)) is not _UNREADABLE:
+        if (_is_traced_int_scalar(v) or not masks and isinstance(v, torch.Tensor) and v.ndim == 0
+                and v.dtype == torch.uint8 and _is_traced(v)) and (value := _read(torch.Tensor.__index__, v)) is not _UNREADABLE:
             changed = True
             return value
         if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point() and _is_traced(v) \
@@ -2651,6 +2651,10 @@ _METADATA_QUERIES = frozenset([
 
 
 _INDEX_FILLS = (torch.index_fill, torch.Tensor.index_fill, torch.Tensor.index_fill_)
+# where a uint8 tensor is a mask, not an int (`x[:, t]`): never read as one
+_MASK_INDEXING = frozenset([torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch._C.TensorBase.__getitem__,
+                       torch._C.TensorBase.__setitem__, torch.Tensor.index_put, torch.Tensor.index_put_,
+                       torch.index_put, torch.Tensor.masked_fill, torch.masked_fill])
 
 
 def _index_fill_differentiable(func, x, dim, index, value):
@@ -2879,7 +2883,7 @@ class _TensorScalars(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except torch._subclasses.fake_tensor.DataDependentOutputException as err:
-            if (read := _ints_read(args, kwargs)) is None:  # (`x.tile((1, n))`, `torch.tril(x, n)`, `select(0, n)`:
+            if (read := _ints_read(args, kwargs, masks=func in _MASK_INDEXING)) is None:  # (`x.tile((1, n))`, `select(0, n)`:
                 raise  # torch parses a 0-d integer tensor given for an int with `.item()`: read, as `int(n)` is)
             try:
                 return func(*read[0], **read[1])

@@ -518,3 +518,13 @@ def test_a_0d_integer_argument_given_for_an_int_is_read_as_int_reads_it(op):
         n = torch.tensor(n)
         torch.testing.assert_close(f(x, n).full(), fn(x, n), rtol=0, atol=0)
     assert f.trace_count == (1 if op == "take" else 2)
+
+
+def test_a_0d_uint8_index_is_a_mask_not_an_int():
+    """`x[:, t]` with `t` a 0-d uint8 tensor indexes by it as a byte mask (a new dim of one row or
+    none), not as the integer it holds: it is refused as a read of the data, as before uint8
+    tensors were read where torch parses an int (it gave x[:, 2], silently)."""
+    x = torch.arange(20, dtype=D).reshape(4, 5)
+    f = hpfun.shard(lambda x, t: x[:, t], mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
+        f(x, torch.tensor(2, dtype=torch.uint8))
