@@ -1129,7 +1129,7 @@ class ShardedFunction:
                                    _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
-        outputs = traced.record(out, assigned, new_state, lifted, {id(f) for f in fakes})  # (its refusals: before the
+        outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)})  # (its refusals: before the
         substitution.put_numbers()  # numbers the step made are put, or the next step skips its setup of the state)
         return outputs
 
@@ -1140,17 +1140,19 @@ class ShardedFunction:
         for name, value in traced.assigned:
             same_as = first.setdefault(id(value), len(writes))
             same_as = None if same_as == len(writes) else same_as  # (`self.a = self.b = t`: one tensor at both)
+            moved = traced.moved.get(name)  # (`s.a = s.b`: the input's own tensor)
             shape = tuple(value.shape)
             follows = call.state.slots[name].follows if name in call.state.slots else traced.new_state[name][1]
             layout = _write_layout(self.mesh, shape, layouts, lifted_index, name, follows, call)
             if name in call.state.slots:
-                writes.append(WriteBack(layout, shape, name, slot=name, same_as=same_as))
+                writes.append(WriteBack(layout, shape, name, slot=name, same_as=same_as, moved=moved))
             else:
                 opt, param, key = traced.new_state[name]
                 if opt is None:  # a tensor the step put into a module
-                    writes.append(WriteBack(layout, shape, name, place=key, same_as=same_as))
+                    writes.append(WriteBack(layout, shape, name, place=key, same_as=same_as, moved=moved))
                 else:
-                    writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key, same_as=same_as))
+                    writes.append(WriteBack(layout, shape, name, optimizer=opt, param=param, key=key, same_as=same_as,
+                                            moved=moved))
         for j in captured.mutated:
             x = call.flat[tensor_pos[j]]
             layout = layouts[j]
@@ -1393,6 +1395,7 @@ class _Traced:
     effects: tuple = ()  # (statics key, name, value) of each Python value of a module it changed
     edits: tuple = ()  # ArgumentEdit: what the function put in the dicts and lists it was given
     edit_tensors: tuple = ()  # their tensors, program outputs after the function's own
+    moved: dict = {}  # name -> input index of a lifted tensor the step put at another place (`record`)
 
     def argument_edits(self, given: list) -> None:
         """What the function put in the dicts and lists passed to it (sentence-transformers'
@@ -1435,7 +1438,7 @@ class _Traced:
                 edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, container=kind))
         self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
-    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: set) -> list:
+    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
         while any([register_container(type(v)) for v in flat if _is_container(v)]):  # a dataclass of results
             flat, self.out_tree = pytree.tree_flatten(out)  # (nested ones registered level by level)
@@ -1457,6 +1460,12 @@ class _Traced:
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))
         _refuse_shared_state(self.assigned, stand_ins, stand_in_ids, new_state)
+        # a lifted tensor put at another place (`s.a = s.b`, a swap): that tensor itself, not a copy of its value
+        # (not one appended to a list, or put in a container made anew: a copy, as before, and the list's next
+        # read is of tensors of its own)
+        self.moved = {name: stand_in_ids[id(v)] for name, v in self.assigned if id(v) in stand_in_ids
+                      and not (type(place := new_state.get(name, (None, None, None))[2]) is tuple
+                               and place[:1] in (("append",), ("part",)))}
         return self.out_tensors + list(self.edit_tensors) + [v for _, v in self.assigned]
 
 

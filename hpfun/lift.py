@@ -813,6 +813,8 @@ class RootCache:
             if self._state[2].holds():
                 state = self._state[1]
                 now = statics(roots, state.statics)
+                if _ALIASES in state.statics:  # (the same places: nothing the walk read changed)
+                    now[_ALIASES] = state.statics[_ALIASES]
                 if now != state.statics:
                     state = attrs.evolve(state, statics=now)
                     self._state = (roots, state, self._state[2])
@@ -1135,6 +1137,7 @@ def is_config_argument(x) -> bool:
 
 
 _CONSTRUCTORS = ("__new__", "__init__", "__post_init__")  # what making an instance runs
+_ALIASES = "<places holding one tensor>"  # a statics key: which places hold a tensor lifted by another name
 
 
 def _is_block_mask(x) -> bool:
@@ -1566,7 +1569,10 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     # that gets no gradient this step is still its own, and stays
     params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None
               and not alive.append(v)}  # (kept alive too: a freed number's id is another's)
-    return State(slots, statics(roots), tuple(roots), tuple(opaque), params, tuple(aliases))
+    found = statics(roots)
+    if aliases:  # which places hold one tensor keys the program (`self.c = self.a`, then a swap: `c` is `b`)
+        found[_ALIASES] = tuple((name, names.get(held)) for name, _, _, held in aliases)
+    return State(slots, found, tuple(roots), tuple(opaque), params, tuple(aliases))
 
 
 def statics(roots, known: dict | None = None) -> dict:

@@ -152,6 +152,7 @@ class WriteBack:
     key: str | None = None
     place: tuple | None = None  # a tensor the step put into a module: where (`lift.put`)
     same_as: int | None = None  # the write whose tensor this place gets too (the step stored one tensor at both)
+    moved: int | None = None  # the input whose tensor the step put at this place (`s.a = s.b`): that tensor itself
 
 
 def apply(writes, shards_per_output, inputs: list, state) -> None:
@@ -190,8 +191,11 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
             if targets:  # (before anything that may read them: a gradient meets its parameter's new value)
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
-            if wb.same_as is not None and wb.same_as in made:  # one tensor the step stored at two places
-                new = made[wb.same_as]
+            moved = inputs[wb.moved] if wb.moved is not None else None
+            if wb.same_as is not None and wb.same_as in made or type(moved) is torch.Tensor:
+                # one tensor the step stored at two places; or a lifted tensor it put at another place (a swap), which
+                new = made[wb.same_as] if type(moved) is not torch.Tensor else moved  # its in-place update reached
+                made[j] = new
                 if wb.place is not None:
                     lift.put(state, wb.place, new)
                 elif wb.optimizer is not None:

@@ -5971,3 +5971,36 @@ def test_a_helper_object_a_forward_makes_holding_the_steps_tensors_is_refused_an
     assert model.helper is None
     with torch.no_grad():
         torch.testing.assert_close(model(x), x @ (model.w * 2))
+
+
+class _Swaps(torch.nn.Module):
+    """Swaps its two buffers at every call (a double buffer), a third attribute holding one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("b", torch.ones(3, dtype=torch.float64))
+        self.c = self.a
+
+    def forward(self, x):
+        self.a, self.b = self.b, self.a
+        self.a.mul_(2).add_(x.mean(0))
+        return self.a.sum() + self.c.sum()
+
+
+def test_a_lifted_tensor_the_step_puts_at_another_place_is_that_tensor():
+    """`s.a, s.b = s.b, s.a`, and `s.a = s.b`: each place was given a copy of the value, so the
+    third holder `s.c` stopped following and a later in-place update through one missed the
+    other; the outputs drifted from eager's from the second call on."""
+    model, ref = _Swaps(), _Swaps()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(4):
+        x = torch.full((4, 3), i + 1.0, dtype=torch.float64)
+        torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
+        assert (model.b is model.c) == (ref.b is ref.c) and (model.a is model.c) == (ref.a is ref.c)
+    holder = torch.nn.Module()
+    holder.a, holder.b = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    g = hpfun.shard(lambda x: (setattr(holder, "a", holder.b), x.sum() + holder.a.sum())[1], mesh=DP,
+                    in_specs=P("dp"), out_specs=P())
+    g(torch.ones(4, 3, dtype=torch.float64))
+    assert holder.a is holder.b
