@@ -286,7 +286,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             seen_classes.add(c)
             note(_SameNames(c))  # (a value added to the class, or deleted: walked again, its roots anew)
             for k, v in list(vars(c).items()):
-                if k.startswith("__") and k != "__call__":
+                if not _walked_member(k, v):
                     continue
                 held = v
                 if isinstance(v, (staticmethod, classmethod)):
@@ -1138,6 +1138,21 @@ def is_config_argument(x) -> bool:
 
 _CONSTRUCTORS = ("__new__", "__init__", "__post_init__")  # what making an instance runs
 _ALIASES = "<places holding one tensor>"  # a statics key: which places hold a tensor lifted by another name
+# a class's special methods that no step's arithmetic runs (printing, pickling, its own bookkeeping)
+_NOT_WALKED = frozenset(["__repr__", "__str__", "__format__", "__del__", "__getstate__", "__setstate__", "__reduce__",
+                         "__reduce_ex__", "__init_subclass__", "__dir__", "__sizeof__", "__hash__", "__eq__", "__ne__",
+                         "__copy__", "__deepcopy__", "__class_getitem__", "__subclasshook__"])
+
+
+def _walked_member(k: str, v) -> bool:
+    """Whether a user class's member `k` is walked for what it reads: its methods and values,
+    and its special methods a step may run (`__call__`, `__getitem__`, `__mul__`, `__iter__`,
+    `__enter__`: a global read in one keys the program too), not its constructors (walked where
+    the class is made inside, `_CONSTRUCTORS`) nor its printing and pickling."""
+    if not k.startswith("__"):
+        return True
+    return k not in _NOT_WALKED and k not in _CONSTRUCTORS and isinstance(v, (types.FunctionType, staticmethod,
+                                                                               classmethod, property))
 
 
 def _is_block_mask(x) -> bool:
@@ -1248,7 +1263,7 @@ def _class_key(cls: type, depth: int, _path: tuple):
         if not _is_user_class(c) or c.__module__.startswith("torch."):
             continue
         for k, v in list(vars(c).items()):
-            if k.startswith("__") and k != "__call__":
+            if not _walked_member(k, v):
                 continue
             if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):  # (by identity: one
                 code = v.fget if isinstance(v, property) else getattr(v, "__func__", v)  # patched on the class is

@@ -1692,3 +1692,41 @@ def test_a_global_a_constructor_reads_keys_the_program_of_a_step_that_makes_the_
     finally:
         _INIT_SCALE = 1.0
     assert [f.trace_count for f in sharded] == [2, 2, 2, 2]
+
+
+class _Table:
+    def __getitem__(self, i):
+        return _INIT_SCALE * i
+
+    def __rmul__(self, x):
+        return x * _INIT_SCALE
+
+    def __enter__(self):
+        return _INIT_SCALE
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_global_a_special_method_reads_keys_the_program():
+    """`table[2]`, `x * table`, `with table as s` reading a global in `__getitem__`, `__rmul__`,
+    `__enter__` (of an object closed over or made inside): another program when it changes (the
+    first ran, silently: only `__call__` among a class's special methods was walked)."""
+    global _INIT_SCALE
+    table = _Table()
+
+    def entered(x):
+        with table as s:
+            return x * s
+
+    fns = [lambda x: x * table[2], lambda x: x * _Table()[2], lambda x: x * table, entered]
+    x = torch.ones(4, 2, dtype=torch.float64)
+    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P()) for fn in fns]
+    try:
+        for value in (1.0, 5.0):
+            _INIT_SCALE = value
+            for fn, f in zip(fns, sharded, strict=True):
+                torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+    finally:
+        _INIT_SCALE = 1.0
+    assert [f.trace_count for f in sharded] == [2, 2, 2, 2]
