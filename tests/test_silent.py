@@ -1675,13 +1675,9 @@ class _Defaults:
     scale: float = dataclasses.field(default_factory=lambda: _INIT_SCALE * 3)
 
 
-def test_a_global_a_constructor_reads_keys_the_program_of_a_step_that_makes_the_object():
-    """`Smooth()(x)` inside the step, `Smooth.__init__` reading a global (directly, through a base
-    class, an nn.Module's, a dataclass's default_factory): the global changed between calls is
-    another program (the first ran, silently)."""
+def _retraced_when_the_global_changes(fns):
+    """Each of `fns` sharded equals eager with `_INIT_SCALE` at 1.0, then at 5.0: two programs each."""
     global _INIT_SCALE
-    fns = [lambda x: _MadeInside()(x), lambda x: _MadeInsideChild()(x), lambda x: _ModuleMadeInside()(x),
-           lambda x: x * _Defaults().scale]
     x = torch.ones(4, 2, dtype=torch.float64)
     sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P()) for fn in fns]
     try:
@@ -1691,7 +1687,16 @@ def test_a_global_a_constructor_reads_keys_the_program_of_a_step_that_makes_the_
                 torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
     finally:
         _INIT_SCALE = 1.0
-    assert [f.trace_count for f in sharded] == [2, 2, 2, 2]
+    assert [f.trace_count for f in sharded] == [2] * len(fns)
+
+
+def test_a_global_a_constructor_reads_keys_the_program_of_a_step_that_makes_the_object():
+    """`Smooth()(x)` inside the step, `Smooth.__init__` reading a global (directly, through a base
+    class, an nn.Module's, a dataclass's default_factory): the global changed between calls is
+    another program (the first ran, silently)."""
+    fns = [lambda x: _MadeInside()(x), lambda x: _MadeInsideChild()(x), lambda x: _ModuleMadeInside()(x),
+           lambda x: x * _Defaults().scale]
+    _retraced_when_the_global_changes(fns)
 
 
 class _Table:
@@ -1712,7 +1717,6 @@ def test_a_global_a_special_method_reads_keys_the_program():
     """`table[2]`, `x * table`, `with table as s` reading a global in `__getitem__`, `__rmul__`,
     `__enter__` (of an object closed over or made inside): another program when it changes (the
     first ran, silently: only `__call__` among a class's special methods was walked)."""
-    global _INIT_SCALE
     table = _Table()
 
     def entered(x):
@@ -1720,13 +1724,4 @@ def test_a_global_a_special_method_reads_keys_the_program():
             return x * s
 
     fns = [lambda x: x * table[2], lambda x: x * _Table()[2], lambda x: x * table, entered]
-    x = torch.ones(4, 2, dtype=torch.float64)
-    sharded = [hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P()) for fn in fns]
-    try:
-        for value in (1.0, 5.0):
-            _INIT_SCALE = value
-            for fn, f in zip(fns, sharded, strict=True):
-                torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
-    finally:
-        _INIT_SCALE = 1.0
-    assert [f.trace_count for f in sharded] == [2, 2, 2, 2]
+    _retraced_when_the_global_changes(fns)
