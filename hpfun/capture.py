@@ -518,8 +518,9 @@ def _caches_filled_cleared():
     (yet-another-retnet's decay mask) would otherwise hand the trace's placeholder to every later
     call, eager ones too (they failed inside torch). The wrappers are `_lru_caches`; each is asked
     its counts, before and after. A `functools.cached_property` not yet computed is computed at
-    each use while tracing and kept nowhere (transformers' Emu3 memoizes a lookup table so, on an
-    object its model holds, where hpfun could not write the placeholder back)."""
+    each use while tracing; one made from constants and Python values only is then computed again
+    outside the trace and kept on its object, as eager keeps its first value (transformers' Emu3
+    memoizes a lookup table so, on an object its model holds)."""
     caches = list(_lru_caches())
     before = [w.cache_info().misses for w in caches]
     get = functools.cached_property.__get__
@@ -538,11 +539,20 @@ def _caches_filled_cleared():
                                        "its inputs, state or a random draw: eager keeps that first value for later calls, a program "
                                        "would compute it anew at every call", "read it once before the first call, or "
                                        "make it a plain property (computed at every call)"))
+        if isinstance(getattr(instance, "__dict__", None), dict):  # (from constants and Python values: the
+            with proxy_tensor.disable_proxy_modes_tracing(), unset_fake_temporarily():  # value eager keeps,
+                try:  # computed as eager computes it)
+                    first.append((instance, prop.attrname, prop.func(instance)))
+                except Exception:  # (not computable outside the trace: computed at each call, as before)
+                    pass
         return value
 
+    first: list = []  # (instance, name, value): constant cached properties, kept once the trace succeeds
     try:
         with mock.patch.object(functools.cached_property, "__get__", uncached):
             yield
+        for instance, name, value in first:
+            instance.__dict__.setdefault(name, value)  # (a later call reads it as the object's state)
     finally:
         for w, misses in zip(caches, before):
             if w.cache_info().misses != misses:

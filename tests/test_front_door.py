@@ -621,8 +621,8 @@ class _Vocabulary:
 
 def test_a_cached_property_a_held_object_computes_while_tracing_is_a_constant_of_the_program():
     """A `functools.cached_property` an object held by a module computes first inside the trace:
-    the program computes it as a constant and the object keeps no placeholder (it was refused as
-    a tensor stored where hpfun cannot write it back); eager code after the call fills it."""
+    the program computes it as a constant, and the object keeps the value eager computes (no
+    placeholder: that was refused as a tensor stored where hpfun cannot write it back)."""
     model = torch.nn.Linear(4, 4, dtype=torch.float64)
     model.vocab = _Vocabulary({0: 0, 1: 3, 2: 5, 3: 1})
 
@@ -630,10 +630,35 @@ def test_a_cached_property_a_held_object_computes_while_tracing_is_a_constant_of
         return (model(x) * model.vocab.table[ids].unsqueeze(-1)).sum()
 
     x, ids = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
-    got = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())(x, ids).full()
-    assert "table" not in vars(model.vocab)
-    torch.testing.assert_close(got, f(x, ids), rtol=1e-12, atol=1e-12)
+    g = hpfun.shard(f, mesh=MESH, in_specs=(P("dp"), P("dp")), out_specs=P())
+    got = g(x, ids).full()
     assert type(vars(model.vocab)["table"]) is torch.Tensor
+    assert vars(model.vocab)["table"].tolist() == [0, 3, 5, 1]
+    torch.testing.assert_close(got, f(x, ids), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g(x, ids).full(), f(x, ids), rtol=1e-12, atol=1e-12)  # (read as the object's)
+
+
+class _Table(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = 2
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:  # (from constants and a Python number of the module)
+        return torch.arange(4.0, dtype=torch.float64) * self.heads
+
+
+def test_a_cached_property_tensor_made_from_constants_keeps_its_first_value_as_eager_does():
+    """Eager computes it once and keeps it; after `heads` changes, eager still reads the first
+    table. The trace computed it anew and kept nothing, so the program retraced with the new
+    number (silently other results from the second call on)."""
+    model, ref = _Table(), _Table()
+    f = hpfun.shard(lambda x: x + model.table, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.zeros(4, 4, dtype=torch.float64)
+    for heads in (2, 4):
+        model.heads = ref.heads = heads
+        torch.testing.assert_close(f(x).full(), x + ref.table, rtol=0, atol=0)
+    assert vars(model)["table"].tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
 class _Frozen(torch.nn.Linear):
