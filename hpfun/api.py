@@ -1129,7 +1129,8 @@ class ShardedFunction:
                                    _SCHEDULER_FIX if isinstance(obj, _SCHEDULERS) else side_effect)
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
-        outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)})  # (its refusals: before the
+        outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)},
+                                {name for name, *_ in call.state.aliases})  # (its refusals: before the
         substitution.put_numbers()  # numbers the step made are put, or the next step skips its setup of the state)
         return outputs
 
@@ -1438,7 +1439,7 @@ class _Traced:
                 edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, container=kind))
         self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
-    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict) -> list:
+    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict, aliases=()) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
         while any([register_container(type(v)) for v in flat if _is_container(v)]):  # a dataclass of results
             flat, self.out_tree = pytree.tree_flatten(out)  # (nested ones registered level by level)
@@ -1451,11 +1452,12 @@ class _Traced:
         made = {name for name, (owner, _, _) in new_state.items() if owner is None}  # put by the step (appended...)
         for name, value in assigned.items():
             before = stand_ins.get(name)
-            if value is before or (name not in stand_ins and id(value) in stand_in_ids and name not in made):
+            if (value is before and name not in aliases) or \
+                    (name not in stand_ins and id(value) in stand_in_ids and name not in made):
                 continue  # untouched (in-place updates come back through functionalization)
             if isinstance(value, torch.Tensor):
                 self.assigned.append((name, value))
-            elif before is not None and (value is None or lift._is_scalar(value)):
+            elif (before is not None or name in aliases) and (value is None or lift._is_scalar(value)):
                 # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))

@@ -3362,6 +3362,8 @@ class Substitution:
                 if isinstance(v, FakeTensor) and v is not self.swap.get(held):
                     out[name] = _unwrapped(v)
                     new_state[name] = (None, None, ("set", write))
+                elif v is None or _is_scalar(v):  # (emptied, or set to a number: set so by every call)
+                    out[name] = v
         return out, new_state
 
     def _state_sequence(self, name: str, v, real_state, real_p, owner: str, key, out: dict, new_state: dict,

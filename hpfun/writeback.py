@@ -290,9 +290,10 @@ def _order(writes) -> tuple[list, frozenset]:
 
 def clear(cleared, state) -> None:
     """Slots the function emptied (`zero_grad()` sets `.grad` to None) or set to a Python number,
-    as (slot, value) pairs."""
+    as (slot, value) pairs; a further place of a lifted tensor (`State.aliases`) by its name."""
     for name, value in cleared:
-        state.slots[name].write(value)
+        slot = state.slots.get(name)
+        (slot.write if slot is not None else next(w for n, _, w, _ in state.aliases if n == name))(value)
 
 
 def module_state(roots, attributes: bool = False) -> set:

@@ -5894,6 +5894,32 @@ def test_a_place_holding_a_tensor_lifted_by_another_name_gets_what_the_step_puts
         assert type(trainer.stats["last"]) is torch.Tensor
 
 
+class _ClearsItsSecondPlace(torch.nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.a = torch.zeros(4, dtype=torch.float64)
+        self.b = self.a  # (one tensor at two places)
+        self.value = value
+
+    def forward(self, x):
+        self.b = self.value
+        return (self.a + x.mean(0)).sum()
+
+
+@pytest.mark.parametrize("value", [None, 3])
+def test_a_second_place_of_a_lifted_tensor_the_step_empties_is_emptied(value):
+    """`self.b = None` where `b` held `a`'s tensor: the place is not lifted (the tensor is, by
+    its first name), and `b` kept the tensor after the call, silently; each call empties it."""
+    model = _ClearsItsSecondPlace(value)
+    step = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for _ in range(2):  # (the second call from the cache)
+        model.b = model.a
+        x = torch.randn(4, 4, dtype=torch.float64)
+        torch.testing.assert_close(step(x).full(), (model.a + x.mean(0)).sum(), rtol=1e-12, atol=1e-12)
+        assert model.b is value or model.b == value
+    assert step.trace_count == 1
+
+
 class _HoldsInputs(torch.nn.Module):
     """Holds its training inputs in a tuple or list, as gpytorch's ExactGP does."""
 
