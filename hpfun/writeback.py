@@ -414,6 +414,14 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     >>> sorted(hpfun.gather_state(model))
     ['bias', 'weight']
     """
+    gathered: dict = {}  # id -> (the tensor, its full value): one tensor under two keys (tied weights, an
+    # optimizer's `st["m"] = st["m2"]`) is gathered once and stays one tensor, as state_dict() gives it
+
+    def _full(t, inplace, param=None):
+        if id(t) not in gathered:
+            gathered[id(t)] = (t, _full_value(t, inplace, param))
+        return gathered[id(t)][1]
+
     if isinstance(obj, torch.nn.Module):
         sd = obj.state_dict(keep_vars=True)
         _refuse_lost({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)})
@@ -427,7 +435,7 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
         _refuse_lost({f"state.{i}.{k}": v for i, entries in sd["state"].items() if isinstance(entries, dict)
                       for k, v in entries.items() if isinstance(v, torch.Tensor)})
         params = [p for group in obj.param_groups for p in group["params"]]  # (the indices number them so)
-        sd["state"] = {i: {k: _full_entry(v, inplace, params[i] if i < len(params) else None)
+        sd["state"] = {i: {k: _full_entry(v, inplace, params[i] if i < len(params) else None, _full)
                            for k, v in entries.items()} if isinstance(entries, dict) else
                        _full(entries, inplace) if isinstance(entries, torch.Tensor) else entries  # (under a key of
                        for i, entries in sd["state"].items()}  # its own: MADGRAD's `state["k"]`)
@@ -435,13 +443,13 @@ def gather_state(obj, *, inplace: bool = False) -> dict:
     raise TypeError(f"gather_state takes an nn.Module or a torch.optim.Optimizer, got {type(obj).__name__}")
 
 
-def _full_entry(v, inplace: bool, param: torch.Tensor | None):
+def _full_entry(v, inplace: bool, param: torch.Tensor | None, full):
     """An optimizer state entry gathered: a tensor, or each tensor of the containers holding
     them, nested to any depth (SPlus's `sides`, lifted tensor by tensor, whose items hold blocks
     too; AggMo's `{beta: buffer}`, made outside from the parameter's block): lists, tuples,
     dicts and their standard kinds (an OrderedDict, a defaultdict, a namedtuple, a deque), each
     rebuilt as what it was."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: _full(t, inplace, param), v)
+    return pytree.tree_map_only(torch.Tensor, lambda t: full(t, inplace, param), v)
 
 
 def _held_elsewhere(module: torch.nn.Module, sd: dict) -> list:
@@ -497,7 +505,7 @@ def _refuse_lost(values: dict) -> None:
                                      "gathering them"), headline="donated state lost")
 
 
-def _full(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> torch.Tensor:
+def _full_value(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> torch.Tensor:
     """`x` gathered if it holds a block. `param`: the parameter an optimizer's state entry `x`
     belongs to: state an optimizer stepped outside the sharded function made from the block
     its parameter holds (`exp_avg` of the block's shape) is that block's, in its layout."""
@@ -512,5 +520,5 @@ def _full(x: torch.Tensor, inplace: bool, param: torch.Tensor | None = None) -> 
             x.data = full
         _LOCAL.pop(x, None)
     if inplace and x.is_leaf and x.grad is not None:  # after its parameter: a gradient must match its shape
-        x.grad = _full(x.grad, True)
+        x.grad = _full_value(x.grad, True)
     return full

@@ -300,6 +300,24 @@ class TupleMomentum(torch.optim.Optimizer):
                 p.sub_(group["lr"] * (st["bufs"][0] + st["bufs"][1]))
 
 
+class SharedMomentum(torch.optim.Optimizer):
+    """Keeps one buffer under two keys of each parameter's state (`st["m"] = st["m2"]`)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["m"] = st["m2"] = torch.zeros_like(p)
+                st["m"].mul_(0.9).add_(p.grad)
+                st["m2"].add_(0.01)
+                p.sub_(group["lr"] * st["m"])
+
+
 def lifted_dp(out: Path):
     """World 2: BatchNorm's running statistics under data parallel; ranks whose arguments and
     state differ; a mesh of the wrong size."""
@@ -347,6 +365,13 @@ def lifted_dp(out: Path):
         tuple_step(x, y)
     got["tuple state"] = {i: [t.clone() for t in entries["bufs"]] for i, entries in
                           hpfun.gather_state(tuple_opt)["state"].items()}
+    shared = lifted_model()  # one buffer under two keys, split with its parameter: gathered once, one tensor
+    shared_opt = SharedMomentum(shared.parameters())
+    shared_step = sharded_step(mesh, shared, shared_opt, (P("dp"), P("dp")), {"*.weight": P("dp", None), "*.bias": P("dp")})
+    for _ in range(2):
+        shared_step(x, y)
+    got["shared state"] = {i: (entries["m"] is entries["m2"], entries["m"].clone()) for i, entries in
+                           hpfun.gather_state(shared_opt)["state"].items()}
 
     def refused_on_rank_1(x):  # an error only one rank's trace meets (its own data, a rank-local check)
         if torch.distributed.get_rank() == 1:

@@ -483,6 +483,23 @@ def test_gather_state_gathers_a_tuple_of_tensors_in_optimizer_state(lifted_dp_jo
                 _close(a, b, f"rank {rank}, parameter {i}")
 
 
+def test_gather_state_keeps_one_tensor_an_optimizer_holds_under_two_keys_one(lifted_dp_job):
+    """`st["m"] = st["m2"]` of a split parameter: gather_state gathered each key on its own and
+    gave two tensors (state_dict() gives one), so a checkpoint of it loaded back trained
+    otherwise; the full values equal eager's."""
+    worker = _worker()
+    x, y = worker.lifted_data()
+    model = worker.lifted_model()
+    opt = worker.SharedMomentum(model.parameters())
+    for _ in range(2):
+        worker.eager_step(model, opt, x, y)
+    for rank, got in enumerate(lifted_dp_job):
+        for i, p in enumerate(model.parameters()):
+            one, m = got["shared state"][i]
+            assert one, f"rank {rank}, parameter {i}: gather_state gave two tensors"
+            _close(m, opt.state[p]["m"], f"rank {rank}, parameter {i}")
+
+
 def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):
     """The function raises while traced on rank 1 only, and the job catches it and goes on: rank
     1 gets its own error, rank 0 an error naming rank 1, and the next calls pair each rank's
