@@ -1211,6 +1211,9 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
                       if k not in _MODULE_INTERNALS),  # added between calls runs in the next) and its submodules'
                 tuple((kind, tuple(object_key(h, depth - 1, _path) for h in getattr(x, kind).values()))
                       for kind in _HOOK_DICTS if getattr(x, kind, None)),
+                tuple((kind, tuple(object_key(h, depth - 1, _path) for h in hooks.values()))  # (and those torch
+                      for kind in _GLOBAL_HOOK_DICTS  # runs for every module: `register_module_forward_hook`)
+                      if (hooks := getattr(torch.nn.modules.module, kind, None))),
                 tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))
     if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
         return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()

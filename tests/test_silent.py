@@ -642,7 +642,7 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
     holder = torch.nn.Module()
     holder.cls = _Overrides
     crit = torch.nn.CrossEntropyLoss()
-    hooked, patched, forward = _Doubler(), _Doubler(), _Doubler.forward
+    hooked, patched, plain, forward = _Doubler(), _Doubler(), _Doubler(), _Doubler.forward
     module = sys.modules[__name__]
     module.hpfun_test_settings, module._GLOBAL_READ = settings, 1.0
     x = torch.ones(4, 2, dtype=torch.float64)
@@ -671,7 +671,11 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
             lambda m, i, out: out * 5)),
         "bound method argument, its class patched": (lambda x, f: f(x), (patched.scaled,), lambda: setattr(
             _Doubler, "forward", lambda self, x: x * 9)),
+        "bound method argument, a hook for every module added": (lambda x, f: f(x), (plain.__call__,), lambda: (
+            global_hooks.append(torch.nn.modules.module.register_module_forward_hook(
+                lambda m, i, out: out * 7 if isinstance(m, _Doubler) else None)))),
     }
+    global_hooks: list = []
     try:
         for name, (fn, extra, change) in cases.items():
             settings.LR, module._GLOBAL_READ, crit.label_smoothing = 1.0, 1.0, 0.0
@@ -685,6 +689,8 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
             assert f.trace_count == 2, name
     finally:
         _Doubler.forward = forward
+        for handle in global_hooks:
+            handle.remove()
         for k in ("smoothing", "scale"):
             if k in vars(_Overrides):
                 delattr(_Overrides, k)
