@@ -3518,6 +3518,11 @@ class Substitution:
                               "in __init__, and hpfun lifts its tensors as state)" for where in inside]
                     if inside:
                         set_attribute(obj, attr, held[attr]) if attr in held else del_attribute(obj, attr)
+        for prefix, mod, _, _, containers in self._modules:  # a helper a step made and put in a module's list or
+            for attr, (container, items) in containers.items():  # dict (`self.d["c"] = Cache(w)`): taken out whole,
+                if vars(mod).get(attr) is container:  # as it was not there (emptied, eager code read it and failed)
+                    before = {id(w) for w in (items.values() if isinstance(items, dict) else items)}
+                    found += _made_helpers(container, _join(prefix, attr), seen, before=before, lifted=False)
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:
@@ -3721,15 +3726,18 @@ def _items_of(v) -> list:
     return list(v.values()) if type(v) is dict else list(v) if type(v) in (list, tuple) else []
 
 
-def _made_helpers(container, name: str, seen: set, depth: int = 3, before: frozenset | set = frozenset()) -> list:
+def _made_helpers(container, name: str, seen: set, depth: int = 3, before: frozenset | set = frozenset(),
+                  lifted: bool = True) -> list:
     """The tensors of the trace inside plain objects a step put in `container` (a list or dict an
     object held: `self.tallies.append(Tally())`, or one level deeper, `[Tally()]`), each taken out
     with the object; a place each, named with the fix. An object whose id is in `before` was
-    there before the trace: its tensors are taken out, the object stays."""
+    there before the trace: its tensors are taken out, the object stays. `lifted`: whether such
+    an object made before the first call would have its tensors lifted (a plain object's list's
+    are; a module's dict's are not)."""
     found: list = []
     for key, item in list(container.items() if type(container) is dict else enumerate(container))[::-1]:
         if depth > 1 and type(item) in (list, dict, tuple) and _holds_plain_object(item):
-            inner = _made_helpers(item, f"{name}[{key!r}]", seen, depth - 1, before) if type(item) is not tuple else \
+            inner = _made_helpers(item, f"{name}[{key!r}]", seen, depth - 1, before, lifted) if type(item) is not tuple else \
                 [f"{name}[{key!r}] (a tuple holding an object the function made with tensors)"] if any(
                     _holds_fake(vars(w)) for w in item if _is_plain_object(w)) else []
             if inner:
@@ -3741,13 +3749,14 @@ def _made_helpers(container, name: str, seen: set, depth: int = 3, before: froze
             continue
         inside: list = []  # (a helper made and added by the step: `self.tallies.append(Tally())`)
         _take_fakes(item, f"{name}[{key!r}]", inside, seen)
-        if id(item) in before:  # (one held before: its new tensors taken out, it stays where it was)
+        if id(item) in before or not lifted:  # (one held before: its new tensors taken out, it stays where it was)
             found += [f"{where} (in a {type(item).__name__} a list or dict holds: hpfun does not lift what such "
                       "an object holds; keep the tensor in a module's attribute, a dict the function closes over, "
                       "or return it)" for where in inside]
-            continue
+            if id(item) in before:
+                continue
         found += [f"{where} (in a {type(item).__name__} the function made: make it before the first call, in "
-                  "__init__, and hpfun lifts its tensors as state)" for where in inside]
+                  "__init__, and hpfun lifts its tensors as state)" for where in inside if lifted]
         if inside and type(container) is not tuple:
             del container[key]
     return found

@@ -1739,6 +1739,35 @@ def test_a_helper_object_the_step_adds_to_a_list_holding_tensors_is_refused(nest
     assert trainer.tallies == []
 
 
+class _CachesInItsDict(torch.nn.Module):
+    """Puts a helper object holding a tensor in a dict it holds, at its first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.held = {}
+
+    def forward(self, x):
+        if not self.held:
+            helper = _Tally()
+            helper.total = self.lin.weight.detach() * 2
+            self.held["c"] = helper
+        return (self.lin(x) @ self.held["c"].total).sum()
+
+
+def test_a_helper_object_a_forward_puts_in_its_modules_dict_is_refused_and_taken_out():
+    """Refused, and taken out of the module's dict whole: its tensor attribute was deleted and
+    the object left there, so eager code on the module afterwards failed (no attribute
+    `total`); the message said hpfun would lift it if made in __init__, which it does not."""
+    model = _CachesInItsDict()
+    step = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"model.held\['c'\].total \(in a _Tally a list or dict holds: "
+                                                 r"hpfun does not lift"):
+        step(torch.randn(4, 4, dtype=torch.float64))
+    assert not model.held
+    model(torch.randn(4, 4, dtype=torch.float64))  # (eager code runs on it as before the call)
+
+
 def test_a_trainers_private_dict_is_state_and_a_helper_it_makes_holding_tensors_is_refused():
     """A private dict a trainer fills is state as a public one is (it was refused); a helper
     object the step makes holding a tensor is refused, naming the tensor and the fix, and taken
