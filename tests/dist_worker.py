@@ -168,8 +168,8 @@ OPTIMIZERS = {
 }
 
 
-class NestedMomentum(torch.optim.Optimizer):
-    """Momentum kept in a dict and a list under each parameter, made by its first step."""
+class _PerParameter(torch.optim.Optimizer):
+    """An optimizer of the user's, lr 0.1, updating each parameter with its state (`update`)."""
 
     def __init__(self, params):
         super().__init__(params, {"lr": 0.1})
@@ -178,14 +178,20 @@ class NestedMomentum(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             for p in group["params"]:
-                st = self.state[p]
-                if "bufs" not in st:
-                    st["bufs"] = {"fast": torch.zeros_like(p), "slow": torch.zeros_like(p)}
-                    st["log"] = [torch.zeros_like(p)]
-                st["bufs"]["fast"].mul_(0.5).add_(p.grad)
-                st["bufs"]["slow"].mul_(0.9).add_(p.grad)
-                st["log"][0].add_(p.grad)
-                p.sub_(group["lr"] * (st["bufs"]["fast"] + st["bufs"]["slow"] + 0.1 * st["log"][0]))
+                self.update(p, self.state[p], group["lr"])
+
+
+class NestedMomentum(_PerParameter):
+    """Momentum kept in a dict and a list under each parameter, made by its first step."""
+
+    def update(self, p, st, lr):
+        if "bufs" not in st:
+            st["bufs"] = {"fast": torch.zeros_like(p), "slow": torch.zeros_like(p)}
+            st["log"] = [torch.zeros_like(p)]
+        st["bufs"]["fast"].mul_(0.5).add_(p.grad)
+        st["bufs"]["slow"].mul_(0.9).add_(p.grad)
+        st["log"][0].add_(p.grad)
+        p.sub_(lr * (st["bufs"]["fast"] + st["bufs"]["slow"] + 0.1 * st["log"][0]))
 
 
 def state_tensors(entries: dict) -> dict:
@@ -284,38 +290,24 @@ def lifted(out: Path):
     torch.save(results, out / f"lifted-rank{RANK}.pt")
 
 
-class TupleMomentum(torch.optim.Optimizer):
+class TupleMomentum(_PerParameter):
     """Two momentum buffers per parameter kept as a tuple its step rebuilds (SPlus keeps a list)."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                fast, slow = st.get("bufs", (torch.zeros_like(p), torch.zeros_like(p)))
-                st["bufs"] = (fast * 0.5 + p.grad, slow * 0.9 + p.grad)
-                p.sub_(group["lr"] * (st["bufs"][0] + st["bufs"][1]))
+    def update(self, p, st, lr):
+        fast, slow = st.get("bufs", (torch.zeros_like(p), torch.zeros_like(p)))
+        st["bufs"] = (fast * 0.5 + p.grad, slow * 0.9 + p.grad)
+        p.sub_(lr * (st["bufs"][0] + st["bufs"][1]))
 
 
-class SharedMomentum(torch.optim.Optimizer):
+class SharedMomentum(_PerParameter):
     """Keeps one buffer under two keys of each parameter's state (`st["m"] = st["m2"]`)."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st["m"] = st["m2"] = torch.zeros_like(p)
-                st["m"].mul_(0.9).add_(p.grad)
-                st["m2"].add_(0.01)
-                p.sub_(group["lr"] * st["m"])
+    def update(self, p, st, lr):
+        if not st:
+            st["m"] = st["m2"] = torch.zeros_like(p)
+        st["m"].mul_(0.9).add_(p.grad)
+        st["m2"].add_(0.01)
+        p.sub_(lr * st["m"])
 
 
 def lifted_dp(out: Path):

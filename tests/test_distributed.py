@@ -467,16 +467,21 @@ def test_ranks_that_trace_independent_ops_in_another_order_run_one_program(lifte
         _close(got["traced in another order"], ((x * 2.0).cos() + ((x + 1.0) * 3.0).sin()).sum(0), f"rank {rank}")
 
 
-def test_gather_state_gathers_a_tuple_of_tensors_in_optimizer_state(lifted_dp_job):
-    """A tuple of tensors a step rebuilds in each parameter's state, split with its parameter:
-    gather_state gives the full tensors, equal to eager's (each rank's block had come back)."""
+def _eager_state(optimizer: str) -> list:
+    """Each parameter's state after two eager steps of the worker's model with its `optimizer`."""
     worker = _worker()
     x, y = worker.lifted_data()
     model = worker.lifted_model()
-    opt = worker.TupleMomentum(model.parameters())
+    opt = getattr(worker, optimizer)(model.parameters())
     for _ in range(2):
         worker.eager_step(model, opt, x, y)
-    want = {i: list(opt.state[p]["bufs"]) for i, p in enumerate(model.parameters())}
+    return [opt.state[p] for p in model.parameters()]
+
+
+def test_gather_state_gathers_a_tuple_of_tensors_in_optimizer_state(lifted_dp_job):
+    """A tuple of tensors a step rebuilds in each parameter's state, split with its parameter:
+    gather_state gives the full tensors, equal to eager's (each rank's block had come back)."""
+    want = {i: list(st["bufs"]) for i, st in enumerate(_eager_state("TupleMomentum"))}
     for rank, got in enumerate(lifted_dp_job):
         for i, bufs in want.items():
             for a, b in zip(got["tuple state"][i], bufs, strict=True):
@@ -487,17 +492,12 @@ def test_gather_state_keeps_one_tensor_an_optimizer_holds_under_two_keys_one(lif
     """`st["m"] = st["m2"]` of a split parameter: gather_state gathered each key on its own and
     gave two tensors (state_dict() gives one), so a checkpoint of it loaded back trained
     otherwise; the full values equal eager's."""
-    worker = _worker()
-    x, y = worker.lifted_data()
-    model = worker.lifted_model()
-    opt = worker.SharedMomentum(model.parameters())
-    for _ in range(2):
-        worker.eager_step(model, opt, x, y)
+    want = _eager_state("SharedMomentum")
     for rank, got in enumerate(lifted_dp_job):
-        for i, p in enumerate(model.parameters()):
+        for i, st in enumerate(want):
             one, m = got["shared state"][i]
             assert one, f"rank {rank}, parameter {i}: gather_state gave two tensors"
-            _close(m, opt.state[p]["m"], f"rank {rank}, parameter {i}")
+            _close(m, st["m"], f"rank {rank}, parameter {i}")
 
 
 def test_a_compile_failing_on_one_rank_fails_every_rank_and_keeps_them_in_step(lifted_dp_job):
