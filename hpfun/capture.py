@@ -1065,16 +1065,18 @@ def _clock_name(obj) -> str | None:
     """The name of the `time` function `obj` is (`perf_counter` imported by name), or None."""
     import time
 
+    if not isinstance(obj, types.BuiltinFunctionType):  # (before any getattr: a user's AttrDict raises KeyError)
+        return None
     name = getattr(obj, "__name__", None)
-    return name if name in _CLOCKS and getattr(obj, "__module__", None) == "time" and \
-        isinstance(obj, types.BuiltinFunctionType) else None
+    return name if name in _CLOCKS and getattr(obj, "__module__", None) == "time" else None
 
 
 def _generator(obj):
     """The random generator `obj` is, or whose method it is (`rng.random`), or None."""
     import random
 
-    obj = getattr(obj, "__self__", obj)
+    if isinstance(obj, (types.BuiltinMethodType, types.MethodType)):  # (a bound `rng.random`; not a getattr
+        obj = obj.__self__  # on any object: a user's AttrDict raises KeyError for a missing name)
     if isinstance(obj, random.Random) and not isinstance(obj, random.SystemRandom):
         return obj
     np = sys.modules.get("numpy")

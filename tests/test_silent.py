@@ -697,6 +697,30 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
         del module.hpfun_test_settings, module._GLOBAL_READ
 
 
+class _AttrDict(dict):
+    """A quick attribute dict: a missing name raises KeyError, not AttributeError."""
+
+    def __getattr__(self, k):
+        return self[k]
+
+
+_ATTR_CFG = _AttrDict(scale=2.0, inner=_AttrDict(b=3.0))
+
+
+def test_an_attribute_dict_raising_key_error_for_missing_names_is_read_and_keys_the_cache():
+    """A global or closed-over config whose `__getattr__` raises KeyError: capture's probe of it
+    for a random generator's or a clock's name raised it, and the call failed at the config's
+    line; read, and a value changed between calls compiles again."""
+    closed = _AttrDict(scale=7.0)
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for fn in (lambda x: x * _ATTR_CFG.scale * _ATTR_CFG.inner.b, lambda x: x * closed.scale):
+        f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+        for scale in (2.0, 5.0):
+            _ATTR_CFG["scale"] = closed["scale"] = scale
+            torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
+        assert f.trace_count == 2
+
+
 class _Reads:
     """A config whose code reads a global: a property, a method, `__call__`."""
 
