@@ -2077,6 +2077,41 @@ def _mask_as_positions(index):
     return tuple(out) if changed else None
 
 
+def _is_scalar_mask(part) -> bool:
+    return isinstance(part, torch.Tensor) and part.ndim == 0 and part.dtype in (torch.bool, torch.uint8)
+
+
+def _scalar_masks_unsqueezed(x: torch.Tensor, index):
+    """`x[:, b]`, `x[..., b]`, `x[b, b]` with `b` a 0-d mask (bool, or uint8, torch's old mask
+    dtype): torch puts a new dim of one there and indexes it by `b` (one row or none), as
+    (x unsqueezed there, the index with `b` a 1-d mask of that dim), which the mask reads take
+    (`_mask_as_positions`: read as the positions of b's True values). A 0-d mask had been read
+    as a 1-d one of the dim it stood at (`x[:, b]` gave column 0). None where there is none."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(map(_is_scalar_mask, parts)):
+        return None
+
+    def width(part) -> int:  # the dims of x, a dim of one put at each 0-d mask, that `part` indexes
+        if part is None or part is Ellipsis or isinstance(part, bool):
+            return 0
+        if isinstance(part, torch.Tensor) and part.dtype in (torch.bool, torch.uint8):
+            return max(part.ndim, 1)
+        return 1
+
+    spread = x.ndim + sum(map(_is_scalar_mask, parts)) - sum(map(width, parts))  # (the dims `...` stands for)
+    if spread < 0:
+        return None  # (too many indices: torch's own error)
+    out, dim = [], 0
+    for part in parts:
+        if _is_scalar_mask(part):
+            x = x.unsqueeze(dim)
+            out.append(part.reshape(1).bool())
+        else:
+            out.append(part)
+        dim += spread if part is Ellipsis else width(part)
+    return x, tuple(out)
+
+
 def _masked_write(x, mask, value) -> bool:
     """`x[mask] = value` (torchmetrics' `out[cond] = 0.0`, `y[y < 0] = 0`) where the value does not
     depend on how many elements the mask selects (a number, one element, or one row of what it
@@ -2787,12 +2822,9 @@ class _TensorScalars(TorchFunctionMode):
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
             args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)
-        if func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[1], torch.Tensor) \
-                and args[1].dtype in (torch.bool, torch.uint8) and args[1].ndim == 0 and isinstance(args[0], torch.Tensor):
-            # x[b], b a 0-d mask (uint8: torch's old mask dtype): a new dim of one row or none, as
-            # eager (the mask over that dim read)
-            if (index := _mask_as_positions(args[1].reshape(1).bool())) is not None:
-                return func(args[0].unsqueeze(0), index)
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
+                and isinstance(args[0], torch.Tensor) and (masked := _scalar_masks_unsqueezed(*args[:2])) is not None:
+            args = (*masked, *args[2:])  # (`x[:, b]`, b a 0-d mask: x with a dim of one there, b a mask of it)
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and _masked_write(*args):
             return None
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and \

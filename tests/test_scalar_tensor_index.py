@@ -522,9 +522,34 @@ def test_a_0d_integer_argument_given_for_an_int_is_read_as_int_reads_it(op):
 
 def test_a_0d_uint8_index_is_a_mask_not_an_int():
     """`x[:, t]` with `t` a 0-d uint8 tensor indexes by it as a byte mask (a new dim of one row or
-    none), not as the integer it holds: it is refused as a read of the data, as before uint8
-    tensors were read where torch parses an int (it gave x[:, 2], silently)."""
+    none), not as the integer it holds (it gave x[:, 2], silently, when uint8 tensors were read
+    where torch parses an int)."""
     x = torch.arange(20, dtype=D).reshape(4, 5)
     f = hpfun.shard(lambda x, t: x[:, t], mesh=MESH, in_specs=(P("dp"), P()), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match="reads tensor values"):
-        f(x, torch.tensor(2, dtype=torch.uint8))
+    for t in (torch.tensor(2, dtype=torch.uint8), torch.tensor(0, dtype=torch.uint8)):
+        want = x[:, t.bool()]
+        got = f(x, t).full()
+        assert got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_a_0d_mask_after_other_indices_adds_its_dim_where_it_stands(spec):
+    """`x[:, b]`, `x[..., b]`, `x[b, b]` and `y[:, b] = 0`: torch puts a dim of one (b True) or
+    none there; the 0-d mask was read as a 1-d mask of the dim it stood at (`x[:, b]` gave
+    column 0 as a (4, 1) result), silently."""
+    x = torch.arange(48, dtype=D).reshape(4, 3, 4)
+
+    def zeroed(x, b):
+        y = x.clone()
+        y[:, b] = 0.0
+        return y
+
+    cases = {"x[:, b]": lambda x, b: x[:, b], "x[..., b]": lambda x, b: x[..., b], "x[b, b]": lambda x, b: x[b, b],
+             "x[None, b, ..., 1]": lambda x, b: x[None, b, ..., 1], "x[b, 1:, b]": lambda x, b: x[b, 1:, b],
+             "x[:, b] made inside": lambda x, b: x[:, torch.tensor(True)], "y[:, b] = 0": zeroed,
+             "grad of x[..., b]": lambda x, b: torch.func.grad(lambda x: (x[..., b] ** 2).sum())(x)}
+    for name, fn in cases.items():
+        for b in (torch.tensor(True), torch.tensor(False)):
+            want = fn(x, b)
+            got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())(x, b).full()
+            assert got.shape == want.shape and torch.equal(got, want), (name, b)
