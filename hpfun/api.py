@@ -1040,6 +1040,11 @@ class ShardedFunction:
                                         "one more each time", "register the hook once, outside the sharded function "
                                         "(the trace runs the tensor's hooks), or transform the gradient inside")
                                 for path in hooked], headline="hooks registered inside the function")
+        if rebound := substitution.rebound_modules():
+            raise CaptureError([Problem(place, "a traced program cannot move modules: the trace made the move, a "
+                                        "cached call would not; it was put back", "move modules outside the sharded "
+                                        "function, between calls") for place in rebound],
+                               headline="the function moves submodules")
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if not _same_static(call.state.statics.get(k, v), v)

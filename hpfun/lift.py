@@ -3532,6 +3532,21 @@ class Substitution:
                 continue
         return found
 
+    def rebound_modules(self) -> list[str]:
+        """After `restore`: the submodule places the step gave another module it held before
+        (`md["a"], md["b"] = md["b"], md["a"]`, a ModuleList rotated): the trace made the move,
+        a cached call would not, and the next steps ran on the other module, silently. Each is
+        put back, and named."""
+        held = {id(sub) for before in self._submodules.values() for sub in before.values()}
+        found = []
+        for prefix, mod, _, _, _ in self._modules:
+            before = self._submodules.get(id(mod), {})
+            for key, sub in list(mod._modules.items()):
+                if key in before and before[key] is not sub and id(sub) in held and not _holds_fake_state(sub):
+                    found.append(f"{_join(prefix, key)} (given the module another place held)")
+                    mod._modules[key] = before[key]
+        return found
+
     def put_numbers(self) -> None:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's
         Muon's `use_muon`), put there as eager's step leaves them; later calls read them as statics."""

@@ -5949,6 +5949,32 @@ def test_a_second_place_of_a_lifted_tensor_the_step_empties_is_emptied(value):
     assert step.trace_count == 1
 
 
+@pytest.mark.parametrize("how", ["dict swap", "attribute swap", "list rotation"])
+def test_a_step_moving_submodules_is_refused_and_leaves_them_in_place(how):
+    """The trace made the move and a cached call did not: from the second call on, the step ran
+    with the modules where the first call had left them, silently."""
+    model = torch.nn.Module()
+    model.md = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    model.seq = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    a, b, first = model.md["a"], model.md["b"], model.seq[0]
+
+    def step(x):
+        out = model.md["a"](x) * 2 + model.md["b"](x) + model.seq[0](x)
+        if how == "dict swap":
+            model.md["a"], model.md["b"] = model.md["b"], model.md["a"]
+        elif how == "attribute swap":
+            model.md.a, model.md.b = model.md.b, model.md.a
+        else:
+            model.seq[0], model.seq[1], model.seq[2] = model.seq[1], model.seq[2], model.seq[0]
+        return out.sum()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)moves submodules.*given the module another place held.*"
+                                                 r"move modules outside the sharded function"):
+        f(torch.randn(4, 4))
+    assert model.md["a"] is a and model.md["b"] is b and model.seq[0] is first
+
+
 class _HoldsInputs(torch.nn.Module):
     """Holds its training inputs in a tuple or list, as gpytorch's ExactGP does."""
 
