@@ -1751,7 +1751,8 @@ def _tied_names(state: lift.State, names: set) -> dict:
     for root in state.roots:
         if isinstance(root.value, torch.nn.Module):
             for kind in ("named_parameters", "named_buffers"):
-                for name, t in getattr(root.value, kind)(remove_duplicate=False):
+                for name, t in getattr(torch.nn.Module, kind)(root.value, remove_duplicate=False):  # (torch's:
+                    # a subclass's override may not take remove_duplicate, torchrl's LossModule's)
                     full = lift._join(root.name, name)
                     lifted = state.param_names.get(id(t))
                     if full not in names and lifted in names and lifted != full:

@@ -5949,6 +5949,41 @@ def test_a_second_place_of_a_lifted_tensor_the_step_empties_is_emptied(value):
     assert step.trace_count == 1
 
 
+class _OldNamedParameters(torch.nn.Module):
+    """Overrides named_parameters with the signature before remove_duplicate (torchrl's LossModule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1, dtype=torch.float64)
+
+    def named_parameters(self, prefix="", recurse=True):
+        yield from super().named_parameters(prefix=prefix, recurse=recurse)
+
+    def forward(self, x):
+        return self.net(x).pow(2).mean()
+
+
+def test_a_module_overriding_named_parameters_without_remove_duplicate_steps():
+    """hpfun's own walk for tied names called the override with remove_duplicate=False: a bare
+    TypeError at every call of any torchrl objective."""
+    model, ref = _OldNamedParameters(), _OldNamedParameters()
+    ref.load_state_dict(model.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+
+    def step(m, opt, x):
+        loss = m(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = hpfun.shard(functools.partial(step, model, opts[0]), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(2):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), step(ref, opts[1], x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.net.weight, ref.net.weight, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("how", ["dict swap", "attribute swap", "list rotation"])
 def test_a_step_moving_submodules_is_refused_and_leaves_them_in_place(how):
     """The trace made the move and a cached call did not: from the second call on, the step ran
