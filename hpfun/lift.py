@@ -1166,6 +1166,9 @@ def _is_user_function(x) -> bool:
     return isinstance(x, types.FunctionType) and not _is_library(x.__code__.co_filename)
 
 
+_KEY_MEMO: dict | None = None  # (kind, id, depth) -> key of the classes and functions one walk has met
+
+
 def object_key(x, depth: int = 8, _path: tuple = ()):
     """A hashable snapshot of the values a config object holds: its numbers, strings and flags,
     NumPy arrays of numbers, and the dicts, lists and objects of them it holds (to `depth`
@@ -1173,7 +1176,59 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
     PLAIN_CONTAINER_ITEMS items); another hashable value as itself, any
     other by identity. Equal snapshots: a trace reading it records the same program. An object
     met again inside itself (`self.me = self`) is a mark of how many levels up it was met, not
-    walked again."""
+    walked again. Each class and function is walked once per walk and depth (`_KEY_MEMO`): a
+    library outside site-packages (a clone on PYTHONPATH), whose classes name each other in
+    their methods, was walked again along every path, a first call of minutes."""
+    global _KEY_MEMO
+    if _KEY_MEMO is not None:
+        return _object_key(x, depth, _path)
+    _KEY_MEMO = {}
+    try:
+        return _object_key(x, depth, _path)
+    finally:
+        _KEY_MEMO = None
+
+
+def _memoized(kind: str, x, depth: int, make) -> "_Shared":
+    """`make()`, or the key this walk made of `x` already at this depth."""
+    memo = _KEY_MEMO if _KEY_MEMO is not None else {}
+    found = memo.get((kind, id(x), depth), _MISSING)
+    if found is _MISSING:
+        found = memo[(kind, id(x), depth)] = _Shared(make())
+    return found
+
+
+class _Shared:
+    """A class's or function's key (`_memoized`), held at every place its class or function is
+    named: its hash made once, and one found equal made the same, so that a key holding it many
+    times hashes and compares in time linear in its distinct parts (nested tuples hash and compare
+    each copy again: exponential in how deep classes name classes)."""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key):
+        self.key, self._hash = key, hash(key)
+
+    def __eq__(self, other) -> bool:
+        if self is other or type(other) is _Shared and other.key is self.key:
+            return True
+        if type(other) is not _Shared or other._hash != self._hash or other.key != self.key:
+            return False
+        other.key = self.key  # (equal: the next comparison of the two is by identity)
+        return True
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return repr(self.key)
+
+
+def _unshared(key):
+    return key.key if type(key) is _Shared else key
+
+
+def _object_key(x, depth: int, _path: tuple):
     if _is_scalar(x):
         return Exact(x)  # (1, 1.0 and True: three programs, as arguments are)
     if _is_numbers_array(x):
@@ -1188,14 +1243,8 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
         return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
         return (type(x).__name__, tuple(sorted(repr(object_key(v, depth - 1, _path)) for v in x)))  # by their values)
-    if depth and _is_user_function(x):  # (by its code, the globals it loads, its closure's values, its defaults
-        cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())  # and own numbers: what a call reads;
-        code, scope = x.__code__, x.__globals__  # a lambda made anew at each call with the same values is the same)
-        own = tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items() if not k.startswith("__"))
-        return ("function", _Same(code), own, tuple((name, _global_key(scope[name], code, depth - 1, _path))
-                                     for name in _global_names(code) if name in scope),
-                tuple(_global_key(v, code, depth - 1, _path) for v in cells),
-                object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
+    if depth and _is_user_function(x):
+        return _memoized("function", x, depth, lambda: _function_key(x, depth, _path))
     if depth and isinstance(x, types.ModuleType) and _is_user_module(x):  # a config module (`import settings`):
         return ("module", x.__name__, tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())
                                             if not k.startswith("_") and (not isinstance(v, types.ModuleType)
@@ -1253,7 +1302,24 @@ class _TensorKey:
         return "a tensor"
 
 
+def _function_key(x, depth: int, _path: tuple):
+    """A user function in its `object_key`: by its code, the globals it loads, its closure's
+    values, its defaults and own numbers: what a call reads (a lambda made anew at each call with
+    the same values is the same)."""
+    cells = tuple(cell_value(c, _MISSING) for c in x.__closure__ or ())
+    code, scope = x.__code__, x.__globals__
+    own = tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items() if not k.startswith("__"))
+    return ("function", _Same(code), own, tuple((name, _global_key(scope[name], code, depth - 1, _path))
+                                                for name in _global_names(code) if name in scope),
+            tuple(_global_key(v, code, depth - 1, _path) for v in cells),
+            object_key(x.__defaults__, depth - 1, _path), object_key(x.__kwdefaults__, depth - 1, _path))
+
+
 def _class_key(cls: type, depth: int, _path: tuple):
+    return _memoized("class", cls, depth, lambda: _class_key_of(cls, depth, _path))
+
+
+def _class_key_of(cls: type, depth: int, _path: tuple):
     """A user object's class in its `object_key`: the class itself (two classes of one name, made
     by `type()` or defined twice, are two programs: their code and values differ) and the values
     its user classes hold (`Cfg.v = 4.0` between calls, read as `c.v`, is another program), the
@@ -1294,7 +1360,7 @@ def class_difference(cached, given) -> tuple[str, str] | None:
     if not (type(cached) is tuple and type(given) is tuple and len(cached) == len(given) == 2) or \
             cached[0] == given[0]:
         return None
-    a, b = cached[0], given[0]
+    a, b = _unshared(cached[0]), _unshared(given[0])
     if not (type(a) is tuple and type(b) is tuple and a[0] == b[0] == "class"):
         return str(a), str(b)
     if a[1] != b[1]:
@@ -1319,7 +1385,7 @@ def class_changes(cached, given, obj) -> list[tuple[str, object, object]]:
     its class as it was (the call that changed it is refused); _MISSING where absent."""
     if not (type(cached) is tuple and type(given) is tuple and len(cached) == len(given) == 2):
         return []
-    a, b = cached[0], given[0]
+    a, b = _unshared(cached[0]), _unshared(given[0])
     if not (type(a) is tuple and type(b) is tuple and a[0] == b[0] == "class" and a[1] == b[1]):
         return []
     owners = {c.__qualname__: c for c in (obj if isinstance(obj, type) else type(obj)).__mro__}
@@ -1339,6 +1405,7 @@ def class_changes(cached, given, obj) -> list[tuple[str, object, object]]:
 
 def _reads_text(key) -> str:
     """The globals a method's `object_key` holds, as text (`G = 1.0`), for a retrace warning."""
+    key = _unshared(key)
     if not (type(key) is tuple and key and key[0] == "function"):
         return "its globals"
     return ", ".join(f"{name} = {value!r}" for name, value in key[3]) or "no globals"
@@ -1893,13 +1960,27 @@ def _values_of(key, by_kind: bool = False):
     is state, read at every call: its identity keys nothing, and one reassigned each call is one
     program); `_BY_IDENTITY` where it holds an object by identity (a None in it is a value), or,
     `by_kind`, that object as a mark of its type (the values beside it still key the program)."""
+    return _values_in(key, by_kind, {})
+
+
+def _values_in(key, by_kind: bool, done: dict):
+    """`_values_of`, each tuple once (`done`, by id): a key holds one class's key at every place
+    its class is named, and walking each copy was exponential in how deep classes name classes."""
     if type(key) is _TensorKey:
         return ("tensor",)
+    if type(key) is _Shared:
+        if id(key) not in done:
+            inner = _values_in(key.key, by_kind, done)
+            done[id(key)] = inner if inner is _BY_IDENTITY else _Shared(inner)
+        return done[id(key)]
     if isinstance(key, tuple):
+        if id(key) in done:
+            return done[id(key)]
         if len(key) == 3 and key[0] == "object":
             return ("object", key[1]) if by_kind else _BY_IDENTITY
-        items = tuple(_values_of(k, by_kind) for k in key)
-        return _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
+        items = tuple(_values_in(k, by_kind, done) for k in key)
+        done[id(key)] = out = _BY_IDENTITY if any(k is _BY_IDENTITY for k in items) else items
+        return out
     return key
 
 

@@ -4,6 +4,7 @@ or failed inside the run, where every op's own rule check passed."""
 import collections
 import dataclasses
 import functools
+import importlib
 import math
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import hpfun
-from hpfun import P
+from hpfun import P, lift
 
 MESH = hpfun.Mesh.simulated((2,), ("a",))
 MESH2 = hpfun.Mesh.simulated((2, 2), ("a", "b"))
@@ -695,6 +696,34 @@ def test_settings_added_to_a_class_or_named_by_a_variable_or_a_config_module_arg
             if k in vars(_Overrides):
                 delattr(_Overrides, k)
         del module.hpfun_test_settings, module._GLOBAL_READ
+
+
+def test_a_library_outside_site_packages_whose_classes_name_each_other_is_keyed_once_per_class(tmp_path, monkeypatch):
+    """A library on PYTHONPATH (a clone, `pip install --target`) is the user's code: its classes
+    are keyed by what their methods read, and each method names the other classes. The walk
+    went down every path (classes times methods, to the power of the depth): a first call of
+    minutes with torchrl's classes. Each class is now walked once per depth, and the key
+    hashes and compares in linear time; a class value changed between calls still keys."""
+    n = 6
+    (tmp_path / "hpfun_test_dense_lib.py").write_text("".join(
+        f"class C{i}:\n    scale = 1.0\n" + "".join(
+            f"    def f{m}(self):\n        return [{', '.join(f'C{j}' for j in range(n) if j != i)}]\n"
+            for m in range(6)) for i in range(n)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lib = importlib.import_module("hpfun_test_dense_lib")
+    members = []
+    walked = lift._walked_member
+    monkeypatch.setattr(lift, "_walked_member", lambda k, v: members.append(k) or walked(k, v))
+    helper = lib.C0()
+    f = hpfun.shard(lambda x, h: x * h.scale, mesh=MESH, in_specs=(P("a"), None), out_specs=P("a"))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    torch.testing.assert_close(f(x, helper).full(), x)
+    assert len(members) < 2000, len(members)  # (it was 719,763)
+    lib.C3.scale = 2.0  # (read by no one: another program all the same, as every class value keys)
+    torch.testing.assert_close(f(x, helper).full(), x)
+    lib.C0.scale = 3.0
+    torch.testing.assert_close(f(x, helper).full(), x * 3.0)
+    assert f.trace_count == 3
 
 
 class _AttrDict(dict):
