@@ -2357,7 +2357,15 @@ class InputRead:
         object.__setattr__(self, "copies", any(writes(op) for op, *_ in self.steps))
 
     def holds(self, inputs: list) -> bool:
-        return same_value(self.evaluate(inputs), self.value)
+        """Whether the read gives its value on these inputs; not where its steps fail on them
+        (a size an earlier read set, `torch.full((n,), ...)`, indexed at positions a later one
+        reads: the traced steps of another call fail where the function's own code would take
+        another path; a program is traced for them). Every input is read before any step runs:
+        on a distributed mesh a read of a split one is a collective, made by every rank alike."""
+        try:
+            return same_value(self.evaluate(inputs), self.value)
+        except (IndexError, RuntimeError, ValueError):
+            return False
 
     def evaluate(self, inputs: list):
         made: list = []
@@ -2376,6 +2384,9 @@ class InputRead:
                 return a.clone()
             return cpu if isinstance(a, torch.device) else a
 
+        for leaf in pytree.tree_leaves([(args, kwargs) for _, args, kwargs in self.steps]):
+            if isinstance(leaf, _Input):
+                arg(leaf)  # (each input read first: see `holds`)
         with torch.no_grad():
             for op, args, kwargs in self.steps:
                 args, kwargs = pytree.tree_map(arg, (args, kwargs))

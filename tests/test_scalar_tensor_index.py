@@ -553,3 +553,25 @@ def test_a_0d_mask_after_other_indices_adds_its_dim_where_it_stands(spec):
             want = fn(x, b)
             got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P()), out_specs=P())(x, b).full()
             assert got.shape == want.shape and torch.equal(got, want), (name, b)
+
+
+def _chunked(x, lens):
+    """Qwen2.5-Omni's audio chunking: a table sized by one read of the arguments, written at
+    positions a second read names, then read whole."""
+    n = torch.ceil(lens / 16).long()
+    chunks = torch.full((int(n.sum()),), 16, dtype=torch.long)
+    chunks[torch.nn.functional.pad(n, (1, 0), value=-1).cumsum(0)[1:]] = lens % 16
+    chunks[chunks == 0] = 16
+    return x * sum(chunks.tolist())
+
+
+def test_a_read_whose_steps_fail_on_other_arguments_does_not_hold_for_them():
+    """A program traced for 7 chunks, checked on arguments of 8: its second read's steps index
+    past the table its first read sized, and the IndexError came out of hpfun's check of the
+    cached program instead of a program for the new arguments."""
+    x = torch.ones(2, dtype=D)
+    for order in (([24, 32, 32, 32], [16, 32, 32, 32], [32, 24, 32, 32]),
+                  ([16, 32, 32, 32], [32, 24, 32, 32], [24, 32, 32, 32])):
+        f = hpfun.shard(_chunked, mesh=MESH, in_specs=(P(), P()), out_specs=P())
+        for lens in map(torch.tensor, order):
+            torch.testing.assert_close(f(x, lens).full(), _chunked(x, lens), rtol=0, atol=0)
