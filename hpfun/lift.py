@@ -482,6 +482,9 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                         and any(map(_is_user_function, held)):
                     seen_functions.add(key)
                     value(held, _join(name, f"<closure {i}>"), _constant(held), None)
+                elif _is_optimizer(held) or _holds_any(held, _is_optimizer, 2):  # and the optimizers it steps
+                    seen_functions.add(key)  # (torchtune's optimizer in the backward: a gradient hook over
+                    value(held, _join(name, f"<closure {i}>"), _constant(held), None)  # {param: AdamW})
             return
         seen_functions.add(key)
         note((fn, "__code__", code))

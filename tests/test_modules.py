@@ -7,10 +7,13 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import logging
 import operator
+import pathlib
 import re
 import sys
+import tempfile
 import types
 import warnings
 
@@ -4783,6 +4786,46 @@ def _optimizer_in_backward(seed: int):
     return model, step, lambda: [opts[p].state[p] for p in model.parameters()]
 
 
+_OPTIM_IN_BACKWARD_LIBRARY = """
+def register_optim_in_bwd_hooks(model, optim_dict):
+    def optim_step(param):
+        optim_dict[param].step()
+        optim_dict[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(optim_step)
+"""
+
+
+@functools.cache
+def _installed_library(name: str, source: str):
+    """A module of `source` in a folder named site-packages: a library's code, as hpfun tells."""
+    folder = pathlib.Path(tempfile.mkdtemp()) / "site-packages"
+    folder.mkdir()
+    (folder / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
+def _optimizer_in_backward_by_a_library(seed: int):
+    """The same with the hooks registered by the library's own helper (torchtune's
+    register_optim_in_bwd_hooks): a library's code, whose closure was not read, so its
+    optimizers were neither lifted nor refused and the step applied none of their updates."""
+    model = mlp(seed)
+    opts = {p: torch.optim.AdamW([p], lr=0.01) for p in model.parameters()}
+    _installed_library("hpfun_test_optim_in_backward", _OPTIM_IN_BACKWARD_LIBRARY).register_optim_in_bwd_hooks(
+        model, opts)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return model, step, lambda: [opts[p].state[p] for p in model.parameters()]
+
+
 def _optimizer_in_backward_by_default(seed: int):
     """The same with each optimizer bound as its hook's default argument (`def hook(p, o=o)` in
     a loop: one code, and each hook's own optimizer; the second hook's was never lifted)."""
@@ -5036,11 +5079,12 @@ def _trainer_scales(seed: int):
 
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
-@pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_default, _scales_by_parameter,
+@pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_a_library,
+                                  _optimizer_in_backward_by_default, _scales_by_parameter,
                                   _trainer_scales, _by_parameter_elsewhere, _lazy_momentum, _module_momentum,
                                   _nested_momentum, _named_momentum],
-                         ids=["optimizer-in-backward", "optimizer-by-default", "scales", "trainer-scales", "elsewhere",
-                              "lazy", "module", "nested", "named"])
+                         ids=["optimizer-in-backward", "optimizer-in-backward-by-a-library", "optimizer-by-default",
+                              "scales", "trainer-scales", "elsewhere", "lazy", "module", "nested", "named"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
     holds is keyed by the parameters' stand-ins while the trace runs (its lookups raised
