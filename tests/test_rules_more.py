@@ -872,3 +872,26 @@ def test_combinations_pick_positions_their_length_decides(r, with_replacement):
     _run(lambda x, w: torch.combinations(x[:2], 3, with_replacement), (x, w), (2,), (P("a"), P()))
     loss = lambda w: (torch.combinations(w, r, with_replacement).prod(-1) if r else w).sum()  # noqa: E731
     _run(lambda x, w: torch.func.grad(loss)(w), (x, w), (2, 2), (P("a"), P()))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_an_empty_or_whole_slice_of_a_split_dim_is_that_of_every_block(ranks):
+    """A slice of none or all of a split dim keeps it split; each block was then sliced by the
+    slice's own bounds, which mean other rows of a block: `x[-4:3]` of 8 rows (empty) was rows
+    0-2 of each block of 4, so its sum counted them and its shards held rows, silently, and the
+    write `y[-4:3] += 1` failed at run time."""
+    mesh = hpfun.Mesh.simulated((ranks,), ("a",))
+    x = torch.arange(16, dtype=torch.float64).reshape(8, 2)
+
+    def written(x, rows):
+        y = x.clone()
+        y[rows] += 100.0
+        return y
+
+    for rows in (slice(-4, 3), slice(-1, 5), slice(5, 2), slice(-8, None), slice(-100, 100), slice(0, 8)):
+        for fn in (lambda x: x[rows].sum() + x.sum(), lambda x: x[rows] * 2.0, lambda x: written(x, rows)):
+            want = fn(x)
+            got = hpfun.shard(fn, mesh=mesh, in_specs=(P("a"),), out_specs=None)(x)
+            assert got.shape == want.shape and torch.equal(got.full(), want), rows
+            if want.ndim:
+                assert all(s.shape[0] <= want.shape[0] for s in got.shards), rows

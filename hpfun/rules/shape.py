@@ -198,6 +198,10 @@ class Slice(Rule):
                 strategy.inputs[0].shard_axes(dim := call.arg(self.dim_arg, "dim", 0) % x.ndim) and \
                 (rows := _picked_rows(call, x.shape[dim])).step > 1:  # tiled: the block's own rows
             return ctx.call(aten.slice.Tensor, (args[0], dim, rows.start, None, rows.step))
+        if strategy.note != "picked" and call.op is aten.slice.Tensor and strategy.inputs[0].shard_axes(dim) and \
+                call.outputs[0].shape[dim] in (0, x.shape[dim]):  # (kept split: none of each block, or all of it;
+            # the slice's own bounds mean other rows of a block, `x[-4:3]` of 8 rows is rows 0-2 of a block of 4)
+            return ctx.call(aten.slice.Tensor, (args[0], dim, 0, 0 if call.outputs[0].shape[dim] == 0 else None))
         if strategy.note != "picked":
             return super().emit(ctx, call, strategy, args, kwargs)
         x_layout, x = strategy.inputs[0], call.tensors[0]
