@@ -2281,6 +2281,18 @@ def _scalar_tensors_as_lists(index):
     return out if isinstance(index, tuple) else out[0]
 
 
+def _scalar_tensors_beside_indices(index):
+    """`h[i, :, j] = v` with `j` a traced 0-d integer tensor beside an index of one or more dims
+    (`i`, a tensor or a list): an index among the others, broadcast with them, as torch takes
+    an integer there; given as a one-element index, which broadcasts alike, since torch reads a
+    0-d one in C++ (no trace can) where the index is written. None where there is none."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(map(_is_traced_int_scalar, parts)) or not any(
+            isinstance(p, torch.Tensor) and p.ndim >= 1 or isinstance(p, list) for p in parts):
+        return None
+    return tuple(p.reshape(1).long() if _is_traced_int_scalar(p) else p for p in parts)
+
+
 def _index_by_scalar_tensors(func, x, index, as_lists, *value):
     """`x[index]` (or `x[index] = value`) where `index` holds traced 0-d integer tensors, as the
     indexing by their one-element lists (`_scalar_tensors_as_lists`) reshaped to what integer
@@ -2836,6 +2848,9 @@ class _TensorScalars(TorchFunctionMode):
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and isinstance(args[0], torch.Tensor) and (masked := _scalar_masks_unsqueezed(*args[:2])) is not None:
             args = (*masked, *args[2:])  # (`x[:, b]`, b a 0-d mask: x with a dim of one there, b a mask of it)
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
+                and (index := _scalar_tensors_beside_indices(args[1])) is not None:
+            args = (args[0], index, *args[2:])  # (`h[i, :, j] = v`, j a 0-d integer: one index among the others)
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and _masked_write(*args):
             return None
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and \

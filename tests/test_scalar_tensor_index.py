@@ -575,3 +575,40 @@ def test_a_read_whose_steps_fail_on_other_arguments_does_not_hold_for_them():
         f = hpfun.shard(_chunked, mesh=MESH, in_specs=(P(), P()), out_specs=P())
         for lens in map(torch.tensor, order):
             torch.testing.assert_close(f(x, lens).full(), _chunked(x, lens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp")], ids=str)
+def test_a_0d_integer_index_beside_other_indices_reads_and_writes_as_eager(spec):
+    """`h[i, :, j] = v`, `h[i, j] += v`, `h[m, :, j] = v` and a read after a write through a
+    view, with `j` a 0-d integer argument beside an index tensor, list or mask: torch reads `j`
+    in C++ where the index is written, and the call was refused as a read of parameters or
+    random draws (`j` is an argument)."""
+    x = torch.randn(4, 4, 6, dtype=D, generator=_gen())
+    i, j, m = torch.tensor([0, 2]), torch.tensor(3), torch.tensor([True, False, True, True])
+
+    def written(index, value=1.0):
+        def f(x, i, j, m):
+            h = x.clone()
+            h[index(i, j, m)] = value
+            return h
+        return f
+
+    def added(x, i, j, m):
+        h = x.clone()
+        h[i, j] += torch.arange(6, dtype=D)
+        return h
+
+    def read_after_a_view_write(x, i, j, m):
+        h = x.clone()
+        h.select(0, 1).add_(1.0)
+        return h[i, j]
+
+    cases = [written(lambda i, j, m: (i, slice(None), j)), written(lambda i, j, m: (j, i)),
+             written(lambda i, j, m: (m, slice(None), j)), added, read_after_a_view_write,
+             lambda x, i, j, m: x[[0, 2], j], lambda x, i, j, m: x[m, j],
+             lambda x, i, j, m: torch.func.grad(lambda x: (x[i, :, j] ** 2).sum())(x)]
+    for fn in cases:
+        want = fn(x, i, j, m)
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P(), P(), P()), out_specs=P())(x, i, j, m).full()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
