@@ -2657,11 +2657,19 @@ def _writes_into(node: torch.fx.Node) -> list | None:
             if user.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
                 return None
             schema = target._schema
-            if writes(target):
+            if writes(target) and _writes_node(user, schema, n):
                 writers.append(user)
             if schema.returns and schema.returns[0].alias_info is not None:  # a view: its writes are ours
                 stack.append(user)
     return writers
+
+
+def _writes_node(user: torch.fx.Node, schema, n: torch.fx.Node) -> bool:
+    """Whether the writing op `user` is given `n` where it writes (`index_put_`'s self), not only
+    where it reads (its indices: `k[:, pos[:n]] = v` writes k, and pos stays readable)."""
+    given = dict(zip((a.name for a in schema.arguments), user.args)) | dict(user.kwargs)
+    return any(a.alias_info is not None and a.alias_info.is_write and n in pytree.tree_leaves(given.get(a.name))
+               for a in schema.arguments)
 
 
 class TracingWarning(UserWarning):

@@ -5993,6 +5993,43 @@ def test_a_second_place_of_a_lifted_tensor_the_step_empties_is_emptied(value):
     assert step.trace_count == 1
 
 
+class _PositionedCache(torch.nn.Module):
+    """torchtune's KVCache: checks its position buffer, writes the new rows at the positions it
+    names, then advances it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.arange(16))
+        self.register_buffer("k", torch.zeros(4, 16, dtype=torch.float64))
+
+    def update(self, v):
+        n = v.shape[1]
+        assert (self.pos[0] + n) <= self.k.shape[1]
+        self.k[:, self.pos[:n]] = v
+        self.pos.add_(n)
+        return self.k
+
+
+def test_a_buffer_indexing_a_write_stays_readable():
+    """The write `k[:, pos[:n]] = lin(x)` was taken for a write into pos (a view of it is among
+    its arguments), so the next check of pos read a parameter's values: refused. Decoding after a
+    prefill now runs as eager, three steps from one program."""
+    cache, lin = _PositionedCache(), torch.nn.Linear(4, 4, dtype=torch.float64)
+    ref_cache, ref_lin = copy.deepcopy(cache), copy.deepcopy(lin)
+
+    def step(cache, lin, x):
+        h = lin(x)
+        cache.update(h[:, :3])
+        return cache.update(h[:, 3:4]).sum(1)
+
+    f = hpfun.shard(functools.partial(step, cache, lin), mesh=DP, in_specs=(P("dp"),), out_specs=P("dp"))
+    for i in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), step(ref_cache, ref_lin, x), rtol=1e-12, atol=1e-12)
+    assert torch.equal(cache.pos, ref_cache.pos) and f.trace_count == 1
+    torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-12, atol=1e-12)
+
+
 class _OldNamedParameters(torch.nn.Module):
     """Overrides named_parameters with the signature before remove_duplicate (torchrl's LossModule)."""
 
