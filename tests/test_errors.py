@@ -1559,6 +1559,33 @@ def test_flex_attention_runs_as_the_math_it_computes():
         torch.testing.assert_close(f(q, k, v).full(), want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_parameter_a_flex_attention_score_mod_reads_takes_its_gradient():
+    """A learned slope per head read by the score_mod (ALiBi's), trained by SGD: its gradient is
+    flex's zeros_and_scatter, which had no rule (refused, even with every input replicated)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def make():
+        slope = torch.nn.Parameter(torch.tensor([0.3, -0.2, 0.1, 0.5], dtype=torch.float64))
+        opt = torch.optim.SGD([slope], lr=0.1)
+
+        def step(x):
+            out = flex_attention(x, x, x, score_mod=lambda s, b, h, i, j: s + slope[h] * (i - j))
+            loss = (out ** 2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return slope, step
+
+    x = torch.randn(4, 4, 16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for spec in (P("dp"), P(), P(None, "dp")):
+        (slope, step), (ref_slope, ref_step) = make(), make()
+        f = hpfun.shard(step, mesh=MESH, in_specs=(spec,), out_specs=P())
+        for _ in range(2):
+            torch.testing.assert_close(f(x).full(), ref_step(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(slope, ref_slope, rtol=1e-12, atol=1e-12)
+
+
 _DOCUMENTS = torch.tensor([0] * 50 + [1] * 70 + [2] * 8)
 
 

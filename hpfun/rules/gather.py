@@ -137,6 +137,25 @@ class Scatter(Rule):
 
 
 @attrs.frozen(kw_only=True)
+class ZerosAndScatter(Rule):
+    """flex_lib.zeros_and_scatter(shape, indices, vals): zeros of `shape` with `vals` added at
+    the indices (accumulated): the gradient of a tensor a flex_attention score_mod or mask_mod
+    reads (a learned slope per head). Linear in `vals`: their Partial sum (or avg) passes, the
+    indices replicated; otherwise every tensor whole."""
+
+    def strategies(self, call: OpCall) -> list[Strategy]:
+        *indices, vals = call.tensors
+        per_axis = []
+        for a in range(call.mesh.ndim):
+            options = [replicated_option(call)]
+            p = vals.layout.placements[a]
+            if isinstance(p, Partial) and p.reduce in ("sum", "avg"):
+                options.insert(0, ((R,) * len(indices) + (p,), (p,)))
+            per_axis.append(options)
+        return combine_axes(call, per_axis)
+
+
+@attrs.frozen(kw_only=True)
 class IndexReduce(Scatter):
     """index_reduce(self, dim, index, source, reduce, include_self): each row of `self` along
     `dim` that `index` names reduced (prod, mean, amax, amin) with the rows of `source` naming

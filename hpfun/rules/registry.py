@@ -24,7 +24,7 @@ from hpfun.rules.attention import Attention
 from hpfun.rules.base import DataDependent, Replicated, Rule
 from hpfun.rules.contraction import Contraction
 from hpfun.rules.conv import Convolution, ConvolutionBackward, Pool
-from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter
+from hpfun.rules.gather import Embedding, EmbeddingBackward, Gather, IndexSelect, Scatter, ZerosAndScatter
 from hpfun.rules.grouped import AtenGroupedMm, GroupedMm, GroupedMmBackward
 from hpfun.rules.linalg import Batched
 from hpfun.rules.index import Index, IndexPut
@@ -56,6 +56,7 @@ FAMILIES: dict[str, type[Rule]] = {
     "complex_view": ComplexView,
     "gather": Gather,
     "scatter": Scatter,
+    "zeros_and_scatter": ZerosAndScatter,
     "embedding": Embedding,
     "embedding_backward": EmbeddingBackward,
     "index_select": IndexSelect,
