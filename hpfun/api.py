@@ -1371,7 +1371,8 @@ def _undo_effects(before: dict, after: dict, roots, stored: list) -> tuple:
         now = after.get(key)
         if type(was) is lift.ModuleValues and type(now) is lift.ModuleValues and was != now:
             for name, old, new in was.changes(now):
-                if new is lift._MISSING and lift.holds_trace_tensors(held := was.current(name)):
+                if new is lift._MISSING and lift.holds_trace_tensors(held := was.current(name)) or \
+                        lift.holds_trace_tensors(new):  # (a record of a dict subclass: `self.last = Rec(t=y)`)
                     stored.append((was, name, old))
                     continue
                 was.set(name, old)

@@ -3879,8 +3879,9 @@ def holds_trace_tensors(v, depth: int = 4) -> bool:
         return True
     if depth <= 0 or isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, str, bytes)) or _is_scalar(v):
         return False
-    if isinstance(v, (tuple, list, dict)):
-        return any(holds_trace_tensors(w, depth - 1) for w in _items_of(v) if not isinstance(w, (str, bytes)))
+    if isinstance(v, (tuple, list, dict)):  # (a subclass's too: `class Record(dict)`)
+        items = list(v.values()) if isinstance(v, dict) else list(v)
+        return any(holds_trace_tensors(w, depth - 1) for w in items if not isinstance(w, (str, bytes)))
     return _is_config_object(v) and not callable(v) and \
         any(holds_trace_tensors(w, depth - 1) for w in attributes(v).values())
 

@@ -5993,6 +5993,41 @@ def test_a_second_place_of_a_lifted_tensor_the_step_empties_is_emptied(value):
     assert step.trace_count == 1
 
 
+class _Record(dict):
+    pass
+
+
+class _KeepsARecord(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.kind, self.last = kind, None
+
+    def forward(self, x):
+        y = x * self.w
+        self.last = self.kind(t=y.detach())
+        return y.sum()
+
+
+@pytest.mark.parametrize("kind", [_Record, collections.OrderedDict], ids=["dict subclass", "OrderedDict"])
+def test_a_record_of_a_dict_subclass_a_forward_keeps_is_refused_and_taken_back(kind):
+    """`self.last = Record(t=y.detach())`, Record a dict subclass: replayed as a Python value of
+    the module, it left the trace's placeholder there after the first call (eager code on it then
+    failed) and was refused at the second; refused at the first now, naming the fix, and the
+    module holds what it held. An OrderedDict, which hpfun puts whole, runs as eager."""
+    model = _KeepsARecord(kind)
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    x = torch.ones(4, 3, dtype=torch.float64)
+    if kind is _Record:
+        with pytest.raises(hpfun.CaptureError, match=r"model.last\['t'\] \(held in a dict of type _Record"):
+            f(x)
+        assert model.last is None
+    else:
+        for _ in range(2):
+            torch.testing.assert_close(f(x).full(), (x * model.w).sum().detach(), rtol=0, atol=0)
+            assert type(model.last) is kind and type(model.last["t"]) is torch.Tensor
+
+
 class _PositionedCache(torch.nn.Module):
     """torchtune's KVCache: checks its position buffer, writes the new rows at the positions it
     names, then advances it."""
