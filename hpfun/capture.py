@@ -94,6 +94,9 @@ KEPT_WHOLE = frozenset([
     # tracing them cost a third of capturing an HF Llama step with AdamW
     aten.lerp.Scalar, aten.lerp.Tensor, aten.lerp_.Scalar, aten.lerp_.Tensor,
     aten.addcmul.default, aten.addcmul_.default, aten.addcdiv.default, aten.addcdiv_.default,
+    # linspace and logspace: torch's reference formula rounds otherwise than its kernel (the middle
+    # of linspace(-1, 1, 13) is 5.55e-17, not 0.0): a comparison on one (`grid > 0`) flipped
+    aten.linspace.default, aten.logspace.default,
 ])
 
 _DECOMPOSE_TOO = [

@@ -895,3 +895,21 @@ def test_an_empty_or_whole_slice_of_a_split_dim_is_that_of_every_block(ranks):
             assert got.shape == want.shape and torch.equal(got.full(), want), rows
             if want.ndim:
                 assert all(s.shape[0] <= want.shape[0] for s in got.shards), rows
+
+
+def test_linspace_and_logspace_made_in_a_step_hold_eager_bits():
+    """torch's reference formula for linspace rounds otherwise than its kernel: the middle of
+    linspace(-1, 1, 13) was 0.0 where eager's is 5.55e-17, so `grid > 0` flipped, silently."""
+    mesh = hpfun.Mesh.simulated((2,), ("a",))
+
+    def f(x):
+        grid = torch.linspace(-1, 1, 13, dtype=torch.float64) + torch.linspace(-1.3, 1.7, 13, dtype=torch.float64)
+        grid = grid + torch.logspace(-2, 1, 13, dtype=torch.float64) * 0 + torch.linspace(-1, 1, 13, dtype=torch.float64)
+        return x * 0 + grid, (x * 0 + torch.linspace(-1, 1, 13, dtype=torch.float64)) > 0, \
+            torch.logspace(-2, 1, 13, base=3.0, dtype=torch.float64) + x
+
+    x = torch.ones(4, 13, dtype=torch.float64)
+    for spec in (P(), P("a")):
+        got = hpfun.shard(f, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
+        for a, b in zip(got, f(x), strict=True):
+            assert torch.equal(a.full(), b)
