@@ -2080,6 +2080,25 @@ def _mask_as_positions(index):
     return tuple(out) if changed else None
 
 
+def _bool_lists_as_masks(index):
+    """`x[[True, False, ...]]` or `x[:, np_bools]`: each list or NumPy array of booleans as the
+    boolean tensor torch makes of it in C++, where the trace cannot see a constant to read its
+    positions from. None where the index holds none."""
+    parts = index if isinstance(index, tuple) else (index,)
+
+    def is_bools(part) -> bool:
+        if type(part) is list:
+            return bool(part) and all(type(b) is bool for b in part)
+        np = sys.modules.get("numpy")
+        return np is not None and isinstance(part, np.ndarray) and part.dtype == np.bool_
+
+    if not any(map(is_bools, parts)):
+        return None
+    out = tuple(torch.tensor(part.tolist() if not isinstance(part, list) else part, dtype=torch.bool)
+                if is_bools(part) else part for part in parts)
+    return out if isinstance(index, tuple) else out[0]
+
+
 def _is_scalar_mask(part) -> bool:
     return isinstance(part, torch.Tensor) and part.ndim == 0 and part.dtype in (torch.bool, torch.uint8)
 
@@ -2856,6 +2875,9 @@ class _TensorScalars(TorchFunctionMode):
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and (bounds := _slice_bounds_read(args[1])) is not args[1]:  # (`x[:, n - 1:]`, n a 0-d tensor of
             args = (args[0], bounds, *args[2:])  # an argument: read, as `int(n)` is; torch's indexing reads it in C++)
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
+                and (index := _bool_lists_as_masks(args[1])) is not None:
+            args = (args[0], index, *args[2:])  # (`x[[True, False, ...]]`: the mask torch makes of it, a constant)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
                 and isinstance(args[0], torch.Tensor) and (masked := _scalar_masks_unsqueezed(*args[:2])) is not None:
             args = (*masked, *args[2:])  # (`x[:, b]`, b a 0-d mask: x with a dim of one there, b a mask of it)

@@ -5,6 +5,7 @@ as a one-element index tensor instead and drops the size-1 dim, which is what th
 index gives, for any value at every call (nothing read, nothing retraced). Compared with the
 unsharded run in float64, on split and replicated layouts, forward and gradient."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -612,3 +613,21 @@ def test_a_0d_integer_index_beside_other_indices_reads_and_writes_as_eager(spec)
         got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P(), P(), P()), out_specs=P())(x, i, j, m).full()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
+def test_a_list_or_numpy_array_of_booleans_indexes_as_the_mask_it_is(spec):
+    """`x[[True, False, ...]]` and `x[:, np_bools] = 0`: torch makes the mask in C++, where the
+    trace saw no constant to read its positions from: refused as a shape read from the data."""
+    x = torch.arange(48, dtype=D).reshape(8, 6)
+    rows, cols = [True, False, False, True] * 2, np.array([True, False, True, True, False, False])
+
+    def written(x):
+        y = x.clone()
+        y[:, cols] = 0.0
+        return y
+
+    for fn in (lambda x: x[rows] * 1.0, lambda x: x[np.array(rows), 1:], written):
+        want = fn(x)
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(spec,), out_specs=P())(x).full()
+        assert got.shape == want.shape and torch.equal(got, want)
