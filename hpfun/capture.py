@@ -2083,18 +2083,22 @@ def _mask_as_positions(index):
 def _bool_lists_as_masks(index):
     """`x[[True, False, ...]]` or `x[:, np_bools]`: each list or NumPy array of booleans as the
     boolean tensor torch makes of it in C++, where the trace cannot see a constant to read its
-    positions from. None where the index holds none."""
+    positions from; a uint8 mask (torch's old mask dtype, which it still takes) as the boolean
+    one it is. None where the index holds none."""
     parts = index if isinstance(index, tuple) else (index,)
 
     def is_bools(part) -> bool:
         if type(part) is list:
             return bool(part) and all(type(b) is bool for b in part)
+        if isinstance(part, torch.Tensor):
+            return part.dtype == torch.uint8 and part.ndim > 0
         np = sys.modules.get("numpy")
         return np is not None and isinstance(part, np.ndarray) and part.dtype == np.bool_
 
     if not any(map(is_bools, parts)):
         return None
-    out = tuple(torch.tensor(part.tolist() if not isinstance(part, list) else part, dtype=torch.bool)
+    out = tuple((part.bool() if isinstance(part, torch.Tensor) else
+                 torch.tensor(part.tolist() if not isinstance(part, list) else part, dtype=torch.bool))
                 if is_bools(part) else part for part in parts)
     return out if isinstance(index, tuple) else out[0]
 

@@ -5,6 +5,8 @@ as a one-element index tensor instead and drops the size-1 dim, which is what th
 index gives, for any value at every call (nothing read, nothing retraced). Compared with the
 unsharded run in float64, on split and replicated layouts, forward and gradient."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -618,7 +620,8 @@ def test_a_0d_integer_index_beside_other_indices_reads_and_writes_as_eager(spec)
 @pytest.mark.parametrize("spec", [P(), P("dp")], ids=str)
 def test_a_list_or_numpy_array_of_booleans_indexes_as_the_mask_it_is(spec):
     """`x[[True, False, ...]]` and `x[:, np_bools] = 0`: torch makes the mask in C++, where the
-    trace saw no constant to read its positions from: refused as a shape read from the data."""
+    trace saw no constant to read its positions from: refused as a shape read from the data; a
+    1-d uint8 mask was refused as not a byte tensor."""
     x = torch.arange(48, dtype=D).reshape(8, 6)
     rows, cols = [True, False, False, True] * 2, np.array([True, False, True, True, False, False])
 
@@ -627,7 +630,10 @@ def test_a_list_or_numpy_array_of_booleans_indexes_as_the_mask_it_is(spec):
         y[:, cols] = 0.0
         return y
 
-    for fn in (lambda x: x[rows] * 1.0, lambda x: x[np.array(rows), 1:], written):
-        want = fn(x)
+    bytes_ = torch.tensor(rows, dtype=torch.uint8)  # (torch's old mask dtype, which it still takes)
+    for fn in (lambda x: x[rows] * 1.0, lambda x: x[np.array(rows), 1:], written, lambda x: x[bytes_] * 1.0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (torch's deprecation of uint8 masks)
+            want = fn(x)
         got = hpfun.shard(fn, mesh=MESH, in_specs=(spec,), out_specs=P())(x).full()
         assert got.shape == want.shape and torch.equal(got, want)
