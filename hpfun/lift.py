@@ -1616,6 +1616,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     slots: dict[str, Slot] = {}
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
     aliases: list = []  # and the other places holding it (`State.aliases`)
+    shared: list = []  # (name, first name) of optimizer state holding a tensor held by another name
     alive: list = []  # every value read, kept until the walk ends: a slot reading a new tensor each time
     problems: list[Problem] = []  # (a Python number as a 0-d tensor) would free it, and its id be another's
 
@@ -1624,6 +1625,8 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
         if v is not None and id(v) in names:
             if write is not None and names[id(v)] != name and not kw.get("follows"):
                 aliases.append((name, read, write, id(v)))
+            elif write is not None and names[id(v)] != name:  # (optimizer state under a second key: one
+                shared.append((name, names[id(v)]))  # tensor, written back as one; which keys keys the program)
             return False
         if v is not None:
             names[id(v)] = name
@@ -1658,8 +1661,9 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     params = {id(v): name for name, slot in slots.items() if slot.follows is None and (v := slot.read()) is not None
               and not alive.append(v)}  # (kept alive too: a freed number's id is another's)
     found = statics(roots)
-    if aliases:  # which places hold one tensor keys the program (`self.c = self.a`, then a swap: `c` is `b`)
-        found[_ALIASES] = tuple((name, names.get(held)) for name, _, _, held in aliases)
+    if aliases or shared:  # which places hold one tensor keys the program (`self.c = self.a`, then a swap: `c`
+        # is `b`; `st["keep"] = st["m"]`, then m and v swapped: keep is v)
+        found[_ALIASES] = tuple((name, names.get(held)) for name, _, _, held in aliases) + tuple(shared)
     return State(slots, found, tuple(roots), tuple(opaque), params, tuple(aliases))
 
 

@@ -5904,6 +5904,48 @@ def test_state_a_step_stores_as_a_view_of_other_state_is_refused_naming_both(how
     assert not opt.state  # (its count was left there: the next step skipped making its state, KeyError 'm')
 
 
+class _SwapsAndKeeps(torch.optim.Optimizer):
+    """Swaps two state tensors at every step, a third key holding the first one's tensor."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "m" not in st:
+                    st["m"], st["v"] = torch.zeros_like(p), torch.ones_like(p)
+                    st["keep"] = st["m"]
+                st["m"], st["v"] = st["v"], st["m"]
+                st["m"].mul_(0.9).add_(p.grad)
+                p.sub_(group["lr"] * (st["m"] + 0.1 * st["v"] + 0.01 * st["keep"]))
+
+
+def test_which_keys_of_an_optimizers_state_hold_one_tensor_keys_the_program():
+    """`keep` holds m's tensor, then (m and v swapped) v's: the second program ran for both, so
+    the third call's update read the other tensor through `keep`, silently."""
+    (model, ref) = (torch.nn.Linear(4, 2, dtype=torch.float64) for _ in range(2))
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = _SwapsAndKeeps(model.parameters()), _SwapsAndKeeps(ref.parameters())
+
+    def step(model, opt, x):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    f = hpfun.shard(functools.partial(step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(5):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
+        st, ref_st = opt.state[model.weight], ref_opt.state[ref.weight]
+        assert (st["keep"] is st["m"]) == (ref_st["keep"] is ref_st["m"])
+    torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
+
+
 class _StoredTwice(torch.nn.Module):
     """A cache the first forward makes and keeps at two attributes and in a dict (HF's rotary
     embedding keeps `original_inv_freq = inv_freq`), updated in place through one of them."""
