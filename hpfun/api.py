@@ -1138,7 +1138,8 @@ class ShardedFunction:
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
         outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)},
-                                {name for name, *_ in call.state.aliases})  # (its refusals: before the
+                                {name for name, *_ in call.state.aliases},  # (and the optimizer state keys that
+                                {name for name, _ in call.state.statics.get(lift._ALIASES, ())})  # held one before)  # (its refusals: before the
         substitution.put_numbers()  # numbers the step made are put, or the next step skips its setup of the state)
         return outputs
 
@@ -1448,7 +1449,8 @@ class _Traced:
                 edits.append(ArgumentEdit(path, at, None, None, {}, 0, removed=removed, container=kind))
         self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
-    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict, aliases=()) -> list:
+    def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict, aliases=(),
+               shared=()) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
         while any([register_container(type(v)) for v in flat if _is_container(v)]):  # a dataclass of results
             flat, self.out_tree = pytree.tree_flatten(out)  # (nested ones registered level by level)
@@ -1458,11 +1460,10 @@ class _Traced:
         self.out_tensors = [v for v in flat if isinstance(v, torch.Tensor)]
         self.new_state = new_state  # name -> (optimizer, parameter, key) of an optimizer's first state
         self.assigned, self.cleared = [], []
-        made = {name for name, (owner, _, _) in new_state.items() if owner is None}  # put by the step (appended...)
         for name, value in assigned.items():
             before = stand_ins.get(name)
-            if (value is before and name not in aliases) or \
-                    (name not in stand_ins and id(value) in stand_in_ids and name not in made):
+            if (value is before and name not in aliases) or (name not in stand_ins and id(value) in stand_in_ids
+                                                               and (name not in new_state or name in shared)):
                 continue  # untouched (in-place updates come back through functionalization)
             if isinstance(value, torch.Tensor):
                 self.assigned.append((name, value))

@@ -192,9 +192,10 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             moved = inputs[wb.moved] if wb.moved is not None else None
-            if wb.same_as is not None and wb.same_as in made or type(moved) is torch.Tensor:
+            lifted = type(moved) in (torch.Tensor, torch.nn.Parameter)  # (a parameter too: a swap of
+            if wb.same_as is not None and wb.same_as in made or lifted:  # a ParameterDict's; not a held block)
                 # one tensor the step stored at two places; or a lifted tensor it put at another place (a swap), which
-                new = made[wb.same_as] if type(moved) is not torch.Tensor else moved  # its in-place update reached
+                new = made[wb.same_as] if not lifted else moved  # its in-place update reached
                 made[j] = new
                 if wb.place is not None:
                     lift.put(state, wb.place, new)

@@ -5904,6 +5904,31 @@ def test_state_a_step_stores_as_a_view_of_other_state_is_refused_naming_both(how
     assert not opt.state  # (its count was left there: the next step skipped making its state, KeyError 'm')
 
 
+def test_a_lifted_tensor_a_step_puts_under_a_new_key_of_an_optimizers_state_is_that_tensor():
+    """`opt.state[p]["ref"] = model.ref` (a buffer) or `= model.bias` (a parameter): the key was
+    missing after the call (taken for an untouched place holding a stand-in), silently."""
+    model = torch.nn.Linear(4, 2, dtype=torch.float64)
+    model.register_buffer("ref", torch.zeros(2, 4, dtype=torch.float64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        opt.state[model.weight]["ref"] = model.ref
+        opt.state[model.weight]["other"] = model.bias
+        model.ref.add_(1.0)
+        return loss.detach()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for _ in range(2):
+        f(torch.randn(4, 4, dtype=torch.float64))
+        st = opt.state[model.weight]
+        assert st["ref"] is model.ref and st["other"] is model.bias
+    assert model.ref[0, 0].item() == 2.0
+
+
 class _SwapsAndKeeps(torch.optim.Optimizer):
     """Swaps two state tensors at every step, a third key holding the first one's tensor."""
 
