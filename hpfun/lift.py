@@ -119,6 +119,15 @@ def _keyed_by_tensors(container) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def _wrapped_function(obj):
+    """`obj.__wrapped__` (functools.wraps, lru_cache), or None; not a getattr that runs the
+    object's own `__getattr__` for a name it lacks (a config of the user's raising KeyError)."""
+    try:
+        return inspect.getattr_static(obj, "__wrapped__", None) and getattr(obj, "__wrapped__", None)
+    except Exception:  # noqa: BLE001 (a descriptor raising: no wrapped function)
+        return None
+
+
 def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[str, object]]]:
     """Modules, optimizers and tensors `fn` can reach through closures and loaded globals; and
     the other objects it reaches (by name), which an error can point at when an unlifted tensor
@@ -133,6 +142,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     seen_hooks: set = set()  # (id of an owner, its hook dicts) walked
     seen_places: set = set()  # (id of a cell or a globals dict, name): a variable two functions read is one root
     seen_classes: set = set()  # the user's classes whose methods and values were walked
+    seen_modules: set = set()  # (id, names read) of the user's Python modules walked as configs
     names: set[str] = set()
 
     def unique(name: str, owner: str) -> str:
@@ -238,7 +248,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 value(v, f"{name}.{i}", _item_reader(read, i), _sequence_writer(obj, i, read, write))
         elif isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
             function(obj, name)
-        elif isinstance(getattr(obj, "__wrapped__", None), types.FunctionType) and callable(obj):
+        elif callable(obj) and isinstance(_wrapped_function(obj), types.FunctionType):
             function(obj.__wrapped__, name)  # a decorated helper (functools.lru_cache, functools.wraps)
         elif isinstance(getattr(type(obj), "traced_function", None), property):  # a sharded function called
             value(obj.traced_function, name, _constant(obj.fn), None)  # inside this one: its code and state are ours
@@ -257,8 +267,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                         if isinstance(v := vars(c).get(k), (types.FunctionType, staticmethod)):
                             note((c, k, v))  # (one patched on the class: walked again)
                             function(getattr(v, "__func__", v), name)
-        elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read:
-            module = vars(obj)  # a module of the user's read as a config (`import config; config.LR`)
+        elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read and \
+                (id(obj), attrs_read) not in seen_modules:
+            seen_modules.add((id(obj), attrs_read))  # (once for the names read: a package's modules may import
+            module = vars(obj)  # each other, einx's do) a module of the user's read as a config (`config.LR`)
             note(_Unchanged(module))
             for k in sorted(attrs_read & module.keys() if attrs_read is not EVERY_NAME else
                             (k for k in module if not k.startswith("_"))):

@@ -726,6 +726,42 @@ def test_a_library_outside_site_packages_whose_classes_name_each_other_is_keyed_
     assert f.trace_count == 3
 
 
+def test_a_package_outside_site_packages_whose_modules_name_each_other_is_walked_once(tmp_path, monkeypatch):
+    """`import pkg.sig as sig` inside pkg.sig.classical.jax, reading `sig.classical.jax.SCALE`
+    (einx's tracer does): the walk of the user's modules went round the cycle until a
+    RecursionError, x-transformers' first call from a `pip install --target` folder; the value
+    read still keys the program."""
+    jax = tmp_path / "hpfun_test_cycle" / "sig" / "classical"
+    jax.mkdir(parents=True)
+    (tmp_path / "hpfun_test_cycle" / "__init__.py").write_text("from . import sig\n")
+    (jax.parent / "__init__.py").write_text("from . import classical\n")
+    (jax / "__init__.py").write_text("from . import jax\n")
+    (jax / "jax.py").write_text("import hpfun_test_cycle.sig as sig\nSCALE = 2.0\n\n\n"
+                                "def double(x):\n    return x * sig.classical.jax.SCALE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pkg = importlib.import_module("hpfun_test_cycle")
+    fn = pkg.sig.classical.jax.double
+    f = hpfun.shard(lambda x: fn(x), mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    x = torch.ones(4, 2, dtype=torch.float64)
+    for scale in (2.0, 3.0):
+        pkg.sig.classical.jax.SCALE = scale
+        torch.testing.assert_close(f(x).full(), x * scale, rtol=0, atol=0)
+    assert f.trace_count == 2
+
+
+class _FieldsConfig:
+    """A hand-made ConfigDict: a missing name raises KeyError from its `__getattr__`."""
+
+    def __init__(self, fields):
+        object.__setattr__(self, "_fields", fields)
+
+    def __getattr__(self, k):
+        return self._fields[k]
+
+
+_FIELDS_CFG = _FieldsConfig({"scale": 2.0, "opt": _FieldsConfig({"lr": 1.0})})
+
+
 class _AttrDict(dict):
     """A quick attribute dict: a missing name raises KeyError, not AttributeError."""
 
@@ -742,10 +778,11 @@ def test_an_attribute_dict_raising_key_error_for_missing_names_is_read_and_keys_
     line; read, and a value changed between calls compiles again."""
     closed = _AttrDict(scale=7.0)
     x = torch.ones(4, 2, dtype=torch.float64)
-    for fn in (lambda x: x * _ATTR_CFG.scale * _ATTR_CFG.inner.b, lambda x: x * closed.scale):
+    for fn in (lambda x: x * _ATTR_CFG.scale * _ATTR_CFG.inner.b, lambda x: x * closed.scale,
+               lambda x: x * _FIELDS_CFG.scale * _FIELDS_CFG.opt.lr):  # (an object: its `__wrapped__` raised)
         f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
         for scale in (2.0, 5.0):
-            _ATTR_CFG["scale"] = closed["scale"] = scale
+            _ATTR_CFG["scale"] = closed["scale"] = _FIELDS_CFG._fields["scale"] = scale
             torch.testing.assert_close(f(x).full(), fn(x), rtol=0, atol=0)
         assert f.trace_count == 2
 
