@@ -168,7 +168,7 @@ OPTIMIZERS = {
 }
 
 
-class _PerParameter(torch.optim.Optimizer):
+class PerParameter(torch.optim.Optimizer):
     """An optimizer of the user's, lr 0.1, updating each parameter with its state (`update`)."""
 
     def __init__(self, params):
@@ -181,7 +181,7 @@ class _PerParameter(torch.optim.Optimizer):
                 self.update(p, self.state[p], group["lr"])
 
 
-class NestedMomentum(_PerParameter):
+class NestedMomentum(PerParameter):
     """Momentum kept in a dict and a list under each parameter, made by its first step."""
 
     def update(self, p, st, lr):
@@ -290,7 +290,7 @@ def lifted(out: Path):
     torch.save(results, out / f"lifted-rank{RANK}.pt")
 
 
-class TupleMomentum(_PerParameter):
+class TupleMomentum(PerParameter):
     """Two momentum buffers per parameter kept as a tuple its step rebuilds (SPlus keeps a list)."""
 
     def update(self, p, st, lr):
@@ -299,7 +299,7 @@ class TupleMomentum(_PerParameter):
         p.sub_(lr * (st["bufs"][0] + st["bufs"][1]))
 
 
-class SharedMomentum(_PerParameter):
+class SharedMomentum(PerParameter):
     """Keeps one buffer under two keys of each parameter's state (`st["m"] = st["m2"]`)."""
 
     def update(self, p, st, lr):

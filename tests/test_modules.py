@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import hpfun
+from dist_worker import PerParameter
 from hpfun import P
 
 DP = hpfun.Mesh.simulated((2,), ("dp",))
@@ -5929,23 +5930,16 @@ def test_a_lifted_tensor_a_step_puts_under_a_new_key_of_an_optimizers_state_is_t
     assert model.ref[0, 0].item() == 2.0
 
 
-class _SwapsAndKeeps(torch.optim.Optimizer):
+class _SwapsAndKeeps(PerParameter):
     """Swaps two state tensors at every step, a third key holding the first one's tensor."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                if "m" not in st:
-                    st["m"], st["v"] = torch.zeros_like(p), torch.ones_like(p)
-                    st["keep"] = st["m"]
-                st["m"], st["v"] = st["v"], st["m"]
-                st["m"].mul_(0.9).add_(p.grad)
-                p.sub_(group["lr"] * (st["m"] + 0.1 * st["v"] + 0.01 * st["keep"]))
+    def update(self, p, st, lr):
+        if "m" not in st:
+            st["m"], st["v"] = torch.zeros_like(p), torch.ones_like(p)
+            st["keep"] = st["m"]
+        st["m"], st["v"] = st["v"], st["m"]
+        st["m"].mul_(0.9).add_(p.grad)
+        p.sub_(lr * (st["m"] + 0.1 * st["v"] + 0.01 * st["keep"]))
 
 
 def test_which_keys_of_an_optimizers_state_hold_one_tensor_keys_the_program():
