@@ -1949,8 +1949,8 @@ def _held_values(v):
     if type(v) in (set, frozenset) and len(v) <= PLAIN_CONTAINER_ITEMS and any(
             _key_objects(m, None) or _is_called_object(m) for m in v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
-    if type(v) in (list, collections.deque) or _is_dict(v) or isinstance(v, tuple) or _is_numbers_array(v):  # (a
-        # namedtuple too)
+    if type(v) in (list, collections.deque) or isinstance(v, (dict, tuple)) or _is_numbers_array(v):  # (a
+        # namedtuple too; a dict subclass, an AttrDict or EasyDict config, by its items)
         return _values_of(object_key(v, HELD_DEPTH), by_kind=True)  # (an object in it by its type: the
         # numbers beside it key the program all the same)
     if callable(v) and not _is_plain_object(v):
@@ -2027,7 +2027,7 @@ HELD_DEPTH = 8  # how deep in a module's containers and objects their numbers ar
 def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     """A module's list or dict of numbers, watched (and the ones inside it) so that an edit in
     place (`model.ks[0] = 3.0`) collects the module's values again."""
-    if _is_dict(v) and len(v) <= PLAIN_CONTAINER_ITEMS:
+    if isinstance(v, dict) and len(v) <= PLAIN_CONTAINER_ITEMS:  # (an AttrDict or EasyDict config too)
         snapshot.dict(v)
         items = v.values()
     elif type(v) in (list, collections.deque) and len(v) <= PLAIN_CONTAINER_ITEMS:
@@ -2210,8 +2210,8 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                     if _is_config_object(w) and id(w) not in objects:
                         objects.add(id(w))
                         snapshot.object(w)
-            elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple, collections.deque) or _is_dict(v) or isinstance(
-                    v, (functools.partial, types.MethodType))) and id(v) not in objects:
+            elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple, collections.deque) or isinstance(
+                    v, (dict, functools.partial, types.MethodType))) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)
             elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:

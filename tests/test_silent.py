@@ -749,6 +749,25 @@ def test_a_package_outside_site_packages_whose_modules_name_each_other_is_walked
     assert f.trace_count == 2
 
 
+def test_an_attribute_dict_config_a_module_holds_keys_the_cache_by_its_items():
+    """`model.cfg = AttrDict(scale=2.0, opt=AttrDict(lr=0.5))` (EasyDict, addict alike), an item
+    changed in place between calls, at the top or nested: a dict subclass was neither watched
+    nor keyed, so the first program ran on, silently."""
+    model = torch.nn.Linear(3, 3, dtype=torch.float64)
+    model.cfg = _AttrDict(scale=2.0, opt=_AttrDict(lr=0.5))
+
+    def fn(x):
+        return model(x) * model.cfg.scale + model.cfg.opt.lr
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for change in (lambda: None, lambda: model.cfg.__setitem__("scale", 4.0),
+                   lambda: model.cfg.opt.__setitem__("lr", 0.1)):
+        change()
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 3
+
+
 class _FieldsConfig:
     """A hand-made ConfigDict: a missing name raises KeyError from its `__getattr__`."""
 
