@@ -3618,11 +3618,20 @@ class Substitution:
                               "in __init__, and hpfun lifts its tensors as state)" for where in inside]
                     if inside:
                         set_attribute(obj, attr, held[attr]) if attr in held else del_attribute(obj, attr)
-        for prefix, mod, _, _, containers in self._modules:  # a helper a step made and put in a module's list or
+        for prefix, mod, held, _, containers in self._modules:  # a helper a step made and put in a module's list or
             for attr, (container, items) in containers.items():  # dict (`self.d["c"] = Cache(w)`): taken out whole,
                 if vars(mod).get(attr) is container:  # as it was not there (emptied, eager code read it and failed)
                     before = {id(w) for w in (items.values() if isinstance(items, dict) else items)}
                     found += _made_helpers(container, _join(prefix, attr), seen, before=before, lifted=False)
+            for attr, v in list(vars(mod).items()):  # or set as its attribute (`self.helper = Tally(w)`): put back
+                if held.get(attr, _MISSING) is not v and _is_plain_object(v) and not callable(v):
+                    inside: list = []
+                    _take_fakes(v, _join(prefix, attr), inside, seen)
+                    found += [f"{where} (in a {type(v).__name__} the function made: hpfun does not lift what such an "
+                              "object holds; keep the tensor in a module's attribute or buffer, or return it)"
+                              for where in inside]
+                    if inside:
+                        set_attribute(mod, attr, held[attr]) if attr in held else delattr(mod, attr)
         for root in self.state.roots:
             _take_fakes(root.value, root.name or type(root.value).__name__, found, seen)
         for var, read in self._places:

@@ -6251,19 +6251,35 @@ class _MakesItsHelper(torch.nn.Module):
         return x @ self.helper.mean()
 
 
+class _MakesItsHelperAttribute(_MakesItsHelper):
+    """The same, where the module has no such attribute before its first forward."""
+
+    def __init__(self):
+        super().__init__()
+        del self.helper
+
+    def forward(self, x):
+        if not hasattr(self, "helper"):
+            self.helper = _LazyHelper(self.w.detach())
+        return x @ self.helper.mean()
+
+
 def test_a_helper_object_a_forward_makes_holding_the_steps_tensors_is_refused_and_taken_out():
     """The new object was replayed as a Python value of the module after every call: it kept the
     trace's placeholders (the next call failed inside torch, and so did eager code on the
-    module). Refused, naming its tensors, and the attribute set back to None."""
-    model = _MakesItsHelper().eval()
-    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
-    x = torch.randn(4, 3, dtype=torch.float64)
-    with torch.no_grad(), pytest.raises(hpfun.CaptureError, match=r"model.helper.w, model.helper.memo: holds a tensor "
-                                                                 r"the function made"):
-        f(x)
-    assert model.helper is None
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), x @ (model.w * 2))
+    module). Refused, naming its tensors, and the attribute set back to None; one the module did
+    not have is taken away (it was left holding the object with its tensors deleted, and eager
+    code on the module then failed)."""
+    for absent in (False, True):
+        model = (_MakesItsHelperAttribute() if absent else _MakesItsHelper()).eval()
+        f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+        x = torch.randn(4, 3, dtype=torch.float64)
+        with torch.no_grad(), pytest.raises(hpfun.CaptureError, match=r"model.helper.w \(in a _LazyHelper the function "
+                                                                     r"made: hpfun does not lift what such an object holds"):
+            f(x)
+        assert (not hasattr(model, "helper")) if absent else model.helper is None
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), x @ (model.w * 2))
 
 
 class _Swaps(torch.nn.Module):
