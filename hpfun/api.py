@@ -1138,9 +1138,10 @@ class ShardedFunction:
                                 for name, obj, values in moved],
                                headline="the function changes Python state")
         outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)},
-                                {name for name, *_ in call.state.aliases},  # (and the optimizer state keys that
-                                {name for name, _ in call.state.statics.get(lift._ALIASES, ())})  # held one before)  # (its refusals: before the
-        substitution.put_numbers()  # numbers the step made are put, or the next step skips its setup of the state)
+                                {name for name, *_ in call.state.aliases},  # (and the places, optimizer state keys
+                                {name for name, _ in call.state.statics.get(lift._ALIASES, ())})  # too, held one before)
+        substitution.put_numbers()  # (after the record's refusals: the numbers the step made are put, or the next step
+        # skips its setup of the state)
         return outputs
 
     def _write_targets(self, call, traced, captured, names, lifted_index, layouts, tensor_pos, leaves) -> list:

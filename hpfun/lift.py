@@ -1194,19 +1194,25 @@ def object_key(x, depth: int = 8, _path: tuple = ()):
     walked again. Each class and function is walked once per walk and depth (`_KEY_MEMO`): a
     library outside site-packages (a clone on PYTHONPATH), whose classes name each other in
     their methods, was walked again along every path, a first call of minutes."""
+    return _one_walk(_object_key, x, depth, _path)
+
+
+def _one_walk(make, *args):
+    """`make(*args)` as one key walk: the outermost call holds the memo (`_KEY_MEMO`) that every
+    nested call shares, and drops it at its end."""
     global _KEY_MEMO
     if _KEY_MEMO is not None:
-        return _object_key(x, depth, _path)
+        return make(*args)
     _KEY_MEMO = {}
     try:
-        return _object_key(x, depth, _path)
+        return make(*args)
     finally:
         _KEY_MEMO = None
 
 
 def _memoized(kind: str, x, depth: int, make) -> "_Shared":
     """`make()`, or the key this walk made of `x` already at this depth."""
-    memo = _KEY_MEMO if _KEY_MEMO is not None else {}
+    memo = _KEY_MEMO
     found = memo.get((kind, id(x), depth), _MISSING)
     if found is _MISSING:
         found = memo[(kind, id(x), depth)] = _Shared(make())
@@ -1360,7 +1366,7 @@ def _class_key_of(cls: type, depth: int, _path: tuple):
 
 def class_key(cls: type):
     """What a user's class holds, as a cache key (`_class_key`): the class, its values and methods."""
-    return _class_key(cls, 4, ())
+    return _one_walk(_class_key, cls, 4, ())
 
 
 def is_user_class(cls: type) -> bool:
