@@ -1009,7 +1009,8 @@ class ShardedFunction:
         try:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
-                    _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm(), _parameters_set_to_themselves():
+                    _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm(), \
+                    _parameters_set_to_themselves(substitution.stands_for_parameter):
                 out = self.fn(*args, **kwonly)
             traced.argument_edits(given)
             assigned, new_state = substitution.assigned()
@@ -1640,24 +1641,44 @@ def _write_layout(mesh: Mesh, shape: tuple, layouts: list, lifted_index: dict, n
 
 
 @contextlib.contextmanager
-def _parameters_set_to_themselves():
+def _parameters_set_to_themselves(stands_for_parameter):
     """`model.weight -= lr * model.weight.grad` (in place, then the same tensor set back on the
     module): torch's Module.__setattr__ refuses a tensor that is not a Parameter where a
-    parameter is, and the trace's stand-in is not one; set to itself, nothing changes."""
-    module = torch.nn.Module
+    parameter is, and the trace's stand-in is not one; set to itself, nothing changes. The
+    stand-in of a lifted Parameter put at a parameter's place (`pd["u"], pd["v"] = pd["v"],
+    pd["u"]`) goes there as the Parameter it stands for would: a ParameterDict or ParameterList
+    wraps no Parameter anew, where it wrapped the stand-in, and the step's swap came back as two
+    new tensors, with the optimizer's state keyed to neither."""
+    module, containers = torch.nn.Module, (torch.nn.ParameterDict, torch.nn.ParameterList)
     own = module.__setattr__
+    own_items = {c: vars(c)["__setitem__"] for c in containers}
 
     def setattr_(self, name, value):
         params = self.__dict__.get("_parameters")
-        if params is not None and name in params and params[name] is value:
+        if params is not None and name in params and (params[name] is value or stands_for_parameter(value)):
+            params[name] = value
             return
         own(self, name, value)
 
+    def setitem(container):
+        def setitem_(self, key, value):
+            if not stands_for_parameter(value):
+                return own_items[container](self, key, value)
+            if container is torch.nn.ParameterDict:
+                self._keys[key] = None
+                return setattr(self, self._key_to_attr(key), value)
+            return setattr(self, str(self._get_abs_string_index(key)), value)
+        return setitem_
+
     module.__setattr__ = setattr_
+    for c in containers:
+        c.__setitem__ = setitem(c)
     try:
         yield
     finally:
         module.__setattr__ = own
+        for c in containers:
+            c.__setitem__ = own_items[c]
 
 
 @contextlib.contextmanager

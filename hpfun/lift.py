@@ -2776,6 +2776,10 @@ class Substitution:
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
 
+    def stands_for_parameter(self, value) -> bool:
+        """Whether `value` is the stand-in of a lifted Parameter."""
+        return isinstance(value, FakeTensor) and isinstance(self._stood_for.get(id(value)), torch.nn.Parameter)
+
     @property
     def traces_optimizer(self) -> bool:
         """Whether an optimizer's step may run in the trace (`ScalarSigns` then stands in for its numbers)."""

@@ -169,6 +169,9 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     taken: set = set()  # ids of the program's blocks given to a slot: one output written to two slots (two
     # momentum buffers of equal gradients, one value in the program) is copied for the second, or they shared storage
     made: dict = {}  # j -> the tensor an assigned write put in place: a later write `same_as` j puts that one too
+    # each optimizer's first state goes to the parameter the step read, read before any place is written (a step
+    # swapping two parameters of a ParameterDict put the first's new state at the second's key)
+    params = {wb.param: state.slots[wb.param].read() for wb in writes if wb.optimizer is not None}
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -200,7 +203,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 if wb.place is not None:
                     lift.put(state, wb.place, new)
                 elif wb.optimizer is not None:
-                    state.root(wb.optimizer).state[state.slots[wb.param].read()][wb.key] = new
+                    state.root(wb.optimizer).state[params[wb.param]][wb.key] = new
                 else:
                     state.slots[wb.slot].write(new)
                 continue
@@ -218,7 +221,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 lift.put(state, wb.place, made.setdefault(j, _new_tensor(value, taken=taken)))
             elif wb.optimizer is not None:
                 opt = state.root(wb.optimizer)
-                param = state.slots[wb.param].read()
+                param = params[wb.param]
                 _meet(param, value)
                 opt.state[param][wb.key] = made.setdefault(j, _new_tensor(value, taken=taken))
             else:

@@ -5930,6 +5930,42 @@ def test_a_lifted_tensor_a_step_puts_under_a_new_key_of_an_optimizers_state_is_t
     assert model.ref[0, 0].item() == 2.0
 
 
+@pytest.mark.parametrize("container", ["dict", "list"])
+def test_parameters_a_step_swaps_in_a_parameter_container_keep_their_identity_and_adam_state(container):
+    """`pd["u"], pd["v"] = pd["v"], pd["u"]` after an Adam step: the container wrapped each
+    stand-in in a new Parameter, so the swap came back as two new tensors, and each one's first
+    Adam state went under the other's key: the next steps drifted from eager's, silently."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        a, b = (torch.nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(2))
+        model.ps = torch.nn.ParameterDict({"u": a, "v": b}) if container == "dict" else torch.nn.ParameterList([a, b])
+        keys = ("u", "v") if container == "dict" else (0, 1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+
+        def step(x):
+            loss = (model.ps[keys[0]] * x).sum() * 2 + (model.ps[keys[1]] * x).sum() ** 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.ps[keys[0]], model.ps[keys[1]] = model.ps[keys[1]], model.ps[keys[0]]
+            return loss.detach()
+        return step, model, opt, (a, b), keys
+
+    step, model, opt, params, keys = make()
+    eager, model_e, opt_e, params_e, _ = make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        assert all(map(operator.is_, [model.ps[k] for k in keys], params[::-1] if i % 2 == 0 else params))
+        for p, q in zip(params, params_e):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+            assert opt.state[p].keys() == opt_e.state[q].keys()
+            for k in opt_e.state[q]:
+                torch.testing.assert_close(opt.state[p][k], opt_e.state[q][k], rtol=1e-12, atol=1e-12)
+
+
 class _SwapsAndKeeps(PerParameter):
     """Swaps two state tensors at every step, a third key holding the first one's tensor."""
 
