@@ -1044,11 +1044,13 @@ class ShardedFunction:
                                         "one more each time", "register the hook once, outside the sharded function "
                                         "(the trace runs the tensor's hooks), or transform the gradient inside")
                                 for path in hooked], headline="hooks registered inside the function")
-        if rebound := substitution.rebound_modules():
-            raise CaptureError([Problem(place, "a traced program cannot move modules: the trace made the move, a "
-                                        "cached call would not; it was put back", "move modules outside the sharded "
-                                        "function, between calls") for place in rebound],
-                               headline="the function moves submodules")
+        moves, refused = substitution.moved_modules()
+        if refused:
+            raise CaptureError([Problem(place, "hpfun finds each module a step moves by its name in the tree "
+                                        "the step reaches; this one is not in that place's tree, and was put back",
+                                        "move it outside the sharded function, between calls") for place in refused],
+                               headline="the function moves submodules between module trees")
+        traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if not _same_static(call.state.statics.get(k, v), v)
@@ -1393,7 +1395,9 @@ def _set_flags(tree: torch.nn.Module, flags: tuple) -> None:
 
 def _replay(effects: tuple, statics: dict) -> None:
     for key, name, value in effects:
-        if isinstance(name, torch.nn.Module):
+        if type(name) is lift.ModuleMoves:  # (after the values: a move clears an attribute of the name it takes)
+            name.replay(statics[key])
+        elif isinstance(name, torch.nn.Module):
             _set_flags(name, value)
         elif isinstance(name, torch.Tensor):  # a lifted tensor's requires_grad the function set
             name.requires_grad_(value)

@@ -1808,6 +1808,28 @@ def training_key(root: str) -> str:
 VALUES = "<python values>"  # the statics key of a module tree's ModuleValues
 
 
+class ModuleMoves:
+    """The submodule places a step gives modules its tree held before the call, as (the holder's
+    name, the key in its `_modules`, the name of the module it gets), names as `ModuleValues.of`
+    gives them: made by every call of the program (`replay`), the modules found by name in that
+    call's tree (which keys the program: `ModuleValues` names each module held at two places),
+    all read before any is moved (a swap)."""
+
+    __slots__ = ("moves",)
+
+    def __init__(self, moves: tuple):
+        self.moves = moves
+
+    def replay(self, values: "ModuleValues") -> None:
+        found = [(values.objects[holder], key, values.objects[source]) for holder, key, source in self.moves]
+        for holder, key, module in found:
+            vars(holder).pop(key, None)  # (as Module.__setattr__ does)
+            holder._modules[key] = module
+
+    def __repr__(self) -> str:
+        return f"<{len(self.moves)} submodule moves>"
+
+
 class ModuleValues:
     """The Python values a module tree holds (`self.scale = 2.0`, `self.max_seq_len_cached`, a
     transformers config's `use_cache`, PEFT's `self.scaling = {"default": 2.0}`): numbers,
@@ -1835,9 +1857,14 @@ class ModuleValues:
     def of(cls, prefix: str, module: torch.nn.Module) -> "ModuleValues":
         items, objects, seen, extra = [], {}, set(), []
         own = None  # (ids of the tree's parameters and buffers, read where a dict or set it holds is keyed by tensors)
-        for mod_name, mod in module.named_modules(remove_duplicate=True):
+        modules = list(module.named_modules(remove_duplicate=True))
+        names = {id(mod): _join(prefix, mod_name) for mod_name, mod in modules}
+        for mod_name, mod in modules:
             base = _join(prefix, mod_name)
             objects[base] = mod
+            for key, sub in mod._modules.items():  # a module held at a second place (`self.last = self.layers[-1]`):
+                if sub is not None and names[id(sub)] != _join(base, key):  # which one (a program calling it
+                    extra.append((_join(base, f"{key}.<module>"), names[id(sub)]))  # bakes in that module's state)
             for attr, v in vars(mod).items():
                 if attr == "training" or attr.startswith("__") or attr in _MODULE_INTERNALS:
                     continue
@@ -2745,6 +2772,7 @@ class Substitution:
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._held_before: set = set()  # ids of the objects in those objects' lists and dicts before the trace
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
+        self._module_names: dict = {}  # id(a module) -> (its root's name, its name, the first by which it is held)
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
         self._writers: dict = {}  # id(a dict a plain object holds) -> how to give the object another one there
@@ -2987,6 +3015,7 @@ class Substitution:
                           and (not k.startswith("_") or not v or _holds_tensor(v))}  # (private: with tensors, or empty)
             self._modules.append((_join(prefix, name), mod, dict(held), dict(mod._buffers), containers))
             self._submodules[id(mod)] = dict(mod._modules)
+            self._module_names.setdefault(id(mod), (prefix, _join(prefix, name)))
             for k, (v, _) in containers.items():  # lists inside a module's dict (`self.c["h"].append(v)`)
                 if _is_dict(v):
                     self._inner_lists += [(_entry_name(_join(prefix, name), k, key), lst, len(lst))
@@ -3651,20 +3680,31 @@ class Substitution:
                 continue
         return found
 
-    def rebound_modules(self) -> list[str]:
-        """After `restore`: the submodule places the step gave another module it held before
-        (`md["a"], md["b"] = md["b"], md["a"]`, a ModuleList rotated): the trace made the move,
-        a cached call would not, and the next steps ran on the other module, silently. Each is
-        put back, and named."""
+    def moved_modules(self) -> tuple[dict, list[str]]:
+        """After `restore`: the submodule places the step gave a module a place held before the call
+        (`md["a"], md["b"] = md["b"], md["a"]`, a ModuleList rotated, `self.last = self.layers[-1]`),
+        each put back as it was, so that tracing changes nothing: {root's name: ModuleMoves} to make
+        by every call, as eager's calls do (the trace made the move and a cached call did not: from
+        the second call on, the step ran on the other module, silently); and the places given a
+        module of another root's tree, which no call can find by name, named to be refused."""
         held = {id(sub) for before in self._submodules.values() for sub in before.values()}
-        found = []
+        moves: dict = {}
+        refused = []
         for prefix, mod, _, _, _ in self._modules:
             before = self._submodules.get(id(mod), {})
             for key, sub in list(mod._modules.items()):
-                if key in before and before[key] is not sub and id(sub) in held and not _holds_fake_state(sub):
-                    found.append(f"{_join(prefix, key)} (given the module another place held)")
+                if sub is None or before.get(key) is sub or id(sub) not in held or _holds_fake_state(sub):
+                    continue
+                (root, holder), (source_root, source) = self._module_names[id(mod)], self._module_names[id(sub)]
+                if source_root != root:
+                    refused.append(f"{_join(prefix, key)} (given a module of another module tree)")
+                else:
+                    moves.setdefault(root, []).append((holder, key, source))
+                if key in before:
                     mod._modules[key] = before[key]
-        return found
+                else:
+                    del mod._modules[key]
+        return {root: ModuleMoves(tuple(m)) for root, m in moves.items()}, refused
 
     def put_numbers(self) -> None:
         """The numbers the traced step put in its optimizer's state (made at its first step: timm's

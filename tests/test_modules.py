@@ -6197,30 +6197,70 @@ def test_a_module_overriding_named_parameters_without_remove_duplicate_steps():
     torch.testing.assert_close(model.net.weight, ref.net.weight, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("how", ["dict swap", "attribute swap", "list rotation"])
-def test_a_step_moving_submodules_is_refused_and_leaves_them_in_place(how):
+class _Moves(torch.nn.Module):
+    """Moves its submodules in its forward, as `how` says."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.md = torch.nn.ModuleDict({k: torch.nn.Linear(4, 4, dtype=torch.float64) for k in "ab"})
+        self.seq = torch.nn.ModuleList([torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(3)])
+        self.i = 2
+
+    def forward(self, x):
+        if self.how == "last":
+            self.last = self.seq[-1]
+        out = self.md["a"](x) * 2 + self.md["b"](x) + self.seq[0](x) * 3 + self.seq[1](x)
+        if self.how == "dict swap":
+            self.md["a"], self.md["b"] = self.md["b"], self.md["a"]
+        elif self.how == "attribute swap":
+            self.md.a, self.md.b = self.md.b, self.md.a
+        elif self.how == "list rotation":
+            self.seq[0], self.seq[1], self.seq[2] = self.seq[1], self.seq[2], self.seq[0]
+        elif self.how == "active":
+            self.active = self.seq[self.i]
+            out = out + self.active(x)
+        return out.sum()
+
+
+@pytest.mark.parametrize("how", ["dict swap", "attribute swap", "list rotation", "last", "active"])
+def test_a_step_moving_submodules_moves_them_at_every_call_as_eager_does(how):
     """The trace made the move and a cached call did not: from the second call on, the step ran
-    with the modules where the first call had left them, silently."""
-    model = torch.nn.Module()
-    model.md = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
-    model.seq = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
-    a, b, first = model.md["a"], model.md["b"], model.seq[0]
+    with the modules where the first call had left them, silently (then refused). A module held
+    at a second place keys the program by which one it is (`self.last` pointed elsewhere between
+    calls, `self.active = self.seq[self.i]` for another `i`)."""
+    torch.manual_seed(0)
+    model = _Moves(how)
+    ref = copy.deepcopy(model)
+    f = hpfun.shard(model, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(5):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        if i == 2:  # between calls: pointed elsewhere, or another one chosen
+            model.last, ref.last = model.seq[0], ref.seq[0]
+            model.i = ref.i = 1
+        torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
+        mine, theirs = dict(model.named_modules(remove_duplicate=False)), dict(ref.named_modules(remove_duplicate=False))
+        assert mine.keys() == theirs.keys()
+        order = {id(m): n for n, m in model.named_modules()}, {id(m): n for n, m in ref.named_modules()}
+        assert all(order[0][id(mine[k])] == order[1][id(theirs[k])] for k in mine)  # the same module at each place
+
+
+def test_a_step_moving_a_module_of_another_tree_is_refused_and_puts_it_back():
+    """No call could find a module of another tree by its name in this one."""
+    model, other = torch.nn.Module(), torch.nn.Module()
+    model.a, other.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a = model.a
 
     def step(x):
-        out = model.md["a"](x) * 2 + model.md["b"](x) + model.seq[0](x)
-        if how == "dict swap":
-            model.md["a"], model.md["b"] = model.md["b"], model.md["a"]
-        elif how == "attribute swap":
-            model.md.a, model.md.b = model.md.b, model.md.a
-        else:
-            model.seq[0], model.seq[1], model.seq[2] = model.seq[1], model.seq[2], model.seq[0]
+        out = model.a(x) + other.b(x)
+        model.a = other.b
         return out.sum()
 
     f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)moves submodules.*given the module another place held.*"
-                                                 r"move modules outside the sharded function"):
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)moves submodules between module trees.*model.a.*"
+                                                 r"move it outside the sharded function"):
         f(torch.randn(4, 4))
-    assert model.md["a"] is a and model.md["b"] is b and model.seq[0] is first
+    assert model.a is a
 
 
 class _HoldsInputs(torch.nn.Module):
