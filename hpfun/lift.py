@@ -469,6 +469,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             owner = fn.__self__
             top = "" if isinstance(owner, torch.nn.Module) else "self"
             value(owner, f"{name}.__self__" if name else top, _constant(owner), None)
+            if not isinstance(owner, (torch.nn.Module, torch.optim.Optimizer, type)) and not _is_user_object(owner):
+                for k, v in attributes(owner).items():  # a library object's method: the optimizers it steps (a
+                    if _is_optimizer(v) or _holds_any(v, _is_optimizer, 2):  # gradient hook over `self.optims`,
+                        value(v, _join(f"{name}.__self__" if name else top, k),  # {param: Adam}, as its closure's)
+                              functools.partial(getattr, owner, k), None)
             fn = fn.__func__
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)

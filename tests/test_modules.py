@@ -4827,6 +4827,37 @@ def _optimizer_in_backward_by_a_library(seed: int):
     return model, step, lambda: [opts[p].state[p] for p in model.parameters()]
 
 
+_OPTIM_IN_BACKWARD_OBJECT = """
+import torch
+
+
+class OptimizerInBackward:
+    def __init__(self, model):
+        self.optims = {p: torch.optim.AdamW([p], lr=0.01) for p in model.parameters()}
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param):
+        self.optims[param].step()
+        self.optims[param].zero_grad()
+"""
+
+
+def _optimizer_in_backward_by_a_library_object(seed: int):
+    """The same with the hook a bound method of a library's object holding the optimizers: the
+    object was not read, so the step applied none of their updates, silently, and the second call
+    failed inside the hook (KeyError 'exp_avg')."""
+    model = mlp(seed)
+    held = _installed_library("hpfun_test_optim_in_backward_object", _OPTIM_IN_BACKWARD_OBJECT).OptimizerInBackward(
+        model)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return model, step, lambda: [held.optims[p].state[p] for p in model.parameters()]
+
+
 def _optimizer_in_backward_by_default(seed: int):
     """The same with each optimizer bound as its hook's default argument (`def hook(p, o=o)` in
     a loop: one code, and each hook's own optimizer; the second hook's was never lifted)."""
@@ -5081,10 +5112,11 @@ def _trainer_scales(seed: int):
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
 @pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_a_library,
-                                  _optimizer_in_backward_by_default, _scales_by_parameter,
+                                  _optimizer_in_backward_by_a_library_object, _optimizer_in_backward_by_default, _scales_by_parameter,
                                   _trainer_scales, _by_parameter_elsewhere, _lazy_momentum, _module_momentum,
                                   _nested_momentum, _named_momentum],
-                         ids=["optimizer-in-backward", "optimizer-in-backward-by-a-library", "optimizer-by-default",
+                         ids=["optimizer-in-backward", "optimizer-in-backward-by-a-library",
+                              "optimizer-in-backward-by-a-library-object", "optimizer-by-default",
                               "scales", "trainer-scales", "elsewhere", "lazy", "module", "nested", "named"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
