@@ -237,6 +237,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 at = functools.partial(_key_at, obj, i)
                 for suffix, part, read_part in _key_objects(k, at):  # an object of the user's in a key (a tuple's or
                     value(part, f"{name}.{key}{suffix}", read_part, None)  # frozenset's part too): its numbers are read
+            if type(obj) is not dict and (own := _own_dict(obj)):  # a dict subclass's attributes (a
+                note(_Unchanged(own))  # config holding its settings as `cfg.scale = 2.0`): read as an object's
+                for k, v in list(own.items()):
+                    if not k.startswith("__"):
+                        value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(set_attribute, obj, k))
         elif isinstance(obj, (list, tuple)) and ((holds := _holds_state(obj)) or _length(obj) <= PLAIN_CONTAINER_ITEMS):
             seen_objects.add(id(obj))
             if not holds:
@@ -730,6 +735,14 @@ def del_attribute(obj, name: str) -> None:
             object.__delattr__(obj, name)
         except (AttributeError, TypeError):
             raise err from None
+
+
+def _own_dict(obj) -> dict | None:
+    """An object's `__dict__`, or None, never through a `__getattr__` (an AttrDict's raises KeyError)."""
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
 
 
 def attributes(obj) -> dict:

@@ -768,6 +768,32 @@ def test_an_attribute_dict_config_a_module_holds_keys_the_cache_by_its_items():
     assert f.trace_count == 3
 
 
+class _AttributeSettings(dict):
+    """A dict subclass holding its settings as attributes (`cfg.scale = 2.0`), beside its items."""
+
+
+_SETTINGS = _AttributeSettings(offset=1.0)
+_SETTINGS.scale = 2.0
+
+
+def test_a_dict_subclass_config_keys_the_cache_by_its_attributes_too():
+    """`CFG.scale = 4.0` between calls, on a global dict subclass: its items were read, its
+    attributes not, so the first program ran on, silently."""
+    def fn(x):
+        return x * _SETTINGS.scale + _SETTINGS["offset"]
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    try:
+        for change in (lambda: None, lambda: setattr(_SETTINGS, "scale", 4.0), lambda: setattr(_SETTINGS, "new", 1)):
+            change()
+            torch.testing.assert_close(f(x).full(), fn(x), rtol=1e-12, atol=1e-12)
+    finally:
+        _SETTINGS.scale = 2.0
+        vars(_SETTINGS).pop("new", None)
+    assert f.trace_count == 3  # (an attribute added: walked again, and its value keys the program)
+
+
 class _FieldsConfig:
     """A hand-made ConfigDict: a missing name raises KeyError from its `__getattr__`."""
 
