@@ -664,7 +664,12 @@ _GLOBAL_OPTIMIZER_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimize
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-@functools.lru_cache(maxsize=1024)
+# code objects whose names are read, per analysis: a package walked as the user's code (tensordict from a path
+# outside site-packages, 3379 code objects) thrashed a cache of 1024, and every cached call disassembled them all
+_CODE_CACHE = 1 << 16
+
+
+@functools.lru_cache(maxsize=_CODE_CACHE)
 def _attribute_names(code: types.CodeType) -> frozenset:
     """Names `code` (and the code inside it) loads as attributes (`config.LR` loads LR), and the
     names it may pass to getattr (`getattr(config, "LR")`: its string constants that are names)."""
@@ -679,7 +684,7 @@ def _attribute_names(code: types.CodeType) -> frozenset:
 EVERY_NAME = frozenset(["<every name>"])  # what `getattr(config, name)` or `vars(config)` may read of a module
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_CODE_CACHE)
 def _read_by_name(code: types.CodeType) -> frozenset:
     """The globals and closed-over names `code` (and the code inside it) gives to `getattr` or
     `vars` (`getattr(settings, key)`: any setting of `settings` may be read, by a name the
@@ -1595,7 +1600,7 @@ def _is_user_object(obj) -> bool:
     return module is not None and (filename is None or not _is_library(filename))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_CODE_CACHE)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """Names `code` (and the functions, lambdas and comprehensions inside it) loads as globals."""
     names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
