@@ -259,7 +259,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             value(obj.traced_function, name, _constant(obj.fn), None)  # inside this one: its code and state are ours
         elif _is_user_object(obj):  # an instance of the user's own class (a Trainer holding model and opt)
             seen_objects.add(id(obj))
-            note(None)
+            own = _own_dict(obj)  # (an attribute set, added or removed: walked again)
+            note(_Unchanged(own) if type(own) is dict else None if own is not None else (obj, "__class__", type(obj)))
+            for k in _slot_names(type(obj)):  # (and one in `__slots__`)
+                note((obj, k, getattr(obj, k, _MISSING)))
             for k, v in list(attributes(obj).items()):
                 value(v, _join(name, k), functools.partial(getattr, obj, k), functools.partial(set_attribute, obj, k))
             user_classes(type(obj), name, obj)  # its methods (`__call__` too) and class attributes
@@ -270,7 +273,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 if _is_user_class(c) and not c.__module__.startswith("torch."):  # keys the program too
                     for k in _CONSTRUCTORS:
                         if isinstance(v := vars(c).get(k), (types.FunctionType, staticmethod)):
-                            note((c, k, v))  # (one patched on the class: walked again)
+                            note((vars(c), k, v))  # (one patched on the class: walked again)
                             function(getattr(v, "__func__", v), name)
         elif isinstance(obj, types.ModuleType) and _is_user_module(obj) and attrs_read and \
                 (id(obj), attrs_read) not in seen_modules:
@@ -311,15 +314,15 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 elif isinstance(v, property):
                     v = v.fget
                 if isinstance(v, types.FunctionType):
-                    note((c, k, held))  # (a method patched on the class: walked again)
+                    note((vars(c), k, held))  # (a method patched on the class: walked again)
                     bound.append((f"{c.__qualname__}.{k}", _binding(v)))  # (patched on the class: compiled again)
                     function(v, name)
                 elif _is_user_object(v) and callable(v):  # an object of the user's that is called (`act = Scaler(2.0)`):
-                    note((c, k, held))  # its numbers and `__call__`, as a global one's (one set instead: walked again)
+                    note((vars(c), k, held))  # its numbers and `__call__`, as a global one's (one set instead: walked again)
                     holder = instance if instance is not None else c
                     value(v, _join(name, k), functools.partial(getattr, holder, k), None)
                 elif callable(v) and (token := _binding(v)) is not None:  # a builtin or partial held by the class
-                    note((c, k, held))  # (`act = staticmethod(torch.relu)`, later torch.tanh: compiled again)
+                    note((vars(c), k, held))  # (`act = staticmethod(torch.relu)`, later torch.tanh: compiled again)
                     bound.append((f"{c.__qualname__}.{k}", token))
                     if isinstance(v, functools.partial):  # (its arguments too, as a global partial's)
                         holder = instance if instance is not None else c
@@ -327,7 +330,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     elif isinstance(v, type) and _is_user_class(v):  # a class in it (`Cfg.Optim.lr`): its values
                         value(v, _join(name or c.__qualname__, k), _constant(v), None)
                 elif _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
-                    note((c, k, held))  # an object it holds (`Cfg.opt = Opt()`, a SimpleNamespace): its values
+                    note((vars(c), k, held))  # an object it holds (`Cfg.opt = Opt()`, a SimpleNamespace): its values
                     holder = instance if instance is not None else c
                     value(v, _join(name or c.__qualname__, k), functools.partial(getattr, holder, k), None)
                 elif _is_scalar(v) or _is_numbers_array(v) or type(v) in (set, dict, list):
@@ -463,7 +466,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     def function(fn, name: str, given: bool = False) -> None:
         if isinstance(fn, functools.partial):
             if fn.keywords:
-                note(None)  # a dict, changeable in place
+                note(_Unchanged(fn.keywords))  # (a dict, changeable in place)
             function(fn.func, name, given)
             for i, a in enumerate(fn.args):
                 value(a, _join(name, f"args.{i}"), _constant(a), None)
@@ -755,6 +758,15 @@ def attributes(obj) -> dict:
     return dict(getattr(obj, "__dict__", None) or {}) | _slot_values(obj)
 
 
+def _slot_names(cls: type) -> tuple:
+    """The slots `cls` and its bases declare (`__dict__` and `__weakref__` left out)."""
+    names = []
+    for c in cls.__mro__[:-1]:
+        slots = vars(c).get("__slots__", ())
+        names += [k for k in ((slots,) if isinstance(slots, str) else slots) if k not in ("__dict__", "__weakref__")]
+    return tuple(names)
+
+
 def _slot_values(obj) -> dict:
     """What the `__slots__` of an object's classes hold, by slot name (unset ones left out)."""
     out = {}
@@ -1015,14 +1027,16 @@ class _SavedTensorsHooks:
 
 
 def _holds(guard: list) -> bool:
-    """Every place a walk read still holds the object it held then."""
+    """Every place a walk read still holds the object it held then (a class's own member is read
+    from its `__dict__`: through `getattr`, a staticmethod is another object, and a walk that
+    read one was done again at every call)."""
     for entry in guard:
         if type(entry) in (_Unchanged, _AllUnchanged, _SavedTensorsHooks, _SameAttributes, _SameNames):
             if not entry.holds():
                 return False
             continue
         holder, name, obj = entry
-        now = holder.get(name, _MISSING) if type(holder) is dict else \
+        now = holder.get(name, _MISSING) if type(holder) in (dict, types.MappingProxyType) else \
             cell_value(holder, _MISSING) if name == "cell_contents" else getattr(holder, name, _MISSING)
         if now is not obj:
             return False

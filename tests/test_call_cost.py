@@ -203,3 +203,49 @@ def test_the_lifted_state_walk_sees_every_write_and_keeps_what_holds(tags, monke
     f(x)
     assert f._roots._state[1] is not state
     assert not opt.state[model[2].weight]["momentum_buffer"].equal(torch.zeros_like(buf))  # updated from zero
+
+
+class _Helper:
+    """An object of the user's whose class holds a staticmethod, as library classes do."""
+
+    def __init__(self):
+        self.scale = 2.0
+
+    @staticmethod
+    def shift(x):
+        return x + 1.0
+
+    def __call__(self, x):
+        return self.shift(x) * self.scale
+
+
+class _SlottedHelper:
+    __slots__ = ("inner", "offset")
+
+    def __init__(self, inner):
+        self.inner, self.offset = inner, 0.5
+
+    def __call__(self, x):
+        return self.inner(x) + self.offset
+
+
+def test_the_walk_of_objects_and_their_classes_is_kept_while_it_holds():
+    """A walk through an object of the user's (its class holding a staticmethod, or its values in
+    `__slots__`) was done again at every call: a staticmethod read through getattr is another
+    object than its class holds, and an object's attributes were guarded by nothing (a package
+    outside site-packages, walked as the user's code: seconds per cached call). Kept while
+    they hold; an attribute rebound or added, or a slot set, walks again and is read."""
+    helper = _SlottedHelper(_Helper())
+    f = hpfun.shard(lambda x: helper(x), mesh=MESH, in_specs=(P("tp"),), out_specs=P("tp"))
+    x = torch.randn(6, 4)
+    f(x)
+    walk = f._roots._last
+    assert walk is not None
+    f(x)
+    assert f._roots._last is walk
+    for change in (lambda: setattr(helper.inner, "scale", 3.0), lambda: setattr(helper, "offset", -1.0),
+                   lambda: setattr(helper, "inner", _Helper())):
+        change()
+        torch.testing.assert_close(f(x).full(), helper(x))
+        assert f._roots._last is not walk
+        walk = f._roots._last
