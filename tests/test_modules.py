@@ -5998,6 +5998,36 @@ def test_parameters_a_step_swaps_in_a_parameter_container_keep_their_identity_an
                 torch.testing.assert_close(opt.state[p][k], opt_e.state[q][k], rtol=1e-12, atol=1e-12)
 
 
+def test_parameters_a_step_swaps_between_module_attributes_keep_their_identity_and_adam_state():
+    """`m.p, m.q = m.q, m.p`: Module.__setattr__ refused the stand-in, no Parameter, at a
+    parameter's place (TypeError inside the trace), where eager swaps them."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.p, model.q = (torch.nn.Parameter(torch.randn(3, dtype=torch.float64)) for _ in range(2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+
+        def step(x):
+            loss = (model.p * x).sum() + 3 * ((model.q * x).sum()) ** 2
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.p, model.q = model.q, model.p
+            return loss.detach()
+        return step, model, opt, (model.p, model.q)
+
+    step, model, opt, params = make()
+    eager, _, opt_e, params_e = make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        assert (model.p, model.q)[0] is params[1 - i % 2] and model.q is params[i % 2]
+        for p, q in zip(params, params_e):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(opt.state[p]["exp_avg"], opt_e.state[q]["exp_avg"], rtol=1e-12, atol=1e-12)
+
+
 class _SwapsAndKeeps(PerParameter):
     """Swaps two state tensors at every step, a third key holding the first one's tensor."""
 
