@@ -3098,11 +3098,21 @@ def _refuse_writes_through_unfold(gm: torch.fx.GraphModule) -> None:
             if view.target is aten.unfold.default:
                 source, dim, size, step = view.args[:4]
                 length = source.meta["val"].shape[dim] if "val" in source.meta else None
-                if length is not None and (step != size or length % size):
+                windows = (length - size) // step + 1 if length is not None else None
+                if length is not None and (step < size or windows > 1 and step != size
+                                           or (windows - 1) * step + size != length):
+                    # (one window over the whole dim tiles it, with any step as large as its size)
                     line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
+                    where = f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}"
+                    if windows == 1 and (windows - 1) * step + size == length:  # (its step is smaller than its size)
+                        problems.append(Problem(where, f"writes in place through a view unfold made of one window of "
+                                                f"all {length} elements with a step of {step}, smaller than its size, "
+                                                "which torch's functionalization refuses as overlapping windows",
+                                                f"give unfold a step of {size} (the same one window)"))
+                        break
                     how = "overlap" if step < size else "leave elements out"
                     problems.append(Problem(
-                        f"{n.target.__name__.split('.')[0]}{f' at {line}' if line else ''}",
+                        where,
                         f"writes in place through a view unfold made whose windows {how} (size {size}, step {step} "
                         f"over {length} elements), which torch's functionalization cannot write back exactly",
                         "write into the tensor itself by index (`y[i * step:i * step + size] = v`), or clone the "

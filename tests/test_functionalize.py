@@ -3,6 +3,8 @@ re-trace through torch's functionalization wherever a write could be seen throug
 
 Every result is compared with the same function run eagerly on copies of its arguments."""
 
+import functools
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -165,6 +167,24 @@ def test_a_write_through_unfold_windows_not_tiling_the_dim_is_refused_at_its_lin
     f = hpfun.shard(windows, mesh=DP, in_specs=(P(),), out_specs=P())
     with pytest.raises(hpfun.CaptureError, match=r"y.unfold\(0, size, step\)\[0\] = 0.5(.|\n)*unfolded windows"):
         f(torch.arange(9.0 if step == 2 and size == 2 else 8.0, dtype=torch.float64))
+
+
+def test_a_write_through_one_unfold_window_of_the_whole_dim():
+    """One window of the whole dim tiles it: with a step past its size it is written back (it
+    was refused as leaving elements out); with a step smaller than its size torch refuses it, and
+    the message says so and gives the step that makes the same window (it said "overlap")."""
+    def one(x, step):
+        y = x.clone()
+        y.unfold(1, 4, step).mul_(2.0)
+        return y
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for spec in (P(), P("dp")):
+        f = hpfun.shard(functools.partial(one, step=7), mesh=DP, in_specs=(spec,), out_specs=spec)
+        torch.testing.assert_close(f(x).full(), one(x, 7), rtol=0, atol=0)
+    f = hpfun.shard(functools.partial(one, step=2), mesh=DP, in_specs=(P(),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"one window of all 4 elements with a step of 2(.|\n)*"
+                                                 r"give unfold a step of 4"):
+        f(x)
 
 
 WRITES = {  # a write into the memory a view shares, after the view
