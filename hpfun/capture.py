@@ -2307,16 +2307,95 @@ def _scalar_tensors_as_lists(index):
     return out if isinstance(index, tuple) else out[0]
 
 
-def _scalar_tensors_beside_indices(index):
+def _scalar_tensors_beside_indices(index, ndim: int):
     """`h[i, :, j] = v` with `j` a traced 0-d integer tensor beside an index of one or more dims
-    (`i`, a tensor or a list): an index among the others, broadcast with them, as torch takes
-    an integer there; given as a one-element index, which broadcasts alike, since torch reads a
-    0-d one in C++ (no trace can) where the index is written. None where there is none."""
+    (`i`, a tensor or a list): torch selects by `j` first, as by an integer, read in C++ where
+    the index is written (no trace can). Given as a one-element index among the others, it
+    broadcasts with them alike, where their dims go to the same place of the result either way
+    (`h[i, :, j]`, `h[j, i]`); `x[j, :, i]`, whose `i` keeps its place after a select and goes
+    first beside an index `j` (its result transposed, silently), is left to the other rules.
+    None where there is no such index."""
     parts = index if isinstance(index, tuple) else (index,)
-    if not any(map(_is_traced_int_scalar, parts)) or not any(
-            isinstance(p, torch.Tensor) and p.ndim >= 1 or isinstance(p, list) for p in parts):
+    if not any(map(_is_traced_int_scalar, parts)) or not any(map(_is_advanced_index, parts)):
         return None
-    return tuple(p.reshape(1).long() if _is_traced_int_scalar(p) else p for p in parts)
+    listed = tuple(p.reshape(1).long() if _is_traced_int_scalar(p) else p for p in parts)
+    if _advanced_dims_at(listed, ndim) != _advanced_dims_at(tuple(p for p in parts if not _is_traced_int_scalar(p))
+                                                             + (0,) * sum(map(_is_traced_int_scalar, parts)), ndim):
+        return None
+    return listed
+
+
+def _selected_by_scalar_tensors(x: torch.Tensor, index):
+    """`x[j, :, i]` with `j` a traced 0-d integer tensor beside an index of one or more dims, as
+    torch reads it: `x` selected by `j` first (a one-element `index_select`, then the integer 0
+    in `j`'s place, which torch selects by); (x, index) again, or None where there is none."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(map(_is_traced_int_scalar, parts)) or not any(map(_is_advanced_index, parts)):
+        return None
+    parts = list(parts)
+    for k, p in enumerate(parts):
+        if _is_traced_int_scalar(p):
+            dim = _dim_of(parts, k, x.ndim)
+            size = x.shape[dim]
+            at = torch.where(p < 0, p + size, p).reshape(1).long()
+            x, parts[k] = x.index_select(dim, at), 0
+    return x, tuple(parts)
+
+
+def _written_by_scalar_tensor(x: torch.Tensor, index, value) -> bool:
+    """`x[j, :, i] = v` as torch writes it, `j` one traced 0-d integer tensor beside an index of
+    one or more dims (`_selected_by_scalar_tensors`): the one-element block `j` selects, written
+    by the index with the integer 0 in `j`'s place, and put back by `index_copy_`. Whether it was."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if sum(map(_is_traced_int_scalar, parts)) != 1 or not any(map(_is_advanced_index, parts)):
+        return False
+    k = next(k for k, p in enumerate(parts) if _is_traced_int_scalar(p))
+    dim = _dim_of(list(parts), k, x.ndim)
+    at = torch.where(parts[k] < 0, parts[k] + x.shape[dim], parts[k]).reshape(1).long()
+    block = x.index_select(dim, at)
+    block[(*parts[:k], 0, *parts[k + 1:])] = value
+    x.index_copy_(dim, at, block)
+    return True
+
+
+def _dim_of(parts: list, k: int, ndim: int) -> int:
+    """The dim of `x` that `parts[k]` of `x[parts]` indexes."""
+    def takes(p) -> int:
+        if p is None or isinstance(p, bool):
+            return 0
+        if isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8) or \
+                type(p).__module__ == "numpy" and getattr(p, "dtype", None) == bool:
+            return p.ndim
+        return 1
+    if any(p is Ellipsis for p in parts[:k]):  # (counted from the end)
+        return ndim - sum(takes(p) for p in parts[k:])
+    return sum(takes(p) for p in parts[:k])
+
+
+def _is_advanced_index(part) -> bool:
+    """An index of one or more dims: a tensor, a list, a NumPy array (not a 0-d one: torch takes
+    that as the integer or mask it holds)."""
+    return isinstance(part, torch.Tensor) and part.ndim >= 1 or isinstance(part, list) \
+        or type(part).__module__ == "numpy" and getattr(part, "ndim", 0) >= 1
+
+
+def _advanced_dims_at(parts: tuple, ndim: int) -> int:
+    """Where torch puts the dims of the advanced indices of `x[parts]`, `x` of `ndim` dims: at
+    the first one's place where they stand together (integers, selected first, stand nowhere),
+    else first."""
+    def takes(p) -> int:  # the dims of `x` a part indexes
+        if p is None or isinstance(p, bool):
+            return 0
+        if isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8) or \
+                type(p).__module__ == "numpy" and getattr(p, "dtype", None) == bool:
+            return p.ndim
+        return 1
+    kept = [p for p in parts if _is_advanced_index(p) or p is None or p is Ellipsis or isinstance(p, (slice, bool))]
+    at = [k for k, p in enumerate(kept) if _is_advanced_index(p)]
+    if not at or at != list(range(at[0], at[0] + len(at))):
+        return 0
+    rest = ndim - sum(takes(p) for p in parts if p is not Ellipsis)
+    return sum(rest if p is Ellipsis else 1 for p in kept[:at[0]])
 
 
 def _index_by_scalar_tensors(func, x, index, as_lists, *value):
@@ -2886,8 +2965,15 @@ class _TensorScalars(TorchFunctionMode):
                 and isinstance(args[0], torch.Tensor) and (masked := _scalar_masks_unsqueezed(*args[:2])) is not None:
             args = (*masked, *args[2:])  # (`x[:, b]`, b a 0-d mask: x with a dim of one there, b a mask of it)
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2 \
-                and (index := _scalar_tensors_beside_indices(args[1])) is not None:
+                and isinstance(args[0], torch.Tensor) and (index := _scalar_tensors_beside_indices(args[1], args[0].ndim)) \
+                is not None:
             args = (args[0], index, *args[2:])  # (`h[i, :, j] = v`, j a 0-d integer: one index among the others)
+        elif func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[0], torch.Tensor) \
+                and (selected := _selected_by_scalar_tensors(*args)) is not None:
+            args = selected  # (`x[j, :, i]`: selected by j first, as torch does)
+        elif func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and isinstance(args[0], torch.Tensor) \
+                and _written_by_scalar_tensor(*args):
+            return None  # (`x[j, :, i] = v`: the block j selects, written and put back)
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and _masked_write(*args):
             return None
         if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs and \

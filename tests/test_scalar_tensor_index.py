@@ -637,3 +637,26 @@ def test_a_list_or_numpy_array_of_booleans_indexes_as_the_mask_it_is(spec):
             want = fn(x)
         got = hpfun.shard(fn, mesh=MESH, in_specs=(spec,), out_specs=P())(x).full()
         assert got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, None, "dp")], ids=str)
+def test_a_0d_integer_index_before_a_slice_and_another_index_selects_first_as_torch_does(spec):
+    """`x[j, :, i]`: torch selects by `j` first, so `i`'s dims keep their place (a (4, 2) result);
+    taken as an index beside `i`, the two went first (a (2, 4) result, or the same shape
+    transposed: `x[j, 1:3, i]`), silently. Reads, masks, None and writes alike."""
+    x = torch.arange(8 * 4 * 6, dtype=D).reshape(8, 4, 6)
+    j, i = torch.tensor(3), torch.tensor([0, 5])
+
+    def written(x, j, i):
+        y = x.clone()
+        y[j, :, i] = x[j, :, i] * 2.0 + torch.arange(4, dtype=D)[:, None]
+        return y
+
+    cases = [lambda x, j, i: x[j, :, i], lambda x, j, i: x[j, 1:3, i], lambda x, j, i: x[j, None, i % 4],
+             lambda x, j, i: x[-j, :, [True, False, False, False, False, True]], lambda x, j, i: x[..., j, i % 4],
+             written]
+    for fn in cases:
+        want = fn(x, j, i)
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P(), P()), out_specs=P())(x, j, i).full()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
