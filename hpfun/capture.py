@@ -2022,7 +2022,11 @@ def _repeat_index(repeats, size: int):
 def _repeated(x, repeats=None, dim=None, *, output_size=None):
     """`torch.repeat_interleave(x, repeats)` with a tensor of repeats made from constants or
     readable inputs: the positions it repeats read like `nonzero` (an `InputRead`), so the
-    result's shape is known, and the result taken with index_select. None for any other form."""
+    result's shape is known, and the result taken with index_select; `repeat_interleave(counts)`
+    as `repeat_interleave(arange(len(counts)), counts)`, which it is. None for any other form."""
+    if isinstance(x, torch.Tensor) and repeats is None and dim is None and x.ndim == 1 \
+            and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
+        x, repeats = torch.arange(x.shape[0], dtype=x.dtype, device=x.device), x
     if not isinstance(x, torch.Tensor) or not isinstance(repeats, torch.Tensor):
         return None
     flat = x.reshape(-1) if dim is None else x

@@ -203,6 +203,12 @@ def test_repeat_interleave_by_counts_of_constants_or_inputs_is_read():
     flat = hpfun.shard(lambda x: torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)), mesh=MESH,
                        in_specs=P("dp"), out_specs=P())  # (no dim: over the flattened values)
     torch.testing.assert_close(flat(x).full(), torch.repeat_interleave(x, torch.tensor([2, 1, 0, 1]).repeat(4)))
+    # the one-argument form, `repeat_interleave(counts)` (torchani's neighbour lists): was refused as a value of the
+    # parameters or random draws
+    alone = hpfun.shard(lambda c: (torch.repeat_interleave(c), torch.repeat_interleave(c * 1)), mesh=MESH, in_specs=P(),
+                        out_specs=P())
+    for counts in (torch.tensor([1, 0, 2, 3]), torch.tensor([0, 4, 1])):
+        assert [t.full().tolist() for t in alone(counts)] == [torch.repeat_interleave(counts).tolist()] * 2
 
 
 def test_a_read_through_one_output_of_a_multi_output_op_is_read():
