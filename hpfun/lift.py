@@ -199,18 +199,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             roots.append(Root(unique(name, owner) if name else name, obj))
             if isinstance(obj, torch.nn.Module):
                 module_code(obj, name)
-                tree = None
-                for mod_name, mod in obj.named_modules(remove_duplicate=True):  # an optimizer a module holds
-                    for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
-                        if _is_optimizer(v) or _holds_any(v, _is_optimizer):  # as one the function reaches
-                            value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
-                        elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None), HELD_DEPTH):
-                            tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
-                            if _holds_any(v, _unregistered_module(tree), HELD_DEPTH):  # dict or list, not a
-                                # submodule (`self.heads = {"a": Linear(...)}`), as deep as objects are read: its
-                                # state lifted (a tensor beside them in a tuple, `Head(proj, offset)`, is refused:
-                                # rebuilt around the stand-ins, the tuple did not keep the tensor itself)
-                                value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
+                module_held(obj, name)
             else:  # its step hooks, its own and every optimizer's
                 hooks_code(obj, _OPTIMIZER_HOOK_DICTS, name)
                 hooks_code(sys.modules["torch.optim.optimizer"], _GLOBAL_OPTIMIZER_HOOK_DICTS, "torch.optim.optimizer")
@@ -295,6 +284,27 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                 note((obj, "mask_mod", obj.mask_mod))  # id table) are the function's own; its block tensors are
                 value(obj.mask_mod, _join(name, "mask_mod"), functools.partial(getattr, obj, "mask_mod"), None)
                 # read by torch's kernels only, never by the math hpfun traces it as
+
+    def module_held(obj, name: str) -> None:
+        """What a module tree holds besides its state that is walked as the function's: optimizers,
+        modules in plain containers, and objects of the user's holding tensors."""
+        tree = None
+        for mod_name, mod in obj.named_modules(remove_duplicate=True):  # an optimizer a module holds
+            for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
+                if _is_optimizer(v) or _holds_any(v, _is_optimizer):  # as one the function reaches
+                    value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
+                elif _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)) \
+                        and any(isinstance(a, torch.Tensor) for a in attributes(v).values()):
+                    # an object of the user's holding tensors (a `cached_property` table a helper keeps, as
+                    # eager keeps it): its tensors are state, as a closed-over object's are
+                    value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
+                elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None), HELD_DEPTH):
+                    tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
+                    if _holds_any(v, _unregistered_module(tree), HELD_DEPTH):  # dict or list, not a
+                        # submodule (`self.heads = {"a": Linear(...)}`), as deep as objects are read: its
+                        # state lifted (a tensor beside them in a tuple, `Head(proj, offset)`, is refused:
+                        # rebuilt around the stand-ins, the tuple did not keep the tensor itself)
+                        value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
 
     def user_classes(cls: type, name: str, instance=None) -> None:
         """The user's classes in `cls`'s method order: their methods are walked (the globals they
@@ -565,6 +575,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
         note((type(fn), "forward", type(fn).forward))
         function(type(fn).forward.__get__(fn), "")
         module_code(fn, "")
+        module_held(fn, "")
     else:  # the function handed to shard is the user's wherever it is defined (an installed package too)
         function(fn, "", given=True)
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # the saved_tensors_hooks around the
