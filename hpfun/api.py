@@ -1142,7 +1142,7 @@ class ShardedFunction:
                                headline="the function changes Python state")
         outputs = traced.record(out, assigned, new_state, lifted, {id(f): j for j, f in enumerate(fakes)},
                                 {name for name, *_ in call.state.aliases},  # (and the places, optimizer state keys
-                                {name for name, _ in call.state.statics.get(lift._ALIASES, ())})  # too, held one before)
+                                dict(call.state.statics.get(lift._ALIASES, ())))  # too, held one before)
         substitution.put_numbers()  # (after the record's refusals: the numbers the step made are put, or the next step
         # skips its setup of the state)
         return outputs
@@ -1405,6 +1405,9 @@ def _replay(effects: tuple, statics: dict) -> None:
             statics[key].set(name, value)
 
 
+_NOT_HELD = object()  # (a stand-in no place held)
+
+
 class _Traced:
     """What the trace of the function left besides its graph: the outputs' structure, and what
     it assigned to lifted slots."""
@@ -1456,7 +1459,7 @@ class _Traced:
         self.edits, self.edit_tensors = tuple(edits), tuple(tensors)
 
     def record(self, out, assigned: dict, new_state: dict, stand_ins: dict, stand_in_ids: dict, aliases=(),
-               shared=()) -> list:
+               shared: dict | None = None) -> list:
         flat, self.out_tree = pytree.tree_flatten(out)
         while any([register_container(type(v)) for v in flat if _is_container(v)]):  # a dataclass of results
             flat, self.out_tree = pytree.tree_flatten(out)  # (nested ones registered level by level)
@@ -1466,14 +1469,18 @@ class _Traced:
         self.out_tensors = [v for v in flat if isinstance(v, torch.Tensor)]
         self.new_state = new_state  # name -> (optimizer, parameter, key) of an optimizer's first state
         self.assigned, self.cleared = [], []
+        shared = shared or {}  # an optimizer state's key holding another's tensor before the call -> that key
         for name, value in assigned.items():
             before = stand_ins.get(name)
-            if (value is before and name not in aliases) or (name not in stand_ins and id(value) in stand_in_ids
-                                                               and (name not in new_state or name in shared)):
-                continue  # untouched (in-place updates come back through functionalization)
+            if (value is before and name not in aliases and name not in shared) or (
+                    name not in stand_ins and id(value) in stand_in_ids and (
+                    name not in new_state or name in shared and value is stand_ins.get(shared[name], _NOT_HELD))):
+                continue  # untouched (in-place updates come back through functionalization; a key of an optimizer's
+                # state holding the tensor it held: `st["keep"]` still `st["m"]`, not re-pointed to `st["v"]`)
             if isinstance(value, torch.Tensor):
                 self.assigned.append((name, value))
-            elif (before is not None or name in aliases) and (value is None or lift._is_scalar(value)):
+            elif (before is not None or name in aliases or name in shared) and (
+                    value is None or value is lift.REMOVED or lift._is_scalar(value)):
                 # emptied (zero_grad), or a tensor slot set to a Python number (HF's dynamic rotary embedding
                 # resets `max_seq_len_cached` to an int): set so by every call
                 self.cleared.append((name, value))

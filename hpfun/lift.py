@@ -1656,6 +1656,8 @@ class State:
     # (name, read, write, id of the tensor) of each further place holding a lifted tensor (`self.a = self.b =
     # t`, `self.stats = {"last": self.ema}`): one input, lifted by its first name; one the step rebinds is put
     aliases: tuple = ()
+    # (name, write) of each further key of an optimizer's state holding a lifted tensor (`st["keep"] = st["m"]`)
+    shared_writes: tuple = ()
 
     def root(self, name: str):
         return next(r.value for r in self.roots if r.name == name)
@@ -1683,6 +1685,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     names: dict[int, str] = {}  # id(tensor) -> first name: a tensor held in two places is one input
     aliases: list = []  # and the other places holding it (`State.aliases`)
     shared: list = []  # (name, first name) of optimizer state holding a tensor held by another name
+    shared_writes: list = []  # (name, write) of those
     alive: list = []  # every value read, kept until the walk ends: a slot reading a new tensor each time
     problems: list[Problem] = []  # (a Python number as a 0-d tensor) would free it, and its id be another's
 
@@ -1693,6 +1696,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
                 aliases.append((name, read, write, id(v)))
             elif write is not None and names[id(v)] != name:  # (optimizer state under a second key: one
                 shared.append((name, names[id(v)]))  # tensor, written back as one; which keys keys the program)
+                shared_writes.append((name, write))
             return False
         if v is not None:
             names[id(v)] = name
@@ -1730,7 +1734,7 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     if aliases or shared:  # which places hold one tensor keys the program (`self.c = self.a`, then a swap: `c`
         # is `b`; `st["keep"] = st["m"]`, then m and v swapped: keep is v)
         found[_ALIASES] = tuple((name, names.get(held)) for name, _, _, held in aliases) + tuple(shared)
-    return State(slots, found, tuple(roots), tuple(opaque), params, tuple(aliases))
+    return State(slots, found, tuple(roots), tuple(opaque), params, tuple(aliases), tuple(shared_writes))
 
 
 def statics(roots, known: dict | None = None) -> dict:
@@ -2683,8 +2687,19 @@ def _set_listed(seq, i, value):
     seq[i] = value
 
 
+class _Removed:
+    """What a state the step removed (`del st["m2"]`) is written as: its key taken away (None is
+    written as None, `st["m2"] = None`)."""
+
+    def __repr__(self) -> str:
+        return "<removed>"
+
+
+REMOVED = _Removed()
+
+
 def _set_state(opt, p, key, value):
-    if value is None:
+    if value is REMOVED:
         opt.state.get(p, {}).pop(key, None)
     else:
         opt.state[p][key] = value
@@ -2728,7 +2743,7 @@ def _set_state_item(opt, p, key, i, value) -> None:
     """Item i of the list (or tuple, rebuilt), or key i of the dict, of tensors under `key` of a
     parameter's state."""
     held = opt.state.get(p, {}).get(key)
-    if value is None:  # (the step removed the list)
+    if value is None or value is REMOVED:  # (the step removed the list)
         if held is not None and not _tensor_sequence(held):
             return
         opt.state.get(p, {}).pop(key, None)
@@ -3463,6 +3478,7 @@ class Substitution:
                 slot.write(u)
         real_of = {id(stand_in): real_id for real_id, stand_in in self.swap.items()}
         out, new_state, problems = {}, {}, []
+        shared = {name for name, _ in self.state.shared_writes}  # (further keys of optimizer state holding a tensor)
         for name, slot in self.state.slots.items():
             if slot.follows is None or name.endswith(".grad"):
                 out[name] = _read_substituted(slot, name, self.swap, self.state)
@@ -3509,6 +3525,14 @@ class Substitution:
                 owner = self.state.param_names.get(real_of.get(id(p), id(p)))
                 real_p = self._real_params.get(id(p))
                 for key, v in entries.items():
+                    if owner is not None and v is None:  # a key set to None (`st["m2"] = None`): so set by every
+                        name = f"{_join(prefix, 'state')}.{owner}.{key}"  # call where it held a tensor, put where
+                        if name in self.state.slots or name in shared:  # eager puts it where the step made it
+                            out[name] = None
+                            seen.add(name)
+                        elif real_p is not None and key not in real_state.get(real_p, {}):
+                            self.new_numbers.append((real_state, real_p, key, None))
+                        continue
                     if owner is not None and _tensor_sequence(v):  # a list of tensors: each its own state
                         problems += self._state_sequence(f"{_join(prefix, 'state')}.{owner}.{key}", v, real_state,
                                                          real_p, owner, key, out, new_state, seen)
@@ -3536,7 +3560,10 @@ class Substitution:
                         new_state[name] = (prefix, owner, key)
             for name, slot in self.state.slots.items():  # state the step removed
                 if slot.follows is not None and not name.endswith(".grad") and name.startswith(_join(prefix, 'state') + '.') and name not in seen:
-                    out[name] = None
+                    out[name] = REMOVED
+            for name in shared:  # (and a further key holding one of its tensors)
+                if name.startswith(_join(prefix, 'state') + '.') and name not in seen:
+                    out[name] = REMOVED
         if problems:
             raise CaptureError(problems, headline="cannot lift the state the function reads")
         for name, (value, setter) in self.created().items():

@@ -14,6 +14,7 @@ values back.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import attrs
@@ -297,7 +298,8 @@ def clear(cleared, state) -> None:
     as (slot, value) pairs; a further place of a lifted tensor (`State.aliases`) by its name."""
     for name, value in cleared:
         slot = state.slots.get(name)
-        (slot.write if slot is not None else next(w for n, _, w, _ in state.aliases if n == name))(value)
+        (slot.write if slot is not None else next(itertools.chain(
+            (w for n, _, w, _ in state.aliases if n == name), (w for n, w in state.shared_writes if n == name))))(value)
 
 
 def module_state(roots, attributes: bool = False) -> set:

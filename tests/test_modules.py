@@ -6066,6 +6066,61 @@ def test_parameters_a_step_swaps_between_module_attributes_keep_their_identity_a
             torch.testing.assert_close(opt.state[p]["exp_avg"], opt_e.state[q]["exp_avg"], rtol=1e-12, atol=1e-12)
 
 
+class _RepointsAlias(PerParameter):
+    """Keeps a second key on one of two buffers, re-pointed, set to None or deleted by each step."""
+
+    def __init__(self, params, how):
+        super().__init__(params)
+        self.how = how
+
+    def update(self, p, st, lr):
+        if "m" not in st:
+            st["m"], st["v"] = torch.zeros_like(p), torch.ones_like(p)
+            st["keep"] = st["m"]
+        elif self.how == "repoint":
+            st["keep"] = st["v"] if st["keep"] is st["m"] else st["m"]
+        elif self.how == "none" and "keep" in st:
+            st["keep"] = None
+        elif self.how == "del":
+            st.pop("keep", None)
+        st["m"].mul_(0.9).add_(p.grad)
+        keep = st.get("keep")
+        p.sub_(lr * (st["m"] + (0.1 * keep if keep is not None else 0.0)))
+        st["new"] = None  # (a new key set to None: put there, as eager's step leaves it)
+
+
+@pytest.mark.parametrize("how", ["repoint", "none", "del"])
+def test_a_key_of_an_optimizers_state_holding_another_keys_tensor_is_repointed_emptied_or_deleted_as_eager(how):
+    """`st["keep"]` holding `st["m"]`, then given `st["v"]`, None, or deleted by the step: a place
+    holding a stand-in before the call was taken for untouched, so hpfun's `keep` stayed on `m`
+    (the weights drifted, silently) or stayed there when emptied or deleted; a new key set to None
+    was left out."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2, dtype=torch.float64)
+        return model, _RepointsAlias(model.parameters(), how)
+
+    def step(model, opt, x):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    (model, opt), (ref, ref_opt) = make(), make()
+    f = hpfun.shard(functools.partial(step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(4):
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            st, want = opt.state[p], ref_opt.state[q]
+            assert sorted(st) == sorted(want)
+            assert {k for k in st if st[k] is None} == {k for k in want if want[k] is None}
+            if "keep" in want and want["keep"] is not None:
+                assert (st["keep"] is st["m"]) == (want["keep"] is want["m"])
+
+
 class _SwapsAndKeeps(PerParameter):
     """Swaps two state tensors at every step, a third key holding the first one's tensor."""
 
