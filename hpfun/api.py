@@ -1046,10 +1046,8 @@ class ShardedFunction:
                                 for path in hooked], headline="hooks registered inside the function")
         moves, refused = substitution.moved_modules()
         if refused:
-            raise CaptureError([Problem(place, "hpfun finds each module a step moves by its name in the tree "
-                                        "the step reaches; this one is not in that place's tree, and was put back",
-                                        "move it outside the sharded function, between calls") for place in refused],
-                               headline="the function moves submodules between module trees")
+            raise CaptureError([Problem(*entry) for entry in refused], headline="the function moves submodules "
+                               "where a cached call cannot")
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)

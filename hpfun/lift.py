@@ -3760,21 +3760,31 @@ class Substitution:
         (`md["a"], md["b"] = md["b"], md["a"]`, a ModuleList rotated, `self.last = self.layers[-1]`),
         each put back as it was, so that tracing changes nothing: {root's name: ModuleMoves} to make
         by every call, as eager's calls do (the trace made the move and a cached call did not: from
-        the second call on, the step ran on the other module, silently); and the places given a
-        module of another root's tree, which no call can find by name, named to be refused."""
+        the second call on, the step ran on the other module, silently); and (place, what, fix) of
+        each place given a module of another root's tree, which no call can find by name, or a new
+        container of modules it held, which no call builds again, put back to be refused."""
         held = {id(sub) for before in self._submodules.values() for sub in before.values()}
         moves: dict = {}
         refused = []
         for prefix, mod, _, _, _ in self._modules:
             before = self._submodules.get(id(mod), {})
             for key, sub in list(mod._modules.items()):
-                if sub is None or before.get(key) is sub or id(sub) not in held or _holds_fake_state(sub):
+                if sub is None or before.get(key) is sub or _holds_fake_state(sub):
                     continue
-                (root, holder), (source_root, source) = self._module_names[id(mod)], self._module_names[id(sub)]
-                if source_root != root:
-                    refused.append(f"{_join(prefix, key)} (given a module of another module tree)")
+                if id(sub) not in held:  # a module made by the step: a new container of modules it held
+                    if not any(id(m) in self._module_names for m in sub.modules() if m is not sub):
+                        continue  # (`self.act = nn.GELU()`, stateless: as eager's, which makes one at every call)
+                    refused.append((_join(prefix, key), f"is given a new {type(sub).__name__} built of modules "
+                                    "it held (`nn.Sequential(*reversed(self.seq))`): a cached call would not build "
+                                    "it again; it was put back", "build it outside the sharded function, between calls"))
                 else:
-                    moves.setdefault(root, []).append((holder, key, source))
+                    (root, holder), (source_root, source) = self._module_names[id(mod)], self._module_names[id(sub)]
+                    if source_root == root:
+                        moves.setdefault(root, []).append((holder, key, source))
+                    else:
+                        refused.append((_join(prefix, key), "is given a module of another module tree: hpfun finds "
+                                        "each module a step moves by its name in the tree the step reaches; it was "
+                                        "put back", "move it outside the sharded function, between calls"))
                 if key in before:
                     mod._modules[key] = before[key]
                 else:

@@ -6412,10 +6412,40 @@ def test_a_step_moving_a_module_of_another_tree_is_refused_and_puts_it_back():
         return out.sum()
 
     f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
-    with pytest.raises(hpfun.CaptureError, match=r"(?s)moves submodules between module trees.*model.a.*"
-                                                 r"move it outside the sharded function"):
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)moves submodules.*model.a: is given a module of another "
+                                                 r"module tree.*move it outside the sharded function"):
         f(torch.randn(4, 4))
     assert model.a is a
+
+
+def test_a_step_rebuilding_a_container_of_its_modules_is_refused_and_puts_it_back():
+    """`self.seq = nn.Sequential(*reversed(self.seq))`: the trace built it, a cached call did not,
+    and from the second call on the step ran in the first call's order, silently. A stateless
+    module made anew (`self.act = nn.GELU()`) is kept, as before."""
+    model = torch.nn.Module()
+    model.seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    seq = model.seq
+
+    def step(x):
+        out = model.seq(x)
+        model.seq = torch.nn.Sequential(*reversed(list(model.seq)))
+        model.act = torch.nn.GELU()
+        return model.act(out).sum()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)model.seq: is given a new Sequential built of modules it held"
+                                                 r".*build it outside the sharded function"):
+        f(torch.randn(4, 4))
+    assert model.seq is seq
+
+    def stateless(x):
+        model.act = torch.nn.GELU()
+        return model.act(model.seq(x)).sum()
+
+    g = hpfun.shard(stateless, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(2):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(g(x).full(), stateless(x))
 
 
 class _HoldsInputs(torch.nn.Module):
