@@ -3798,9 +3798,11 @@ def _describe(err: Exception) -> str:
             hint = _READER_HINTS[reader.name]
         elif reader is None and ("aten.nonzero" in str(err) or "aten.masked_select" in str(err)):
             hint = (" — a boolean mask picks as many elements as it has True values (x[mask], masked_select, "
-                    "nonzero), a shape read from the data, and hpfun traces on shapes only: keep the shape and mask "
-                    "the values instead (F.cross_entropy(..., ignore_index=-100), torch.where(mask, x, 0), or a "
-                    "weighted sum divided by mask.sum())")
+                    "nonzero), a shape read from the data. hpfun reads a mask made from the arguments, buffers and "
+                    "constants (a program per mask), but not one made from parameters, optimizer state or random "
+                    "draws inside, as this one is: keep the shape and mask the values instead "
+                    "(F.cross_entropy(..., ignore_index=-100), torch.where(mask, x, 0), or a weighted sum divided "
+                    "by mask.sum()), or compute the mask outside the sharded function and pass it in")
         elif reader is not None:
             hint += f" (the read is in {os.path.relpath(reader.filename, TORCH_DIR)}:{reader.lineno}, {reader.name})"
         elif any(read in where for read in (".item()", ".tolist()", "float(", "print(")):

@@ -1663,3 +1663,14 @@ def test_mask_functions_torch_combines_are_read_as_the_functions_own():
     finally:
         _WINDOW = 2
     assert [f.trace_count for f in sharded] == [2, 2]
+
+
+def test_a_mask_made_from_parameters_is_refused_saying_it_is_made_from_them():
+    """`torch.nonzero(lin(x) > 0)` (BLT's entropy patcher): the message said only that hpfun traces
+    on shapes, where a mask made from the arguments is read, and this one is refused for being
+    made from parameters."""
+    lin = torch.nn.Linear(4, 1)
+    f = hpfun.shard(lambda x: torch.nonzero(lin(x).squeeze(-1) > 0).shape[0] * x.sum(), mesh=MESH,
+                    in_specs=(P("dp"),), out_specs=P())
+    _, text = _raise(f, torch.randn(8, 4), error=hpfun.CaptureError)
+    assert "not one made from parameters, optimizer state or random draws" in text and "torch.where" in text, text
