@@ -3789,6 +3789,13 @@ class Substitution:
                     mod._modules[key] = before[key]
                 else:
                     del mod._modules[key]
+            if removed := [key for key in before if key not in mod._modules]:  # (`del self.layers[0]`, `md.pop("a")`)
+                refused += [(_join(prefix, key), "is removed by the step (del, pop; a ModuleList renumbers the "
+                             "entries after the one removed): a cached call would not remove it; it was put back",
+                             "remove it outside the sharded function, between calls")
+                            for key in removed]
+                mod._modules.clear()
+                mod._modules.update(before)
         return {root: ModuleMoves(tuple(m)) for root, m in moves.items()}, refused
 
     def put_numbers(self) -> None:

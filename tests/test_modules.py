@@ -6418,6 +6418,31 @@ def test_a_step_moving_a_module_of_another_tree_is_refused_and_puts_it_back():
     assert model.a is a
 
 
+@pytest.mark.parametrize("how", ["del", "pop"])
+def test_a_step_removing_submodules_is_refused_naming_them_and_puts_them_back(how):
+    """`del self.layers[0]`, `md.pop("a")`: refused with a message about the tree's training flags
+    (one fewer module), and the module was left without them, so eager code then failed."""
+    model = torch.nn.Module()
+    model.lst = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    model.md = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    before = list(model.lst), list(model.md.items())
+
+    def step(x):
+        out = model.lst[0](x) + model.md["a"](x)
+        if how == "del":
+            del model.lst[0]
+        else:
+            model.md.pop("a")
+        return out.sum()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    place = "model.lst.2" if how == "del" else "model.md.a"
+    with pytest.raises(hpfun.CaptureError, match=rf"(?s){re.escape(place)}: is removed by the step.*"
+                                                 r"remove it outside the sharded function"):
+        f(torch.randn(4, 4))
+    assert list(model.lst) == before[0] and list(model.md.items()) == before[1]
+
+
 def test_a_step_rebuilding_a_container_of_its_modules_is_refused_and_puts_it_back():
     """`self.seq = nn.Sequential(*reversed(self.seq))`: the trace built it, a cached call did not,
     and from the second call on the step ran in the first call's order, silently. A stateless
