@@ -1104,6 +1104,7 @@ class ShardedFunction:
         if left := substitution.left_over():
             for values, name, old in stored_over:  # (taken out: what the place held before, put back)
                 values.set(name, old)
+            substitution.put_back()  # (a refused call leaves the modules and what the function reaches as they were)
             raise CaptureError(Problem(", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else ""),
                                        "holds a tensor the function made, where hpfun cannot write it back (an "
                                        "object a module holds, a list inside a list, an optimizer or module made inside the function, a parameter "

@@ -3663,6 +3663,32 @@ class Substitution:
                     if isinstance(m, torch.nn.RNNBase) and any(isinstance(w, FakeTensor) for w in m._flat_weights):
                         _reset_flat_weights(m)
 
+    def put_back(self) -> None:
+        """After a refused trace: each module's attributes, the dicts and lists it holds, and those
+        the function reaches, as they were before it (a record the step kept, `self.last =
+        Rec(t=y)`, was left emptied of the trace's tensors where the module held another; a helper
+        the step put in a global dict, left there without its tensor)."""
+        def set_back(container, items) -> None:
+            if _is_dict(container) and type(items) is dict and (container.keys() != items.keys() or any(
+                    container[k] is not v for k, v in items.items())):
+                container.clear()
+                container.update(items)
+            elif type(container) is list and type(items) is list and (
+                    len(container) != len(items) or any(map(operator.is_not, container, items))):
+                container[:] = items
+
+        for _, mod, held, _, containers in self._modules:
+            now = vars(mod)
+            for k in [k for k in now if k not in held]:
+                del now[k]
+            for k, v in held.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+            for container, items in containers.values():
+                set_back(container, items)
+        for _, _, container, items in self._watched:
+            set_back(container, items)
+
     def left_over(self) -> list[str]:
         """After `restore`: the places that still hold a tensor of the trace, each taken out (a
         stand-in in a list of lists, an optimizer made or a param group added inside the function,

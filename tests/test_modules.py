@@ -6280,6 +6280,49 @@ def test_a_record_of_a_dict_subclass_a_forward_keeps_is_refused_and_taken_back(k
             assert type(model.last) is kind and type(model.last["t"]) is torch.Tensor
 
 
+_GLOBAL_CACHE: dict = {}
+
+
+class _Tally:
+    pass
+
+
+@pytest.mark.parametrize("where", ["record held before", "new key of a dict", "new attribute", "global dict"])
+def test_a_refused_call_leaves_the_module_and_what_the_function_reaches_as_they_were(where):
+    """A refused call took the trace's tensors out of what the step left, and left the rest: a
+    record held from an eager call emptied (`last["t"]` a KeyError), a new key of a dict or a new
+    attribute holding an empty record, a helper in a global dict without its tensor."""
+    model = _KeepsARecord(_Record)
+    model.hist = {}
+
+    def forward(x):
+        y = x * model.w
+        if where == "new key of a dict":
+            model.hist["last"] = _Record(t=y.detach())
+        elif where == "global dict":
+            _GLOBAL_CACHE["h"] = _Tally()
+            _GLOBAL_CACHE["h"].total = y.sum().detach()
+        else:
+            model.last = _Record(t=y.detach())
+        return y.sum()
+
+    if where == "record held before":
+        model(torch.ones(4, 3, dtype=torch.float64))
+    if where == "new attribute":
+        del model.last
+    before = dict(vars(model)), dict(model.hist), dict(_GLOBAL_CACHE)
+    f = hpfun.shard(forward, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    try:
+        with pytest.raises(hpfun.CaptureError, match=r"holds a tensor the function made"):
+            f(torch.ones(4, 3, dtype=torch.float64))
+        assert vars(model).keys() == before[0].keys() and all(vars(model)[k] is v for k, v in before[0].items())
+        assert model.hist == before[1] and _GLOBAL_CACHE == before[2]
+        if where == "record held before":
+            assert torch.equal(model.last["t"], torch.ones(4, 3, dtype=torch.float64))
+    finally:
+        _GLOBAL_CACHE.clear()
+
+
 class _PositionedCache(torch.nn.Module):
     """torchtune's KVCache: checks its position buffer, writes the new rows at the positions it
     names, then advances it."""
