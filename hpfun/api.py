@@ -1782,8 +1782,9 @@ def _stepped_at(fn, name: str, obj) -> str:
 
 
 def _tied_names(state: lift.State, names: set) -> dict:
-    """Each other name of a lifted module tensor (a tied weight's second place: GPT-2's
-    `lm_head.weight`, lifted as `transformer.wte.weight`) -> the name it is lifted under."""
+    """Each other name of a lifted tensor (a tied weight's second place: GPT-2's `lm_head.weight`,
+    lifted as `transformer.wte.weight`; a second key of optimizer state holding it) -> the name it
+    is lifted under."""
     out = {}
     for root in state.roots:
         if isinstance(root.value, torch.nn.Module):
@@ -1794,6 +1795,9 @@ def _tied_names(state: lift.State, names: set) -> dict:
                     lifted = state.param_names.get(id(t))
                     if full not in names and lifted in names and lifted != full:
                         out[full] = lifted
+    for name, first in state.statics.get(lift._ALIASES, ()):  # (a further place or key of optimizer state holding
+        if name not in names and first in names:  # one: `st["ema"] = st["exp_avg_sq"]`, `self.c = self.a`)
+            out.setdefault(name, first)
     return out
 
 

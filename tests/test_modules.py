@@ -883,6 +883,39 @@ def test_tied_weights_are_one_input():
     assert [i["path"] for i in step.lower(ids).inputs].count("model.emb.weight") == 1
 
 
+class _AdamKeepsASecondKey(torch.optim.Adam):
+    """Adam keeping `exp_avg_sq` under a second key too."""
+
+    def step(self):
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["ema"] = self.state[p]["exp_avg_sq"]
+
+
+def test_a_second_key_of_optimizer_state_names_its_tensor_in_state_specs():
+    """`st["ema"] = st["exp_avg_sq"]`, with `state_specs={"*.ema": ...}`: from the second call the
+    key is there, but holds a tensor lifted as exp_avg_sq, and the pattern matched no name."""
+    model = torch.nn.Linear(8, 4, dtype=torch.float64)
+    opt = _AdamKeepsASecondKey(model.parameters(), lr=0.01)
+
+    def step(x):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P(), state_specs={"weight.ema": P("dp")})
+    x = torch.randn(8, 8, dtype=torch.float64)
+    f(x)
+    layouts = {i["path"]: i["layout"] for i in f.lower(x).inputs}
+    assert layouts["opt.state.model.weight.exp_avg_sq"] == "[S(0)]"
+    assert layouts["opt.state.model.bias.exp_avg_sq"] == "[R]"
+    f(x)
+    assert opt.state[model.weight]["ema"] is opt.state[model.weight]["exp_avg_sq"]
+
+
 def test_a_tied_weight_is_named_by_either_of_its_names_and_optimizers_in_a_tuple_by_theirs():
     """state_specs may name a tied weight by its second place (GPT-2's `lm_head.weight`, lifted
     as the embedding's): the spec applies to the one tensor; both names (or two patterns, each
