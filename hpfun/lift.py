@@ -293,10 +293,11 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             for k, v in list(vars(mod).items()):  # (`model.opt_g`, `model.opts = [opt_g, opt_d]`): stepped
                 if _is_optimizer(v) or _holds_any(v, _is_optimizer):  # as one the function reaches
                     value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
-                elif _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)) \
-                        and any(isinstance(a, torch.Tensor) for a in attributes(v).values()):
+                elif _object_with_tensors(v) or k not in _MODULE_INTERNALS and not _holds_any(v, _is_tensor, 1) \
+                        and _holds_any(v, _object_with_tensors, HELD_DEPTH):
                     # an object of the user's holding tensors (a `cached_property` table a helper keeps, as
-                    # eager keeps it): its tensors are state, as a closed-over object's are
+                    # eager keeps it), or a list or config holding one: its tensors are state, as a closed-over
+                    # object's are
                     value(v, _join(_join(name, mod_name), k), functools.partial(getattr, mod, k), None)
                 elif k not in _MODULE_INTERNALS and _holds_any(v, _unregistered_module(None), HELD_DEPTH):
                     tree = {id(m) for m in obj.modules()} if tree is None else tree  # a module in a plain
@@ -1500,6 +1501,16 @@ def _holds_any(container, found, depth: int = 3) -> bool:
     else:
         return False
     return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
+
+
+def _is_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _object_with_tensors(v) -> bool:
+    """An object of the user's (not a module) holding tensors as attributes."""
+    return _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)) \
+        and any(isinstance(a, torch.Tensor) for a in attributes(v).values())
 
 
 def _is_namedtuple(v) -> bool:

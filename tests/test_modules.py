@@ -5742,10 +5742,13 @@ class _WithPositions(torch.nn.Module):
         self.pos = _Positions()
         self.stats = _Inner()
         self.stats.ema = torch.zeros(4, dtype=torch.float64)
+        self.more = [_Positions()]  # (in a list, and in a config: `self.cfg.pos.table`)
+        self.cfg = _Inner()
+        self.cfg.pos = _Positions()
 
     def forward(self, x):
         self.stats.ema = self.stats.ema * 0.9 + x.mean(0) * 0.1
-        return x + self.pos.table + self.stats.ema
+        return x + self.pos.table + self.stats.ema + self.more[0].table * 2 + self.cfg.pos.table * 3
 
 
 def test_tensors_an_object_a_module_holds_are_state_read_and_written_at_every_call():
@@ -5759,7 +5762,7 @@ def test_tensors_an_object_a_module_holds_are_state_read_and_written_at_every_ca
         x = torch.randn(rows, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rows + n))
         torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(model.stats.ema, ref.stats.ema, rtol=1e-12, atol=1e-12)
-        assert torch.equal(model.pos.table, ref.pos.table)
+        assert torch.equal(model.pos.table, ref.pos.table) and torch.equal(model.more[0].table, ref.more[0].table)
 
 
 class _Holder:
