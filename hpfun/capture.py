@@ -2364,16 +2364,19 @@ def _written_by_scalar_tensor(x: torch.Tensor, index, value) -> bool:
 
 def _dim_of(parts: list, k: int, ndim: int) -> int:
     """The dim of `x` that `parts[k]` of `x[parts]` indexes."""
-    def takes(p) -> int:
-        if p is None or isinstance(p, bool):
-            return 0
-        if isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8) or \
-                type(p).__module__ == "numpy" and getattr(p, "dtype", None) == bool:
-            return p.ndim
-        return 1
     if any(p is Ellipsis for p in parts[:k]):  # (counted from the end)
-        return ndim - sum(takes(p) for p in parts[k:])
-    return sum(takes(p) for p in parts[:k])
+        return ndim - sum(map(_dims_taken, parts[k:]))
+    return sum(map(_dims_taken, parts[:k]))
+
+
+def _dims_taken(part) -> int:
+    """How many dims of `x` a part of an index of `x` indexes (a mask: its own)."""
+    if part is None or isinstance(part, bool):
+        return 0
+    if isinstance(part, torch.Tensor) and part.dtype in (torch.bool, torch.uint8) or \
+            type(part).__module__ == "numpy" and getattr(part, "dtype", None) == bool:
+        return part.ndim
+    return 1
 
 
 def _is_advanced_index(part) -> bool:
@@ -2387,18 +2390,11 @@ def _advanced_dims_at(parts: tuple, ndim: int) -> int:
     """Where torch puts the dims of the advanced indices of `x[parts]`, `x` of `ndim` dims: at
     the first one's place where they stand together (integers, selected first, stand nowhere),
     else first."""
-    def takes(p) -> int:  # the dims of `x` a part indexes
-        if p is None or isinstance(p, bool):
-            return 0
-        if isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8) or \
-                type(p).__module__ == "numpy" and getattr(p, "dtype", None) == bool:
-            return p.ndim
-        return 1
     kept = [p for p in parts if _is_advanced_index(p) or p is None or p is Ellipsis or isinstance(p, (slice, bool))]
     at = [k for k, p in enumerate(kept) if _is_advanced_index(p)]
     if not at or at != list(range(at[0], at[0] + len(at))):
         return 0
-    rest = ndim - sum(takes(p) for p in parts if p is not Ellipsis)
+    rest = ndim - sum(_dims_taken(p) for p in parts if p is not Ellipsis)
     return sum(rest if p is Ellipsis else 1 for p in kept[:at[0]])
 
 
