@@ -1019,6 +1019,9 @@ class ShardedFunction:
             raise
         finally:  # (also when the function raised: what it set in modules is set back, and that error stays)
             substitution.restore()
+            # submodules the step moved, put back before the Python values are compared by place (a swapped module's
+            # numbers and training flag, read at the other's place, were replayed onto the module moved away)
+            moves, refused = substitution.moved_modules()
             try:
                 statics_after = lift.statics(call.state.roots)
             except Exception:  # noqa: BLE001 - read again below, where its own error may show
@@ -1044,7 +1047,6 @@ class ShardedFunction:
                                         "one more each time", "register the hook once, outside the sharded function "
                                         "(the trace runs the tensor's hooks), or transform the gradient inside")
                                 for path in hooked], headline="hooks registered inside the function")
-        moves, refused = substitution.moved_modules()
         if refused:
             raise CaptureError([Problem(*entry) for entry in refused], headline="the function moves submodules "
                                "where a cached call cannot")

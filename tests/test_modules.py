@@ -6479,6 +6479,41 @@ def test_a_step_moving_submodules_moves_them_at_every_call_as_eager_does(how):
         assert all(order[0][id(mine[k])] == order[1][id(theirs[k])] for k in mine)  # the same module at each place
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+        self.bn = torch.nn.BatchNorm1d(4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.bn(x) * self.s
+
+
+def test_submodules_a_step_swaps_take_their_python_values_and_training_flags_with_them():
+    """A module's numbers and training flag were compared by place after the swap, so each
+    call set the moved-away module's values onto the one that stayed: 832 where eager gives 400,
+    a BatchNorm's running statistics off, silently."""
+    def make():
+        model = torch.nn.Module()
+        model.md = torch.nn.ModuleDict({"a": _Scaled(2.0), "b": _Scaled(5.0)})
+        model.md.b.eval()
+
+        def step(x):
+            out = (model.md["a"](x) + 10 * model.md["b"](x * 3)).sum()
+            model.md["a"], model.md["b"] = model.md["b"], model.md["a"]
+            return out
+        return model, step
+
+    (model, step), (ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(4):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) + 1
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-9)
+        for k in "ab":
+            assert model.md[k].s == ref.md[k].s and model.md[k].bn.training == ref.md[k].bn.training
+            torch.testing.assert_close(model.md[k].bn.running_mean, ref.md[k].bn.running_mean, rtol=1e-12, atol=1e-12)
+
+
 def test_a_step_moving_a_module_of_another_tree_is_refused_and_puts_it_back():
     """No call could find a module of another tree by its name in this one."""
     model, other = torch.nn.Module(), torch.nn.Module()
