@@ -1548,23 +1548,30 @@ def _picked(flat: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return flat[at.reshape(1)].reshape(()) if at.ndim == 0 else flat[at]
 
 
-_TAKEN: dict = {}  # id -> weak reference of each as_strided result taken by index (a copy, not a view)
+_TAKEN: dict = {}  # id -> (weak reference, what it is, how to write it back) of each view eager makes that hpfun
+# takes by index (a copy)
 
 
-def _taken(out: torch.Tensor) -> torch.Tensor:
+def _taken(out: torch.Tensor, what: str = "the result of as_strided", back=None) -> torch.Tensor:
+    """`out`, a copy taken by index where eager makes a view, marked (its base too, which views
+    of it share): an in-place write into it is written back by `back(base)` where given (the copy
+    put at the place it was read from), and refused otherwise (`_refuse_overlapping_write`)."""
     if len(_TAKEN) > 4096:
-        for k in [k for k, r in _TAKEN.items() if r() is None]:
+        for k in [k for k, (r, *_) in _TAKEN.items() if r() is None]:
             del _TAKEN[k]
-    _TAKEN[id(out)] = weakref.ref(out)
+    for x in (out, out._base):
+        if x is not None:
+            _TAKEN[id(x)] = (weakref.ref(x), what, back)
     return out
 
 
-def _is_taken(t) -> bool:
+def _taken_entry(t) -> tuple | None:
+    """(the copy, what it stands for, how to write it back) where `t` is such a copy or views one."""
     for x in (t, getattr(t, "_base", None)):
-        ref = _TAKEN.get(id(x)) if x is not None else None
+        ref, what, back = _TAKEN.get(id(x), (None, None, None)) if x is not None else (None, None, None)
         if ref is not None and ref() is x:
-            return True
-    return False
+            return x if back is None or x._base is None else x._base, what, back
+    return None
 
 
 def _distinct_elements(x) -> bool:
@@ -1690,6 +1697,12 @@ def _refuse_generator(func) -> None:
                                "the numbers outside and pass them in"))
 
 
+def _is_write(func) -> bool:
+    """Whether `func` writes in place into its first argument (`add_`, `__setitem__`, `__iadd__`)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS) and name not in _NOT_WRITES
+
+
 def _refuse_overlapping_write(func, args) -> None:
     """An in-place write into a tensor whose elements share memory (an `expand`ed one: the
     gradient of a sum is `ones.expand(n)`) sets the shared element once per alias in eager, but
@@ -1697,14 +1710,16 @@ def _refuse_overlapping_write(func, args) -> None:
     compute something else. torch deprecates such writes; hpfun refuses them before tracing on.
     Marking such a tensor as requiring a gradient (`torch.func.grad` of a function of it) or
     re-viewing it writes nothing."""
-    name = getattr(func, "__name__", "")
-    if not (name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_DUNDERS) or name in _NOT_WRITES:
+    if not _is_write(func):
         return
+    name = getattr(func, "__name__", "")
     target = args[0] if args else None
-    if isinstance(target, torch.Tensor) and _TAKEN and _is_taken(target):
-        raise CaptureError(Problem(f"{name}{_at_user_line()}", "writes in place into the result of as_strided, which "
-                                   "hpfun takes by index (a copy: the write would not reach the tensor it views)",
-                                   "write into that tensor itself (index_put_, scatter_), or clone the result first"))
+    if isinstance(target, torch.Tensor) and _TAKEN and (taken := _taken_entry(target)) is not None \
+            and taken[2] is None:
+        raise CaptureError(Problem(f"{name}{_at_user_line()}", f"writes in place into {taken[1]}, which hpfun takes by "
+                                   "index (a copy: the write would not reach the tensor it views)",
+                                   "write into that tensor itself (`y[j] = y[j] * 2`, index_put_, index_copy_, "
+                                   "scatter_), or clone the result first"))
     if isinstance(target, torch.Tensor) and _overlaps_itself(target):
         where = _at_user_line()
         raise CaptureError(
@@ -2413,12 +2428,19 @@ def _index_by_scalar_tensors(func, x, index, as_lists, *value):
         selected = shape_with(0)
         listed = shape_with(torch.zeros(1, dtype=torch.long, device="meta"))
     if func is torch.Tensor.__getitem__:
-        return x[as_lists].reshape(selected)
+        return _taken(x[as_lists].reshape(selected), "a view indexed by a 0-d integer tensor (`y[j]`, j a tensor)",
+                      back=functools.partial(_put_back, x, as_lists))
     v, = value
     if isinstance(v, torch.Tensor):
         v = torch.broadcast_to(v, selected).reshape(listed)
     x[as_lists] = v
     return None
+
+
+def _put_back(x: torch.Tensor, index, copy: torch.Tensor) -> None:
+    """The values of `copy`, read from `x[index]`, put there again (a write into it, as eager's
+    into the view it stands for)."""
+    x[index] = copy
 
 
 def _unlisted(listed):
@@ -2881,6 +2903,11 @@ class _TensorScalars(TorchFunctionMode):
         if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
             return _istft(*args, **kwargs)  # envelope by reading it, which its reference divides by)
         _refuse_overlapping_write(func, args)
+        if _TAKEN and args and isinstance(args[0], torch.Tensor) and _is_write(func) \
+                and (taken := _taken_entry(args[0])) is not None:
+            out = func(*args, **kwargs)  # (`y[j].mul_(2)`, `y[j] += 1`, j a 0-d tensor: into the copy, then put back
+            taken[2](taken[0])  # where it was read from, as eager's view writes into y)
+            return out
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)
         if getattr(func, "__module__", "").startswith("torch.distributed") and getattr(func, "__name__", "") in _COLLECTIVES:

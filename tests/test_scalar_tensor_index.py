@@ -660,3 +660,35 @@ def test_a_0d_integer_index_before_a_slice_and_another_index_selects_first_as_to
         got = hpfun.shard(fn, mesh=MESH, in_specs=(spec, P(), P()), out_specs=P())(x, j, i).full()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp")], ids=str)
+@pytest.mark.parametrize("write", ["mul_", "setitem", "view", "copy_", "iadd", "twice"])
+def test_an_in_place_write_into_a_view_a_0d_integer_tensor_indexes_reaches_the_tensor(write, spec):
+    """`y[j].mul_(2)`, `y[j][:, k] = 5`, `y[j].view(-1)[:5] = 1`, `queue[ptr].copy_(v)` with `j` a
+    traced 0-d integer: eager writes through the view into `y`; hpfun reads `y[j]` by index, a
+    copy, and the write was lost, silently. Each write into the copy is put back where it was
+    read from."""
+    x = torch.randn(4, 4, 6, dtype=D, generator=_gen())
+
+    def f(x, j):
+        y = x.clone()
+        if write == "mul_":
+            y[j].mul_(2.0)
+        elif write == "setitem":
+            y[j][:, 1] = 5.0
+        elif write == "view":
+            y[j].view(-1)[:5] = 1.0
+        elif write == "copy_":
+            y[j].copy_(torch.zeros(4, 6, dtype=D))
+        elif write == "iadd":
+            y[j] += 1.0
+        else:
+            row = y[j]
+            row.mul_(2.0)
+            row[0].add_(1.0)
+        return y
+
+    g = hpfun.shard(f, mesh=MESH, in_specs=(spec, P()), out_specs=P())
+    for j in (torch.tensor(2), torch.tensor(-1)):
+        torch.testing.assert_close(g(x, j).full(), f(x, j), rtol=0, atol=0)
