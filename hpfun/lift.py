@@ -2047,8 +2047,11 @@ def _held_values(v):
         return ("set", tuple(sorted(map(repr, map(object_key, v)))))  # objects of the user's: by their values
     if type(v) in (list, collections.deque) or isinstance(v, (dict, tuple)) or _is_numbers_array(v):  # (a
         # namedtuple too; a dict subclass, an AttrDict or EasyDict config, by its items)
-        return _values_of(object_key(v, HELD_DEPTH), by_kind=True)  # (an object in it by its type: the
+        items = _values_of(object_key(v, HELD_DEPTH), by_kind=True)  # (an object in it by its type: the
         # numbers beside it key the program all the same)
+        if isinstance(v, dict) and type(v) is not dict and (own := _own_dict(v)):  # and its attributes
+            return items, _values_of(object_key(dict(own), HELD_DEPTH), by_kind=True)  # (`cfg.scale = 2.0`)
+        return items
     if callable(v) and not _is_plain_object(v):
         return _binding(v)
     return None
@@ -2125,6 +2128,8 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     place (`model.ks[0] = 3.0`) collects the module's values again."""
     if isinstance(v, dict) and len(v) <= PLAIN_CONTAINER_ITEMS:  # (an AttrDict or EasyDict config too)
         snapshot.dict(v)
+        if type(v) is not dict and (own := _own_dict(v)) is not None:  # (its attributes too: `cfg.scale = 2.0`)
+            snapshot.dict(own)
         items = v.values()
     elif type(v) in (list, collections.deque) and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.list(v)

@@ -776,6 +776,23 @@ _SETTINGS = _AttributeSettings(offset=1.0)
 _SETTINGS.scale = 2.0
 
 
+def test_a_dict_subclass_config_a_module_holds_keys_the_cache_by_its_attributes_too():
+    """The same config held by a module (`self.cfg = Cfg(); self.cfg.scale = 2.0`): its items
+    keyed the program, its attributes not."""
+    model = torch.nn.Linear(3, 3, dtype=torch.float64)
+    model.cfg = _AttributeSettings(offset=1.0)
+
+    def fn(x):
+        return model(x) * getattr(model.cfg, "scale", 1.0) + model.cfg["offset"]
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for change in (lambda: None, lambda: setattr(model.cfg, "scale", 2.0), lambda: setattr(model.cfg, "scale", 5.0)):
+        change()
+        torch.testing.assert_close(f(x).full(), fn(x), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 3
+
+
 def test_a_dict_subclass_config_keys_the_cache_by_its_attributes_too():
     """`CFG.scale = 4.0` between calls, on a global dict subclass: its items were read, its
     attributes not, so the first program ran on, silently."""
