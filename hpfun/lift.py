@@ -488,11 +488,13 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
             owner = fn.__self__
             top = "" if isinstance(owner, torch.nn.Module) else "self"
             value(owner, f"{name}.__self__" if name else top, _constant(owner), None)
-            if not isinstance(owner, (torch.nn.Module, torch.optim.Optimizer, type)) and not _is_user_object(owner):
+            if not isinstance(owner, (torch.nn.Module, torch.optim.Optimizer, type)) and not _is_user_object(owner) \
+                    and any(_is_optimizer(v) or _holds_any(v, _is_optimizer, 2) for v in attributes(owner).values()):
                 for k, v in attributes(owner).items():  # a library object's method: the optimizers it steps (a
-                    if _is_optimizer(v) or _holds_any(v, _is_optimizer, 2):  # gradient hook over `self.optims`,
-                        value(v, _join(f"{name}.__self__" if name else top, k),  # {param: Adam}, as its closure's)
-                              functools.partial(getattr, owner, k), None)
+                    if _is_optimizer(v) or _holds_any(v, _is_optimizer, 2) or _is_tensor(v) or _holds_any(
+                            v, _is_tensor, 2):  # gradient hook over `self.optims`, {param: Adam}, as its closure's),
+                        value(v, _join(f"{name}.__self__" if name else top, k),  # and the parameters it holds
+                              functools.partial(getattr, owner, k), None)  # (`p is self.params[0]`)
             fn = fn.__func__
         if not isinstance(fn, types.FunctionType):
             fn = getattr(type(fn), "__call__", None)

@@ -4891,6 +4891,40 @@ def _optimizer_in_backward_by_a_library_object(seed: int):
     return model, step, lambda: [held.optims[p].state[p] for p in model.parameters()]
 
 
+_OPTIM_AFTER_LAST_GRADIENT = """
+import torch
+
+
+class StepAfterLastGradient:
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.optims = {"all": torch.optim.AdamW(self.params, lr=0.01)}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, param):
+        if param is self.params[0]:  # (the first parameter's gradient is accumulated last)
+            self.optims["all"].step()
+            self.optims["all"].zero_grad()
+"""
+
+
+def _optimizer_after_the_last_gradient_by_a_library_object(seed: int):
+    """One optimizer a library's object steps from a gradient hook when the gradient of a
+    parameter it holds in a list arrives (`param is self.params[0]`): the list held the real
+    parameters, the hook saw their stand-ins, and no step was taken, silently."""
+    model = mlp(seed)
+    held = _installed_library("hpfun_test_step_after_last_gradient", _OPTIM_AFTER_LAST_GRADIENT).StepAfterLastGradient(
+        model)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    opt = held.optims["all"]
+    return model, step, lambda: [opt.state[p] for p in model.parameters()]
+
+
 def _optimizer_in_backward_by_default(seed: int):
     """The same with each optimizer bound as its hook's default argument (`def hook(p, o=o)` in
     a loop: one code, and each hook's own optimizer; the second hook's was never lifted)."""
@@ -5145,11 +5179,13 @@ def _trainer_scales(seed: int):
 
 @pytest.mark.parametrize("mesh,specs", [(DP, None), (DP_TP, MEGATRON)], ids=["dp", "dp-tp"])
 @pytest.mark.parametrize("make", [_optimizer_in_backward, _optimizer_in_backward_by_a_library,
-                                  _optimizer_in_backward_by_a_library_object, _optimizer_in_backward_by_default, _scales_by_parameter,
+                                  _optimizer_in_backward_by_a_library_object,
+                                  _optimizer_after_the_last_gradient_by_a_library_object, _optimizer_in_backward_by_default, _scales_by_parameter,
                                   _trainer_scales, _by_parameter_elsewhere, _lazy_momentum, _module_momentum,
                                   _nested_momentum, _named_momentum],
                          ids=["optimizer-in-backward", "optimizer-in-backward-by-a-library",
-                              "optimizer-in-backward-by-a-library-object", "optimizer-by-default",
+                              "optimizer-in-backward-by-a-library-object", "after-the-last-gradient-by-a-library-object",
+                              "optimizer-by-default",
                               "scales", "trainer-scales", "elsewhere", "lazy", "module", "nested", "named"])
 def test_a_dict_keyed_by_parameters_and_an_optimizer_stepped_in_a_gradient_hook_run_as_eager(make, mesh, specs):
     """A dict keyed by parameters that the function, its hooks or the object whose method it is
