@@ -4883,12 +4883,7 @@ def _optimizer_in_backward_by_a_library_object(seed: int):
     model = mlp(seed)
     held = _installed_library("hpfun_test_optim_in_backward_object", _OPTIM_IN_BACKWARD_OBJECT).OptimizerInBackward(
         model)
-
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    return model, step, lambda: [held.optims[p].state[p] for p in model.parameters()]
+    return model, _backward_step(model), lambda: [held.optims[p].state[p] for p in model.parameters()]
 
 
 _OPTIM_AFTER_LAST_GRADIENT = """
@@ -4916,13 +4911,17 @@ def _optimizer_after_the_last_gradient_by_a_library_object(seed: int):
     model = mlp(seed)
     held = _installed_library("hpfun_test_step_after_last_gradient", _OPTIM_AFTER_LAST_GRADIENT).StepAfterLastGradient(
         model)
+    opt = held.optims["all"]
+    return model, _backward_step(model), lambda: [opt.state[p] for p in model.parameters()]
 
+
+def _backward_step(model):
+    """The loss's backward, which runs the hooks that step the optimizers."""
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         return loss
-    opt = held.optims["all"]
-    return model, step, lambda: [opt.state[p] for p in model.parameters()]
+    return step
 
 
 def _optimizer_in_backward_by_default(seed: int):
@@ -6138,6 +6137,14 @@ def test_parameters_a_step_swaps_between_module_attributes_keep_their_identity_a
             torch.testing.assert_close(opt.state[p]["exp_avg"], opt_e.state[q]["exp_avg"], rtol=1e-12, atol=1e-12)
 
 
+def _squared_loss_step(model, opt, x):
+    loss = (model(x) ** 2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 class _RepointsAlias(PerParameter):
     """Keeps a second key on one of two buffers, re-pointed, set to None or deleted by each step."""
 
@@ -6172,18 +6179,11 @@ def test_a_key_of_an_optimizers_state_holding_another_keys_tensor_is_repointed_e
         model = torch.nn.Linear(4, 2, dtype=torch.float64)
         return model, _RepointsAlias(model.parameters(), how)
 
-    def step(model, opt, x):
-        loss = (model(x) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
     (model, opt), (ref, ref_opt) = make(), make()
-    f = hpfun.shard(functools.partial(step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    f = hpfun.shard(functools.partial(_squared_loss_step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
     for i in range(4):
         x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-        torch.testing.assert_close(f(x).full(), step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(f(x).full(), _squared_loss_step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
         assert max_diff(model, ref) < 1e-12
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             st, want = opt.state[p], ref_opt.state[q]
@@ -6212,17 +6212,10 @@ def test_which_keys_of_an_optimizers_state_hold_one_tensor_keys_the_program():
     ref.load_state_dict(model.state_dict())
     opt, ref_opt = _SwapsAndKeeps(model.parameters()), _SwapsAndKeeps(ref.parameters())
 
-    def step(model, opt, x):
-        loss = (model(x) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    f = hpfun.shard(functools.partial(step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    f = hpfun.shard(functools.partial(_squared_loss_step, model, opt), mesh=DP, in_specs=(P("dp"),), out_specs=P())
     for i in range(5):
         x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
-        torch.testing.assert_close(f(x).full(), step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(f(x).full(), _squared_loss_step(ref, ref_opt, x), rtol=1e-12, atol=1e-12)
         st, ref_st = opt.state[model.weight], ref_opt.state[ref.weight]
         assert (st["keep"] is st["m"]) == (ref_st["keep"] is ref_st["m"])
     torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
