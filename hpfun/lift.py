@@ -2853,7 +2853,7 @@ class Substitution:
         self._plain_held: list = []  # (name, a plain object among them, its attributes before the trace)
         self._held_before: set = set()  # ids of the objects in those objects' lists and dicts before the trace
         self._submodules: dict = {}  # id(a module) -> its submodules before the trace
-        self._module_names: dict = {}  # id(a module) -> (its root's name, its name, the first by which it is held)
+        self._module_names: dict = {}  # id(a module) -> (its root's name, the first name it is held by)
         self._rekeyed: list = []  # (a dict keyed by stand-ins while the trace runs, stand-in id -> tensor)
         self._tuples_held: list = []  # (name, read, tuple) of the tuples of tensors the function reaches
         self._writers: dict = {}  # id(a dict a plain object holds) -> how to give the object another one there
