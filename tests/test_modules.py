@@ -6348,7 +6348,7 @@ def test_a_record_of_a_dict_subclass_a_forward_keeps_is_refused_and_taken_back(k
 _GLOBAL_CACHE: dict = {}
 
 
-class _Tally:
+class _EmptyTally:
     pass
 
 
@@ -6365,7 +6365,7 @@ def test_a_refused_call_leaves_the_module_and_what_the_function_reaches_as_they_
         if where == "new key of a dict":
             model.hist["last"] = _Record(t=y.detach())
         elif where == "global dict":
-            _GLOBAL_CACHE["h"] = _Tally()
+            _GLOBAL_CACHE["h"] = _EmptyTally()
             _GLOBAL_CACHE["h"].total = y.sum().detach()
         else:
             model.last = _Record(t=y.detach())
@@ -6508,7 +6508,7 @@ def test_a_step_moving_submodules_moves_them_at_every_call_as_eager_does(how):
         assert all(order[0][id(mine[k])] == order[1][id(theirs[k])] for k in mine)  # the same module at each place
 
 
-class _Scaled(torch.nn.Module):
+class _ScaledNorm(torch.nn.Module):
     def __init__(self, s):
         super().__init__()
         self.s = s
@@ -6524,7 +6524,7 @@ def test_submodules_a_step_swaps_take_their_python_values_and_training_flags_wit
     a BatchNorm's running statistics off, silently."""
     def make():
         model = torch.nn.Module()
-        model.md = torch.nn.ModuleDict({"a": _Scaled(2.0), "b": _Scaled(5.0)})
+        model.md = torch.nn.ModuleDict({"a": _ScaledNorm(2.0), "b": _ScaledNorm(5.0)})
         model.md.b.eval()
 
         def step(x):
