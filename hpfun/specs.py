@@ -234,12 +234,15 @@ class _Attributes:
 
 
 def container_attributes(x) -> dict:
-    """A UserDict's or UserList's own attributes, besides its items (`data`)."""
-    return {k: v for k, v in (getattr(x, "__dict__", None) or {}).items() if k != "data"}
+    """A UserDict's or UserList's own attributes, besides its items (`data`); a dict subclass's
+    (`cfg.scale = 2.0` beside its items), read without its `__getattr__`."""
+    return {k: v for k, v in (lift._own_dict(x) or {}).items() if k != "data" or type(x) is not dict
+            and isinstance(x, dict)}
 
 
 def _mapping_flatten(m):
-    return list(m.values()), (list(m.keys()), _Attributes.of(m) if isinstance(m, collections.UserDict) else None)
+    return list(m.values()), (list(m.keys()), _Attributes.of(m) if isinstance(m, (collections.UserDict, dict))
+                              else None)
 
 
 def _user_list_flatten(x):

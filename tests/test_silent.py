@@ -793,6 +793,21 @@ def test_a_dict_subclass_config_a_module_holds_keys_the_cache_by_its_attributes_
     assert f.trace_count == 3
 
 
+def test_a_dict_subclass_argument_is_handed_over_with_its_attributes_which_key_the_cache():
+    """`f(x, cfg)` with `cfg.scale` set on a dict subclass: the function was handed a rebuilt one
+    without it (AttributeError where eager runs); a changed attribute compiles again."""
+    def fn(x, cfg):
+        return x * cfg.scale + cfg["offset"]
+
+    f = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"), None), out_specs=P("a"))
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cfg = _AttributeSettings(offset=1.0)
+    for scale in (2.0, 2.0, 5.0):
+        cfg.scale = scale
+        torch.testing.assert_close(f(x, cfg).full(), fn(x, cfg), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 2
+
+
 def test_a_dict_subclass_config_keys_the_cache_by_its_attributes_too():
     """`CFG.scale = 4.0` between calls, on a global dict subclass: its items were read, its
     attributes not, so the first program ran on, silently."""
