@@ -2524,7 +2524,8 @@ def _argument_containers(args: tuple, kwonly: dict) -> list:
             return
         if not isinstance(x, (tuple, torch.Tensor, str, bytes, type)):
             seen.add(id(x))
-        if isinstance(x, (collections.UserList, collections.UserDict)):  # (its attributes, set as a dataclass's)
+        if isinstance(x, (collections.UserList, collections.UserDict)) or isinstance(x, dict) and type(x) is not dict \
+                and lift._own_dict(x) is not None:  # (its attributes, set as a dataclass's; a dict subclass's too)
             out.append((path, at, x, container_attributes(x), True))
         if type(x) is list or isinstance(x, collections.UserList):  # (a UserList: appended to as a list)
             out.append((path, at, x, list(x)))

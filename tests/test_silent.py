@@ -795,8 +795,10 @@ def test_a_dict_subclass_config_a_module_holds_keys_the_cache_by_its_attributes_
 
 def test_a_dict_subclass_argument_is_handed_over_with_its_attributes_which_key_the_cache():
     """`f(x, cfg)` with `cfg.scale` set on a dict subclass: the function was handed a rebuilt one
-    without it (AttributeError where eager runs); a changed attribute compiles again."""
+    without it (AttributeError where eager runs); a changed attribute compiles again, and one the
+    function sets reaches the caller's (it was left out, silently)."""
     def fn(x, cfg):
+        cfg.calls = "seen"
         return x * cfg.scale + cfg["offset"]
 
     f = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"), None), out_specs=P("a"))
@@ -805,7 +807,11 @@ def test_a_dict_subclass_argument_is_handed_over_with_its_attributes_which_key_t
     for scale in (2.0, 2.0, 5.0):
         cfg.scale = scale
         torch.testing.assert_close(f(x, cfg).full(), fn(x, cfg), rtol=1e-12, atol=1e-12)
-    assert f.trace_count == 2
+    assert f.trace_count == 3  # (the first call's `calls`, new to the second, and the new scale)
+    given = _AttributeSettings(offset=0.0)
+    given.scale = 1.0
+    f(x, given)
+    assert given.calls == "seen"
 
 
 def test_a_dict_subclass_config_keys_the_cache_by_its_attributes_too():
