@@ -159,7 +159,7 @@ class WriteBack:
 def apply(writes, shards_per_output, inputs: list, state) -> None:
     """Write every extra output back: in-place updates first, then assignments (a gradient
     must meet its parameter's new block)."""
-    order, replicated = _order(writes)
+    order, replicated, first_state = _order(writes)
     if _SHAPES_SEEN.get(id(writes)) is not writes:
         _check_shapes(writes, shards_per_output)
     targets, sources, scalars = [], [], []  # whole state updated in place: copied in one foreach call
@@ -172,7 +172,7 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
     made: dict = {}  # j -> the tensor an assigned write put in place: a later write `same_as` j puts that one too
     # each optimizer's first state goes to the parameter the step read, read before any place is written (a step
     # swapping two parameters of a ParameterDict put the first's new state at the second's key)
-    params = {wb.param: state.slots[wb.param].read() for wb in writes if wb.optimizer is not None}
+    params = {name: state.slots[name].read() for name in first_state}
     with torch.no_grad():
         for j in order:
             wb, shards = writes[j], shards_per_output[j]
@@ -275,22 +275,24 @@ def _copy(targets: list, sources: list, scalars: list) -> None:
     scalars.clear()
 
 
-_ORDERS: dict = {}  # id(writes) -> (writes, order, replicated): a program's writes, planned once
+_ORDERS: dict = {}  # id(writes) -> (writes, order, replicated, first_state): a program's writes, planned once
 
 
-def _order(writes) -> tuple[list, frozenset]:
-    """The order `apply` writes in (in-place updates first) and the in-place updates of whole
+def _order(writes) -> tuple[list, frozenset, tuple]:
+    """The order `apply` writes in (in-place updates first), the in-place updates of whole
     values into state: each is a copy of the rank's replica (on a simulated mesh, of the last
-    rank's, the block `Sharded.full()` keeps), all in one foreach call."""
+    rank's, the block `Sharded.full()` keeps), all in one foreach call; and the parameters whose
+    first optimizer state the program makes, by slot name."""
     found = _ORDERS.get(id(writes))
     if found is not None and found[0] is writes:
-        return found[1], found[2]
+        return found[1:]
     order = sorted(range(len(writes)), key=lambda j: writes[j].input is None)
     replicated = frozenset(j for j, wb in enumerate(writes) if wb.input is not None and wb.layout.is_replicated)
     if len(_ORDERS) > 256:
         _ORDERS.clear()
-    _ORDERS[id(writes)] = (writes, order, replicated)
-    return order, replicated
+    first_state = tuple(dict.fromkeys(wb.param for wb in writes if wb.optimizer is not None))
+    _ORDERS[id(writes)] = (writes, order, replicated, first_state)
+    return order, replicated, first_state
 
 
 def clear(cleared, state) -> None:
