@@ -2355,9 +2355,7 @@ def _selected_by_scalar_tensors(x: torch.Tensor, index):
     for k, p in enumerate(parts):
         if _is_traced_int_scalar(p):
             dim = _dim_of(parts, k, x.ndim)
-            size = x.shape[dim]
-            at = torch.where(p < 0, p + size, p).reshape(1).long()
-            x, parts[k] = x.index_select(dim, at), 0
+            x, parts[k] = x.index_select(dim, _as_position(p, x.shape[dim])), 0
     return x, tuple(parts)
 
 
@@ -2370,11 +2368,17 @@ def _written_by_scalar_tensor(x: torch.Tensor, index, value) -> bool:
         return False
     k = next(k for k, p in enumerate(parts) if _is_traced_int_scalar(p))
     dim = _dim_of(list(parts), k, x.ndim)
-    at = torch.where(parts[k] < 0, parts[k] + x.shape[dim], parts[k]).reshape(1).long()
+    at = _as_position(parts[k], x.shape[dim])
     block = x.index_select(dim, at)
     block[(*parts[:k], 0, *parts[k + 1:])] = value
     x.index_copy_(dim, at, block)
     return True
+
+
+def _as_position(index: torch.Tensor, size: int) -> torch.Tensor:
+    """A 0-d integer index of a dim of `size` as a one-element index of its position (a negative
+    one counted from the end, as torch's select counts it)."""
+    return torch.where(index < 0, index + size, index).reshape(1).long()
 
 
 def _dim_of(parts: list, k: int, ndim: int) -> int:
