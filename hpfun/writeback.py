@@ -196,8 +196,10 @@ def apply(writes, shards_per_output, inputs: list, state) -> None:
                 _copy(targets, sources, scalars)
             value = unchecked(wb.layout, wb.shape, shards)  # a program output, as planned
             moved = inputs[wb.moved] if wb.moved is not None else None
-            lifted = type(moved) in (torch.Tensor, torch.nn.Parameter)  # (a parameter too: a swap of
-            if wb.same_as is not None and wb.same_as in made or lifted:  # a ParameterDict's; not a held block)
+            if type(moved) is Sharded and len(moved.shards) == 1 and _LOCAL.get(moved.shards[0]) is not None:
+                moved = moved.shards[0]  # a block a distributed call left held: that tensor itself moves
+            lifted = type(moved) in (torch.Tensor, torch.nn.Parameter)  # (a parameter too: a swap of a ParameterDict's)
+            if wb.same_as is not None and wb.same_as in made or lifted:
                 # one tensor the step stored at two places; or a lifted tensor it put at another place (a swap), which
                 new = made[wb.same_as] if not lifted else moved  # its in-place update reached
                 made[j] = new

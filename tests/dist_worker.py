@@ -391,6 +391,7 @@ def lifted_dp(out: Path):
     got["accumulated"] = accumulate_then_step(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), x, y)
     got["donated"] = donated_state(hpfun.Mesh.distributed((2,), ("tp",), timeout=TIMEOUT), mesh, x, y)
     got["kept"] = kept_by_the_forward(mesh)
+    got["moved blocks"] = moved_blocks(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT))
     got["frozen"] = freeze_then_unfreeze(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["frozen inside"] = frozen_inside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
     got["stepped outside"] = stepped_outside(hpfun.Mesh.distributed((2,), ("dp",), timeout=TIMEOUT), x, y)
@@ -824,6 +825,77 @@ def kept_by_the_forward(mesh) -> dict:
     diffs.append((model.hits - ref.hits).abs().max().item())
     same = same and model.calls.item() == ref.calls.item() == 4 and model.hits is model.cache["hits"]
     return {"diff": max(diffs), "same": same, "raised": _error(lambda: step(torch.full((4, 4, 8), 1e3, dtype=torch.float64)))}
+
+
+class _RepointsKeep(PerParameter):
+    """Keeps `m`'s tensor under a second key, re-pointed between `m` and `v` at every step."""
+
+    def update(self, p, st, lr):
+        if "m" not in st:
+            st["m"], st["v"] = torch.zeros_like(p), torch.ones_like(p)
+            st["keep"] = st["m"]
+        else:
+            st["keep"] = st["v"] if st["keep"] is st["m"] else st["m"]
+        st["m"].mul_(0.9).add_(p.grad)
+        p.sub_(lr * (st["m"] + 0.1 * st["keep"]))
+
+
+class _SwapsWeights(torch.nn.Module):
+    """Two weights in a ParameterDict that every step swaps."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.pd = torch.nn.ParameterDict({k: torch.randn(4, 3, generator=g, dtype=torch.float64) for k in "ab"})
+
+    def forward(self, x):
+        return ((x @ self.pd["a"].T) ** 2).mean() + 3 * (x @ self.pd["b"].T).sum() ** 2
+
+
+def moved_blocks(mesh) -> dict:
+    """Held blocks the step puts at another place: an optimizer state key re-pointed between two
+    of its parameter's tensors (SGD-like, the weights split), and two split weights a
+    ParameterDict swaps (Adam): against eager over four calls."""
+    def repoint_step(model, opt, x):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def swap_step(model, opt, x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.pd["a"], model.pd["b"] = model.pd["b"], model.pd["a"]
+        return loss.detach()
+
+    cases = {
+        "repoint": (repoint_step, lambda: torch.nn.Linear(4, 4, dtype=torch.float64), _RepointsKeep,
+                    {"weight": P("dp", None), "bias": P("dp")}),
+        "swap": (swap_step, _SwapsWeights, lambda ps: torch.optim.Adam(ps, lr=0.1),
+                 {"pd.a": P("dp", None), "pd.b": P("dp", None)}),
+    }
+    got = {}
+    for name, (step, make_model, make_opt, specs) in cases.items():
+        torch.manual_seed(0)
+        model = make_model()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+        sharded = hpfun.shard(lambda x: step(model, opt, x), mesh=mesh, in_specs=(P(),), out_specs=P(), state_specs=specs)
+
+        def run():
+            diffs = []
+            for i in range(4):
+                x = torch.randn(4, 4 if name == "repoint" else 3, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(i))
+                diffs.append(abs(sharded(x).full().item() - step(ref, ref_opt, x).item()))
+                whole = hpfun.gather_state(model)
+                diffs.append(max((whole[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+            return max(diffs)
+        got[name] = _error(lambda: got.setdefault(f"{name} diff", run()))
+    return got
 
 
 def donated_state(tp_mesh, dp_mesh, x, y) -> dict:

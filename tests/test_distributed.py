@@ -425,6 +425,18 @@ def test_what_a_forward_keeps_is_kept_on_every_rank(lifted_dp_job):
         assert kept["raised"].startswith("ValueError: out of range"), kept["raised"]
 
 
+def test_held_blocks_the_step_puts_at_another_place_move_themselves(lifted_dp_job):
+    """An optimizer state key re-pointed between two split tensors, and two split weights a
+    ParameterDict swaps: the place got a new tensor with the block's values, not the block, so
+    the key stopped holding the tensor it points to (the fourth step drifted, silently), and a
+    swapped weight became a plain tensor (the second call failed on a size)."""
+    for rank in lifted_dp_job:
+        moved = rank["moved blocks"]
+        for name in ("repoint", "swap"):
+            assert moved[name] == "NO ERROR", moved[name]
+            assert moved[f"{name} diff"] < 1e-12, moved
+
+
 def test_ranks_with_different_arguments_fail_naming_each_input(lifted_dp_job):
     """Rank 1 passes a smaller batch and closes over a narrower module: every rank fails, with
     one line per differing input naming its path and each rank's value."""
