@@ -2443,8 +2443,11 @@ def _index_by_scalar_tensors(func, x, index, as_lists, *value):
 
 def _put_back(x: torch.Tensor, index, copy: torch.Tensor) -> None:
     """The values of `copy`, read from `x[index]`, put there again (a write into it, as eager's
-    into the view it stands for)."""
+    into the view it stands for), and on to the tensor `x` was read from where it is such a copy too
+    (`y[i][j] = v`)."""
     x[index] = copy
+    if _TAKEN and (taken := _taken_entry(x)) is not None and taken[2] is not None:
+        taken[2](taken[0])
 
 
 def _unlisted(listed):
@@ -2896,6 +2899,8 @@ class _TensorScalars(TorchFunctionMode):
     with `.item()`, which a trace cannot do: the op is written as the tensor arithmetic it
     performs, `p + (m / v) * step_size`, which the trace records. F.one_hot likewise (`_one_hot`)."""
 
+    _into_copy = False  # while a write into a copy taken by index runs (then it is put back)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if type(func) is _METHOD_WRAPPER and func.__name__ == "__get__" or func in _METADATA_QUERIES:
             return func(*args, **(kwargs or {}))  # (no check below is about them: most calls the mode sees, from
@@ -2907,10 +2912,14 @@ class _TensorScalars(TorchFunctionMode):
         if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
             return _istft(*args, **kwargs)  # envelope by reading it, which its reference divides by)
         _refuse_overlapping_write(func, args)
-        if _TAKEN and args and isinstance(args[0], torch.Tensor) and _is_write(func) \
+        if _TAKEN and args and isinstance(args[0], torch.Tensor) and _is_write(func) and not self._into_copy \
                 and (taken := _taken_entry(args[0])) is not None:
-            out = func(*args, **kwargs)  # (`y[j].mul_(2)`, `y[j] += 1`, j a 0-d tensor: into the copy, then put back
-            taken[2](taken[0])  # where it was read from, as eager's view writes into y)
+            self._into_copy = True  # (`y[j].mul_(2)`, `y[j] += 1`, j a 0-d tensor: into the copy, as any write, `y[j][i] = v`
+            try:  # too, then put back where it was read from, as eager's view writes into y)
+                out = self.__torch_function__(func, types, args, kwargs)
+            finally:
+                self._into_copy = False
+            taken[2](taken[0])
             return out
         if isinstance(kwargs.get("generator"), torch.Generator):
             _refuse_generator(func)

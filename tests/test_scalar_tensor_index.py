@@ -663,12 +663,14 @@ def test_a_0d_integer_index_before_a_slice_and_another_index_selects_first_as_to
 
 
 @pytest.mark.parametrize("spec", [P(), P("dp"), P(None, "dp")], ids=str)
-@pytest.mark.parametrize("write", ["mul_", "setitem", "view", "copy_", "iadd", "twice"])
+@pytest.mark.parametrize("write", ["mul_", "setitem", "view", "copy_", "iadd", "twice", "two 0-d", "two 0-d iadd",
+                                   "three 0-d", "held row"])
 def test_an_in_place_write_into_a_view_a_0d_integer_tensor_indexes_reaches_the_tensor(write, spec):
     """`y[j].mul_(2)`, `y[j][:, k] = 5`, `y[j].view(-1)[:5] = 1`, `queue[ptr].copy_(v)` with `j` a
     traced 0-d integer: eager writes through the view into `y`; hpfun reads `y[j]` by index, a
     copy, and the write was lost, silently. Each write into the copy is put back where it was
-    read from."""
+    read from; `y[j][k] = v`, `k` a 0-d tensor too, was refused (its write read `k`), and
+    `y[j][k][j] = v` did not reach `y`."""
     x = torch.randn(4, 4, 6, dtype=D, generator=_gen())
 
     def f(x, j):
@@ -683,6 +685,16 @@ def test_an_in_place_write_into_a_view_a_0d_integer_tensor_indexes_reaches_the_t
             y[j].copy_(torch.zeros(4, 6, dtype=D))
         elif write == "iadd":
             y[j] += 1.0
+        elif write == "two 0-d":  # (a 0-d index into the copy: it was read, and the trace refused)
+            y[j][j + 1] = 7.0
+        elif write == "two 0-d iadd":
+            y[j][-j] += x[0, 0]
+        elif write == "three 0-d":  # (the innermost copy put back into the copy it was read from, and on into y)
+            y[j][j - 1][j] = 3.0
+        elif write == "held row":
+            row = y[j]
+            row[j - 1] = 4.0
+            row[1, j] *= 2.0
         else:
             row = y[j]
             row.mul_(2.0)
