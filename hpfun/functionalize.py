@@ -66,75 +66,191 @@ def _vals(args):
 
 def functionalize(gm: torch.fx.GraphModule) -> list[int] | None:
     """Rewrite `gm`'s in-place ops out of place; return the indices of the inputs written (their
-    final values appended to the outputs, in that order), or None, `gm` untouched, where a write
-    could be seen through a view (the caller then functionalizes by re-tracing)."""
+    final values appended to the outputs, in that order), or None, `gm` untouched, where the walk
+    cannot (the caller then functionalizes by re-tracing): an in-place op with no out-of-place
+    form, a write through a view torch cannot scatter back (a split's piece, an unfold window),
+    or one whose out-of-place form lays its tensor out otherwise, seen through a view."""
     graph = gm.graph
     nodes = list(graph.nodes)
     if not isinstance(nodes[-1].args[0], (list, tuple)):
         return None  # capture's graphs return a list, which the written inputs join
-    root: dict[torch.fx.Node, torch.fx.Node] = {}  # a node -> the tensor whose memory it is
-    is_view: set[torch.fx.Node] = set()  # nodes that are views (of their root), not the root itself
-    version: dict[torch.fx.Node, int] = {}  # root -> writes so far
-    seen: dict[torch.fx.Node, int] = {}  # view -> its root's version when the view was made
-    plan = {}  # in-place node -> (out-of-place target, its fake value)
-    for n in nodes:
-        for a in n.all_input_nodes:  # reading a view made before its tensor was written: it sees the write
-            if a in is_view and seen[a] != version.get(root[a], 0):
-                return None
-        first = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
-        if n.op != "call_function":
-            root[n] = n
-        elif not isinstance(n.target, torch._ops.OpOverload):
-            if first in is_view:  # a piece of a view's result (getitem of split): a view too
-                root[n], seen[n] = root[first], seen[first]
-                is_view.add(n)
-            else:
-                root[n] = n
-        elif n.target._schema.is_mutable and n.target.namespace != "profiler":
-            target = _out_of_place(n.target) if _writes_first(n.target) else None
-            if target is None or _is_view(target) or first is None or first in is_view:
-                return None
-            value = target(*_vals(n.args), **_vals(n.kwargs))
-            if not isinstance(value, torch.Tensor) or value.shape != n.meta["val"].shape:
-                return None
-            r = root[first]
-            version[r] = version.get(r, 0) + 1
-            root[n] = r
-            plan[n] = (target, value)
-        elif _is_view(n.target) and first is not None:
-            root[n], seen[n] = root[first], version.get(root[first], 0)
-            is_view.add(n)
-        else:
-            root[n] = n
-    if not plan:
+    if not any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               and n.target.namespace != "profiler" for n in nodes):
         return []
-    # every check passed: rewrite. `latest[r]` is r's current value; a read of any node of r after a
-    # write reads it (no view of r is read after a write, checked above)
-    latest: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def current(a):  # a view is never remapped: it was made after the last write it may see
-        return a if a in is_view else latest.get(root.get(a), a)
-
-    for n in nodes:
-        n.args = torch.fx.node.map_arg(n.args, current)
-        n.kwargs = torch.fx.node.map_arg(n.kwargs, current)
-        if n not in plan:
-            continue
-        target, value = plan[n]
-        with graph.inserting_before(n):
-            new = graph.call_function(target, n.args, n.kwargs)
-        new.meta.update(n.meta)
-        new.meta["val"] = value
-        if value.dtype != n.meta["val"].dtype:  # in place keeps self's dtype: cast as the write does
-            with graph.inserting_before(n):
-                cast = graph.call_function(aten.copy.default, (n.args[0], new))
-            cast.meta.update(n.meta)
-            new = cast
-        latest[root[n]] = new
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    written = [i for i, p in enumerate(placeholders) if p in latest]
-    output = next(n for n in reversed(nodes) if n.op == "output")
-    output.args = (list(output.args[0]) + [latest[placeholders[i]] for i in written],)
-    for n in reversed(list(plan)):
+    saved = [(n, n.args, n.kwargs) for n in nodes]
+    walk = _Walk(graph)
+    try:
+        written = walk.run(nodes)
+    except Exception:  # (declined, or an op of the rewrite failed on the traced values: nothing is kept)
+        for n, args, kwargs in saved:
+            n.args, n.kwargs = args, kwargs
+        for n in reversed(walk.made):
+            graph.erase_node(n)
+        return None
+    for n in reversed(walk.written):
         graph.erase_node(n)
     return written
+
+
+class _Declined(Exception):
+    pass
+
+
+# a view op -> how its base's new value is made from the base and the view's new value (a write
+# through the view), given the view's other arguments
+_SCATTER_BACK = {
+    aten.slice.Tensor: lambda base, new, *rest: (aten.slice_scatter.default, (base, new, *rest)),
+    aten.select.int: lambda base, new, *rest: (aten.select_scatter.default, (base, new, *rest)),
+    aten.diagonal.default: lambda base, new, *rest: (aten.diagonal_scatter.default, (base, new, *rest)),
+    aten.as_strided.default: lambda base, new, *rest: (aten.as_strided_scatter.default, (base, new, *rest)),
+    aten.unsqueeze.default: lambda base, new, dim: (aten.squeeze.dim, (new, dim)),
+    aten.transpose.int: lambda base, new, a, b: (aten.transpose.int, (new, a, b)),
+    aten.t.default: lambda base, new: (aten.t.default, (new,)),
+    aten.permute.default: lambda base, new, dims: (aten.permute.default, (new, _inverse(dims))),
+    **{op: (lambda base, new, *_: (aten.view.default, (new, list(base.meta["val"].shape))))
+       for op in (aten.view.default, aten._unsafe_view.default, aten.squeeze.dim, aten.squeeze.dims,
+                  aten.squeeze.default)},
+    **{op: (lambda base, new, *_: (None, (new,))) for op in (aten.alias.default, aten.detach.default)},
+}
+
+
+def _check_addresses(target, of, base) -> None:
+    """as_strided addresses the storage of what it views (autograd's views under torch.func
+    transforms are as_strided): read again or scattered back from `base`, `of`'s value now, only
+    where both lay their elements out plainly from the storage's start."""
+    if target is aten.as_strided.default:
+        for t in (of.meta["val"], base.meta["val"]):
+            if not t.is_contiguous() or t.storage_offset() != 0:
+                raise _Declined
+
+
+def _inverse(dims) -> list:
+    n = len(dims)
+    out = [0] * n
+    for i, d in enumerate(dims):
+        out[d % n] = i
+    return out
+
+
+class _Walk:
+    """One walk over the graph in order, rewriting each in-place op out of place as it goes.
+
+    Every node is a root (a tensor with memory of its own) or a view of one. `latest[r]` is the
+    node holding r's current value; `at[v]` is (r's version, the node holding view v's value
+    then). A write into r, directly or through a chain of views (scattered back up the chain),
+    makes a new version; a view read after a write to its root reads it again from r's latest
+    value, as eager's view sees the write."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.root: dict = {}
+        self.how: dict = {}  # view -> (what it views, its op, the op's other arguments, kwargs)
+        self.version: dict = {}
+        self.at: dict = {}
+        self.latest: dict = {}
+        self.relaid: set = set()  # roots an out-of-place op laid out otherwise than the in-place one
+        self.made: list = []  # nodes this walk added
+        self.written: list = []  # the in-place nodes, replaced
+
+    def run(self, nodes) -> list[int]:
+        for n in nodes:
+            original_args = n.args
+            n.args = torch.fx.node.map_arg(n.args, lambda a: self.current(a, n))
+            n.kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self.current(a, n))
+            first = original_args[0] if original_args and isinstance(original_args[0], torch.fx.Node) else None
+            if n.op != "call_function":
+                self.root[n] = n
+            elif not isinstance(n.target, torch._ops.OpOverload):
+                if first in self.how:  # a piece of a view's result (getitem of split): a view too
+                    self._view(n, first, original_args[1:], {})
+                else:
+                    self.root[n] = n
+            elif n.target._schema.is_mutable and n.target.namespace != "profiler":
+                self._write(n, first)
+            elif _is_view(n.target) and first is not None:
+                self._view(n, first, original_args[1:], n.kwargs)
+            else:
+                self.root[n] = n
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        written = [i for i, p in enumerate(placeholders) if p in self.latest]
+        output = next(n for n in reversed(nodes) if n.op == "output")
+        output.args = (list(output.args[0]) + [self.latest[placeholders[i]] for i in written],)
+        return written
+
+    def _view(self, n, of, rest, kwargs) -> None:
+        r = self.root[n] = self.root[of]
+        self.how[n] = (of, n.target, rest, kwargs)
+        self.at[n] = (self.version.get(r, 0), n)
+
+    def current(self, a, before):
+        """The node holding `a`'s value where `before` reads it."""
+        if a not in self.how:
+            return self.latest.get(self.root.get(a), a)
+        r = self.root[a]
+        version, node = self.at[a]
+        if version == self.version.get(r, 0):
+            return node
+        if r in self.relaid:
+            raise _Declined
+        of, target, rest, kwargs = self.how[a]  # read again from its base's value now
+        base = self.current(of, before)
+        _check_addresses(target, of, base)
+        rest = torch.fx.node.map_arg(rest, lambda x: self.current(x, before))
+        node = self._add(before, target, (base, *rest), kwargs, a.meta)
+        self.at[a] = (self.version.get(r, 0), node)
+        return node
+
+    def _add(self, before, target, args, kwargs, meta):
+        vals = torch.fx.node.map_arg((args, kwargs), lambda x: x.meta["val"])
+        value = target(*vals[0], **vals[1])
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args, kwargs)
+        self.made.append(node)
+        node.meta.update(meta)
+        node.meta["val"] = value
+        return node
+
+    def _write(self, n, first) -> None:
+        target = _out_of_place(n.target) if _writes_first(n.target) else None
+        if target is None or _is_view(target) or first is None:
+            raise _Declined
+        new = self._add(n, target, n.args, n.kwargs, n.meta)
+        if new.meta["val"].shape != n.meta["val"].shape:
+            raise _Declined
+        if new.meta["val"].dtype != n.meta["val"].dtype:  # in place keeps self's dtype: cast as the write does
+            new = self._add(n, aten.copy.default, (n.args[0], new), {}, n.meta)
+        self.written.append(n)
+        r = self.root[first]
+        if first not in self.how:  # the root itself
+            if new.meta["val"].stride() != n.meta["val"].stride():
+                self.relaid.add(r)
+            self.version[r] = self.version.get(r, 0) + 1
+            self.root[n] = r
+            self.latest[r] = new
+            return
+        if r in self.relaid:
+            raise _Declined
+        chain, value = [], new  # the views from `first` up to the root, each one's new value
+        v = first
+        while v in self.how:
+            of, target, rest, kwargs = self.how[v]
+            back = _SCATTER_BACK.get(target)
+            if back is None or kwargs:
+                raise _Declined
+            chain.append((v, value))
+            base = self.current(of, n)
+            _check_addresses(target, of, base)
+            op, args = back(base, value, *rest)
+            value = self._add(n, op, args, {}, base.meta) if op is not None else args[0]
+            v = of
+        root_value = self.current(r, n)
+        if value.meta["val"].shape != root_value.meta["val"].shape or \
+                value.meta["val"].stride() != root_value.meta["val"].stride():
+            raise _Declined  # (a later view of the root must find its memory laid out as before)
+        version = self.version[r] = self.version.get(r, 0) + 1
+        self.latest[r] = value
+        for view, view_value in chain:
+            self.at[view] = (version, view_value)
+        self.root[n] = r
+        self.how[n] = self.how[first]
+        self.at[n] = (version, new)

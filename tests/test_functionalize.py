@@ -4,6 +4,7 @@ re-trace through torch's functionalization wherever a write could be seen throug
 Every result is compared with the same function run eagerly on copies of its arguments."""
 
 import functools
+import random
 
 import pytest
 import torch
@@ -87,7 +88,8 @@ def test_an_in_place_op_becomes_the_overload_of_its_arguments(traces):
 
 
 def test_a_view_read_after_its_base_is_written_sees_the_write(traces):
-    """A view made before the write and read after it: torch's functionalization handles it."""
+    """A view made before the write and read after it: read again from the new value, in the
+    same walk (it took a second trace, through torch's functionalization)."""
 
     def f(x):
         flat = x.view(-1)
@@ -95,16 +97,17 @@ def test_a_view_read_after_its_base_is_written_sees_the_write(traces):
         return flat.sum()
 
     _check(f, torch.randn(8, 4, dtype=torch.float64))
-    assert len(traces) == 2
+    assert len(traces) == 1
 
 
 def test_a_write_into_a_view_reaches_its_base(traces):
+    """Scattered back into the base, in the same walk (it took a second trace)."""
     def f(x):
         x[:, 0].mul_(3)
         return x.sum()
 
     _check(f, torch.randn(8, 4, dtype=torch.float64))
-    assert len(traces) == 2
+    assert len(traces) == 1
 
 
 def test_a_view_made_after_the_write_reads_the_new_value(traces):
@@ -133,10 +136,12 @@ def test_the_graph_has_no_in_place_op_left_and_names_what_was_written():
     assert all(torch.equal(a, b) for a, b in zip(args, originals, strict=True))  # the program writes nothing
 
 
-def test_declines_and_leaves_the_graph_alone_when_a_write_is_seen_through_a_view():
+def test_declines_and_leaves_the_graph_alone_when_a_write_cannot_be_scattered_back():
+    """A write into a split's piece: torch's functionalization, by a second trace, does it."""
     def f(x):
         v = x.view(-1)
         x.add_(1)
+        x.split(2)[0].mul_(3)
         return v * 2
 
     gm = traced(f, torch.randn(4, 2))
@@ -206,7 +211,7 @@ def _scattered_then_viewed(x, y, write=None, out=False):
     flat = z.t().view(-1)
     if write is not None:
         write(z, flat, row)
-    y.t()[0].add_(1)
+    y.t().split(1)[0].add_(1)  # (a write the walk leaves to a second trace)
     return flat * 1, z
 
 
@@ -260,3 +265,139 @@ def test_the_gradient_of_a_write_into_a_slice_keeps_the_batch_split(name, spec):
     assert "as_strided" not in text, text
     if spec == P("dp") and name != "a slice of a slice":  # (that one slices the batch dim itself)
         assert not f.lower(x).collectives
+
+
+def _views_and_writes(seed: int, steps: int = 10):
+    """A random program of views of a (6, 4, 5) tensor (of views too), in-place writes through
+    them and reads of them (made before or after the writes), each step kept only where eager
+    runs it. Returns the function (of x, written in place, and a (6, 4, 5) source) and its text."""
+    rng = random.Random(seed)
+    program = []  # (kind, index of the tensor it takes, text, function); tensors[0] is x or its clone
+
+    def make_view(t):
+        d = rng.randrange(t.ndim) if t.ndim else None
+        choices = []
+        if t.ndim:
+            size = t.shape[d]
+            start, step = rng.randrange(max(size, 1)), rng.choice([1, 1, 2])
+            choices.append((f"[{d}: {start}::{step}]", lambda u, d=d, s=start, k=step: u[(slice(None),) * d + (slice(s, None, k),)]))
+            if size:
+                i = rng.randrange(-size, size)
+                choices.append((f".select({d}, {i})", lambda u, d=d, i=i: u.select(d, i)))
+        if t.ndim >= 2:
+            a, b = rng.sample(range(t.ndim), 2)
+            choices.append((f".transpose({a}, {b})", lambda u, a=a, b=b: u.transpose(a, b)))
+            choices.append((f".diagonal(0, {a}, {b})", lambda u, a=a, b=b: u.diagonal(0, a, b)))
+            dims = list(range(t.ndim))
+            rng.shuffle(dims)
+            choices.append((f".permute({dims})", lambda u, dims=tuple(dims): u.permute(dims)))
+        choices.append((".unsqueeze(0)", lambda u: u.unsqueeze(0)))
+        if t.is_contiguous():
+            choices.append((".view(-1)", lambda u: u.view(-1)))
+        if 1 in t.shape:
+            choices.append((".squeeze()", lambda u: u.squeeze()))
+        return rng.choice(choices)
+
+    def make_write():
+        c = rng.choice([0.5, -2.0, 3.0])
+        return rng.choice([
+            (f".add_({c})", lambda u, s: u.add_(c)),
+            (f".mul_({c})", lambda u, s: u.mul_(c)),
+            (".copy_(source)", lambda u, s: u.copy_(s.flatten()[:u.numel()].reshape(u.shape))),
+            (f".fill_({c})", lambda u, s: u.fill_(c)),
+            (".clamp_(min=0)", lambda u, s: u.clamp_(min=0)),
+            (f"[u > 0] = {c}", lambda u, s: u.masked_fill_(u > 0, c)),
+        ])
+
+    sample = [torch.randn(6, 4, 5, dtype=torch.float64), torch.randn(6, 4, 5, dtype=torch.float64)]
+    clone_first = rng.random() < 0.5
+    tensors = [sample[0].clone() if clone_first else sample[0]]
+    for _ in range(steps):
+        kind = rng.choice(["view", "view", "write", "write", "read"])
+        k = rng.randrange(len(tensors))
+        try:
+            if kind == "view":
+                text, fn = make_view(tensors[k])
+                tensors.append(fn(tensors[k]))
+            elif kind == "write":
+                text, fn = make_write()
+                fn(tensors[k], sample[1])
+            else:
+                text, fn = ".sum()", None
+        except RuntimeError:
+            continue
+        program.append((kind, k, text, fn))
+
+    def f(x, source):
+        ts = [x.clone() if clone_first else x]
+        out = x.new_zeros(())
+        for kind, k, _, fn in program:
+            if kind == "view":
+                ts.append(fn(ts[k]))
+            elif kind == "write":
+                fn(ts[k], source)
+            else:
+                out = out + ts[k].sum() * (k + 1)
+        return out + sum(t.sum() * (i + 2) for i, t in enumerate(ts))  # (every view read at the end too)
+
+    return f, f"clone={clone_first}; " + "; ".join(f"{kind} t{k}{text}" for kind, k, text, _ in program)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_writes_and_reads_through_views_equal_eager_in_one_walk(traces, seed):
+    """Writes through chains of slices, selects, transposes, diagonals, permutes, unsqueezes
+    and flat views, and reads of views made before them: equal to eager (bitwise for what is
+    written into the argument), in one trace."""
+    f, text = _views_and_writes(seed)
+    x, source = (torch.randn(6, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + k))
+                 for k in range(2))
+    for spec in (P(), P("dp")):
+        traces.clear()
+        try:
+            _check(f, x, source, specs=(spec, P()))
+        except AssertionError as err:
+            raise AssertionError(f"{text} (x {spec})") from err
+        assert len(traces) == 1, text
+
+
+def _delta_rule_rows(k, beta):
+    """The row-by-row solve of the chunked gated delta rule (Qwen3-Next's, Kimi Linear's, OLMo's
+    linear attention in transformers): each row written into a slice of `attn` in a loop."""
+    attn = -(k @ k.transpose(-1, -2) * beta.unsqueeze(-1)).tril(-1)
+    for i in range(1, attn.shape[-1]):
+        row = attn[..., i, :i].clone()
+        sub = attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    return attn + torch.eye(attn.shape[-1], dtype=attn.dtype)
+
+
+def test_a_row_by_row_solve_into_slices_and_its_gradient_equal_eager_in_one_trace(traces):
+    """Writes into slices in a loop, under torch.func.grad: one trace (the second, through
+    torch's functionalization, had doubled this model family's first call)."""
+    def loss(k, beta):
+        return (_delta_rule_rows(k, beta) ** 2).sum()
+
+    k = torch.randn(4, 2, 6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    beta = torch.rand(4, 2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    f = hpfun.shard(torch.func.grad(loss, argnums=(0, 1)), mesh=DP, in_specs=(P("dp"), P("dp")),
+                    out_specs=(P("dp"), P("dp")))
+    for got, want in zip(f(k, beta), torch.func.grad(loss, argnums=(0, 1))(k, beta), strict=True):
+        torch.testing.assert_close(got.full(), want, rtol=1e-12, atol=1e-12)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("seed", [s for s in range(80) if "clone=True" in _views_and_writes(s)[1]][:24])
+def test_random_writes_and_reads_through_views_of_a_clone_differentiate_as_eager(traces, seed):
+    """The same programs where they write into a clone of the argument, under torch.func.grad
+    (whose views of the clone are as_strided): the gradients equal eager's, in one trace."""
+    f, text = _views_and_writes(seed)
+    x, source = (torch.randn(6, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + k))
+                 for k in range(2))
+    grad = torch.func.grad(f, argnums=(0, 1))
+    want = grad(x, source)
+    for spec in (P(), P("dp")):
+        traces.clear()
+        got = hpfun.shard(grad, mesh=DP, in_specs=(spec, P()), out_specs=(spec, P()))(x, source)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.full(), w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{m}\n{text} (x {spec})")
+        assert len(traces) == 1, text
