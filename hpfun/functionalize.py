@@ -7,9 +7,12 @@ new value; what was written into an input becomes an extra output the caller wri
 
 torch's functionalization does this in general (views of a mutated tensor, writes through a
 view) but only by tracing the program a second time, which costs as much as the first trace.
-This pass does the common case in one walk over the graph and declines (returns None) whenever
-a write could be seen through a view: a write into a view, or a view of a tensor read after the
-tensor was written. `hpfun.capture` then traces again through `torch.func.functionalize`.
+This pass does it in one walk over the graph: a write through a chain of views is scattered
+back into the tensor they view, and a view read after its tensor was written is read again from
+the new value. It declines (returns None, the graph untouched) where it cannot: a write through
+a split's piece or an unfold window, an in-place op with no out-of-place form, or a tensor whose
+out-of-place op lays it out otherwise, seen through a view. `hpfun.capture` then traces again
+through `torch.func.functionalize`.
 """
 
 from __future__ import annotations
