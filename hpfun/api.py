@@ -982,6 +982,7 @@ class ShardedFunction:
         args, kwonly, lifted = pytree.tree_unflatten(full, call.tree)
         args, kwonly = _shared_as_given((call.args, call.kwonly), (args, kwonly), {})  # (`f(xs, xs)`: one list)
         swap = {}
+        attributes_before: list = []  # (flat index, stand-in of a lifted tensor, its attributes before the trace)
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
             swap[id(real)] = fake
@@ -995,6 +996,8 @@ class ShardedFunction:
                 for key, value in owner.__dict__.items():  # read by a custom loop: the stand-in has it too
                     if key not in fake.__dict__:
                         setattr(fake, key, value)
+            if i >= len(call.flat) - len(call.lifted):  # (lifted state: what the step sets on it is compared after)
+                attributes_before.append((i, fake, dict(fake.__dict__)))
             if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
@@ -1050,6 +1053,14 @@ class ShardedFunction:
         if refused:
             raise CaptureError([Problem(*entry) for entry in refused], headline="the function moves submodules "
                                "where a cached call cannot")
+        if set_on := _attributes_set(attributes_before, paths):
+            substitution.put_back()
+            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function, a Python attribute of a lifted tensor: "
+                                        "a traced program cannot repeat that (a cached call would leave it as it is, "
+                                        "where eager's calls set it every time)",
+                                        "keep the value in a module attribute or buffer (`self.seen += 1`, which hpfun "
+                                        "writes back), or set it outside the sharded function")
+                                for path, key, how in set_on], headline="the function sets attributes of lifted tensors")
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
@@ -2632,6 +2643,24 @@ def _check_grad_shapes(call: _Call) -> None:
                                  "its data), which a trace cannot give the parameter",
                                  "set it to None before the call (opt.zero_grad() or model.zero_grad())")
                          for name in stale], headline="gradients of another shape than their parameters")
+
+
+def _attributes_set(before: list, paths: list) -> list:
+    """(path, attribute, how) of each Python attribute the function set, changed or deleted on
+    a lifted tensor's stand-in (`p.seen += 1`, `p.snap = p.detach().clone()`); torch's own hook
+    lists are checked apart."""
+    out = []
+    for i, fake, was in before:
+        now = fake.__dict__
+        for key in [k for k in now if k not in was] + [k for k in was if now.get(k, _UNSET) is not was[k]]:
+            if key in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                continue
+            how = "set" if key not in was else "deleted" if key not in now else f"changed from {_short(was[key])}"
+            out.append((paths[i], key, how))
+    return out
+
+
+_UNSET = object()
 
 
 def _held_owner(x):

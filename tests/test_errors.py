@@ -1116,6 +1116,39 @@ def test_a_hook_registered_on_a_parameter_inside_the_step_is_refused():
     assert "model.weight" in text and "register the hook once, outside" in text
 
 
+@pytest.mark.parametrize("what", ["counter", "tensor", "new on a buffer", "deleted"])
+def test_an_attribute_the_step_sets_on_a_parameter_or_buffer_is_refused(what):
+    """`p.seen += 1` (a 1/t step size), `p.snap = p.detach().clone()`, a new attribute on a buffer,
+    one deleted: the trace set them on the parameter's stand-in, so the caller's tensor kept its
+    old value and every cached call ran with the trace's (weights off by 0.02 at the third step,
+    silently). Refused, naming the attribute; the module is left as it was."""
+    model = torch.nn.Linear(4, 4, bias=False)
+    model.register_buffer("b", torch.ones(4))
+    model.weight.seen, model.weight.snap, model.b.tag = 0, torch.zeros(4, 4), "x"
+
+    def step(x):
+        model(x).square().mean().backward()
+        with torch.no_grad():
+            if what == "counter":
+                model.weight.seen += 1
+            elif what == "tensor":
+                model.weight.snap = model.weight.detach().clone()
+            elif what == "new on a buffer":
+                model.b.seen = 1
+            else:
+                del model.b.tag
+            model.weight.sub_(0.1 / (1 + model.weight.seen) * model.weight.grad)
+        return model.weight.grad
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                     error=hpfun.CaptureError)
+    name = {"counter": "model.weight.seen", "tensor": "model.weight.snap", "new on a buffer": "model.b.seen",
+            "deleted": "model.b.tag"}[what]
+    assert name in text and "a Python attribute of a lifted tensor" in text and "module attribute or buffer" in text, text
+    assert (model.weight.seen, model.b.tag, hasattr(model.b, "seen")) == (0, "x", False)
+    assert model.weight.snap.abs().sum() == 0
+
+
 def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
     """A config object of the user's class passed as an argument is read for its numbers, strings
     and flags; a tensor it holds is not flattened. The error names the object's tensors and the
