@@ -1038,6 +1038,13 @@ class ShardedFunction:
         flags = [(None, real, fake.requires_grad) for i, fake in zip(tensor_pos, fakes, strict=True)
                  if i >= arguments and isinstance(real := _held_owner(call.flat[i]), torch.Tensor) and type(real) is not Sharded
                  and real.is_leaf and fake.is_leaf and fake.requires_grad != real.requires_grad]
+        # a parameter the step replaced by one it made frozen (`m.w = nn.Parameter(w, requires_grad=False)`): the
+        # new tensor written back at every call takes that flag, not the old parameter's
+        stand_ins = set(map(id, fakes))
+        flags += [(None, _SlotFlag(slot), value.requires_grad) for name, value in assigned.items()
+                  if isinstance(value, torch.Tensor) and id(value) not in stand_ins and value.is_leaf
+                  and (slot := call.state.slots.get(name)) is not None
+                  and isinstance(old := slot.read(), torch.nn.Parameter) and old.requires_grad != value.requires_grad]
         traced.effects = (*traced.effects, *flags)
         paths = call.paths()
         hooked = [paths[i] for i, fake in zip(tensor_pos, fakes, strict=True)
@@ -1413,8 +1420,21 @@ def _replay(effects: tuple, statics: dict) -> None:
             _set_flags(name, value)
         elif isinstance(name, torch.Tensor):  # a lifted tensor's requires_grad the function set
             name.requires_grad_(value)
+        elif type(name) is _SlotFlag:
+            name.set(value)
         else:
             statics[key].set(name, value)
+
+
+class _SlotFlag:
+    """The requires_grad flag of whatever tensor a lifted slot holds after the write-back."""
+
+    def __init__(self, slot):
+        self.slot = slot
+
+    def set(self, flag: bool) -> None:
+        if isinstance(t := self.slot.read(), torch.Tensor) and t.is_leaf:
+            t.requires_grad_(flag)
 
 
 _NOT_HELD = object()  # (a stand-in no place held)

@@ -6742,3 +6742,35 @@ def test_a_lifted_tensor_the_step_puts_at_another_place_is_that_tensor():
                     in_specs=P("dp"), out_specs=P())
     g(torch.ones(4, 3, dtype=torch.float64))
     assert holder.a is holder.b
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_parameter_the_step_replaces_keeps_the_requires_grad_the_step_gave_it(flag):
+    """`m.weight = nn.Parameter(w, requires_grad=False)` inside the step (and a frozen one replaced
+    by a trainable one): the new parameter came back with the old one's flag, so later calls
+    trained the weight eager keeps frozen (loss 0.1368 where eager gives 0.1469 at the third)."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4, dtype=torch.float64)
+        model.weight.requires_grad_(not flag)
+
+        def step(x, replace):
+            if replace:
+                model.weight = torch.nn.Parameter(model.weight.detach().clone(), requires_grad=flag)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+                        p.grad = None
+            return loss.detach()
+        return model, step
+
+    (model, step), (ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), None), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for replace in (True, False, False):
+        torch.testing.assert_close(f(x, replace).full(), eager(x, replace), rtol=1e-12, atol=1e-12)
+        assert model.weight.requires_grad == ref.weight.requires_grad == flag
+        assert max_diff(model, ref) < 1e-12
