@@ -2840,6 +2840,7 @@ class Substitution:
         self.floats: set = set()  # ids of the stand-ins of lifted Python floats (`ScalarSigns`)
         self._optimizers: list = []
         self._groups: list = []  # (optimizer's name, index, param group, its keys) before the trace
+        self._param_lists: list = []  # (optimizer's name, index, param group, its params list, the list's items)
         self.new_numbers: list = []  # (optimizer state, parameter, key, value) of numbers the step put in its state
         self._own_before: dict = {}  # id(plain data under an optimizer's own key) -> a copy of it before the trace
         self._real_params: dict = {}  # id(an optimizer's parameter as the trace sees it) -> the parameter
@@ -3254,6 +3255,24 @@ class Substitution:
         appended = torch.utils._pytree.tree_leaves(lst[len(held):])
         return all(map(same, lst, held)) and not any(id(t) in moved for t in appended)
 
+    def _param_list_edits(self) -> list[Problem]:
+        """An optimizer's parameter lists edited by the step (a parameter moved to another group,
+        removed, the list rebound): a program cannot repeat it, and putting the parameters back
+        by position would leave them in the trace's order (a swap between groups was undone
+        silently, each parameter stepped at the other's rate). Each list is set back as the trace
+        found it, for `restore` to put the parameters back, and named."""
+        problems = []
+        for prefix, g, group, params, items in self._param_lists:
+            if group.get("params") is params and len(params) == len(items) and all(map(operator.is_, params, items)):
+                continue
+            group["params"] = params
+            params[:] = items
+            problems.append(Problem(f"{_join(prefix, f'param_groups.{g}')}['params']", "is edited by the function "
+                                    "(a parameter moved to another group, added, removed or reordered, or the list "
+                                    "replaced): a traced program cannot repeat that",
+                                    "edit the optimizer's parameter groups outside the sharded function, between calls"))
+        return problems
+
     def _container_edits(self) -> list[Problem]:
         """What the trace did to a module's lists and containers that a program cannot do again
         at every call: anything but appending tensors (or tuples, lists, dicts of them) to a list,
@@ -3459,6 +3478,7 @@ class Substitution:
                 self._real_params[id(self.swap.get(id(p), p))] = p
                 if id(p) in self.swap:
                     self._set(functools.partial(params.__setitem__, i), p, self.swap[id(p)])
+            self._param_lists.append((prefix, g, group, params, list(params)))
         entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
         stand_in_state = collections.defaultdict(entry_type)
         for p, entries in opt.state.items():
@@ -3482,7 +3502,8 @@ class Substitution:
         (optimizer, parameter, key), the place to create it at."""
         self._keys_back()
         self._unwrap_escaped()
-        edits = self._rebound() + self._container_edits()  # (before any slot is read: a list cleared holds none of them)
+        edits = self._rebound() + self._container_edits() + self._param_list_edits()  # (before any slot is read: a
+        # list cleared holds none of them)
         if edits:
             raise CaptureError(edits, headline="cannot lift the state the function reads")
         if deleted := [name for name, slot in self.state.slots.items() if not _readable(slot)]:

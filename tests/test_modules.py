@@ -6774,3 +6774,47 @@ def test_a_parameter_the_step_replaces_keeps_the_requires_grad_the_step_gave_it(
         torch.testing.assert_close(f(x, replace).full(), eager(x, replace), rtol=1e-12, atol=1e-12)
         assert model.weight.requires_grad == ref.weight.requires_grad == flag
         assert max_diff(model, ref) < 1e-12
+
+
+@pytest.mark.parametrize("edit", ["swap between groups", "pop", "append", "rebind"])
+def test_an_optimizers_parameter_lists_edited_by_the_step_are_refused_and_left_as_they_were(edit):
+    """A parameter moved to another group inside the step was put back by position, silently
+    (each stepped at the other group's rate: weights 0.16 off by the fourth step); a pop crashed
+    the put-back with an IndexError. Refused, naming the list; the groups are as they were, and
+    the next call without the edit runs as eager."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)).double()
+        ps = list(model.parameters())
+        opt = torch.optim.SGD([{"params": ps[:2], "lr": 0.05}, {"params": ps[2:], "lr": 0.5}], momentum=0.9)
+
+        def step(x, do_edit):
+            g0, g1 = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+            if do_edit:
+                if edit == "swap between groups":
+                    g0[0], g1[0] = g1[0], g0[0]
+                elif edit == "pop":
+                    g1.pop()
+                elif edit == "append":
+                    g0.append(g1[0])
+                else:
+                    opt.param_groups[0]["params"] = [g0[1], g0[0]]
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return model, opt, step
+
+    (model, opt, step), (ref, _, eager) = make(), make()
+    groups = [list(g["params"]) for g in opt.param_groups]
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), None), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(f(x, False).full(), eager(x, False), rtol=1e-12, atol=1e-12)
+    with pytest.raises(hpfun.CaptureError, match=r"(?s)opt\.param_groups\.\d\['params'\].*edit the optimizer's "
+                                                 r"parameter groups outside"):
+        f(x, True)
+    assert [list(g["params"]) for g in opt.param_groups] == groups
+    assert all(a is b for g, h in zip(opt.param_groups, groups) for a, b in zip(g["params"], h))
+    torch.testing.assert_close(f(x, False).full(), eager(x, False), rtol=1e-12, atol=1e-12)
+    assert max_diff(model, ref) < 1e-12
