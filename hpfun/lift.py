@@ -4026,6 +4026,9 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
     if isinstance(v, (list, dict, tuple)):  # (an OrderedDict or defaultdict too)
         _take_from(v, dict(v) if isinstance(v, dict) else dict(enumerate(v)), path, found, seen, depth,
                    attributes=False)
+        if own := _own_dict(v):  # a dict or list subclass's attributes (`self.cfg.last = t` on a config dict)
+            _take_from(v, {k: w for k, w in own.items() if not k.startswith("__")}, path, found, seen, depth,
+                       attributes=True)
     elif _is_config_object(v) and not callable(v):  # (slotted too)
         _take_from(v, attributes(v), path, found, seen, depth, attributes=True)
 
@@ -4037,16 +4040,17 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
     fakes = [k for k, w in items.items() if isinstance(w, FakeTensor)]
     found += [at(key) for key in fakes]
     if fakes and isinstance(owner, dict) and type(owner) is not dict:
-        found[-1] += (f" (held in a dict of type {type(owner).__name__}: hpfun takes the state a step makes from "
-                      "plain dicts; hold a dict there)")
-    if fakes and type(owner) is list:
+        found[-1] += (f" (an attribute of a {type(owner).__name__}, a dict subclass: set it before the first call, "
+                      "and hpfun lifts it)" if attributes else f" (held in a dict of type {type(owner).__name__}: "
+                      "hpfun takes the state a step makes from plain dicts; hold a dict there)")
+    if fakes and attributes:
+        for key in fakes:
+            del_attribute(owner, key)
+    elif fakes and type(owner) is list:
         owner[:] = [w for w in owner if not isinstance(w, FakeTensor)]
     elif fakes and isinstance(owner, dict):
         for key in fakes:
             del owner[key]
-    elif fakes and attributes:
-        for key in fakes:
-            del_attribute(owner, key)
     for key, w in items.items():
         if not isinstance(w, FakeTensor):
             _take_fakes(w, at(key), found, seen, depth + 1)

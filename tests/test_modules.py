@@ -6818,3 +6818,39 @@ def test_an_optimizers_parameter_lists_edited_by_the_step_are_refused_and_left_a
     assert all(a is b for g, h in zip(opt.param_groups, groups) for a, b in zip(g["params"], h))
     torch.testing.assert_close(f(x, False).full(), eager(x, False), rtol=1e-12, atol=1e-12)
     assert max_diff(model, ref) < 1e-12
+
+
+class _DictConfig(dict):
+    """A config kept as a dict subclass, with attributes of its own besides its items."""
+
+
+class _KeepsOnConfig(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.cfg = torch.nn.Linear(4, 4, dtype=torch.float64), _DictConfig(scale=1.0)
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.cfg.last = h.detach().mean()
+        return h.pow(2).mean()
+
+
+def test_a_tensor_the_step_sets_as_an_attribute_of_a_dict_subclass_config_is_refused_or_lifted():
+    """`self.cfg.last = t` on a config that is a dict subclass: the first call left the trace's
+    placeholder there, silently (using it failed later). Refused and taken out where the config
+    held none; lifted, as eager, where it held one before the first call."""
+    torch.manual_seed(0)
+    model = _KeepsOnConfig()
+    f = hpfun.shard(lambda x: model(x), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(hpfun.CaptureError, match=r"model\.cfg\.last \(an attribute of a _DictConfig, a dict subclass: "
+                                                 r"set it before the first call"):
+        f(x)
+    assert "last" not in vars(model.cfg)
+    ref = copy.deepcopy(model)
+    model.cfg.last, ref.cfg.last = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
+        assert type(model.cfg.last) is torch.Tensor
+        torch.testing.assert_close(model.cfg.last, ref.cfg.last, rtol=1e-12, atol=1e-12)
