@@ -912,6 +912,7 @@ class Snapshot:
         self.sets: list = []  # (set, ids of its members)
         self.groups: list = []  # (an optimizer's param group, keys, {key: id of a tensor or list it held})
         self.slotted: list = []  # (an object without a __dict__, ((slot, id of its value), ...))
+        self.arrays: list = []  # (a NumPy array of numbers, its dtype, shape and bytes): edited in place, unseen
         self.kept: list = []  # the values that are not tensors, kept alive
         self.tensors: dict = {}  # id -> a weak reference to each tensor seen
         self.refs: tuple = ()
@@ -950,6 +951,10 @@ class Snapshot:
         if slots := _slot_values(obj):
             self.slotted.append((obj, tuple((k, id(v)) for k, v in slots.items())))
             self._seen(slots.values())
+
+    def array(self, a) -> None:
+        """A NumPy array of numbers by its values (`cfg.scales[0] = 5.0` writes no dict)."""
+        self.arrays.append((a, a.dtype, a.shape, a.tobytes()))
 
     def group(self, group: dict) -> None:
         """Its parameter list and tensors by identity; its numbers are statics, read anew."""
@@ -1004,6 +1009,9 @@ class Snapshot:
                 return False
         for obj, held in self.slotted:
             if tuple((k, id(v)) for k, v in _slot_values(obj).items()) != held:
+                return False
+        for a, dtype, shape, values in self.arrays:
+            if a.dtype != dtype or a.shape != shape or a.tobytes() != values:
                 return False
         return True
 
@@ -1310,7 +1318,11 @@ def _object_key(x, depth: int, _path: tuple):
     if depth:
         _path = (*_path, id(x))
     if depth and isinstance(x, dict) and _length(x) <= PLAIN_CONTAINER_ITEMS:
-        return ("dict", tuple((Exact(k), object_key(v, depth - 1, _path)) for k, v in x.items()))
+        items = tuple((Exact(k), object_key(v, depth - 1, _path)) for k, v in x.items())
+        if type(x) is not dict and (own := _own_dict(x)):  # a dict subclass's own attributes too (`cfg.sub.alpha`)
+            return ("dict", items, tuple((k, object_key(v, depth - 1, _path)) for k, v in list(own.items())
+                                         if not k.startswith("__")))
+        return ("dict", items)
     if depth and isinstance(x, (list, tuple, collections.deque)) and _length(x) <= PLAIN_CONTAINER_ITEMS:
         return (type(x).__name__, tuple(object_key(v, depth - 1, _path) for v in x))
     if depth and type(x) in (set, frozenset) and len(x) <= PLAIN_CONTAINER_ITEMS:  # (of objects of the user's:
@@ -2130,9 +2142,10 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     place (`model.ks[0] = 3.0`) collects the module's values again."""
     if isinstance(v, dict) and len(v) <= PLAIN_CONTAINER_ITEMS:  # (an AttrDict or EasyDict config too)
         snapshot.dict(v)
-        if type(v) is not dict and (own := _own_dict(v)) is not None:  # (its attributes too: `cfg.scale = 2.0`)
-            snapshot.dict(own)
-        items = v.values()
+        items = list(v.values())
+        if type(v) is not dict and (own := _own_dict(v)) is not None:  # (its attributes too: `cfg.scale = 2.0`,
+            snapshot.dict(own)  # and what they hold: `cfg.sub.alpha`, `cfg.scales[0]`)
+            items += [w for k, w in own.items() if not k.startswith("__")]
     elif type(v) in (list, collections.deque) and len(v) <= PLAIN_CONTAINER_ITEMS:
         snapshot.list(v)
         items = v
@@ -2149,6 +2162,9 @@ def _watch_held(snapshot, v, depth: int = HELD_DEPTH) -> None:
     elif isinstance(v, torch.nn.Module):  # (one a container holds, not a submodule: its own values, and
         snapshot.dict(vars(v))  # the configs and lists it holds)
         items = [w for k, w in vars(v).items() if k not in _MODULE_INTERNALS] + list(v._modules.values())
+    elif _is_numbers_array(v) and not isinstance(v, sys.modules["numpy"].generic):
+        snapshot.array(v)  # (its values key the program: edited in place, collected again)
+        return
     else:
         return
     for w in items if depth > 1 else ():
@@ -2314,7 +2330,7 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
                         objects.add(id(w))
                         snapshot.object(w)
             elif attr not in _MODULE_INTERNALS and (type(v) in (list, tuple, collections.deque) or isinstance(
-                    v, (dict, functools.partial, types.MethodType))) and id(v) not in objects:
+                    v, (dict, functools.partial, types.MethodType)) or _is_numbers_array(v)) and id(v) not in objects:
                 objects.add(id(v))
                 _watch_held(snapshot, v)
             elif type(v) in (set, frozenset) and id(v) not in objects and len(v) <= PLAIN_CONTAINER_ITEMS:

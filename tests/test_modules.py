@@ -6854,3 +6854,52 @@ def test_a_tensor_the_step_sets_as_an_attribute_of_a_dict_subclass_config_is_ref
         torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
         assert type(model.cfg.last) is torch.Tensor
         torch.testing.assert_close(model.cfg.last, ref.cfg.last, rtol=1e-12, atol=1e-12)
+
+
+class _Plain:
+    def __init__(self):
+        self.alpha = 1.0
+
+
+@pytest.mark.parametrize("change", ["cfg.sub.alpha", "cfg.obj.alpha", "cfg['inner'].gamma", "cfgs[0].z",
+                                    "cfg.scales[0]", "cfg.arr[0]", "arr[0]", "lst[0][1]"])
+def test_values_inside_a_dict_subclass_config_or_an_array_a_module_holds_key_the_program(change):
+    """A number one level inside a module's dict-subclass config (an attribute of an attribute,
+    an attribute of an item, an item of an attribute), or in a NumPy array the module holds,
+    changed between calls: the cached program ran with the old value, silently."""
+    model = torch.nn.Linear(4, 4, dtype=torch.float64)
+    model.cfg = _DictConfig(inner=_DictConfig())
+    model.cfg.sub, model.cfg.obj, model.cfg["inner"].gamma = _DictConfig(), _Plain(), 1.0
+    model.cfg.sub.alpha, model.cfg.scales, model.cfg.arr = 1.0, [1.0, 2.0], np.array([1.0, 2.0])
+    model.cfgs, model.arr, model.lst = [_DictConfig()], np.array([1.0, 3.0]), [np.array([1.0, 1.0])]
+    model.cfgs[0].z = 1.0
+
+    def scale():
+        c = model.cfg
+        return (c.sub.alpha * c.obj.alpha * c["inner"].gamma * model.cfgs[0].z * c.scales[0] * float(c.arr[0])
+                * float(model.arr[0]) * float(model.lst[0][1]))
+
+    f = hpfun.shard(lambda x: model(x).pow(2).mean() * scale(), mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    f(x)
+    exec(f"model.{change} = 5.0", {"model": model})
+    torch.testing.assert_close(f(x).full(), model(x).pow(2).mean() * scale(), rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 2
+
+
+def test_a_counter_inside_a_dict_subclass_config_the_step_bumps_counts_as_eager():
+    """`m.cfg.sub.n += 1` inside the step: only the trace bumped it (1 where eager counts 3)."""
+    model = torch.nn.Linear(4, 4, dtype=torch.float64)
+    model.cfg = _DictConfig()
+    model.cfg.sub = _DictConfig()
+    model.cfg.sub.n = 0
+
+    def step(x):
+        model.cfg.sub.n += 1
+        return model(x).pow(2).mean() * model.cfg.sub.n
+
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for i in range(3):
+        torch.testing.assert_close(f(x).full(), model(x).pow(2).mean() * (i + 1), rtol=1e-12, atol=1e-12)
+        assert model.cfg.sub.n == i + 1
