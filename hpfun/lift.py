@@ -4020,7 +4020,9 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
         for store_name in ("_parameters", "_buffers"):
             store = getattr(v, store_name)
             for key in [k for k, t in store.items() if isinstance(t, FakeTensor)]:
-                found.append(_join(path, key))
+                found.append(_join(path, key) + (" (a parameter the function registered: register it before the "
+                                                 "first call, in __init__ or by one eager call, and hpfun lifts it)"
+                                                 if store_name == "_parameters" else ""))
                 del store[key]
             for key, t in store.items():
                 _take_fakes(t, _join(path, key), found, seen, depth + 1)

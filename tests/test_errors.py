@@ -1149,6 +1149,23 @@ def test_an_attribute_the_step_sets_on_a_parameter_or_buffer_is_refused(what):
     assert model.weight.snap.abs().sum() == 0
 
 
+def test_a_parameter_registered_inside_the_step_is_named_as_one():
+    """Lazy initialization (`m.extra = nn.Parameter(...)` at the first call): refused, saying it is
+    a parameter the function registered and to register it before the first call (the message
+    spoke of objects a module holds and lists inside lists); the module is left without it."""
+    model = torch.nn.Linear(4, 4)
+
+    def step(x):
+        if not hasattr(model, "extra"):
+            model.extra = torch.nn.Parameter(torch.zeros(4))
+        return (model(x) + model.extra).pow(2).mean()
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4),
+                     error=hpfun.CaptureError)
+    assert "model.extra (a parameter the function registered: register it before the first call" in text, text
+    assert not hasattr(model, "extra")
+
+
 def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
     """A config object of the user's class passed as an argument is read for its numbers, strings
     and flags; a tensor it holds is not flattened. The error names the object's tensors and the
