@@ -2469,9 +2469,25 @@ def _argument_problem(path: str, x) -> Problem:
     if isinstance(x, collections.abc.Iterator):
         return Problem(path, f"is an iterator ({type(x).__name__}): the trace would consume it, and later calls "
                        "would not see its values", "pass a list or a tuple (or the tensors it yields)")
+    if _holds_tensors(x, 3):  # (a graph library's batch object: `step(data)`)
+        return Problem(path, f"is a {type(x).__name__} holding tensors, which hpfun does not read as a container "
+                       "(it reads tensors in dicts, lists, tuples, dataclasses, Mappings and UserLists)",
+                       "pass its tensors as arguments (`step(data.x, data.edge_index)`), or a dict of them, or close "
+                       "over the object (the tensors it holds are then read at every call)")
     return Problem(path, f"is {_short(x)}, which is not hashable: a value that is not a "
                    "tensor is baked into the program and keys its cache",
                    "pass a tensor, or a hashable value (a tuple, a frozenset)")
+
+
+def _holds_tensors(x, depth: int) -> bool:
+    """Whether `x` holds a tensor within `depth` levels of attributes, dicts and lists."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth <= 0 or lift._is_scalar(x) or isinstance(x, (str, bytes, type)):
+        return False
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else \
+        (lift._own_dict(x) or {}).values()
+    return any(_holds_tensors(v, depth - 1) for v in list(items)[:64])
 
 
 def _hashable(x) -> bool:

@@ -1166,6 +1166,19 @@ def test_a_parameter_registered_inside_the_step_is_named_as_one():
     assert not hasattr(model, "extra")
 
 
+def test_a_librarys_batch_object_passed_as_an_argument_names_the_ways_to_pass_its_tensors():
+    """A graph library's batch (`step(data)` with torch_geometric's Data, unhashable, holding its
+    tensors in a store of its own) was refused as not hashable, with the fix to pass a hashable
+    value; it now says it holds tensors and how to pass them."""
+    store = type("Store", (), {"__module__": "collections"})()
+    store.x, store.edge_index = torch.randn(4, 3), torch.zeros(2, 4, dtype=torch.long)
+    batch = type("DataBatch", (), {"__module__": "collections", "__eq__": lambda self, other: self is other})()
+    batch._store = store
+    f = hpfun.shard(lambda data: data._store.x.sum(), mesh=MESH, in_specs=(P(),), out_specs=P())
+    _, text = _raise(f, batch, error=hpfun.SpecError)
+    assert "args[0]: is a DataBatch holding tensors" in text and "pass its tensors as arguments" in text, text
+
+
 def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
     """A config object of the user's class passed as an argument is read for its numbers, strings
     and flags; a tensor it holds is not flattened. The error names the object's tensors and the
