@@ -401,3 +401,18 @@ def test_random_writes_and_reads_through_views_of_a_clone_differentiate_as_eager
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.full(), w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{m}\n{text} (x {spec})")
         assert len(traces) == 1, text
+
+
+def test_a_stepped_slice_written_from_a_split_source_into_a_dim_the_mesh_does_not_divide():
+    """`x[1::2].add_(y)` with x of 5 elements (whole) and y split: slice_scatter's rule kept only
+    the layouts whose blocks the step tiles, and dropped the whole one too, so it offered none (a
+    message for rule authors). The whole layout is kept: y is gathered, as eager's result."""
+    def f(x, y):
+        x[1::2].add_(y)
+        return x * 2
+
+    x, y = torch.randn(5, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    _check(f, x, y, specs=(P(), P("dp")))
+    g = hpfun.shard(lambda x, y: torch.slice_scatter(x, y, 0, 1, None, 2), mesh=DP, in_specs=(P(), P("dp")),
+                    out_specs=None)
+    torch.testing.assert_close(g(x, y).full(), torch.slice_scatter(x, y, 0, 1, None, 2), rtol=0, atol=0)

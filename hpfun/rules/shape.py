@@ -428,7 +428,8 @@ class SliceScatter(Rule):
         out = combine_axes(call, per_axis)
         if tiles:  # (each layout's own blocks along dim: the step must tile them)
             step = self._rows(call, dim).step
-            out = [st for st in out if (x.shape[dim] // st.outputs[0].shard_factor(dim)) % step == 0]
+            out = [st for st in out if (factor := st.outputs[0].shard_factor(dim)) == 1  # (whole: any step)
+                   or (x.shape[dim] // factor) % step == 0]
         return out
 
     def _x_dim(self, q, dim: int) -> int | None:
