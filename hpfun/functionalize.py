@@ -247,9 +247,13 @@ class _Walk:
             value = self._add(n, op, args, {}, base.meta) if op is not None else args[0]
             v = of
         root_value = self.current(r, n)
-        if value.meta["val"].shape != root_value.meta["val"].shape or \
-                value.meta["val"].stride() != root_value.meta["val"].stride():
-            raise _Declined  # (a later view of the root must find its memory laid out as before)
+        if value.meta["val"].shape != root_value.meta["val"].shape:
+            raise _Declined
+        if value.meta["val"].stride() != root_value.meta["val"].stride():  # (a write through a transpose: a later
+            if not root_value.meta["val"].is_contiguous():  # view of the root must find its memory laid out as before)
+                raise _Declined
+            value = self._add(n, aten.clone.default, (value,), {"memory_format": torch.contiguous_format},
+                              root_value.meta)
         version = self.version[r] = self.version.get(r, 0) + 1
         self.latest[r] = value
         for view, view_value in chain:

@@ -416,3 +416,24 @@ def test_a_stepped_slice_written_from_a_split_source_into_a_dim_the_mesh_does_no
     g = hpfun.shard(lambda x, y: torch.slice_scatter(x, y, 0, 1, None, 2), mesh=DP, in_specs=(P(), P("dp")),
                     out_specs=None)
     torch.testing.assert_close(g(x, y).full(), torch.slice_scatter(x, y, 0, 1, None, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("write", ["scatter_", "index_put_", "sub_", "mul_"])
+def test_a_write_through_a_transpose_leaves_its_base_laid_out_as_eagers(traces, write):
+    """`y.t().scatter_(...)` then `y.view(-1)`: scattered back through the transpose, y's new value
+    was laid out transposed, and the view of it failed (it failed in the second trace too, before
+    the walk wrote into views). The base is made contiguous again, as eager's y stays."""
+    def f(x):
+        y = x.clone()
+        if write == "scatter_":
+            y.t().scatter_(0, torch.zeros(1, 6, dtype=torch.long), 5.0)
+        elif write == "index_put_":
+            y.t().index_put_((torch.tensor([1]),), torch.tensor(5.0, dtype=torch.float64))
+        elif write == "sub_":
+            y.t().sub_(x.t().sin())
+        else:
+            y.t().mul_(2)
+        return y.view(-1)[:5].sum() + y.sum()
+
+    _check(f, torch.randn(6, 4, dtype=torch.float64))
+    assert len(traces) == 1
