@@ -982,7 +982,7 @@ class ShardedFunction:
         args, kwonly, lifted = pytree.tree_unflatten(full, call.tree)
         args, kwonly = _shared_as_given((call.args, call.kwonly), (args, kwonly), {})  # (`f(xs, xs)`: one list)
         swap = {}
-        attributes_before: list = []  # (flat index, stand-in of a lifted tensor, its attributes before the trace)
+        attributes_before: list = []  # (flat index, a lifted tensor, its stand-in, the attributes it had before the trace)
         for i, fake in zip(tensor_pos, fakes, strict=True):
             real = call.flat[i]
             swap[id(real)] = fake
@@ -996,8 +996,9 @@ class ShardedFunction:
                 for key, value in owner.__dict__.items():  # read by a custom loop: the stand-in has it too
                     if key not in fake.__dict__:
                         setattr(fake, key, value)
-            if i >= len(call.flat) - len(call.lifted):  # (lifted state: what the step sets on it is compared after)
-                attributes_before.append((i, fake, dict(fake.__dict__)))
+            if i >= len(call.flat) - len(call.lifted) and isinstance(owner, torch.Tensor) and type(owner) is not Sharded:
+                attributes_before.append((i, owner, fake, dict(fake.__dict__)))  # (lifted state: what the step sets
+                # on it is compared after)
             if isinstance(real, Sharded) and real.layout.mesh.runtime == "distributed":
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
@@ -1060,14 +1061,18 @@ class ShardedFunction:
         if refused:
             raise CaptureError([Problem(*entry) for entry in refused], headline="the function moves submodules "
                                "where a cached call cannot")
-        if set_on := _attributes_set(attributes_before, paths):
+        set_on = _attributes_set(attributes_before, paths)
+        if objects_set := [e for e in set_on if e[4] is not _UNSET and not lift._is_scalar(e[4])]:
             substitution.put_back()
-            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function, a Python attribute of a lifted tensor: "
-                                        "a traced program cannot repeat that (a cached call would leave it as it is, "
-                                        "where eager's calls set it every time)",
-                                        "keep the value in a module attribute or buffer (`self.seen += 1`, which hpfun "
-                                        "writes back), or set it outside the sharded function")
-                                for path, key, how in set_on], headline="the function sets attributes of lifted tensors")
+            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function to a {type(new).__name__}, a Python "
+                                        "attribute of a lifted tensor: a traced program cannot put it there (a cached "
+                                        "call would leave it as it is, where eager's calls set it every time)",
+                                        "keep it in a module attribute or buffer, which hpfun writes back, or return it")
+                                for path, _, key, how, new in objects_set], headline="the function sets attributes of "
+                                                                                     "lifted tensors")
+        # a number, string or flag the step sets on a lifted tensor (`p._seen = True`, `p.steps += 1`): set again by
+        # every call, as eager's are (the tensor's attributes key the program: a counter compiles again at each call)
+        traced.effects = (*traced.effects, *((None, _TensorAttribute(owner, key), new) for _, owner, key, _, new in set_on))
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
@@ -1420,7 +1425,7 @@ def _replay(effects: tuple, statics: dict) -> None:
             _set_flags(name, value)
         elif isinstance(name, torch.Tensor):  # a lifted tensor's requires_grad the function set
             name.requires_grad_(value)
-        elif type(name) is _SlotFlag:
+        elif type(name) in (_SlotFlag, _TensorAttribute):
             name.set(value)
         else:
             statics[key].set(name, value)
@@ -2682,18 +2687,31 @@ def _check_grad_shapes(call: _Call) -> None:
 
 
 def _attributes_set(before: list, paths: list) -> list:
-    """(path, attribute, how) of each Python attribute the function set, changed or deleted on
-    a lifted tensor's stand-in (`p.seen += 1`, `p.snap = p.detach().clone()`); torch's own hook
-    lists are checked apart."""
+    """(path, lifted tensor, attribute, how, new value or _UNSET) of each Python attribute the
+    function set, changed or deleted on a lifted tensor's stand-in (`p.seen += 1`, `p.snap =
+    p.detach().clone()`); torch's own hook lists are checked apart."""
     out = []
-    for i, fake, was in before:
+    for i, owner, fake, was in before:
         now = fake.__dict__
         for key in [k for k in now if k not in was] + [k for k in was if now.get(k, _UNSET) is not was[k]]:
             if key in ("_backward_hooks", "_post_accumulate_grad_hooks"):
                 continue
             how = "set" if key not in was else "deleted" if key not in now else f"changed from {_short(was[key])}"
-            out.append((paths[i], key, how))
+            out.append((paths[i], owner, key, how, now.get(key, _UNSET)))
     return out
+
+
+class _TensorAttribute:
+    """A Python attribute of a lifted tensor that every call sets (or deletes) as the trace did."""
+
+    def __init__(self, tensor: torch.Tensor, key: str):
+        self.tensor, self.key = tensor, key
+
+    def set(self, value) -> None:
+        if value is _UNSET:
+            self.tensor.__dict__.pop(self.key, None)
+        else:
+            setattr(self.tensor, self.key, value)
 
 
 _UNSET = object()
