@@ -1043,7 +1043,7 @@ class ShardedFunction:
         # new tensor written back at every call takes that flag, not the old parameter's
         stand_ins = set(map(id, fakes))
         flags += [(None, _SlotFlag(slot), value.requires_grad) for name, value in assigned.items()
-                  if isinstance(value, torch.Tensor) and id(value) not in stand_ins and value.is_leaf
+                  if isinstance(value, torch.nn.Parameter) and id(value) not in stand_ins
                   and (slot := call.state.slots.get(name)) is not None
                   and isinstance(old := slot.read(), torch.nn.Parameter) and old.requires_grad != value.requires_grad]
         traced.effects = (*traced.effects, *flags)
