@@ -1062,17 +1062,24 @@ class ShardedFunction:
             raise CaptureError([Problem(*entry) for entry in refused], headline="the function moves submodules "
                                "where a cached call cannot")
         set_on = _attributes_set(attributes_before, paths)
-        if objects_set := [e for e in set_on if e[4] is not _UNSET and not lift._is_scalar(e[4])]:
+        # a number, string or flag the step sets on a lifted tensor under a public name (`p.seen += 1`, `p.marked =
+        # True`): set again by every call, as eager's are (such attributes key the program: a counter compiles again
+        # at each call); a private one keys nothing (a library's bookkeeping), and a tensor cannot be put there
+        replayed = [e for e in set_on if not e[2].startswith("_") and (e[4] is _UNSET or lift._is_scalar(e[4]))]
+        if refused_attributes := [e for e in set_on if e not in replayed]:
             substitution.put_back()
-            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function to a {type(new).__name__}, a Python "
-                                        "attribute of a lifted tensor: a traced program cannot put it there (a cached "
-                                        "call would leave it as it is, where eager's calls set it every time)",
-                                        "keep it in a module attribute or buffer, which hpfun writes back, or return it")
-                                for path, _, key, how, new in objects_set], headline="the function sets attributes of "
-                                                                                     "lifted tensors")
-        # a number, string or flag the step sets on a lifted tensor (`p._seen = True`, `p.steps += 1`): set again by
-        # every call, as eager's are (the tensor's attributes key the program: a counter compiles again at each call)
-        traced.effects = (*traced.effects, *((None, _TensorAttribute(owner, key), new) for _, owner, key, _, new in set_on))
+            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function, a Python attribute of a lifted tensor "
+                                        + (f"holding a {type(new).__name__}: a traced program cannot put it there"
+                                           if new is not _UNSET and not lift._is_scalar(new) else
+                                           "under a private name, which does not key the program: a cached call would "
+                                           "run with the first call's value") + " (eager's calls set it every time)",
+                                        "keep it in a module attribute or buffer, which hpfun writes back" +
+                                        ("" if new is not _UNSET and not lift._is_scalar(new) else
+                                         ", or give the attribute a public name (no leading underscore), which keys "
+                                         "the program and which every call sets as eager's does"))
+                                for path, _, key, how, new in refused_attributes],
+                               headline="the function sets attributes of lifted tensors")
+        traced.effects = (*traced.effects, *((None, _TensorAttribute(owner, key), new) for _, owner, key, _, new in replayed))
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)

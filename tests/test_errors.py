@@ -1156,6 +1156,34 @@ def test_a_number_or_flag_the_step_sets_on_a_parameter_or_buffer_is_set_by_every
     torch.testing.assert_close(model.weight, ref.weight, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["_n", "_init"])
+def test_a_private_attribute_the_step_sets_on_a_parameter_is_refused(name):
+    """`p._n += 1`, or a first-call flag `p._init = True` read to skip a first update: private
+    attributes key nothing, so setting the traced value again at every call ran every call with
+    the first call's (the counter stayed 1; the flag froze training). Refused, saying to use a
+    public name, which keys the program."""
+    model = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def step(x):
+        model(x).square().mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if name == "_n":
+                    p._n = getattr(p, "_n", 0) + 1
+                    p.sub_(0.1 / p._n * p.grad)
+                elif getattr(p, "_init", False):
+                    p.sub_(0.1 * p.grad)
+                else:
+                    p._init = True
+                p.grad = None
+        return model.weight.sum()
+
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), torch.randn(8, 4, dtype=torch.float64),
+                     error=hpfun.CaptureError)
+    assert f"model.weight.{name}" in text and "under a private name" in text and "public name" in text, text
+    assert not hasattr(model.weight, name)
+
+
 def test_a_tensor_the_step_sets_as_an_attribute_of_a_parameter_is_refused():
     """`p.snap = p.detach().clone()`: left on the stand-in, the caller's parameter kept its old
     snapshot (0.47 off); a program cannot put a tensor there at every call. Refused, naming it;
