@@ -244,6 +244,9 @@ class _Walk:
             base = self.current(of, n)
             _check_addresses(target, of, base)
             op, args = back(base, value, *rest)
+            if op is aten.view.default and not args[0].meta["val"].is_contiguous():  # (the inverse of a view is a
+                args = (self._add(n, aten.clone.default, (args[0],),  # reshape in the elements' logical order)
+                                  {"memory_format": torch.contiguous_format}, args[0].meta), *args[1:])
             value = self._add(n, op, args, {}, base.meta) if op is not None else args[0]
             v = of
         root_value = self.current(r, n)

@@ -437,3 +437,18 @@ def test_a_write_through_a_transpose_leaves_its_base_laid_out_as_eagers(traces, 
 
     _check(f, torch.randn(6, 4, dtype=torch.float64))
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("of", ["a clone", "the argument"])
+def test_a_write_through_a_permute_of_an_unflattened_view_reaches_its_base(traces, of):
+    """`y.unflatten(0, (2, 3)).permute(3, 0, 2, 1).scatter_(...)`: scattered back through the
+    permute, the value was laid out permuted, and the view back to y's shape failed ("Cannot view
+    a tensor with shape [2, 3, 4, 5]"; in the second trace too). The inverse of a view is a
+    reshape in the elements' logical order: a copy where the value is not contiguous."""
+    def f(x):
+        y = x if of == "the argument" else x.clone()
+        y.unflatten(0, (2, 3)).permute(3, 0, 2, 1).scatter_(0, torch.zeros(1, 2, 4, 3, dtype=torch.long), 2.0)
+        return y * 1
+
+    _check(f, torch.randn(6, 4, 5, dtype=torch.float64), specs=(P(),))
+    assert len(traces) == 1
