@@ -3279,6 +3279,9 @@ class Substitution:
         found it, for `restore` to put the parameters back, and named."""
         problems = []
         for prefix, g, group, params, items in self._param_lists:
+            now = group.get("params")
+            if type(now) is list and now is not params and len(now) == len(items) and all(map(operator.is_, now, items)):
+                group["params"] = params  # (`g["params"] = list(g["params"])`: the same parameters, in the list it held)
             if group.get("params") is params and len(params) == len(items) and all(map(operator.is_, params, items)):
                 continue
             group["params"] = params

@@ -6776,6 +6776,32 @@ def test_a_parameter_the_step_replaces_keeps_the_requires_grad_the_step_gave_it(
         assert max_diff(model, ref) < 1e-12
 
 
+def test_an_optimizers_parameter_list_copied_by_the_step_runs_as_eager():
+    """`g["params"] = list(g["params"])`: the same parameters in a new list, which changes nothing
+    eager computes; it was refused as an edit of the list."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x):
+            opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return model, opt, step
+
+    (model, opt, step), (ref, _, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("edit", ["swap between groups", "pop", "append", "rebind"])
 def test_an_optimizers_parameter_lists_edited_by_the_step_are_refused_and_left_as_they_were(edit):
     """A parameter moved to another group inside the step was put back by position, silently
