@@ -1068,17 +1068,18 @@ class ShardedFunction:
         replayed = [e for e in set_on if not e[2].startswith("_") and (e[4] is _UNSET or lift._is_scalar(e[4]))]
         if refused_attributes := [e for e in set_on if e not in replayed]:
             substitution.put_back()
-            raise CaptureError([Problem(f"{path}.{key}", f"{how} by the function, a Python attribute of a lifted tensor "
-                                        + (f"holding a {type(new).__name__}: a traced program cannot put it there"
-                                           if new is not _UNSET and not lift._is_scalar(new) else
-                                           "under a private name, which does not key the program: a cached call would "
-                                           "run with the first call's value") + " (eager's calls set it every time)",
-                                        "keep it in a module attribute or buffer, which hpfun writes back" +
-                                        ("" if new is not _UNSET and not lift._is_scalar(new) else
-                                         ", or give the attribute a public name (no leading underscore), which keys "
-                                         "the program and which every call sets as eager's does"))
-                                for path, _, key, how, new in refused_attributes],
-                               headline="the function sets attributes of lifted tensors")
+            problems = []
+            for path, _, key, how, new in refused_attributes:
+                private = new is _UNSET or lift._is_scalar(new)  # (else an object: a tensor, a list of them)
+                problems.append(Problem(
+                    f"{path}.{key}", f"{how} by the function, a Python attribute of a lifted tensor " +
+                    ("under a private name, which does not key the program: a cached call would run with the first "
+                     "call's value" if private else f"holding a {type(new).__name__}: a traced program cannot put it "
+                     "there") + " (eager's calls set it every time)",
+                    "keep it in a module attribute or buffer, which hpfun writes back" +
+                    (", or give the attribute a public name (no leading underscore), which keys the program and which "
+                     "every call sets as eager's does" if private else "")))
+            raise CaptureError(problems, headline="the function sets attributes of lifted tensors")
         traced.effects = (*traced.effects, *((None, _TensorAttribute(owner, key), new) for _, owner, key, _, new in replayed))
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:

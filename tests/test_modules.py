@@ -6786,11 +6786,7 @@ def test_an_optimizers_parameter_list_copied_by_the_step_runs_as_eager():
 
         def step(x):
             opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
+            return _squared_loss_step(model, opt, x)
         return model, opt, step
 
     (model, opt, step), (ref, _, eager) = make(), make()
@@ -6825,11 +6821,7 @@ def test_an_optimizers_parameter_lists_edited_by_the_step_are_refused_and_left_a
                     g0.append(g1[0])
                 else:
                     opt.param_groups[0]["params"] = [g0[1], g0[0]]
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
+            return _squared_loss_step(model, opt, x)
         return model, opt, step
 
     (model, opt, step), (ref, _, eager) = make(), make()
