@@ -1006,7 +1006,9 @@ class ShardedFunction:
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
         # (a scheduler's counters: a change is an error; read before the substitution keys dicts and
         # sets by stand-ins, so that a refused trace sets them back keyed by the tensors)
-        objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots))
+        objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots),
+                                    [g for root in call.state.roots if isinstance(root.value, torch.optim.Optimizer)
+                                     for g in root.value.param_groups])
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
         given = _argument_containers(args, kwonly)  # (what the function puts in them is put in the caller's)
         stored_over: list = []  # (module-held values the function replaced by tensors: `_undo_effects`)

@@ -1794,6 +1794,9 @@ def statics(roots, known: dict | None = None) -> dict:
                     for i, x in _group_tensors(key, v):
                         if (sign := _tensor_sign(x)) is not None:
                             out[_join(root.name, f"param_groups.{g}.{key}{'' if i is None else f'.{i}'}.sign")] = sign
+            for key, v in root.value.defaults.items():  # what a step reads from its defaults (timm's Lamb reads
+                if key != "params" and _is_plain_data(v):  # `self.defaults["max_grad_norm"]` at every step)
+                    out[_join(root.name, f"defaults.{key}")] = _hashable(v)
             out.update(_state_numbers(root.name, root.value, known))
     if keyed := [root for root in roots if isinstance(root.value, _Keyed)]:
         # which keys of a dict or set keyed by tensors are the tensors lifted now: a parameter replaced
@@ -4303,10 +4306,13 @@ class ObjectValues:
     leaves no side effect. A change of a private attribute alone is not an error: it is
     bookkeeping a call may fill (a logger's `_cache` of enabled levels)."""
 
-    def __init__(self, opaque, sets=()):
+    def __init__(self, opaque, sets=(), groups=()):
         self.held = []  # (name, object, attribute, the value held, a copy of it)
         self.objects = []  # (name, object, its attributes, {attribute: (dict or list, a copy)})
         self.sets = [(s, list(s)) for s in sets]  # (a set the function reaches, its members)
+        # (an optimizer's param groups, as they were: a counter a refused step incremented in one, timm's Adan
+        # `group["step"] += 1`, is set back with them, or stepping the optimizer outside after the error counts twice)
+        self.groups = [(g, dict(g)) for g in groups]
         for name, obj in opaque:
             if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))
@@ -4367,14 +4373,14 @@ class ObjectValues:
             if obj is None:
                 (container, was), = containers.values()
                 _refill(container, was)
-        for container, was in self.sets:
+        for container, was in [*self.sets, *self.groups]:
             _refill(container, was)
 
     def undo(self) -> None:
         """Set every object back as it was before a trace that raised: its attributes (added ones
         removed), the contents of its dicts and lists (a GradScaler's per-optimizer state), and
         the plain containers: the eager code after the error finds no stand-in in them."""
-        for container, was in self.sets:
+        for container, was in [*self.sets, *self.groups]:
             _refill(container, was)
         for _, obj, before, containers in self.objects:
             for container, was in containers.values():

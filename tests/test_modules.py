@@ -1362,6 +1362,24 @@ class CountingSGD(_HandSGD):
         p.add_(p.grad, alpha=-lr / state["step"])
 
 
+class GroupCountingSGD(_HandSGD):
+    """Keeps its step count as a Python int in each param group (timm's Adan, Lookahead)."""
+
+    def begin(self):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+
+    def update(self, p, lr):
+        p.add_(p.grad, alpha=-lr)
+
+
+class DefaultsSGD(_HandSGD):
+    """Reads a hyperparameter from its defaults at every step (timm's Lamb: `max_grad_norm`)."""
+
+    def update(self, p, lr):
+        p.add_(p.grad, alpha=-lr * self.defaults["scale"])
+
+
 class SharedCountSGD(_HandSGD):
     """An optimizer keeping a tensor in its state under a key of its own, not a parameter's
     (pytorch_optimizer's MADGRAD: `self.state["k"]`), made at its first step."""
@@ -2479,6 +2497,40 @@ def test_optimizer_state_that_cannot_be_lifted():
         twin_opt.zero_grad()
     assert max_diff(model, twin) < 1e-12
     assert forward_backward.trace_count == 1
+
+
+def test_a_refused_step_leaves_the_counters_in_param_groups_as_they_were():
+    """A Python counter an optimizer increments in its param group makes the call refused, and
+    the refused call leaves the group as it was (it left the count one ahead: stepping the
+    optimizer outside afterwards, as the error says, trained with another step count), with no
+    key it added (`group.setdefault("k", 0)`)."""
+    model = mlp()
+    opt = GroupCountingSGD(model.parameters())
+    step = stock_step(model, opt, DP)
+    step(*batch(0))  # (the first step adds the count: a new value, which the second reads as a constant)
+    assert opt.param_groups[0]["step"] == 1
+    text = _error(step, *batch(1), error=hpfun.CaptureError)
+    assert "opt.param_groups.0.step: changed from 1 to 2" in text, text
+    assert opt.param_groups[0]["step"] == 1 and set(opt.param_groups[0]) == {"params", "lr", "step"}
+
+
+def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
+    """A step that reads `self.defaults[...]` bakes it in: changed between calls, the step is
+    traced again (the first program ran, silently)."""
+    model, twin = mlp(), mlp()
+    opt, twin_opt = DefaultsSGD(model.parameters()), DefaultsSGD(twin.parameters())
+    for o in (opt, twin_opt):
+        o.defaults["scale"] = 1.0
+    step = stock_step(model, opt, DP)
+    for i, scale in enumerate([1.0, 1.0, 3.0]):
+        opt.defaults["scale"] = twin_opt.defaults["scale"] = scale
+        step(*batch(i))
+        x, y = batch(i)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+        assert max_diff(model, twin) < 1e-12, i
+    assert step.trace_count == 2
 
 
 class FlaggedSGD(torch.optim.Optimizer):
