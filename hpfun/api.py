@@ -2178,7 +2178,9 @@ def execute(program: Program, tensors: list, compile: bool = False, released: li
     donated argument's `Sharded` value (`spent`: (input, path) pairs) gives up its shards."""
 
     def blocks(coords, device):
-        out = [rank_block(x, lay, coords, device) for x, lay in zip(tensors, program.input_layouts, strict=True)]
+        orders = program.input_orders or (None,) * len(tensors)
+        out = [rank_block(x, lay, coords, device, order)
+               for x, lay, order in zip(tensors, program.input_layouts, orders, strict=True)]
         if released is not None:
             _donate(program, tensors, out, released, spent)
         return out

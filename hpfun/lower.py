@@ -72,6 +72,19 @@ class Program:
     donated: tuple = ()  # inputs whose buffers a call hands over, freed after their last use (donate_state)
     seed: int | None = None  # the function's own torch.manual_seed(s): every call draws from s, and seeds torch with it
     device: torch.device = torch.device("cpu")  # where its values live: the runtime puts `coords` and `seed` there
+    # per input, None, or the order of its dims in memory (outermost first) where it was traced on a stand-in
+    # that is not contiguous (a transposed argument): each rank's block is laid out in that order, as some ops
+    # decide by their input's strides (`det` factors A or A.T, and its backward was traced for one of them)
+    input_orders: tuple = ()
+
+
+def memory_order(x) -> tuple | None:
+    """The order of a tensor's dims in memory, outermost first (`torch.empty_permuted`'s), where
+    it is not contiguous; None where it is (or has no strides)."""
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_contiguous():
+        return None
+    strides = x.stride()
+    return tuple(sorted(range(x.dim()), key=lambda d: (-strides[d], d)))
 
 
 _NAMES: dict = {}  # op -> the name fx gives its nodes (numbered apart by the graph)
@@ -515,6 +528,7 @@ def _finish(ctx: LowerContext, gm, node, inputs, output_layouts, names, local, b
         module=module,
         input_layouts=tuple(n.meta["hpfun_layout"] for n in inputs),
         input_shapes=tuple(tuple(n.meta["val"].shape) for n in inputs),
+        input_orders=tuple(memory_order(n.meta["val"]) for n in inputs),
         output_layouts=tuple(layouts),
         output_shapes=tuple(tuple(v.shape) for v in vals),
         output_dtypes=tuple(v.dtype for v in vals),

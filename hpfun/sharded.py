@@ -282,11 +282,12 @@ def local_block(tensor: torch.Tensor, layout: Layout, coords, partial_zeros: boo
     return block
 
 
-def rank_block(x, layout: Layout, coords, device=None) -> torch.Tensor:
+def rank_block(x, layout: Layout, coords, device=None, order: tuple | None = None) -> torch.Tensor:
     """The input of the rank at mesh `coords`: its shard of a Sharded value, or its block of a
     global tensor laid out by `layout`; made contiguous, as programs are traced on contiguous
     stand-ins (a kernel such as group norm requires it, and a view's sizes are only valid for
-    the strides it was traced with)."""
+    the strides it was traced with), or laid out in the dim `order` of the stand-in it was
+    traced on where that was not contiguous (a transposed argument: `Program.input_orders`)."""
     if type(x) is Sharded or isinstance(x, Sharded):
         block = x.shards[layout.mesh.rank(coords)] if layout.mesh.runtime == "simulated" else x.shards[0]
     else:
@@ -295,6 +296,9 @@ def rank_block(x, layout: Layout, coords, device=None) -> torch.Tensor:
         block = block.to(device)
     if block.requires_grad:
         block = block.detach()
+    if order is not None and len(order) == block.dim():
+        laid = torch.empty_permuted(block.shape, order, dtype=block.dtype, device=block.device)
+        return laid.copy_(block)
     return block.contiguous()
 
 

@@ -121,6 +121,35 @@ def test_a_write_into_a_copy_of_a_transposed_argument_leaves_it_as_eager_does(co
     assert step.trace_count == 2
 
 
+@pytest.mark.parametrize("op", ["det", "slogdet"])
+def test_a_column_major_parameters_det_gradient_is_eagers(op):
+    """`det` factors A or A.T by whether A is contiguous, and its backward solves with the
+    factors as they were traced: a column-major parameter (the Q of a QR, Glow's invertible 1x1
+    convolution) was traced column-major but fed to the program contiguous, and its gradient
+    came back transposed. Each rank's block is now laid out in the order it was traced in."""
+    base = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    loss_of = (lambda w: torch.det(w)) if op == "det" else (lambda w: torch.linalg.slogdet(w).logabsdet)
+
+    def make(w):
+        opt = torch.optim.SGD([w], lr=0.1)
+
+        def step(x):
+            loss = loss_of(w) + (x @ w).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    mine, theirs = (torch.nn.Parameter(base.T.contiguous().T.clone()) for _ in range(2))
+    assert mine.stride() == (1, 3)
+    sharded, eager = hpfun.shard(make(mine), mesh=MESH, in_specs=(P("a"),), out_specs=P()), make(theirs)
+    for i in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        assert torch.allclose(sharded(x).full(), eager(x), rtol=0, atol=1e-12)
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-12), i
+
+
 def test_gathered_bool_stays_bool():
     """Looking up a split bool tensor gives bool, usable as a mask."""
     m = torch.tensor([True, False, True, True, False, False, True, False])
