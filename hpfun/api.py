@@ -16,6 +16,7 @@ import operator
 import re
 import sys
 import types
+import weakref
 import warnings
 
 import attrs
@@ -1067,7 +1068,13 @@ class ShardedFunction:
         # a number, string or flag the step sets on a lifted tensor under a public name (`p.seen += 1`, `p.marked =
         # True`): set again by every call, as eager's are (such attributes key the program: a counter compiles again
         # at each call); a private one keys nothing (a library's bookkeeping), and a tensor cannot be put there
-        replayed = [e for e in set_on if not e[2].startswith("_") and (e[4] is _UNSET or lift._is_scalar(e[4]))]
+        # a weak reference to a lifted tensor (pyro's PyroParam tags its value with `unconstrained = weakref.ref(p)`):
+        # every call sets one to the tensor the stand-in stood for
+        owners = {id(fake): owner for _, owner, fake, _ in attributes_before}
+        set_on = [(*e[:4], _WeakTo(owners[id(e[4]())])) if type(e[4]) is weakref.ref and id(e[4]()) in owners else e
+                  for e in set_on]
+        replayed = [e for e in set_on if not e[2].startswith("_") and (e[4] is _UNSET or lift._is_scalar(e[4])
+                                                                       or type(e[4]) is _WeakTo)]
         if refused_attributes := [e for e in set_on if e not in replayed]:
             substitution.put_back()
             problems = []
@@ -2723,7 +2730,15 @@ class _TensorAttribute:
         if value is _UNSET:
             self.tensor.__dict__.pop(self.key, None)
         else:
-            setattr(self.tensor, self.key, value)
+            setattr(self.tensor, self.key, weakref.ref(value.tensor) if type(value) is _WeakTo else value)
+
+
+@attrs.frozen(eq=False)
+class _WeakTo:
+    """The value of a tensor attribute the function set to a weak reference to a lifted tensor:
+    each call sets a new weak reference to it."""
+
+    tensor: torch.Tensor
 
 
 _UNSET = object()

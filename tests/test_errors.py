@@ -4,11 +4,13 @@ import random
 import sys
 import time
 import types
+import weakref
 
 import numpy as np
 import math
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -1182,6 +1184,44 @@ def test_a_private_attribute_the_step_sets_on_a_parameter_is_refused(name):
                      error=hpfun.CaptureError)
     assert f"model.weight.{name}" in text and "under a private name" in text and "public name" in text, text
     assert not hasattr(model.weight, name)
+
+
+class _WeaklyTagged(torch.nn.Module):
+    """Tags its parameter with a weak reference to itself at every read, as pyro's PyroParam tags
+    a constrained value with its unconstrained parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4, dtype=torch.float64))
+
+    def forward(self, x):
+        self.w.unconstrained = weakref.ref(self.w)
+        return (x * self.w.unconstrained()).sum()
+
+
+def test_a_weak_reference_to_a_lifted_tensor_set_on_it_is_set_by_every_call():
+    """`p.unconstrained = weakref.ref(p)` (pyro's PyroParam): refused as an object a program
+    cannot put there; each call now sets a weak reference to the parameter itself, as eager's."""
+    model, ref = _WeaklyTagged(), _WeaklyTagged()
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(x):
+            loss = m(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    f, eager = hpfun.shard(make(model), mesh=MESH, in_specs=P("dp"), out_specs=P()), make(ref)
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        assert model.w.unconstrained() is model.w
+    torch.testing.assert_close(model.w, ref.w, rtol=1e-12, atol=1e-12)
+    assert f.trace_count == 1
 
 
 def test_a_tensor_the_step_sets_as_an_attribute_of_a_parameter_is_refused():
