@@ -1004,6 +1004,9 @@ class ShardedFunction:
                 swap[id(real.shards[0])] = fake  # a block a distributed call left stands for the module's tensor
         grads = {id(call.state.slots[slot.follows].read()): lifted[name] for name, slot in call.state.slots.items()
                  if name in lifted and name.endswith(".grad") and slot.follows in call.state.slots}
+        for name, _, _, held in call.state.aliases:  # a gradient that is a tensor lifted at another place (`p.grad =
+            if name.endswith(".grad") and name[:-5] in call.state.slots and held in swap:  # buf` at an earlier call)
+                grads[id(call.state.slots[name[:-5]].read())] = swap[held]
         scalars = {name: lifted[name] for name, slot in call.state.slots.items() if slot.scalar and name in lifted}
         # (a scheduler's counters: a change is an error; read before the substitution keys dicts and
         # sets by stand-ins, so that a refused trace sets them back keyed by the tensors)
@@ -1527,7 +1530,7 @@ class _Traced:
         for name, value in assigned.items():
             before = stand_ins.get(name)
             if (value is before and name not in aliases and name not in shared) or (
-                    name not in stand_ins and id(value) in stand_in_ids and (
+                    name not in stand_ins and id(value) in stand_in_ids and not name.endswith(".grad") and (
                     name not in new_state or name in shared and value is stand_ins.get(shared[name], _NOT_HELD))):
                 continue  # untouched (in-place updates come back through functionalization; a key of an optimizer's
                 # state holding the tensor it held: `st["keep"]` still `st["m"]`, not re-pointed to `st["v"]`)

@@ -1717,8 +1717,8 @@ def collect(roots: list[Root], opaque=(), snapshot: Snapshot | None = None) -> S
     def add(name, read, write, **kw) -> bool:
         v = read()
         if v is not None and id(v) in names:
-            if write is not None and names[id(v)] != name and not kw.get("follows"):
-                aliases.append((name, read, write, id(v)))
+            if write is not None and names[id(v)] != name and (not kw.get("follows") or name.endswith(".grad")):
+                aliases.append((name, read, write, id(v)))  # (a gradient that is a tensor lifted already: `p.grad = buf`)
             elif write is not None and names[id(v)] != name:  # (optimizer state under a second key: one
                 shared.append((name, names[id(v)]))  # tensor, written back as one; which keys keys the program)
                 shared_writes.append((name, write))

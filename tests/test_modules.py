@@ -418,6 +418,22 @@ def test_a_function_compiled_by_another_name_inside_the_step_is_traced_as_its_co
     assert torch.equal(torch.compile(_shifted, fullgraph=True, backend="eager")(y), _shifted(y))
 
 
+def _tripled(a):
+    return a * 3 + 2
+
+
+def test_a_function_compiled_with_fullgraph_before_the_call_runs_as_its_code_and_compiles_after():
+    """A helper compiled with fullgraph=True at import, called inside the step: refused with
+    Dynamo's 'found no compiled frames', and its code kept as one not to compile, so a fresh
+    eager compile of it failed the same way after. Traced as its code; eager compiles it after."""
+    helper = torch.compile(_tripled, fullgraph=True, dynamic=False, backend="eager")
+    x = torch.arange(4.0, dtype=torch.float64)
+    f = hpfun.shard(lambda a: helper(a) + 1, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    assert torch.equal(f(x).full(), _tripled(x) + 1)
+    y = torch.ones(3, dtype=torch.float64)
+    assert torch.equal(torch.compile(_tripled, fullgraph=True, dynamic=False, backend="eager")(y), _tripled(y))
+
+
 def _parametrized(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).double()
@@ -2531,6 +2547,31 @@ def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
         twin_opt.zero_grad()
         assert max_diff(model, twin) < 1e-12, i
     assert step.trace_count == 2
+
+
+def test_a_gradient_set_to_a_tensor_held_as_state_is_that_tensor():
+    """`w.grad = buf` where `buf` is lifted state (an optimizer keeping a smoothed gradient and
+    handing it back as the gradient): the place was taken for one the step left alone, and the
+    gradient came back None, so the next backward made a new one instead of adding into `buf`
+    (3.0 against eager's 0.6 at the third call)."""
+    def make():
+        w, held = torch.nn.Parameter(torch.ones(4, dtype=torch.float64)), {"buf": torch.zeros(4, dtype=torch.float64)}
+
+        def step(x):
+            (w * x).sum().backward()
+            w.grad = held["buf"]
+            with torch.no_grad():
+                w.sub_(w.grad * 0.1)
+            return w.sum()
+        return w, held, step
+
+    (w, held, step), (w_ref, held_ref, eager) = make(), make()
+    f = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(3):
+        x = torch.arange(4, dtype=torch.float64) + i
+        assert torch.equal(f(x).full(), eager(x)), i
+        assert w.grad is held["buf"] and torch.equal(held["buf"], held_ref["buf"]), i
+    assert torch.equal(w, w_ref)
 
 
 class FlaggedSGD(torch.optim.Optimizer):
