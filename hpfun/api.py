@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from hpfun import auto, fsdp, fuse, lift, log, verify, writeback
-from hpfun.capture import (ON_META, TracingWarning, UnliftedTensor, clear_memoized, same_value, stands_at, trace,
+from hpfun.capture import (ON_META, TracingWarning, UnliftedTensor, clear_memoized, data_rebinds, same_value, stands_at, trace,
                            tracing, unguarded_draws, user_line)
 from hpfun.capture import _at_user_line as capture_at_user_line
 from hpfun.collectives import REDUCE_DTYPES
@@ -1020,7 +1020,7 @@ class ShardedFunction:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
                     _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm(), \
-                    _parameters_set_to_themselves(substitution.stands_for_parameter):
+                    _parameters_set_to_themselves(substitution.stands_for_parameter), data_rebinds():
                 out = self.fn(*args, **kwonly)
             traced.argument_edits(given)
             assigned, new_state = substitution.assigned()

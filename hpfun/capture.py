@@ -1510,8 +1510,41 @@ def _set_data(target, value) -> None:
         raise CaptureError(f"`.data` of a tensor is set to {what}{_at_user_line()}: a lifted tensor keeps its shape "
                            "and dtype inside a sharded function; assign a new tensor to its place instead "
                            "(module.weight = torch.nn.Parameter(...)) outside it")
+    rebinds = _REBINDS[-1] if _REBINDS else None
+    mode = proxy_tensor.get_proxy_mode()
+    if rebinds is None or mode is None or value is target or not isinstance(value, FakeTensor) \
+            or value.device != target.device or value.layout != target.layout:
+        with torch.no_grad():
+            target.copy_(value)
+        return
+    # eager's `p.data = v` makes p share v's storage, and leaves p's old storage to what else holds it (a backup
+    # taken with `b = p.data` before): p is traced as v from here on (its writes reach v, as eager's do), and
+    # its lifted tensor takes p's last value at the end of the function (`data_rebinds`)
+    if not any(t is target for t, _ in rebinds):
+        with torch.no_grad():
+            rebinds.append((target, target.detach()))  # (an alias of the lifted tensor's own storage, traced)
+    proxy = proxy_tensor.get_proxy_slot(value, mode.tracer)
     with torch.no_grad():
-        target.copy_(value)
+        _DATA.__set__(target, value)
+    mode.tracer.tensor_tracker[target] = proxy
+
+
+_REBINDS: list = []  # per trace being run: [(a tensor whose `.data` was set, an alias of its storage before)]
+
+
+@contextlib.contextmanager
+def data_rebinds():
+    """While the function runs in a trace: each tensor given another's storage by `p.data = v`
+    (an EMA's weights swapped in, a backup restored) takes, when the function returns, its last
+    value into its own storage: the lifted tensor keeps its identity and is written back."""
+    _REBINDS.append([])
+    try:
+        yield
+        with torch.no_grad():
+            for target, own in _REBINDS[-1]:
+                own.copy_(target)
+    finally:
+        _REBINDS.pop()
 
 
 def _as_strided(as_strided, x, size, stride, storage_offset=None):

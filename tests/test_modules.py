@@ -3638,6 +3638,48 @@ def test_setting_data_of_a_parameter_is_written_back():
         hpfun.shard(reshaped, mesh=DP, in_specs=(P("dp"),), out_specs=P())(batch(0)[0])
 
 
+def test_setting_data_shares_storage_as_eager_does():
+    """`p.data = v` makes p share v's storage and leaves p's old storage to a backup taken
+    before (`b = p.data`): it was traced as a copy into p's storage, so an evaluation that swaps
+    EMA weights in and restores the backup left the model holding the EMA's weights (0.24 off),
+    and SAM's `p.data = state["old_p"]` left the state unmoved by the step that follows (1.6e-2
+    off). Both equal eager now, over calls."""
+    def make():
+        torch.manual_seed(0)
+        model, ema = mlp(), mlp()
+        with torch.no_grad():
+            for e in ema.parameters():
+                e.mul_(0.5)
+        opt, held = torch.optim.SGD(model.parameters(), lr=0.5), {}
+
+        def step(x, y):
+            backup = [p.data for p in model.parameters()]
+            for p, e in zip(model.parameters(), ema.parameters()):
+                p.data = e.data
+            ema_loss = F.cross_entropy(model(x), y)
+            for p, b in zip(model.parameters(), backup):
+                p.data = b
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            for p in model.parameters():  # (SAM's return to the weights it kept: the step moves the kept ones too)
+                held.setdefault(p, p.detach().clone())
+                p.data = held[p]
+            opt.step()
+            opt.zero_grad()
+            return ema_loss, loss
+        return model, ema, held, step
+
+    (model, ema, held, step), (ref, ref_ema, ref_held, eager) = make(), make()
+    sharded = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=(P(), P()))
+    for i in range(3):
+        x, y = batch(i)
+        for got, want in zip(sharded(x, y), eager(x, y)):
+            torch.testing.assert_close(got.full(), want, rtol=0, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12 and max_diff(ema, ref_ema) < 1e-12, i
+        assert all(torch.allclose(held[p], ref_held[q], rtol=0, atol=1e-12)
+                   for p, q in zip(model.parameters(), ref.parameters())), i
+
+
 def _halve_grad(p) -> None:
     p.grad.mul_(0.5)
 
