@@ -1098,7 +1098,10 @@ class ShardedFunction:
             statics_after = lift.statics(call.state.roots)
         changed = [k for k, v in statics_after.items() if not _same_static(call.state.statics.get(k, v), v)
                    and k not in substitution.set_aside and type(v) is not lift.ModuleValues
-                   and k not in {key for key, _, _ in traced.effects}]
+                   and k not in {key for key, _, _ in traced.effects}
+                   # (a module-held object's number the function reads by name too, `self.stats.calls += 1`: set by
+                   # every call as the module's values are)
+                   and k not in {name for key, name, _ in traced.effects if type(name) is str}]
         moved = objects.changed()
         if moved:
             objects.restore()

@@ -7040,6 +7040,39 @@ def test_values_inside_a_dict_subclass_config_or_an_array_a_module_holds_key_the
     assert f.trace_count == 2
 
 
+@dataclasses.dataclass
+class _CallStats:
+    calls: int = 0
+
+
+class _CountingForward(torch.nn.Module):
+    """Counts its calls in an object it holds (a dataclass of statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.stats = _CallStats()
+
+    def forward(self, x):
+        self.stats.calls += 1
+        return self.lin(x) * self.stats.calls
+
+
+def test_a_counter_in_an_object_a_module_holds_that_its_forward_bumps_counts_as_eager():
+    """`self.stats.calls += 1` in a forward, the module sharded itself: refused as a change of
+    Python state, where the same counter held by the module directly counts as eager's. Set by
+    every call as the module's own numbers are (a counter compiles at each call)."""
+    model, ref = _CountingForward(), _CountingForward()
+    ref.load_state_dict(model.state_dict())
+    f = hpfun.shard(model, mesh=DP, in_specs=P("dp"), out_specs=P("dp"))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hpfun.RetraceWarning)
+        for i in range(3):
+            torch.testing.assert_close(f(x).full(), ref(x), rtol=1e-12, atol=1e-12)
+            assert model.stats.calls == ref.stats.calls == i + 1
+
+
 def test_a_counter_inside_a_dict_subclass_config_the_step_bumps_counts_as_eager():
     """`m.cfg.sub.n += 1` inside the step: only the trace bumped it (1 where eager counts 3)."""
     model = torch.nn.Linear(4, 4, dtype=torch.float64)
