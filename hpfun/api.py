@@ -2375,9 +2375,11 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                     "into it", "pass a tensor that owns its elements (`x.clone()` or "
                                     "`x.contiguous()`)"))
             continue
+        if _no_elements(x):  # (an empty tensor shares no element with any: its storage's address is 0)
+            continue
         storage = _storage(x)
         for j, y in tensors:
-            if j != i and _storage(y) == storage:
+            if j != i and not _no_elements(y) and _storage(y) == storage:
                 paths = paths or call.paths()
                 problems.append(Problem(f"{paths[i]} and {paths[j]}", f"share memory, and the function writes "
                                         f"{paths[i]} in place: the program reads each input as it was at the call, so "
@@ -2385,6 +2387,10 @@ def _check_unaliased(call: _Call, entry, arguments: int) -> None:
                                         "pass tensors that do not share memory (`x.clone()` for one of them)"))
     if problems:
         raise SpecError(problems, headline="an argument written in place shares memory")
+
+
+def _no_elements(x) -> bool:
+    return math.prod(x.global_shape if type(x) is Sharded else x.shape) == 0
 
 
 def _storage(x) -> int:

@@ -332,13 +332,25 @@ def _with_flat_index(op):
     index it is (the kernel takes it so: `index_select`'s backward by a 0-d index, what
     `mask.nonzero().squeeze()` gives for one hit; the decomposition wrote an index_put that fails)."""
     def run(x, dim, index, source, *args, **kwargs):
+        if x.dtype == torch.bool and "alpha" in kwargs:  # (the kernel casts alpha to bool: the decomposition's
+            kwargs = {**kwargs, "alpha": bool(kwargs["alpha"])}  # `source * 3` made a long source index_put refused)
         return _core_decomposition(op)(x, dim, index.reshape(1) if index.ndim == 0 else index, source, *args, **kwargs)
 
     return run
 
 
+def _nan_to_num(x, nan=None, posinf=None, neginf=None):
+    """nan_to_num; of a complex tensor, of its real and imaginary parts apart, as the kernel does
+    (torch's decomposition asks isneginf of the complex tensor, which refuses it)."""
+    if x.is_complex():
+        parts = torch.view_as_real(x.resolve_conj())
+        return torch.view_as_complex(aten.nan_to_num.default(parts, nan, posinf, neginf).contiguous())
+    return _core_decomposition(aten.nan_to_num.default)(x, nan, posinf, neginf)
+
+
 _OWN = {
     aten._efficientzerotensor.default: _efficient_zeros,
+    aten.nan_to_num.default: _nan_to_num,
     aten.index_add.default: _with_flat_index(aten.index_add.default),
     aten.index_add_.default: _with_flat_index(aten.index_add_.default),
     aten.index_copy.default: _with_flat_index(aten.index_copy.default),

@@ -172,6 +172,8 @@ def _unstack_slices(graph: torch.fx.Graph) -> bool:
         if d >= len(dst) or src[:d] + (src[d] * src[d + 1],) + src[d + 2:] != dst:
             continue
         n, m = src[d], src[d + 1]
+        if n * m == 0:  # (no rows to cut: an empty tensor)
+            continue
         picks = [_rows(u, d, n, m) for u in node.users]
         if any(p is None for p in picks):
             continue

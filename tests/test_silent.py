@@ -1933,3 +1933,50 @@ def test_a_global_a_special_method_reads_keys_the_program():
 
     fns = [lambda x: x * table[2], lambda x: x * _Table()[2], lambda x: x * table, entered]
     _retraced_when_the_global_changes(fns)
+
+
+def _empty_cut(v):
+    w = v.flatten(0, 1)
+    return torch.cat([w, w.narrow(1, 0, 0) * 2], 1)
+
+
+def _empty_gather(x, y):
+    return x.reshape(-1).gather(0, torch.argsort(y, 0))
+
+
+def _written_empty(x, y):
+    x.mul_(2)
+    return x + y
+
+
+def _bool_index_add(v):
+    return v.index_add(1, torch.arange(4) // 2, v, alpha=3)
+
+
+def _complex_nan_to_num(x):
+    return torch.nan_to_num(torch.complex(x, x * 2), nan=1.0, posinf=2.0, neginf=-2.0)
+
+
+_EDGE_CASES = {  # name: (function, inputs, in_specs, mesh)
+    "empty_rows_cut": (_empty_cut, (torch.randn(5, 1, 0),), (P(),), MESH2),
+    "empty_index_of_another_rank": (_empty_gather, (torch.zeros(0, 0), torch.zeros(0, 0)), (P("a", "b"), P("a", "b")), MESH2),
+    "empty_arguments_written": (_written_empty, (torch.zeros(0, 4), torch.zeros(0, 4)), (P(), P()), MESH),
+    "bool_index_add_alpha": (_bool_index_add, (torch.tensor([[True, False, False, False], [False, False, True, False]]),),
+                             (P("a"),), MESH),
+    "complex_nan_to_num": (_complex_nan_to_num, (torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]),),
+                           (P("a"),), MESH),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EDGE_CASES))
+def test_edge_cases_a_generator_found_equal_eager(name):
+    """Valid programs that were refused or crashed: an empty tensor cut into rows (a division by
+    zero while folding), gather of an empty index of another rank (an index out of range in its
+    rule), two distinct empty arguments taken for one memory (both at address 0), index_add of
+    bools with alpha (its decomposition made a long source), nan_to_num of a complex tensor
+    (torch's decomposition refuses complex)."""
+    fn, inputs, specs, mesh = _EDGE_CASES[name]
+    want = fn(*(t.clone() for t in inputs))
+    got = hpfun.shard(fn, mesh=mesh, in_specs=specs, out_specs=None)(*(t.clone() for t in inputs)).full()
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), (got, want)
+

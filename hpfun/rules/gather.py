@@ -71,13 +71,14 @@ class Gather(Rule):
     def strategies(self, call: OpCall) -> list[Strategy]:
         x, index = call.tensors[0], call.tensors[1]
         gdim = _dim(call, x)
+        same_rank = len(index.shape) == len(x.shape)  # (an empty index may have another: torch takes it)
         per_axis = []
         for a in range(call.mesh.ndim):
             p, q = x.layout.placements[a], index.layout.placements[a]
             options = [replicated_option(call)]
             if isinstance(p, Shard) and p.dim == gdim:
                 options.insert(0, ((p, R), (Partial("sum"),)))
-            elif isinstance(p, Shard) and index.shape[p.dim] == x.shape[p.dim]:
+            elif isinstance(p, Shard) and same_rank and index.shape[p.dim] == x.shape[p.dim]:
                 options.insert(0, ((p, p), (p,)))
             elif isinstance(p, Partial) and p.reduce in ("sum", "avg"):
                 options.insert(0, ((p, R), (p,)))
@@ -85,7 +86,7 @@ class Gather(Rule):
             # row, but a block along another dim reads the same block of x's rows
             if isinstance(q, Shard) and q.dim == gdim:
                 options.insert(1, ((R, q), (q,)))
-            elif isinstance(q, Shard) and index.shape[q.dim] == x.shape[q.dim]:
+            elif isinstance(q, Shard) and same_rank and index.shape[q.dim] == x.shape[q.dim]:
                 options.insert(1, ((q, q), (q,)))
             per_axis.append(options)
         return combine_axes(call, per_axis)
