@@ -1509,6 +1509,7 @@ def _at_user_line() -> str:
 
 
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+_RESIZES = (torch.Tensor.resize_as_, torch.Tensor.resize_)
 _DATA = torch._C.TensorBase.__dict__["data"]
 
 
@@ -3128,6 +3129,9 @@ class _TensorScalars(TorchFunctionMode):
                 return func(*args, **kwargs)
             except ValueError as err:  # the trace's view check raises ValueError where eager raises
                 raise RuntimeError(str(err)) from err  # RuntimeError (`except RuntimeError: x.reshape(...)`)
+        if func in _RESIZES and isinstance(args[0], FakeTensor) and len(args) == 2 and not kwargs and \
+                tuple(args[1].shape if isinstance(args[1], torch.Tensor) else args[1]) == tuple(args[0].shape):
+            return args[0]  # (a resize to the shape it has: nothing, as in eager; a resize is no op a rule can split)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \

@@ -1957,7 +1957,15 @@ def _complex_nan_to_num(x):
     return torch.nan_to_num(torch.complex(x, x * 2), nan=1.0, posinf=2.0, neginf=-2.0)
 
 
+def _resized_to_itself(x):
+    t = x.clone()
+    t.resize_as_(x)
+    t.resize_(x.shape)
+    return t + 1
+
+
 _EDGE_CASES = {  # name: (function, inputs, in_specs, mesh)
+    "resize_to_its_shape": (_resized_to_itself, (torch.randn(4, 4),), (P("a"),), MESH),
     "empty_rows_cut": (_empty_cut, (torch.randn(5, 1, 0),), (P(),), MESH2),
     "empty_index_of_another_rank": (_empty_gather, (torch.zeros(0, 0), torch.zeros(0, 0)), (P("a", "b"), P("a", "b")), MESH2),
     "empty_arguments_written": (_written_empty, (torch.zeros(0, 4), torch.zeros(0, 4)), (P(), P()), MESH),
@@ -1974,7 +1982,7 @@ def test_edge_cases_a_generator_found_equal_eager(name):
     zero while folding), gather of an empty index of another rank (an index out of range in its
     rule), two distinct empty arguments taken for one memory (both at address 0), index_add of
     bools with alpha (its decomposition made a long source), nan_to_num of a complex tensor
-    (torch's decomposition refuses complex)."""
+    (torch's decomposition refuses complex), a resize to the shape a tensor has (no rule)."""
     fn, inputs, specs, mesh = _EDGE_CASES[name]
     want = fn(*(t.clone() for t in inputs))
     got = hpfun.shard(fn, mesh=mesh, in_specs=specs, out_specs=None)(*(t.clone() for t in inputs)).full()
