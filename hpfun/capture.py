@@ -1542,6 +1542,12 @@ def _set_data(target, value) -> None:
     mode.tracer.tensor_tracker[target] = proxy
 
 
+def _same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same elements of one storage."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset() \
+        and a.stride() == b.stride() and a.shape == b.shape
+
+
 _REBINDS: list = []  # per trace being run: [(a tensor whose `.data` was set, an alias of its storage before)]
 
 
@@ -1553,9 +1559,11 @@ def data_rebinds():
     _REBINDS.append([])
     try:
         yield
-        with torch.no_grad():
-            for target, own in _REBINDS[-1]:
-                own.copy_(target)
+        moved = [(target, own) for target, own in _REBINDS[-1] if not _same_place(target, own)]  # (a backup put back:
+        with torch.no_grad():  # its own storage again) every last value read before any is put: a swap, `a.data,
+            last = [target.clone() if len(moved) > 1 else target for target, _ in moved]  # b.data = b.data, a.data`,
+            for (_, own), value in zip(moved, last):  # gives a the storage b's value is put into
+                own.copy_(value)
     finally:
         _REBINDS.pop()
 

@@ -3680,6 +3680,31 @@ def test_setting_data_shares_storage_as_eager_does():
                    for p, q in zip(model.parameters(), ref.parameters())), i
 
 
+def test_swapping_data_between_two_tensors_swaps_their_values():
+    """`p.data, e.data = e.data, p.data` (a model's weights and an EMA copy's, left swapped): the
+    last values were put back one after another, so the second read the storage the first had
+    just written, and both ended holding the EMA's weights."""
+    def make():
+        torch.manual_seed(0)
+        model, ema = mlp(), mlp()
+        with torch.no_grad():
+            for e in ema.parameters():
+                e.fill_(7.0)
+
+        def step(x):
+            for p, e in zip(model.parameters(), ema.parameters()):
+                p.data, e.data = e.data, p.data
+            return model(x).sum()
+        return model, ema, step
+
+    (model, ema, step), (ref, ref_ema, eager) = make(), make()
+    sharded = hpfun.shard(step, mesh=DP, in_specs=(P("dp"),), out_specs=P())
+    for i in range(2):
+        x = batch(i)[0]
+        torch.testing.assert_close(sharded(x).full(), eager(x), rtol=0, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12 and max_diff(ema, ref_ema) < 1e-12, i
+
+
 def _halve_grad(p) -> None:
     p.grad.mul_(0.5)
 
