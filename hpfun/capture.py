@@ -1509,6 +1509,8 @@ def _at_user_line() -> str:
 
 
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)
+_DETERMINANTS = frozenset([torch.det, torch.Tensor.det, torch.linalg.det, torch.logdet, torch.Tensor.logdet,
+                           torch.slogdet, torch.Tensor.slogdet, torch.linalg.slogdet])
 _RESIZES = (torch.Tensor.resize_as_, torch.Tensor.resize_)
 _DATA = torch._C.TensorBase.__dict__["data"]
 
@@ -3140,6 +3142,11 @@ class _TensorScalars(TorchFunctionMode):
         if func in _RESIZES and isinstance(args[0], FakeTensor) and len(args) == 2 and not kwargs and \
                 tuple(args[1].shape if isinstance(args[1], torch.Tensor) else args[1]) == tuple(args[0].shape):
             return args[0]  # (a resize to the shape it has: nothing, as in eager; a resize is no op a rule can split)
+        if func in _DETERMINANTS and args and isinstance(args[0], FakeTensor):
+            # det factors A or A.T by whether A is contiguous, and its backward was traced for the one it
+            # factored: a block laid out otherwise at run time (a split matrix gathered, a step slice) got the
+            # transposed gradient. Given a contiguous copy, it factors the same one whatever the layout
+            return func(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
         if func in _AS_STRIDED and isinstance(args[0], FakeTensor):
             return _as_strided(func, *args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and isinstance(args[0], FakeTensor) \
