@@ -1900,7 +1900,8 @@ def _may_name_state(pattern: str, prefixes: list[str]) -> bool:
     """Whether `pattern` could match some `<prefix>.<key>` (a state key not known yet): its last
     dotted part stands for the key, what comes before it must match a prefix (or its tail)."""
     head, dot, _ = pattern.rpartition(".")
-    return not dot or any(pattern_matches(head, prefix) or pattern_matches(pattern, prefix + ".x") for prefix in prefixes)
+    return bool(prefixes) and (not dot or any(pattern_matches(head, prefix) or pattern_matches(pattern, prefix + ".x")
+                                              for prefix in prefixes))  # (none pending: it names nothing, an error)
 
 
 def _group(path: str, state: lift.State, signature: inspect.Signature | None) -> str:

@@ -971,6 +971,9 @@ def test_mistakes_that_ran_without_a_word_are_named():
     F.cross_entropy(model(data[0]), data[1]).backward()
     _, text = _raise(only_opt, error=hpfun.SpecError)  # plain SGD makes no state: it never matched, and the
     assert "state_specs['0.weight']: matches no name" in text  # cached program ran without the plan, silently
+    dotless = hpfun.shard(step, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P(), state_specs={"wieght": P()})
+    _, text = _raise(dotless, *data, error=hpfun.SpecError)  # (a name without a dot was taken for a state key
+    assert "state_specs['wieght']: matches no name" in text  # SGD might make, and never checked: ignored, silently)
     grads = hpfun.shard(lambda x, y: F.cross_entropy(model(x), y).backward(), mesh=mesh, in_specs=(P("dp"), P("dp")),
                         state_specs={"*.grad": P("dp")})  # ZeRO-2 accumulation: no gradient before the first call
     grads(*data)
