@@ -1841,8 +1841,8 @@ def _state_numbers(name: str, opt, known: dict | None) -> dict:
     out = {}
     for g, group in enumerate(opt.param_groups):
         for i, p in enumerate(group["params"]):
-            for key, v in opt.state.get(p, {}).items():
-                if not isinstance(v, torch.Tensor) and _is_scalar(v):
+            for key, v in opt.state.get(p, {}).items():  # (a number, or a dict or list of them: `meta["n"] += 1`)
+                if not isinstance(v, torch.Tensor) and (_is_scalar(v) or type(v) in (dict, list) and _is_plain_data(v)):
                     out[f"{prefix}{g}.{i}.{key}"] = _hashable(v)
     for key, v in list(opt.state.items()):  # a number (or plain data) under a key of the optimizer's own
         if not isinstance(key, torch.Tensor) and _is_plain_key(key) and _is_plain_data(v):
@@ -4313,6 +4313,9 @@ class ObjectValues:
         # (an optimizer's param groups, as they were: a counter a refused step incremented in one, timm's Adan
         # `group["step"] += 1`, is set back with them, or stepping the optimizer outside after the error counts twice)
         self.groups = [(g, dict(g)) for g in groups]
+        # (and the dicts and lists of numbers they hold, edited in place: `group["stats"]["n"] += 1`)
+        self.groups += [(v, copy.deepcopy(v)) for g in groups for k, v in g.items()
+                        if k != "params" and type(v) in (dict, list) and _is_plain_data(v)]
         for name, obj in opaque:
             if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))

@@ -1389,6 +1389,19 @@ class GroupCountingSGD(_HandSGD):
         p.add_(p.grad, alpha=-lr)
 
 
+class NestedCountingSGD(_HandSGD):
+    """Keeps Python counts in a dict in its param group and in a dict in each parameter's state."""
+
+    def begin(self):
+        for group in self.param_groups:
+            group.setdefault("stats", {"n": 0})["n"] += 1
+
+    def update(self, p, lr):
+        meta = self.state[p].setdefault("meta", {"n": 0})
+        meta["n"] += 1
+        p.add_(p.grad, alpha=-lr / meta["n"])
+
+
 class DefaultsSGD(_HandSGD):
     """Reads a hyperparameter from its defaults at every step (timm's Lamb: `max_grad_norm`)."""
 
@@ -2528,6 +2541,32 @@ def test_a_refused_step_leaves_the_counters_in_param_groups_as_they_were():
     text = _error(step, *batch(1), error=hpfun.CaptureError)
     assert "opt.param_groups.0.step: changed from 1 to 2" in text, text
     assert opt.param_groups[0]["step"] == 1 and set(opt.param_groups[0]) == {"params", "lr", "step"}
+
+    # counts in a dict in the group and in each parameter's state: the state's was read as no number at all (the
+    # program ran on, the count stuck at the trace's), the group's was left counted by the refused call
+    model, twin = mlp(), mlp()
+    opt, twin_opt = NestedCountingSGD(model.parameters()), NestedCountingSGD(twin.parameters())
+    step = stock_step(model, opt, DP)
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def forward_backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for i in range(3):
+        try:
+            step(*batch(i))
+        except hpfun.CaptureError:
+            forward_backward(*batch(i))
+            opt.step()
+            opt.zero_grad()
+        x, y = batch(i)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+        assert opt.param_groups[0]["stats"] == {"n": i + 1} and opt.state[model[0].weight]["meta"] == {"n": i + 1}
+        assert max_diff(model, twin) < 1e-12, i
 
 
 def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
