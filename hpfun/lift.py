@@ -3718,6 +3718,12 @@ class Substitution:
             undo()
         self._undo.clear()
         self._take_back()
+        for _, mod, _, _, containers in self._modules:  # a weak reference the forward kept to a lifted tensor
+            places = [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]  # (`self.wref =
+            for place in places:  # weakref.ref(self.lin.weight)`): to the tensor, not its stand-in, which dies
+                for k, v in list(place.items() if type(place) is dict else enumerate(place)):
+                    if type(v) is weakref.ref and (r := v()) is not None and id(r) in self._stood_for:
+                        place[k] = weakref.ref(self._stood_for[id(r)])
         for root in self.state.roots:  # an RNN keeps a list of its weights (`_flat_weights`), set when
             if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
                 for m in root.value.modules():

@@ -1227,6 +1227,30 @@ def test_a_weak_reference_to_a_lifted_tensor_set_on_it_is_set_by_every_call():
     assert f.trace_count == 1
 
 
+class _WeaklyHolding(torch.nn.Module):
+    """Keeps weak references to its weight, in an attribute and in a dict, at every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.refs = {}
+
+    def forward(self, x):
+        self.wref = weakref.ref(self.lin.weight)
+        self.refs["w"] = weakref.ref(self.lin.weight)
+        return self.lin(x).sum()
+
+
+def test_a_weak_reference_a_forward_keeps_in_its_module_is_to_the_lifted_tensor():
+    """`self.wref = weakref.ref(self.lin.weight)` in a forward: it was a reference to the trace's
+    stand-in, which died with the trace, so `model.wref()` was None after the call."""
+    model = _WeaklyHolding()
+    f = hpfun.shard(model, mesh=MESH, in_specs=P("dp"), out_specs=P())
+    for i in range(2):
+        f(torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)))
+        assert model.wref() is model.lin.weight and model.refs["w"]() is model.lin.weight, i
+
+
 def test_a_tensor_the_step_sets_as_an_attribute_of_a_parameter_is_refused():
     """`p.snap = p.detach().clone()`: left on the stand-in, the caller's parameter kept its old
     snapshot (0.47 off); a program cannot put a tensor there at every call. Refused, naming it;
