@@ -1794,8 +1794,10 @@ def statics(roots, known: dict | None = None) -> dict:
                     for i, x in _group_tensors(key, v):
                         if (sign := _tensor_sign(x)) is not None:
                             out[_join(root.name, f"param_groups.{g}.{key}{'' if i is None else f'.{i}'}.sign")] = sign
-            for key, v in root.value.defaults.items():  # what a step reads from its defaults (timm's Lamb reads
-                if key != "params" and _is_plain_data(v):  # `self.defaults["max_grad_norm"]` at every step)
+            # what a step reads from its defaults (timm's Lamb reads `self.defaults["max_grad_norm"]` at every
+            # step) keys the program, as a group's values do
+            for key, v in root.value.defaults.items():
+                if key != "params" and not isinstance(v, torch.Tensor) and not _tensors_in(v):
                     out[_join(root.name, f"defaults.{key}")] = _hashable(v)
             out.update(_state_numbers(root.name, root.value, known))
     if keyed := [root for root in roots if isinstance(root.value, _Keyed)]:

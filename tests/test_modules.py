@@ -1406,7 +1406,7 @@ class DefaultsSGD(_HandSGD):
     """Reads a hyperparameter from its defaults at every step (timm's Lamb: `max_grad_norm`)."""
 
     def update(self, p, lr):
-        p.add_(p.grad, alpha=-lr * self.defaults["scale"])
+        p.add_(self.defaults["transform"](p.grad), alpha=-lr * self.defaults["scale"])
 
 
 class SharedCountSGD(_HandSGD):
@@ -2575,17 +2575,18 @@ def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
     model, twin = mlp(), mlp()
     opt, twin_opt = DefaultsSGD(model.parameters()), DefaultsSGD(twin.parameters())
     for o in (opt, twin_opt):
-        o.defaults["scale"] = 1.0
+        o.defaults["scale"], o.defaults["transform"] = 1.0, torch.sign
     step = stock_step(model, opt, DP)
-    for i, scale in enumerate([1.0, 1.0, 3.0]):
+    for i, (scale, transform) in enumerate([(1.0, torch.sign), (1.0, torch.sign), (3.0, torch.sign), (3.0, torch.tanh)]):
         opt.defaults["scale"] = twin_opt.defaults["scale"] = scale
+        opt.defaults["transform"] = twin_opt.defaults["transform"] = transform
         step(*batch(i))
         x, y = batch(i)
         F.cross_entropy(twin(x), y).backward()
         twin_opt.step()
         twin_opt.zero_grad()
         assert max_diff(model, twin) < 1e-12, i
-    assert step.trace_count == 2
+    assert step.trace_count == 3
 
 
 def test_a_gradient_set_to_a_tensor_held_as_state_is_that_tensor():
