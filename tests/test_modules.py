@@ -2495,6 +2495,24 @@ def test_numbers_in_a_config_object_argument_or_a_numpy_global_key_the_cache():
         SCALES[1] = 2.0
 
 
+def _sharded_forward_backward(model):
+    """The step's forward and backward over DP, the optimizer stepped outside (as the error for a
+    Python count in its state says)."""
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def forward_backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return forward_backward
+
+
+def _eager_step(model, opt, i: int) -> None:
+    x, y = batch(i)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_optimizer_state_that_cannot_be_lifted():
     """A Python number an optimizer keeps in its state and its step updates (it would be baked
     in) is a clear error naming the fix; stepping that optimizer outside the sharded function
@@ -2510,20 +2528,13 @@ def test_optimizer_state_that_cannot_be_lifted():
     model, twin = mlp(), mlp()
     opt, twin_opt = CountingSGD(model.parameters()), CountingSGD(twin.parameters())
 
-    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    def forward_backward(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
+    forward_backward = _sharded_forward_backward(model)
 
     for i in range(3):
         forward_backward(*batch(i))
         opt.step()
         opt.zero_grad()
-        x, y = batch(i)
-        F.cross_entropy(twin(x), y).backward()
-        twin_opt.step()
-        twin_opt.zero_grad()
+        _eager_step(twin, twin_opt, i)
     assert max_diff(model, twin) < 1e-12
     assert forward_backward.trace_count == 1
 
@@ -2548,11 +2559,7 @@ def test_a_refused_step_leaves_the_counters_in_param_groups_as_they_were():
     opt, twin_opt = NestedCountingSGD(model.parameters()), NestedCountingSGD(twin.parameters())
     step = stock_step(model, opt, DP)
 
-    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
-    def forward_backward(x, y):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
+    forward_backward = _sharded_forward_backward(model)
 
     for i in range(3):
         try:
@@ -2561,10 +2568,7 @@ def test_a_refused_step_leaves_the_counters_in_param_groups_as_they_were():
             forward_backward(*batch(i))
             opt.step()
             opt.zero_grad()
-        x, y = batch(i)
-        F.cross_entropy(twin(x), y).backward()
-        twin_opt.step()
-        twin_opt.zero_grad()
+        _eager_step(twin, twin_opt, i)
         assert opt.param_groups[0]["stats"] == {"n": i + 1} and opt.state[model[0].weight]["meta"] == {"n": i + 1}
         assert max_diff(model, twin) < 1e-12, i
 
@@ -2581,10 +2585,7 @@ def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
         opt.defaults["scale"] = twin_opt.defaults["scale"] = scale
         opt.defaults["transform"] = twin_opt.defaults["transform"] = transform
         step(*batch(i))
-        x, y = batch(i)
-        F.cross_entropy(twin(x), y).backward()
-        twin_opt.step()
-        twin_opt.zero_grad()
+        _eager_step(twin, twin_opt, i)
         assert max_diff(model, twin) < 1e-12, i
     assert step.trace_count == 3
 
