@@ -1787,7 +1787,7 @@ def statics(roots, known: dict | None = None) -> dict:
                     if key != "params" and not isinstance(v, torch.Tensor) and key not in {k for k, _ in lifted.values()}:
                         out[_join(root.name, f"param_groups.{g}.{key}")] = \
                             _hashable(tuple(_TENSOR_HELD if isinstance(x, torch.Tensor) else x for x in v)
-                                      if _tensors_in(v) else v)
+                                      if _tensors_in(v) else v) if not _is_config_object(v) else object_key(v)
                 for name, (key, index) in lifted.items():
                     out[_join(root.name, f"param_groups.{g}.{name}.sign")] = _sign(group[key] if index is None else group[key][index])
                 for key, v in group.items():  # a hyperparameter kept in a tensor: an input, its sign keys the cache
@@ -1797,8 +1797,9 @@ def statics(roots, known: dict | None = None) -> dict:
             # what a step reads from its defaults (timm's Lamb reads `self.defaults["max_grad_norm"]` at every
             # step) keys the program, as a group's values do
             for key, v in root.value.defaults.items():
-                if key != "params" and not isinstance(v, torch.Tensor) and not _tensors_in(v):
-                    out[_join(root.name, f"defaults.{key}")] = _hashable(v)
+                if key != "params" and not isinstance(v, torch.Tensor) and not _tensors_in(v):  # (a config object:
+                    out[_join(root.name, f"defaults.{key}")] = object_key(v) if _is_config_object(v) else _hashable(v)
+                    # by the values it holds, which a schedule may change in place)
             out.update(_state_numbers(root.name, root.value, known))
     if keyed := [root for root in roots if isinstance(root.value, _Keyed)]:
         # which keys of a dict or set keyed by tensors are the tensors lifted now: a parameter replaced

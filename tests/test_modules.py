@@ -1406,7 +1406,7 @@ class DefaultsSGD(_HandSGD):
     """Reads a hyperparameter from its defaults at every step (timm's Lamb: `max_grad_norm`)."""
 
     def update(self, p, lr):
-        p.add_(self.defaults["transform"](p.grad), alpha=-lr * self.defaults["scale"])
+        p.add_(self.defaults["transform"](p.grad), alpha=-lr * self.defaults["scale"] * self.defaults["cfg"].scale)
 
 
 class SharedCountSGD(_HandSGD):
@@ -2579,15 +2579,17 @@ def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
     model, twin = mlp(), mlp()
     opt, twin_opt = DefaultsSGD(model.parameters()), DefaultsSGD(twin.parameters())
     for o in (opt, twin_opt):
-        o.defaults["scale"], o.defaults["transform"] = 1.0, torch.sign
+        o.defaults["scale"], o.defaults["transform"], o.defaults["cfg"] = 1.0, torch.sign, _StepConfig(1.0, None)
     step = stock_step(model, opt, DP)
-    for i, (scale, transform) in enumerate([(1.0, torch.sign), (1.0, torch.sign), (3.0, torch.sign), (3.0, torch.tanh)]):
+    for i, (scale, transform, k) in enumerate([(1.0, torch.sign, 1.0), (1.0, torch.sign, 1.0), (3.0, torch.sign, 1.0),
+                                               (3.0, torch.tanh, 1.0), (3.0, torch.tanh, 0.5)]):
         opt.defaults["scale"] = twin_opt.defaults["scale"] = scale
         opt.defaults["transform"] = twin_opt.defaults["transform"] = transform
+        opt.defaults["cfg"].scale = twin_opt.defaults["cfg"].scale = k  # (a config object changed in place)
         step(*batch(i))
         _eager_step(twin, twin_opt, i)
         assert max_diff(model, twin) < 1e-12, i
-    assert step.trace_count == 3
+    assert step.trace_count == 4
 
 
 def test_a_gradient_set_to_a_tensor_held_as_state_is_that_tensor():
