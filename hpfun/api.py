@@ -1020,7 +1020,7 @@ class ShardedFunction:
             with lift.ScalarSigns(substitution.signs, substitution.floats) if substitution.traces_optimizer \
                     else contextlib.nullcontext(), unguarded_draws(self.fn, call.state.opaque), \
                     _scheduler_steps() as stepped, _sync_batch_norm_as_batch_norm(), \
-                    _parameters_set_to_themselves(substitution.stands_for_parameter), data_rebinds():
+                    _parameters_set_to_themselves(substitution.stands_for_parameter), data_rebinds(frozenset(map(id, fakes))):
                 out = self.fn(*args, **kwonly)
             traced.argument_edits(given)
             assigned, new_state = substitution.assigned()

@@ -1554,17 +1554,20 @@ _REBINDS: list = []  # per trace being run: [(a tensor whose `.data` was set, an
 
 
 @contextlib.contextmanager
-def data_rebinds():
-    """While the function runs in a trace: each tensor given another's storage by `p.data = v`
-    (an EMA's weights swapped in, a backup restored) takes, when the function returns, its last
-    value into its own storage: the lifted tensor keeps its identity and is written back."""
+def data_rebinds(inputs: frozenset = frozenset()):
+    """While the function runs in a trace: each input (`inputs`: the ids of the stand-ins) given
+    another's storage by `p.data = v` (an EMA's weights swapped in, a backup restored) takes,
+    when the function returns, its last value into its own storage: the lifted tensor keeps its
+    identity and is written back. A tensor the function made (an optimizer's first momentum) is
+    written back as it ends, its storage shared or not."""
     _REBINDS.append([])
     try:
         yield
-        moved = [(target, own) for target, own in _REBINDS[-1] if not _same_place(target, own)]  # (a backup put back:
-        with torch.no_grad():  # its own storage again) every last value read before any is put: a swap, `a.data,
-            last = [target.clone() if len(moved) > 1 else target for target, _ in moved]  # b.data = b.data, a.data`,
-            for (_, own), value in zip(moved, last):  # gives a the storage b's value is put into
+        moved = [(target, own) for target, own in _REBINDS[-1]  # (a backup put back: its own storage again)
+                 if id(target) in inputs and not _same_place(target, own)]  # every last value read before any is
+        with torch.no_grad():  # put: a swap, `a.data, b.data = b.data, a.data`, gives a the storage b's value is put into
+            last = [target.clone() if len(moved) > 1 else target for target, _ in moved]
+            for (_, own), value in zip(moved, last):
                 own.copy_(value)
     finally:
         _REBINDS.pop()

@@ -3748,6 +3748,35 @@ def test_swapping_data_between_two_tensors_swaps_their_values():
         assert max_diff(model, ref) < 1e-12 and max_diff(ema, ref_ema) < 1e-12, i
 
 
+def test_swapping_data_between_tensors_the_step_makes_swaps_their_values():
+    """Momentum buffers an optimizer makes at its first step, swapped with `.data`: a tensor the
+    trace made is written back as it ends, and putting its last value into the storage it had
+    before wrote into the one the other now holds (2.25 off)."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            first, last = (opt.state[model[i].weight]["momentum_buffer"] for i in (0, 2))
+            first.data, last.data = last.data, first.data
+            return loss
+        return model, opt, step
+
+    (model, opt, step), (ref, ref_opt, eager) = make(), make()
+    sharded = hpfun.shard(step, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    for i in range(3):
+        torch.testing.assert_close(sharded(*batch(i)).full(), eager(*batch(i)), rtol=0, atol=1e-12)
+        assert max_diff(model, ref) < 1e-12, i
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+                                       rtol=0, atol=1e-12)
+
+
 def _halve_grad(p) -> None:
     p.grad.mul_(0.5)
 
