@@ -1012,7 +1012,9 @@ class ShardedFunction:
         # sets by stand-ins, so that a refused trace sets them back keyed by the tensors)
         objects = lift.ObjectValues(call.state.opaque, lift.held_sets(call.state.roots),
                                     [g for root in call.state.roots if isinstance(root.value, torch.optim.Optimizer)
-                                     for g in root.value.param_groups])
+                                     for g in root.value.param_groups],
+                                    [entries for root in call.state.roots if isinstance(root.value, torch.optim.Optimizer)
+                                     for entries in root.value.state.values()])
         substitution = lift.Substitution(call.state, swap, grads, scalars, fn=self.fn)
         given = _argument_containers(args, kwonly)  # (what the function puts in them is put in the caller's)
         stored_over: list = []  # (module-held values the function replaced by tensors: `_undo_effects`)

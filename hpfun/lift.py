@@ -4315,7 +4315,7 @@ class ObjectValues:
     leaves no side effect. A change of a private attribute alone is not an error: it is
     bookkeeping a call may fill (a logger's `_cache` of enabled levels)."""
 
-    def __init__(self, opaque, sets=(), groups=()):
+    def __init__(self, opaque, sets=(), groups=(), states=()):
         self.held = []  # (name, object, attribute, the value held, a copy of it)
         self.objects = []  # (name, object, its attributes, {attribute: (dict or list, a copy)})
         self.sets = [(s, list(s)) for s in sets]  # (a set the function reaches, its members)
@@ -4325,6 +4325,9 @@ class ObjectValues:
         # (and the dicts and lists of numbers they hold, edited in place: `group["stats"]["n"] += 1`)
         self.groups += [(v, copy.deepcopy(v)) for g in groups for k, v in g.items()
                         if k != "params" and type(v) in (dict, list) and _is_plain_data(v)]
+        # (and those in a parameter's optimizer state, to any depth: `state[p]["meta"]["inner"]["n"] += 1`)
+        self.groups += [(v, copy.deepcopy(v)) for entries in states if type(entries) is dict
+                        for v in entries.values() if type(v) in (dict, list) and _is_plain_data(v)]
         for name, obj in opaque:
             if type(obj) in (dict, list):  # a container hpfun does not lift (a user object's `self.stats = {}`, LBFGS's history)
                 self.objects.append((name, None, {}, {None: (obj, copy.copy(obj))}))

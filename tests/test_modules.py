@@ -1397,7 +1397,7 @@ class NestedCountingSGD(_HandSGD):
             group.setdefault("stats", {"n": 0})["n"] += 1
 
     def update(self, p, lr):
-        meta = self.state[p].setdefault("meta", {"n": 0})
+        meta = self.state[p].setdefault("meta", {"inner": {"n": 0}})["inner"]
         meta["n"] += 1
         p.add_(p.grad, alpha=-lr / meta["n"])
 
@@ -2569,7 +2569,7 @@ def test_a_refused_step_leaves_the_counters_in_param_groups_as_they_were():
             opt.step()
             opt.zero_grad()
         _eager_step(twin, twin_opt, i)
-        assert opt.param_groups[0]["stats"] == {"n": i + 1} and opt.state[model[0].weight]["meta"] == {"n": i + 1}
+        assert opt.param_groups[0]["stats"] == {"n": i + 1} and opt.state[model[0].weight]["meta"] == {"inner": {"n": i + 1}}
         assert max_diff(model, twin) < 1e-12, i
 
 
