@@ -2907,6 +2907,16 @@ class Substitution:
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
+        for place in self._weak_places():  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`,
+            for k, v in list(place.items() if type(place) is dict else enumerate(place)):  # an identity-keyed cache):
+                if type(v) is weakref.ref and (r := v()) is not None and id(r) in swap:  # to its stand-in while the
+                    place[k] = weakref.ref(swap[id(r)])  # trace runs, to the tensor after (`restore`)
+
+    def _weak_places(self) -> list:
+        """The attributes of each module, and the dicts and lists it holds: where a forward keeps
+        weak references to its tensors."""
+        return [place for _, mod, _, _, containers in self._modules
+                for place in [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]]
 
     def stands_for_parameter(self, value) -> bool:
         """Whether `value` is the stand-in of a lifted Parameter."""
@@ -3721,12 +3731,11 @@ class Substitution:
             undo()
         self._undo.clear()
         self._take_back()
-        for _, mod, _, _, containers in self._modules:  # a weak reference the forward kept to a lifted tensor
-            places = [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]  # (`self.wref =
-            for place in places:  # weakref.ref(self.lin.weight)`): to the tensor, not its stand-in, which dies
-                for k, v in list(place.items() if type(place) is dict else enumerate(place)):
-                    if type(v) is weakref.ref and (r := v()) is not None and id(r) in self._stood_for:
-                        place[k] = weakref.ref(self._stood_for[id(r)])
+        for place in self._weak_places():  # a weak reference the forward kept to a lifted tensor (`self.wref =
+            for k, v in list(place.items() if type(place) is dict else enumerate(place)):  # weakref.ref(self.lin.
+                # weight)`): to the tensor, not its stand-in, which dies
+                if type(v) is weakref.ref and (r := v()) is not None and id(r) in self._stood_for:
+                    place[k] = weakref.ref(self._stood_for[id(r)])
         for root in self.state.roots:  # an RNN keeps a list of its weights (`_flat_weights`), set when
             if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
                 for m in root.value.modules():
