@@ -1189,6 +1189,19 @@ def test_a_private_attribute_the_step_sets_on_a_parameter_is_refused(name):
     assert not hasattr(model.weight, name)
 
 
+def _sgd_stepped(model, lr: float):
+    """A step of SGD on the loss `model(x)` returns."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 class _WeaklyTagged(torch.nn.Module):
     """Tags its parameter with a weak reference to itself at every read, as pyro's PyroParam tags
     a constrained value with its unconstrained parameter."""
@@ -1206,19 +1219,7 @@ def test_a_weak_reference_to_a_lifted_tensor_set_on_it_is_set_by_every_call():
     """`p.unconstrained = weakref.ref(p)` (pyro's PyroParam): refused as an object a program
     cannot put there; each call now sets a weak reference to the parameter itself, as eager's."""
     model, ref = _WeaklyTagged(), _WeaklyTagged()
-
-    def make(m):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-
-        def step(x):
-            loss = m(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
-    f, eager = hpfun.shard(make(model), mesh=MESH, in_specs=P("dp"), out_specs=P()), make(ref)
+    f, eager = hpfun.shard(_sgd_stepped(model, 0.1), mesh=MESH, in_specs=P("dp"), out_specs=P()), _sgd_stepped(ref, 0.1)
     for i in range(3):
         x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
         torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
@@ -1276,15 +1277,7 @@ def test_a_cache_known_by_a_weak_reference_to_its_weight_is_kept_as_eager_keeps_
     def make():
         torch.manual_seed(0)
         model = _IdentityCached()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step(x):
-            loss = model(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return model, step
+        return model, _sgd_stepped(model, 0.01)
 
     (model, step), (ref, eager) = make(), make()
     f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P())
