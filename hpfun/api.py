@@ -1098,12 +1098,11 @@ class ShardedFunction:
         traced.effects = (*traced.effects, *((lift._join(root, lift.VALUES), m, None) for root, m in moves.items()))
         if statics_after is None:
             statics_after = lift.statics(call.state.roots)
+        # (what the function's effects set: by their statics key, and a module-held object's number by its name,
+        # which the function may read by name too, `self.stats.calls += 1`: set by every call as the module's values)
+        set_by_effects = {key for key, _, _ in traced.effects} | {name for _, name, _ in traced.effects if type(name) is str}
         changed = [k for k, v in statics_after.items() if not _same_static(call.state.statics.get(k, v), v)
-                   and k not in substitution.set_aside and type(v) is not lift.ModuleValues
-                   and k not in {key for key, _, _ in traced.effects}
-                   # (a module-held object's number the function reads by name too, `self.stats.calls += 1`: set by
-                   # every call as the module's values are)
-                   and k not in {name for key, name, _ in traced.effects if type(name) is str}]
+                   and k not in substitution.set_aside and type(v) is not lift.ModuleValues and k not in set_by_effects]
         moved = objects.changed()
         if moved:
             objects.restore()

@@ -2907,16 +2907,17 @@ class Substitution:
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
-        for place in self._weak_places():  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`,
-            for k, v in list(place.items() if type(place) is dict else enumerate(place)):  # an identity-keyed cache):
-                if type(v) is weakref.ref and (r := v()) is not None and id(r) in swap:  # to its stand-in while the
-                    place[k] = weakref.ref(swap[id(r)])  # trace runs, to the tensor after (`restore`)
+        self._repoint_weak(swap)  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`, an
+        # identity-keyed cache): to its stand-in while the trace runs, to the tensor after (`restore`)
 
-    def _weak_places(self) -> list:
-        """The attributes of each module, and the dicts and lists it holds: where a forward keeps
-        weak references to its tensors."""
-        return [place for _, mod, _, _, containers in self._modules
-                for place in [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]]
+    def _repoint_weak(self, to: dict) -> None:
+        """Each weak reference a module keeps (in its attributes, and the dicts and lists it holds)
+        to a tensor whose id `to` maps: to the tensor it maps to."""
+        for _, mod, _, _, containers in self._modules:
+            for place in [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]:
+                for k, v in list(place.items() if type(place) is dict else enumerate(place)):
+                    if type(v) is weakref.ref and (r := v()) is not None and id(r) in to:
+                        place[k] = weakref.ref(to[id(r)])
 
     def stands_for_parameter(self, value) -> bool:
         """Whether `value` is the stand-in of a lifted Parameter."""
@@ -3731,11 +3732,8 @@ class Substitution:
             undo()
         self._undo.clear()
         self._take_back()
-        for place in self._weak_places():  # a weak reference the forward kept to a lifted tensor (`self.wref =
-            for k, v in list(place.items() if type(place) is dict else enumerate(place)):  # weakref.ref(self.lin.
-                # weight)`): to the tensor, not its stand-in, which dies
-                if type(v) is weakref.ref and (r := v()) is not None and id(r) in self._stood_for:
-                    place[k] = weakref.ref(self._stood_for[id(r)])
+        self._repoint_weak(self._stood_for)  # a weak reference the forward kept to a lifted tensor (`self.wref =
+        # weakref.ref(self.lin.weight)`): to the tensor, not its stand-in, which dies
         for root in self.state.roots:  # an RNN keeps a list of its weights (`_flat_weights`), set when
             if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
                 for m in root.value.modules():
