@@ -1800,6 +1800,9 @@ def statics(roots, known: dict | None = None) -> dict:
                 if key != "params" and not isinstance(v, torch.Tensor) and not _tensors_in(v):  # (a config object:
                     out[_join(root.name, f"defaults.{key}")] = object_key(v) if _is_config_object(v) else _hashable(v)
                     # by the values it holds, which a schedule may change in place)
+                for i, x in _group_tensors(key, v):  # (one kept in a tensor: an input, its sign keys the cache)
+                    if (sign := _tensor_sign(x)) is not None:
+                        out[_join(root.name, f"defaults.{key}{'' if i is None else f'.{i}'}.sign")] = sign
             out.update(_state_numbers(root.name, root.value, known))
     if keyed := [root for root in roots if isinstance(root.value, _Keyed)]:
         # which keys of a dict or set keyed by tensors are the tensors lifted now: a parameter replaced
@@ -2456,6 +2459,16 @@ def _optimizer_slots(prefix: str, opt: torch.optim.Optimizer, add, names: dict, 
         for name, (key, index) in lifted_scalars(opt, group).items():
             add(_join(prefix, f"param_groups.{g}.{name}"), functools.partial(_scalar_of, group, key, index),
                 functools.partial(_set_scalar, group, key, index), scalar=True)
+    if isinstance(opt.defaults, dict):  # a tensor kept in its defaults, which its step may read (a scale it keeps
+        snapshot.dict(opt.defaults)  # there alone; torch's own tensor learning rate, also its groups'): an input
+        for key, v in opt.defaults.items():
+            for i, _ in _group_tensors(key, v):
+                if i is None:
+                    add(_join(prefix, f"defaults.{key}"), functools.partial(opt.defaults.get, key),
+                        functools.partial(opt.defaults.__setitem__, key))
+                else:
+                    add(_join(prefix, f"defaults.{key}.{i}"), functools.partial(_scalar_of, opt.defaults, key, i),
+                        functools.partial(_set_scalar, opt.defaults, key, i))
     if isinstance(opt, torch.optim.SparseAdam):
         problems.append(Problem(prefix or "optimizer", "is a SparseAdam, which updates sparse gradients; hpfun shards "
                                 "dense tensors only", "use nn.Embedding(sparse=False) and torch.optim.Adam (which also "
@@ -3501,20 +3514,15 @@ class Substitution:
                     ids = {id(self.swap.get(id(p), p)) for p in group["params"]}
                     FOREACH_SGD.update(ids)
                     self._undo.append(functools.partial(FOREACH_SGD.difference_update, ids))
-            for key, v in list(group.items()):
-                held = _group_tensors(key, v)
-                for _, x in held:
-                    if id(x) in self.swap and (sign := _tensor_sign(x)) is not None:
-                        self.signs[id(self.swap[id(x)])] = sign
-                if any(id(x) in self.swap for _, x in held):
-                    self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)] if held[0][0] is None else
-                              type(v)(self.swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in v))
+            self._swap_held_tensors(group)
             params = group["params"]
             for i, p in enumerate(params):
                 self._real_params[id(self.swap.get(id(p), p))] = p
                 if id(p) in self.swap:
                     self._set(functools.partial(params.__setitem__, i), p, self.swap[id(p)])
             self._param_lists.append((prefix, g, group, params, list(params)))
+        if isinstance(opt.defaults, dict):
+            self._swap_held_tensors(opt.defaults)
         entry_type = _Float64Scalars if type(opt) in TRACED_CAPTURABLE else dict
         stand_in_state = collections.defaultdict(entry_type)
         for p, entries in opt.state.items():
@@ -3531,6 +3539,18 @@ class Substitution:
         opt.state = stand_in_state
         self._undo.append(functools.partial(setattr, opt, "state", real_state))
         self._optimizers.append((opt, stand_in_state, real_state))
+
+    def _swap_held_tensors(self, group: dict) -> None:
+        """The tensors an optimizer's group or defaults holds (`_group_tensors`), their stand-ins
+        put in their place while the trace runs; a 0-d one's sign answers a comparison."""
+        for key, v in list(group.items()):
+            held = _group_tensors(key, v)
+            for _, x in held:
+                if id(x) in self.swap and (sign := _tensor_sign(x)) is not None:
+                    self.signs[id(self.swap[id(x)])] = sign
+            if any(id(x) in self.swap for _, x in held):
+                self._set(functools.partial(group.__setitem__, key), v, self.swap[id(v)] if held[0][0] is None else
+                          type(v)(self.swap.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in v))
 
     def assigned(self) -> tuple[dict, dict]:
         """What the traced function left in each slot, read in the substituted world: name ->

@@ -2592,6 +2592,53 @@ def test_a_hyperparameter_read_from_the_optimizers_defaults_keys_the_program():
     assert step.trace_count == 4
 
 
+
+class TensorDefaultsSGD(_HandSGD):
+    """Keeps a tensor in its defaults alone, read by its step (and one in a tuple there), and
+    skips the update while the scale is not positive."""
+
+    def update(self, p, lr):
+        scale, (shift,) = self.defaults["scale"], self.defaults["shift"]
+        if scale > 0:
+            p.add_(p.grad * scale + shift, alpha=-lr)
+
+
+def test_a_tensor_kept_in_the_optimizers_defaults_is_an_input():
+    """A tensor only in `opt.defaults`, read by its step, was baked into the program as a
+    constant the program could not find (an internal error). It is an input: changed in place
+    or replaced between calls, the step reads the new value; its sign keys the program. torch's
+    own tensor learning rate, which the defaults share with the groups, stays one input."""
+    model, twin = mlp(), mlp()
+    opt, twin_opt = TensorDefaultsSGD(model.parameters()), TensorDefaultsSGD(twin.parameters())
+    for o in (opt, twin_opt):
+        o.defaults["scale"], o.defaults["shift"] = torch.tensor(1.0, dtype=torch.float64), (torch.tensor(0.01),)
+    step = stock_step(model, opt, DP)
+    for i in range(5):
+        if i == 2:  # in place, then replaced, then negative (no update)
+            for o in (opt, twin_opt):
+                o.defaults["scale"].fill_(3.0)
+        if i >= 3:
+            for o in (opt, twin_opt):
+                o.defaults["scale"] = torch.tensor(2.0 if i == 3 else -1.0, dtype=torch.float64)
+                o.defaults["shift"] = (torch.tensor(0.02 * i),)
+        step(*batch(i))
+        _eager_step(twin, twin_opt, i)
+        assert max_diff(model, twin) < 1e-12, i
+    assert step.trace_count == 2
+
+    model, twin = mlp(), mlp()
+    opt, twin_opt = (torch.optim.Adam(m.parameters(), lr=torch.tensor(0.01)) for m in (model, twin))
+    assert opt.defaults["lr"] is opt.param_groups[0]["lr"]
+    sched, twin_sched = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, twin_opt))
+    step = stock_step(model, opt, DP)
+    for i in range(3):
+        step(*batch(i))
+        _eager_step(twin, twin_opt, i)
+        sched.step()
+        twin_sched.step()
+        assert max_diff(model, twin) < 1e-12, i
+    assert opt.defaults["lr"] is opt.param_groups[0]["lr"] and step.trace_count == 2  # (state made, then kept)
+
 def test_a_gradient_set_to_a_tensor_held_as_state_is_that_tensor():
     """`w.grad = buf` where `buf` is lifted state (an optimizer keeping a smoothed gradient and
     handing it back as the gradient): the place was taken for one the step left alone, and the
