@@ -923,7 +923,7 @@ class Snapshot:
 
     def _seen(self, values) -> None:
         for v in values:
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and type(v) not in WEAK_PROXIES:
                 self.tensors.setdefault(id(v), (weakref.ref(v), v.requires_grad))
             else:
                 self.kept.append(v)
@@ -2040,6 +2040,9 @@ class ModuleValues:
             set_attribute(owner, key, value)
 
 
+# a weak proxy passes for what it refers to (`isinstance(weakref.proxy(t), torch.Tensor)`): held
+# by a module, it is a reference to a tensor, not a tensor of its own (`Substitution._repoint_weak`)
+WEAK_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own bookkeeping in every module
 # torch's own bookkeeping in every optimizer (its hook dicts, profiling name), and what an LR
 # scheduler sets on the optimizer it wraps (`_opt_called`, set by every step)
@@ -2302,13 +2305,13 @@ def _held_dict(attr: str, v) -> bool:
     bookkeeping (`_parameters`, `_buffers`, `_modules`)."""
     if not _is_dict(v) or attr.startswith("__") or attr in _MODULE_INTERNALS:
         return False
-    return not attr.startswith("_") or any(isinstance(t, torch.Tensor) for t in v.values())
+    return not attr.startswith("_") or any(_is_tensor(t) for t in v.values())
 
 
 def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot) -> None:
     def held(name, read, write) -> None:  # a tensor a module holds outside its parameters and buffers: one made
         v = read()  # with requires_grad=True (`self.h = [Linear, Parameter]`) has its gradient too, as a global does
-        leaf = isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf
+        leaf = _is_tensor(v) and v.requires_grad and v.is_leaf
         if add(name, read, write, requires_grad=leaf) and leaf:
             add(f"{name}.grad", functools.partial(_grad_at, read), functools.partial(_set_grad_at, read), follows=name)
 
@@ -2355,35 +2358,35 @@ def _module_slots(prefix: str, module: torch.nn.Module, add, snapshot: Snapshot)
             if b is not None:
                 add(_join(base, attr), functools.partial(mod._buffers.get, attr), functools.partial(mod._buffers.__setitem__, attr))
         for attr, v in list(vars(mod).items()):
-            if isinstance(v, torch.Tensor) and not attr.startswith("__"):
+            if _is_tensor(v) and not attr.startswith("__"):
                 held(_join(base, attr), functools.partial(vars(mod).get, attr), functools.partial(setattr, mod, attr))
             elif _held_dict(attr, v) and (not v or all(map(_is_scalar, v.values())) or any(
-                    isinstance(t, torch.Tensor) or _tensor_list(t) or type(t) is tuple and _holds_tensor(t)
+                    _is_tensor(t) or _tensor_list(t) or type(t) is tuple and _holds_tensor(t)
                     for t in v.values())):
                 snapshot.dict(v)  # a cache the forward keeps (`self.cache[key] = ...`): its tensors are state
                 for i, (key, t) in enumerate(list(v.items())):  # (an empty one is watched: filled, the walk is done again)
-                    if isinstance(t, torch.Tensor) and _is_plain_key(key) and not _is_tensor_key(key):
+                    if _is_tensor(t) and _is_plain_key(key) and not _is_tensor_key(key):
                         held(_entry_name(base, attr, key), functools.partial(v.get, key), functools.partial(v.__setitem__, key))
-                    elif isinstance(t, torch.Tensor) and _is_tensor_key(key):  # keyed by a parameter or its id
+                    elif _is_tensor(t) and _is_tensor_key(key):  # keyed by a parameter or its id
                         held(_join(base, f"{attr}.<key {i}>"), functools.partial(v.get, key),  # (`bufs[p]`): by position
                             functools.partial(v.__setitem__, key))
                     elif _tensor_list(t) and _is_plain_key(key):  # a list in it a metric appends to
                         for i, u in enumerate(t):
-                            if isinstance(u, torch.Tensor):
+                            if _is_tensor(u):
                                 held(f"{_entry_name(base, attr, key)}.{i}", functools.partial(t.__getitem__, i),
                                     functools.partial(t.__setitem__, i))
-                    elif type(t) is tuple and _is_plain_key(key) and any(isinstance(u, torch.Tensor) for u in t):
+                    elif type(t) is tuple and _is_plain_key(key) and any(_is_tensor(u) for u in t):
                         for i, u in enumerate(t):  # a tuple of tensors under a key: rebuilt where written
-                            if isinstance(u, torch.Tensor):
+                            if _is_tensor(u):
                                 held(f"{_entry_name(base, attr, key)}.{i}", functools.partial(_keyed_tuple_item, v, key, i),
                                     functools.partial(_keyed_tuple_writer, v, key, i))
             elif _modules_own(mod, attr) and _tensor_list(v):
                 for i, t in enumerate(v):  # a list a metric appends its batches to (torchmetrics' list states)
-                    if isinstance(t, torch.Tensor):
+                    if _is_tensor(t):
                         held(_join(base, f"{attr}.{i}"), functools.partial(v.__getitem__, i), functools.partial(v.__setitem__, i))
-            elif isinstance(v, tuple) and not attr.startswith("__") and any(isinstance(t, torch.Tensor) for t in v):
+            elif isinstance(v, tuple) and not attr.startswith("__") and any(_is_tensor(t) for t in v):
                 for i, t in enumerate(v):  # gpytorch's `self.train_inputs = (x,)`: rebuilt where written
-                    if isinstance(t, torch.Tensor):
+                    if _is_tensor(t):
                         held(_join(base, f"{attr}.{i}"), functools.partial(_tuple_item, mod, attr, i),
                             functools.partial(_tuple_item_writer, mod, attr, i))
     # gradients after every parameter; a parameter held twice (tied weights) has one gradient.
@@ -2920,21 +2923,29 @@ class Substitution:
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
-        self._repoint_weak(swap)  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`, an
+        self._repoint_weak(swap, list(self._stood_for.values()))  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`, an
         # identity-keyed cache): to its stand-in while the trace runs, to the tensor after (`restore`)
 
-    def _repoint_weak(self, to: dict) -> None:
+    def _repoint_weak(self, to: dict, referents) -> None:
         """Each weak reference a module keeps (in its attributes, and the dicts and lists it holds)
-        to a tensor whose id `to` maps: to the tensor it maps to."""
+        to a tensor whose id `to` maps: to the tensor it maps to; a weak proxy too, to one of
+        `referents` (a proxy does not say what it refers to: their proxies are looked up)."""
+        proxied = None
         for _, mod, _, _, containers in self._modules:
             for place in [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]:
                 for k, v in list(place.items() if type(place) is dict else enumerate(place)):
                     if type(v) is weakref.ref and (r := v()) is not None and id(r) in to:
                         place[k] = weakref.ref(to[id(r)])
+                    elif type(v) in WEAK_PROXIES:
+                        if proxied is None:
+                            proxied = {id(w): r for r in referents for w in weakref.getweakrefs(r)
+                                       if type(w) in WEAK_PROXIES}
+                        if (r := proxied.get(id(v))) is not None and id(r) in to:
+                            place[k] = weakref.proxy(to[id(r)])
 
     def stands_for_parameter(self, value) -> bool:
         """Whether `value` is the stand-in of a lifted Parameter."""
-        return isinstance(value, FakeTensor) and isinstance(self._stood_for.get(id(value)), torch.nn.Parameter)
+        return _is_fake(value) and isinstance(self._stood_for.get(id(value)), torch.nn.Parameter)
 
     @property
     def traces_optimizer(self) -> bool:
@@ -3163,7 +3174,7 @@ class Substitution:
 
         for prefix, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
-                if isinstance(v, FakeTensor) and put_there(v, held.get(attr)):
+                if _is_fake(v) and put_there(v, held.get(attr)):
                     out[_join(prefix, attr)] = (v, ("attribute", prefix, attr))
                 elif isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr) and held.get(attr) is not v \
                         and _holds_fake(v) and self._tuples.get(id(v)) is not v:
@@ -3172,7 +3183,7 @@ class Substitution:
                     # too: kept as the trace's, it held the first call's value at every later call)
                     out.update(_created_items(_join(prefix, attr), v, ("attribute", prefix, attr)))
             for attr, v in list(mod._buffers.items()):
-                if isinstance(v, FakeTensor) and put_there(v, buffers.get(attr)):
+                if _is_fake(v) and put_there(v, buffers.get(attr)):
                     out[_join(prefix, attr)] = (v, ("buffer", prefix, attr))
             for attr, (container, items) in containers.items():  # a cache dict the forward filled
                 if isinstance(container, dict) and vars(mod).get(attr) is container:
@@ -3181,7 +3192,7 @@ class Substitution:
                             # made lazily under a parameter or its id (`self.bufs.setdefault(p, ...)`, `id(p)`)
                             out.update(_created_items(f"{_join(prefix, attr)}[{found[0]}]", v, (
                                 "key", functools.partial(vars(mod).get, attr), found[1])))
-                        elif isinstance(v, FakeTensor):  # (a lifted tensor it held, or one held elsewhere too: kept)
+                        elif _is_fake(v):  # (a lifted tensor it held, or one held elsewhere too: kept)
                             if put_there(v, items.get(key)) and _is_plain_key(key):
                                 out[_entry_name(prefix, attr, key)] = (v, ("item", prefix, attr, key))
                         elif items.get(key) is not v and _is_plain_key(key) and _holds_fake(v) and self._tuples.get(id(v)) is not v:
@@ -3207,7 +3218,7 @@ class Substitution:
                     out.update(_created_items(name, self._real_keys(v), ("set", functools.partial(set_attribute, obj, attr))))
         for prefix, g, group, keys in self._groups:  # a counter an optimizer keeps in its group (timm's Lamb)
             for key, v in group.items():
-                if key not in keys and isinstance(v, FakeTensor):
+                if key not in keys and _is_fake(v):
                     out[_join(prefix, f"param_groups.{g}.{key}")] = (v, ("group", prefix, g, key))
         for var, read, container, items in self._watched:
             if type(container) is list:
@@ -3227,7 +3238,7 @@ class Substitution:
                         # keyed by a parameter or its id (`bufs.setdefault(p, ...)`): by the parameter it stands for
                         if (found := self._real_key(key)) is not None:
                             out.update(_created_items(f"{var}[{found[0]}]", v, ("key", read, found[1])))
-                        elif not isinstance(key, FakeTensor):
+                        elif not _is_fake(key):
                             out.update(_created_items(f"{var}[{key!r}]", v, ("key", read, key)))
         return out
 
@@ -3235,7 +3246,7 @@ class Substitution:
         """A dict the step made, keyed by the tensors (or ids) its stand-ins stand for (`self.ema =
         {id(p): ... for p in params}` made at a first step: it kept the stand-ins' ids, and the
         next call's lookup by `id(p)` failed); any other value as it is."""
-        if not _is_dict(v) or not any(isinstance(k, FakeTensor) or type(k) in (int, str, tuple, frozenset) for k in v):
+        if not _is_dict(v) or not any(_is_fake(k) or type(k) in (int, str, tuple, frozenset) for k in v):
             return v
         found = {id(k): self._real_key(k) for k in v}
         if not any(found.values()):
@@ -3249,7 +3260,7 @@ class Substitution:
         parameter it stands for, or that one's id; None for any other key."""
         if type(key) in (tuple, frozenset) and len(key) <= 4:  # (`(id(p), "m")`, `(p, "exp_avg")`,
             items = list(key)  # `frozenset([p])`, `((p, 0), "m")`): each part as a key
-            parts = [self._real_key(k) if isinstance(k, FakeTensor) or type(k) in (int, str, tuple, frozenset) else None
+            parts = [self._real_key(k) if _is_fake(k) or type(k) in (int, str, tuple, frozenset) else None
                      for k in items]
             if not any(parts):  # (the others as they are)
                 return None
@@ -3259,8 +3270,8 @@ class Substitution:
         if type(key) is str:  # (`str(id(p))`: the id of the parameter it stands for, as a string)
             found = self._real_key(int(key)) if key.isdigit() else None
             return None if found is None else (f"str({found[0]})", str(found[1]))
-        real = self._stood_for.get(id(key) if isinstance(key, FakeTensor) else key) \
-            if isinstance(key, FakeTensor) or type(key) is int else None
+        real = self._stood_for.get(id(key) if _is_fake(key) else key) \
+            if _is_fake(key) or type(key) is int else None
         if real is None:
             return None
         named = self.state.param_names.get(id(real), "<tensor>")
@@ -3445,7 +3456,7 @@ class Substitution:
         for _, mod, held, buffers, containers in self._modules:
             for attr, v in list(vars(mod).items()):
                 was = held.get(attr)
-                if (isinstance(v, FakeTensor) or isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr)
+                if (_is_fake(v) or isinstance(v, (list, tuple, dict)) and _modules_own(mod, attr)
                         and (_holds_fake(v) or type(was) in (list, tuple, dict) and _holds_tensor(was))) \
                         and was is not v:  # (a container of tensors emptied: refused, `_container_edits`)
                     if attr in held:
@@ -3453,7 +3464,7 @@ class Substitution:
                     else:
                         delattr(mod, attr)
             for attr, v in list(mod._buffers.items()):
-                if isinstance(v, FakeTensor) and buffers.get(attr) is not v:
+                if _is_fake(v) and buffers.get(attr) is not v:
                     if attr in buffers:
                         mod._buffers[attr] = buffers[attr]
                     else:
@@ -3466,7 +3477,7 @@ class Substitution:
                     container.clear()
                     container.update(items) if isinstance(container, dict) else container.extend(items)
         for _, _, group, keys in self._groups:
-            for key in [k for k, v in group.items() if k not in keys and isinstance(v, FakeTensor)]:
+            for key in [k for k, v in group.items() if k not in keys and _is_fake(v)]:
                 del group[key]
         for _, obj, held in self._plain_held:
             for attr in [a for a, v in attributes(obj).items()  # (as `created` put them)
@@ -3671,7 +3682,7 @@ class Substitution:
                     v = read()
                 except Exception:  # noqa: BLE001 (a place the step took away: as eager leaves it)
                     continue
-                if isinstance(v, FakeTensor) and v is not self.swap.get(held):
+                if _is_fake(v) and v is not self.swap.get(held):
                     out[name] = _unwrapped(v)
                     new_state[name] = (None, None, ("set", write))
                 elif v is None or _is_scalar(v):  # (emptied, or set to a number: set so by every call)
@@ -3741,10 +3752,10 @@ class Substitution:
                 held = read()
             except ValueError:
                 continue
-            if type(held) is set and any(isinstance(v, FakeTensor) for v in held):
+            if type(held) is set and any(_is_fake(v) for v in held):
                 members = [self._stood_for.get(id(v), v) for v in held]
                 held.clear()
-                held.update(v for v in members if not isinstance(v, FakeTensor))
+                held.update(v for v in members if not _is_fake(v))
         for _, lst, held in self._module_lists():  # (a list cleared or cut: its swapped places first)
             if not self._kept_prefix(lst, held):
                 lst[:] = [self.swap.get(id(v), v) for v in held]
@@ -3752,12 +3763,12 @@ class Substitution:
             undo()
         self._undo.clear()
         self._take_back()
-        self._repoint_weak(self._stood_for)  # a weak reference the forward kept to a lifted tensor (`self.wref =
+        self._repoint_weak(self._stood_for, list(self.swap.values()))  # a weak reference the forward kept to a lifted tensor (`self.wref =
         # weakref.ref(self.lin.weight)`): to the tensor, not its stand-in, which dies
         for root in self.state.roots:  # an RNN keeps a list of its weights (`_flat_weights`), set when
             if isinstance(root.value, torch.nn.Module):  # one is assigned: the trace's stand-ins were left in it
                 for m in root.value.modules():
-                    if isinstance(m, torch.nn.RNNBase) and any(isinstance(w, FakeTensor) for w in m._flat_weights):
+                    if isinstance(m, torch.nn.RNNBase) and any(_is_fake(w) for w in m._flat_weights):
                         _reset_flat_weights(m)
 
     def put_back(self) -> None:
@@ -3795,7 +3806,7 @@ class Substitution:
         found: list[str] = []
         seen: set = set()
         for root in self.state.roots:  # a subclass given its own tensor where it inherited one
-            if isinstance(root.value, _Inherited) and isinstance(vars(root.value.cls).get(root.value.attr), FakeTensor):
+            if isinstance(root.value, _Inherited) and _is_fake(vars(root.value.cls).get(root.value.attr)):
                 sub, owner = root.value.cls.__name__, root.value.owner.__name__
                 found.append(f"{root.name} (set on {sub}, which inherits it from {owner}: assign it on {owner}, where "
                              "hpfun reads and writes it)")
@@ -3942,8 +3953,9 @@ def _readable(slot) -> bool:
 
 def _unwrapped(v):
     """The tensor a torch.func wrapper (grad's, functionalize's) holds, once its transform has
-    ended; anything else as it is (vmap's batched tensors too)."""
-    while isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v) \
+    ended; anything else as it is (vmap's batched tensors too; a weak proxy, which torch's C++
+    would take for a tensor and crash on)."""
+    while _is_tensor(v) and torch._C._functorch.is_functorch_wrapped_tensor(v) \
             and not torch._C._functorch.is_batchedtensor(v):
         v = torch._C._functorch.get_unwrapped(v)
     return v
@@ -3990,7 +4002,8 @@ def _reset_flat_weights(rnn: torch.nn.RNNBase) -> None:
 
 
 def _holds_tensor(v) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))
+    return any(isinstance(leaf, torch.Tensor) and type(leaf) not in WEAK_PROXIES
+               for leaf in torch.utils._pytree.tree_leaves(v))
 
 
 def _short(v) -> str:
@@ -4000,7 +4013,7 @@ def _short(v) -> str:
 
 def _holds_fake_state(module) -> bool:
     return isinstance(module, torch.nn.Module) and any(
-        isinstance(t, FakeTensor) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()))
+        _is_fake(t) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()))
 
 
 def _holds_made_module(v, depth: int = 3) -> bool:
@@ -4028,7 +4041,7 @@ def _rebind(read, value) -> None:
 def _made_attribute(obj, attr: str, v, held: dict) -> bool:
     """Whether the trace gave a plain object a tensor (or a tuple, list or dict of them) where it
     held none: state the step makes (a GradScaler's lazily made `_scale` is refused, with its fix)."""
-    return held.get(attr) is None and (isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and
+    return held.get(attr) is None and (_is_fake(v) or isinstance(v, (tuple, list, dict)) and
                                        _holds_fake(v)) and not (attr.startswith("_") and is_grad_scaler(obj))
 
 
@@ -4054,14 +4067,14 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
         return
     seen.add(id(v))
     if isinstance(v, torch.Tensor):
-        if isinstance(v.grad, FakeTensor):
+        if _is_fake(v.grad):
             found.append(f"{path}.grad")
             v.grad = None
         return
     if isinstance(v, torch.nn.Module):
         for store_name in ("_parameters", "_buffers"):
             store = getattr(v, store_name)
-            for key in [k for k, t in store.items() if isinstance(t, FakeTensor)]:
+            for key in [k for k, t in store.items() if _is_fake(t)]:
                 found.append(_join(path, key) + (" (a parameter the function registered: register it before the "
                                                  "first call, in __init__ or by one eager call, and hpfun lifts it)"
                                                  if store_name == "_parameters" else ""))
@@ -4077,7 +4090,7 @@ def _take_fakes(v, path: str, found: list, seen: set, depth: int = 0) -> None:
         for g, group in enumerate(v.param_groups):
             _take_from(group, group, f"{path}.param_groups.{g}", found, seen, depth, attributes=False)
         for p, entries in list(v.state.items()):
-            if isinstance(p, FakeTensor):
+            if _is_fake(p):
                 found.append(f"{path}.state (of a parameter made inside the function)")
                 del v.state[p]
             elif isinstance(entries, dict):
@@ -4097,7 +4110,7 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
     def at(key):
         return f"{path}.{key}" if attributes else f"{path}[{key!r}]" if isinstance(owner, dict) else f"{path}[{key}]"
 
-    fakes = [k for k, w in items.items() if isinstance(w, FakeTensor)]
+    fakes = [k for k, w in items.items() if _is_fake(w)]
     found += [at(key) for key in fakes]
     if fakes and isinstance(owner, dict) and type(owner) is not dict:
         found[-1] += (f" (an attribute of a {type(owner).__name__}, a dict subclass: set it before the first call, "
@@ -4107,12 +4120,12 @@ def _take_from(owner, items: dict, path: str, found: list, seen: set, depth: int
         for key in fakes:
             del_attribute(owner, key)
     elif fakes and type(owner) is list:
-        owner[:] = [w for w in owner if not isinstance(w, FakeTensor)]
+        owner[:] = [w for w in owner if not _is_fake(w)]
     elif fakes and isinstance(owner, dict):
         for key in fakes:
             del owner[key]
     for key, w in items.items():
-        if not isinstance(w, FakeTensor):
+        if not _is_fake(w):
             _take_fakes(w, at(key), found, seen, depth + 1)
 
 
@@ -4162,9 +4175,19 @@ def _holds_plain_object(container) -> bool:
     return any(_is_plain_object(w) and not callable(w) or type(w) in (list, dict, tuple) for w in items)
 
 
+def _is_tensor(v) -> bool:
+    """A tensor; not a weak proxy to one (`WEAK_PROXIES`)."""
+    return isinstance(v, torch.Tensor) and type(v) not in WEAK_PROXIES
+
+
+def _is_fake(v) -> bool:
+    """A tensor of the trace (a stand-in, or one the trace made); not a weak proxy to one."""
+    return isinstance(v, FakeTensor) and type(v) not in WEAK_PROXIES
+
+
 def _holds_fake(v) -> bool:
-    return isinstance(v, FakeTensor) or isinstance(v, (tuple, list, dict)) and \
-        any(isinstance(leaf, FakeTensor) for leaf in torch.utils._pytree.tree_leaves(v))
+    return _is_fake(v) or isinstance(v, (tuple, list, dict)) and \
+        any(_is_fake(leaf) for leaf in torch.utils._pytree.tree_leaves(v))
 
 
 def holds_trace_tensors(v, depth: int = 4) -> bool:
@@ -4257,14 +4280,14 @@ def _created_items(name: str, v, place: tuple) -> dict:
     """A value the step put at `place` (appended to a list, under a new key): a tensor, or a
     tuple, list or dict holding tensors (`acts.append((name, out.detach()))`), whose tensors are
     each written back (`put`), the rest as the trace made it."""
-    if isinstance(v, FakeTensor):
+    if _is_fake(v):
         return {name: (v, place)}
     if not _holds_fake(v):
         return {}
     whole = _Assembly(v)
     return {f"{name}{torch.utils._pytree.keystr(path)}": (leaf, ("part", place, whole, j))
             for j, (path, leaf) in enumerate(torch.utils._pytree.tree_flatten_with_path(v)[0])
-            if isinstance(leaf, FakeTensor)}
+            if _is_fake(leaf)}
 
 
 class _Assembly:
@@ -4273,7 +4296,7 @@ class _Assembly:
 
     def __init__(self, value):
         self.leaves, self.spec = torch.utils._pytree.tree_flatten(value)
-        self.parts = sum(isinstance(leaf, FakeTensor) for leaf in self.leaves)
+        self.parts = sum(_is_fake(leaf) for leaf in self.leaves)
         self.got: dict = {}
 
     def add(self, j: int, value):
@@ -4375,7 +4398,7 @@ class ObjectValues:
         for name, obj, attrs_before, containers in self.objects:
             d = _fields_of(obj) if obj is not None else {}
             for attr, v in list(d.items()):
-                if isinstance(v, FakeTensor) and attrs_before.get(attr) is not v:
+                if _is_fake(v) and attrs_before.get(attr) is not v:
                     out.append(f"{name}.{attr}")
                     if attr in attrs_before:
                         d[attr] = attrs_before[attr]
@@ -4383,7 +4406,7 @@ class ObjectValues:
                         del d[attr]
             for attr, (container, was) in containers.items():
                 inside = list(container.items()) if type(container) is dict else list(enumerate(container))
-                fresh = [k for k, v in inside if isinstance(v, FakeTensor)]
+                fresh = [k for k, v in inside if _is_fake(v)]
                 if fresh:
                     out += [f"{name}{'' if attr is None else '.' + attr}[{k!r}]" for k in fresh]
                     _refill(container, was)
@@ -4709,7 +4732,7 @@ def fakes_inside(value, name: str, skip: int = 0, limit: int = 4096) -> list[str
     out, seen, stack = [], set(), [(value, name, 0)]
     while stack and len(seen) < limit:
         v, path, depth = stack.pop()
-        if isinstance(v, FakeTensor):
+        if _is_fake(v):
             if depth > skip:
                 out.append(path)
             continue

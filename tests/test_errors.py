@@ -1252,6 +1252,38 @@ def test_a_weak_reference_a_forward_keeps_in_its_module_is_to_the_lifted_tensor(
         assert model.wref() is model.lin.weight and model.refs["w"]() is model.lin.weight, i
 
 
+
+class _ProxyHolding(torch.nn.Module):
+    """Keeps weak proxies to its weight (one made at construction, one in a dict at every
+    forward) and reads the weight through them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.__dict__["kept"] = weakref.proxy(self.lin.weight)  # (as a plain attribute: not a parameter)
+        self.refs = {}
+
+    def forward(self, x):
+        self.refs["w"] = weakref.proxy(self.lin.weight)
+        return (self.lin(x) * self.kept.sum() + self.refs["w"].square().sum()).sum()
+
+
+def test_a_weak_proxy_a_module_keeps_to_its_weight_refers_to_the_lifted_tensor():
+    """A weak proxy passes for the tensor it refers to (`isinstance` is True, `hash` fails):
+    kept by a module, the walk tried to take a weak reference to it (a bare TypeError), and
+    one a forward made was read as a tensor the step made (an internal error)."""
+    (model, ref) = _ProxyHolding(), _ProxyHolding()
+    step, eager = _sgd_stepped(model, 0.01), _sgd_stepped(ref, 0.01)
+    f = hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(f(x).full(), eager(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(model.lin.weight, ref.lin.weight, rtol=1e-12, atol=1e-12)
+        for proxy in (model.refs["w"], model.kept):  # (torch.equal takes no proxy: its arithmetic does)
+            assert torch.equal(proxy * 1, model.lin.weight), i
+    assert f.trace_count == 2  # (the dict the first call filled: traced again once, then kept)
+
 class _IdentityCached(torch.nn.Module):
     """Recomputes a value made from its weight only when the weight is another tensor, known by
     a weak reference to the one it was made from."""
