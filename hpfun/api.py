@@ -1630,7 +1630,9 @@ class _Entry:
     constants_list: list = attrs.field(init=False)
     outputs: tuple = attrs.field(init=False)  # (layout, global shape, signature) per tensor output
     _build: object = attrs.field(init=False)  # the outputs' structure from its leaves, or None
-    creates: bool = attrs.field(init=False)  # writes state into a place that held none (a new key, attribute)
+    # writes state into a place that held none (a new key, attribute), or puts a lifted tensor at a gradient's
+    # place (`p.grad = state["ema"]`: a place no walk watches, which the next walk finds shared)
+    creates: bool = attrs.field(init=False)
     on_meta: bool = attrs.field(init=False)  # called with meta tensors: run on meta (`_OnMeta`)
     written: tuple = attrs.field(init=False)  # flat positions of the inputs the function writes in place, in order
 
@@ -1650,6 +1652,7 @@ class _Entry:
                                                 torch.device(self.leaves[i].device).type == "meta" for i in self.fed_flat))
         object.__setattr__(self, "creates", any(w.place is not None and w.place[0] != "append"
                                                 and not (w.place[0] == "part" and w.place[1][0] == "append")
+                                                or w.moved is not None and w.slot is not None and w.slot.endswith(".grad")
                                                 for w in self.writes))
 
     def unflatten(self, results: list):

@@ -2664,6 +2664,53 @@ def test_a_gradient_set_to_a_tensor_held_as_state_is_that_tensor():
     assert torch.equal(w, w_ref)
 
 
+
+class GradEMA(torch.optim.Optimizer):
+    """Smooths each gradient in its state and hands the state back as the gradient
+    (`p.grad = state["ema"]`): the gradient and the state are one tensor from then on."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["ema"] = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                ema = self.state[p]["ema"]
+                ema.lerp_(p.grad, 0.5)
+                p.grad = ema
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_gradient_set_to_the_optimizers_state_is_that_state(set_to_none):
+    """After a call that set `p.grad = state["ema"]`, the next call found the gradient and the
+    state as two inputs holding one tensor (no walk watches a gradient's place): refused, as
+    inputs sharing memory, where eager zeroes (or drops) the one tensor and steps on."""
+    model, twin = mlp(), mlp()
+    opt, twin_opt = GradEMA(model.parameters()), GradEMA(twin.parameters())
+
+    @hpfun.shard(mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+    for i in range(4):
+        step(*batch(i))
+        x, y = batch(i)
+        F.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=set_to_none)
+        assert max_diff(model, twin) < 1e-12, i
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert (p.grad is opt.state[p]["ema"]) == (q.grad is twin_opt.state[q]["ema"]), i
+            assert torch.allclose(opt.state[p]["ema"], twin_opt.state[q]["ema"], rtol=0, atol=1e-12), i
+    assert step.trace_count <= 2
+
 class FlaggedSGD(torch.optim.Optimizer):
     """Keeps a per-parameter flag it sets once (timm's Muon keeps `use_muon`), and a step count
     it makes as a tensor in its param group at the first step (timm's Lamb)."""
