@@ -64,7 +64,7 @@ from torch.utils import _pytree as pytree
 
 from hpfun.checkpoint import rematerialize, torch_checkpoints
 from hpfun.errors import CaptureError, Problem
-from hpfun.functionalize import _is_view, functionalize
+from hpfun.functionalize import _is_view, _writes_first, functionalize
 from hpfun.optimizers import exact_step_scalars, traced_steps
 
 aten = torch.ops.aten
@@ -597,6 +597,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         _ADDRESSES.clear()  # (a storage's _cdata may be another's after the trace)
     _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []
+    _sets_as_aliases(gm)
     if _mutates(gm):
         _refuse_input_metadata_writes(gm, only_resize=True)  # (x.resize_(...) of an input: the rewrite takes it)
     if _mutates(gm) and (written := functionalize(gm)) is not None:
@@ -3247,6 +3248,52 @@ def _real_tensor_in(err: Exception) -> torch.Tensor | None:
                     return t
         frame = frame.f_back
     return None
+
+
+def _sets_as_aliases(gm: torch.fx.GraphModule) -> None:
+    """`a.set_(b)`: from there on `a` is `b` (one storage, b's shape and strides), so every later
+    read or write of `a` is one of `b`. An input `a` (an argument, lifted state: `p.set_(new)`)
+    ends holding b's last values, written back as eager leaves it holding b's storage (a view
+    of an input set so views it no more: the input is left as it was). An input given another
+    shape is left to `_refuse_input_metadata_writes` (set_ from a storage: an op with no rule)."""
+    nodes = list(gm.graph.nodes)
+    found = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is aten.set_.source_Tensor]
+    if not found:
+        return
+    output, kept, taken = nodes[-1], set(), []  # (the copies into inputs: of the input itself)
+    for i in found:
+        n = nodes[i]
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["source"]
+        base = _written_root(a)
+        if base.op == "placeholder":  # (a view of an input set so is a view no more: the input is as it was)
+            have, want = a.meta.get("val"), b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+            if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)
+                    and (have.shape, have.dtype) == (want.shape, want.dtype)):
+                continue
+            with gm.graph.inserting_before(output):  # (its last values: a later set_ of `b` moves this one too)
+                copy = gm.graph.call_function(aten.copy_.default, (base, b))
+            copy.meta.update(val=a.meta["val"], stack_trace=n.meta.get("stack_trace"))
+            kept.add(copy)
+        taken.append(n)
+        m = n.next
+        while m.op != "root":
+            if m not in kept:
+                m.replace_input_with(a, b)
+                m.replace_input_with(n, b)
+            elif _written_root(m.args[1]) is base:  # (a copy into an input: of what
+                m.args = (m.args[0], b)  # its source is now)
+            m = m.next
+    for n in reversed(taken):
+        if not n.users:
+            gm.graph.erase_node(n)
+
+
+def _written_root(node):
+    """The tensor `node` is, through the in-place ops that wrote it (each returns its target)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+            isinstance(node.target, torch._ops.OpOverload) and node.args and _writes_first(node.target):
+        node = node.args[0]
+    return node
 
 
 def _mutates(gm: torch.fx.GraphModule) -> bool:
