@@ -1360,8 +1360,12 @@ def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> 
                 "every program stays cached). A counter the function never reads (instances counted on the class) "
                 "belongs outside the class (a module-level itertools.count); a value it reads that changes every "
                 "call belongs in a tensor argument.")
-    head = (f"hpfun.shard({fn}) compiled a new program {times} times because {name} changed "
-            f"(last {before!r} -> {now!r}): a Python number the function reaches (read, or held beside what it "
+    changed = f"{name} changed (last {before!r} -> {now!r})"
+    held = [v.value if type(v) is lift.Exact else v for v in (before, now)]
+    if type(held[0]) is type(held[1]) is lift.LibraryValues and (diff := held[0].changes(held[1])):  # (by attribute)
+        owner = name.removesuffix(".<values>")
+        changed = ", ".join(f"{owner}.{k} changed (last {_short(a, 80)} -> {_short(b, 80)})" for k, a, b in diff[:3])
+    head = (f"hpfun.shard({fn}) compiled a new program {times} times because {changed}: a Python number the function reaches (read, or held beside what it "
             "reads: hpfun cannot tell which a trace read) is baked into the program, and every new value compiles "
             "again (seconds each, and every program stays cached).")
     if re.search(r"param_groups\.\d+\.lr$", name):

@@ -137,6 +137,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     change in place (see `RootCache`)."""
     roots: list[Root] = []
     opaque: list[tuple[str, object]] = []
+    keyed_objects: set = set()  # ids of the library objects whose values key the program (`library_values`)
     seen_objects: set[int] = set()
     seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
     seen_hooks: set = set()  # (id of an owner, its hook dicts) walked
@@ -279,6 +280,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     # package's module, `cfgpkg.config.LR`; a class in it, `config.Train.lr`)
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
+            if name and _is_plain_object(obj) and id(obj) not in keyed_objects:  # a library's object: what the
+                keyed_objects.add(id(obj))  # trace reads of it is baked in (`sched.get_last_lr()`, a transform's
+                roots.append(Root(unique(f"{name}.<values>", owner), _SCALAR,  # `scale`): its values key the
+                                  functools.partial(LibraryValues, obj)))  # program, read at every call
             if _is_block_mask(obj) and id(obj) not in seen_objects:  # flex_attention's, made outside the step (as
                 seen_objects.add(id(obj))  # torch's docs advise): its mask_mod's code and what it reads (a document
                 note((obj, "mask_mod", obj.mask_mod))  # id table) are the function's own; its block tensors are
@@ -1348,9 +1353,11 @@ def _object_key(x, depth: int, _path: tuple):
                       for kind in _GLOBAL_HOOK_DICTS  # runs for every module: `register_module_forward_hook`)
                       if (hooks := getattr(torch.nn.modules.module, kind, None))),
                 tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))
-    if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
-        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
-                                             if _is_public_value(k)))
+    if depth and _is_plain_object(x):  # (a library's config in a list: its public values, and those its properties
+        exposed = _read_by_properties(type(x))  # read: an inverse transform's `_inv`; one that is called, a
+        values = tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())  # distribution's
+                       if _is_public_value(k) or k in exposed)  # transform, by identity too)
+        return (type(x).__qualname__, values) if not callable(x) else (_by_identity(x), values)
     if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
         return ("partial", object_key(x.func, depth - 1, _path), object_key(x.args, depth, _path), object_key(x.keywords, depth, _path))
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
@@ -1362,6 +1369,48 @@ def _object_key(x, depth: int, _path: tuple):
     except TypeError:
         return ("object", type(x).__name__, id(x))
     return x
+
+
+def _by_identity(x):
+    """`x` itself where it hashes (by identity, as an object of a class without `__eq__`), else a
+    mark of its identity."""
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", type(x).__name__, id(x))
+    return x
+
+
+LIBRARY_DEPTH = 4  # how deep the values of a library's object the function reaches key the program
+
+
+class LibraryValues:
+    """What a library's object the function reaches keys the program by (a distribution's
+    transform, an LR scheduler, a transformers config held in a global): its public values and
+    those its properties read, `LIBRARY_DEPTH` levels deep (`object_key`); a callable one by its
+    identity too. Each was baked into the trace (a scheduler's rate, a transform's `scale`)."""
+
+    __slots__ = ("kind", "values", "_hash")
+
+    def __init__(self, obj):
+        self.kind, self.values = object_key(obj, LIBRARY_DEPTH)  # (its type's name or itself, ((name, key), ...))
+        self._hash = hash((self.kind, self.values))
+
+    def __eq__(self, other) -> bool:
+        return self is other or type(other) is LibraryValues and self._hash == other._hash and \
+            self.kind == other.kind and self.values == other.values
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def changes(self, other: "LibraryValues") -> list[tuple[str, object, object]]:
+        """(attribute, key here, key in `other`) of each value that differs."""
+        mine, theirs = dict(self.values), dict(other.values)
+        return [(k, mine.get(k, _MISSING), theirs.get(k, _MISSING)) for k in dict.fromkeys([*mine, *theirs])
+                if mine.get(k, _MISSING) != theirs.get(k, _MISSING)]
+
+    def __repr__(self) -> str:
+        return f"<{len(self.values)} values of a {self.kind if isinstance(self.kind, str) else type(self.kind).__name__}>"
 
 
 def _global_key(v, code: types.CodeType, depth: int, _path: tuple):
