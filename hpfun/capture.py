@@ -36,6 +36,7 @@ import decimal
 import functools
 import gc
 import importlib
+import inspect
 import io
 import itertools
 import logging
@@ -2957,6 +2958,46 @@ def _combinations(x, r=2, with_replacement=False):
     return x.index_select(0, torch.tensor(index, dtype=torch.long, device=x.device)).view(len(index) // r, r)
 
 
+# the parameters a keyword call gives by position before the mode's checks read them: the tensors an
+# op is about (those torch's signatures put first, in the same order in every overload)
+_BY_POSITION = frozenset({"input", "other", "index", "source", "src", "mask", "condition"})
+_SIGNATURES: dict | None = None  # torch's table of overridable functions' signatures, made once
+
+
+@functools.lru_cache(maxsize=4096)
+def _positional_names(func) -> tuple:
+    """The names of `func`'s leading parameters that may be given by position and are among
+    `_BY_POSITION` (torch's signature table, `torch.overrides.get_testing_overrides`); ()
+    where it has none."""
+    global _SIGNATURES
+    if _SIGNATURES is None:
+        _SIGNATURES = torch.overrides.get_testing_overrides()
+    dummy = _SIGNATURES.get(func)
+    if dummy is None:
+        return ()
+    try:
+        params = list(inspect.signature(dummy).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for p in params:
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(p.name)
+    return tuple(names) if any(n in _BY_POSITION for n in names) else ()
+
+
+def _by_position(names: tuple, args: tuple, kwargs: dict) -> tuple:
+    """`args` and `kwargs` with the keywords that follow `args` in `names` moved into it, up to
+    the first absent or not among `_BY_POSITION` (`torch.istft(input=x, n_fft=64)`: x by position)."""
+    args = tuple(args)
+    for name in names[len(args):]:
+        if name not in _BY_POSITION or name not in kwargs:
+            break
+        args += (kwargs.pop(name),)
+    return args, kwargs
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -2969,6 +3010,8 @@ class _TensorScalars(TorchFunctionMode):
         if type(func) is _METHOD_WRAPPER and func.__name__ == "__get__" or func in _METADATA_QUERIES:
             return func(*args, **(kwargs or {}))  # (no check below is about them: most calls the mode sees, from
         kwargs = dict(kwargs or {})  # torch's own tracing machinery, answered without walking the checks)
+        if kwargs and (names := _positional_names(func)):  # (`x.index_add(1, index=i, source=s)`: as the
+            args, kwargs = _by_position(names, args, kwargs)  # positional form, which the checks below read)
         if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
             return _deepcopy_traced(*args, **kwargs)
         if func is torch.combinations and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 1:

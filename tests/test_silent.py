@@ -1942,6 +1942,81 @@ def test_a_global_a_special_method_reads_keys_the_program():
     _retraced_when_the_global_changes(fns)
 
 
+
+_SQUASH = torch.distributions.transforms.AffineTransform(0.0, 2.0)
+
+
+def test_the_values_of_a_library_object_the_function_reaches_key_the_program():
+    """Numbers read from a library's object held in a global, a closure or a module's list (a
+    distribution's transform, an inverse one, an LR scheduler read inside the step) were baked
+    into the first program: changed between calls, the next call ran it (an affine transform's
+    scale of 3.0 ran as 2.0; a scheduled rate stayed the first one). They key the program now,
+    and the warning after several compiles names the attribute that changed."""
+    import warnings
+
+    Affine, Power = torch.distributions.transforms.AffineTransform, torch.distributions.transforms.PowerTransform
+    power = Power(2.0)
+    model = torch.nn.Module()
+    model.tr = [Affine(1.0, 1.0)]  # (a plain list: not a submodule)
+    inverse = Affine(0.5, 1.0).inv
+    net = torch.nn.Linear(3, 1, dtype=torch.float64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def f(x):
+        return _SQUASH(x) + model.tr[0](x) * power(x.abs()) + inverse(x) * sched.get_last_lr()[0]
+
+    g = hpfun.shard(f, mesh=MESH, in_specs=P("a"), out_specs=P("a"))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, v in enumerate([2.0, 3.0, 3.0, 4.0, 5.0]):
+            _SQUASH.scale, model.tr[0].loc, power.exponent, inverse._inv.scale = v, v, v / 2, v
+            torch.testing.assert_close(g(x).full(), f(x), rtol=1e-12, atol=1e-12)
+            opt.step()
+            sched.step()
+    assert g.trace_count == 5  # (the third call: the same transforms, the rate halved)
+    assert any("sched.last_epoch changed (last" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+_KEYWORD_FORMS = {  # name: (positional form, keyword form)
+    "istft": (lambda x: torch.istft(torch.stft(x, 16, return_complex=True, window=torch.ones(16)), 16,
+                                    window=torch.ones(16)),
+              lambda x: torch.istft(input=torch.stft(x, 16, return_complex=True, window=torch.ones(16)), n_fft=16,
+                                    window=torch.ones(16))),
+    "index_fill_traced_value": (lambda x: x.long().index_fill(1, torch.tensor([0, 2]), x.double().mean() / 3),
+                                lambda x: x.long().index_fill(1, index=torch.tensor([0, 2]), value=x.double().mean() / 3)),
+    "where": (lambda x: torch.where(x > 0, x, -x), lambda x: torch.where(condition=x > 0, input=x, other=-x)),
+    "bincount": (lambda x: torch.bincount(x.abs().long().flatten()), lambda x: torch.bincount(input=x.abs().long().flatten())),
+    "cov": (lambda x: torch.cov(x.T), lambda x: torch.cov(input=x.T)),
+    "equal": (lambda x: x * int(torch.equal(x, x.clone())), lambda x: x * int(torch.equal(input=x, other=x.clone()))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_KEYWORD_FORMS))
+def test_an_op_called_with_its_tensors_by_keyword_is_checked_and_run_as_its_positional_form(name):
+    """The mode that checks what eager's kernels check (an index's bounds, a value's range) and
+    runs some ops as their math read their tensors by position: given by keyword (`torch.istft(
+    input=...)`, as torchaudio calls it), they crashed (an IndexError, a data-dependent read) or
+    went unchecked, silently (`index_add(1, index=...)` with index -1 counted from the end, where
+    eager refuses it). They are moved into position first."""
+    positional, keyword = _KEYWORD_FORMS[name]
+    x = torch.randn(4, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    want = positional(x)
+    for fn in (positional, keyword):
+        torch.testing.assert_close(hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=None)(x).full(), want,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_an_out_of_bounds_index_given_by_keyword_is_refused_as_eager_refuses_it():
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for fn in (lambda x: torch.zeros(8, 4, dtype=torch.float64).index_add(1, index=torch.tensor([0, -1, 2, 3]), source=x),
+               lambda x: torch.zeros(8, 4, dtype=torch.float64).index_copy(1, index=torch.tensor([0, -1, 2, 3]), source=x)):
+        with pytest.raises(Exception, match="out of bounds"):
+            fn(x)
+        with pytest.raises(hpfun.ExecutionError, match="index out of bounds"):
+            hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P("a"))(x)
+
 def _empty_cut(v):
     w = v.flatten(0, 1)
     return torch.cat([w, w.narrow(1, 0, 0) * 2], 1)
