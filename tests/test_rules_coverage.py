@@ -294,6 +294,35 @@ def test_factories(data):
         check_op(data.draw, op, lambda x, fn=fn: x * fn(), (_rand(4, 6),), partial=(0,))
 
 
+
+SPECIAL = {  # name: (op, fn of a (4, 6) tensor and a (6,) one)
+    "bessel_j0": (aten.special_bessel_j0.default, lambda a, b: aten.special_bessel_j0.default(a)),
+    "bessel_y1": (aten.special_bessel_y1.default, lambda a, b: aten.special_bessel_y1.default(a.abs() + 0.5)),
+    "modified_bessel_k0": (aten.special_modified_bessel_k0.default,
+                           lambda a, b: aten.special_modified_bessel_k0.default(a.abs() + 0.5)),
+    "scaled_modified_bessel_k1": (aten.special_scaled_modified_bessel_k1.default,
+                                  lambda a, b: aten.special_scaled_modified_bessel_k1.default(a.abs() + 0.5)),
+    "chebyshev_t": (aten.special_chebyshev_polynomial_t.default,
+                    lambda a, b: aten.special_chebyshev_polynomial_t.default(a, (b.abs() * 3).round())),
+    "hermite_h_n_scalar": (aten.special_hermite_polynomial_h.n_scalar,
+                           lambda a, b: aten.special_hermite_polynomial_h.n_scalar(a, 3)),
+    "legendre_p_x_scalar": (aten.special_legendre_polynomial_p.x_scalar,
+                            lambda a, b: aten.special_legendre_polynomial_p.x_scalar(0.3, (b.abs() * 3).round())),
+    "fftfreq": (aten.fft_fftfreq.default, lambda a, b: b * aten.fft_fftfreq.default(6, 0.5, dtype=torch.float64)),
+    "rfftfreq": (aten.fft_rfftfreq.default, lambda a, b: a * aten.fft_rfftfreq.default(10, dtype=torch.float64)),
+    "range_step": (aten.range.step, lambda a, b: b * aten.range.step(1, 6, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECIAL))
+@settings(max_examples=3)
+@given(data=st.data())
+def test_special_functions_and_frequency_factories(data, name):
+    """torch.special's Bessel functions and orthogonal polynomials keep any split (they
+    had no rule); the FFT's sample frequencies and torch.range are replicated, made from numbers."""
+    op, fn = SPECIAL[name]
+    check_op(data.draw, op, fn, (_rand(4, 6), _rand(6)))
+
 def test_empty_strided_is_replicated():
     """empty_strided's values are undefined: only its layout and shape are checked."""
     mesh = hpfun.Mesh.simulated((2,), ("a",))
