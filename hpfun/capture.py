@@ -123,9 +123,14 @@ def decompositions() -> dict:
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
-    """Two passes of reductions: over a split dim, each is a Partial sum (a small all-reduce)."""
+    """Two passes of reductions: over a split dim, each is a Partial sum (a small all-reduce).
+    A complex tensor's: its real and imaginary parts' variances summed, its mean made of theirs."""
     if x.is_complex():
-        return NotImplemented
+        if x.ndim == 0:
+            return NotImplemented
+        dims = list(range(x.ndim)) if dim is None or len(dim) == 0 else [d % x.ndim for d in dim]
+        var, mean = _var_mean(aten.view_as_real.default(x), dims, correction=correction, keepdim=keepdim)
+        return aten.sum.dim_IntList(var, [-1]), aten.view_as_complex.default(mean)
     if x.dtype in (torch.float16, torch.bfloat16):  # as torch's kernel: computed in float32, rounded once
         var, mean = _var_mean(aten._to_copy.default(x, dtype=torch.float32), dim, correction=correction,
                               keepdim=keepdim)

@@ -238,8 +238,8 @@ def _fold_reduction(graph: torch.fx.Graph, node) -> bool:
     dim no longer has to be gathered to be summed."""
     x, dims = node.args[0], node.args[1]
     keepdim = len(node.args) > 2 and node.args[2]
-    if not _is_call(x, *_VIEWS) or dims is None or len(dims) == 0:
-        return False
+    if not _is_call(x, *_VIEWS) or dims is None or len(dims) == 0 or not _shape(x):  # (a 0-d view summed
+        return False  # over its dim 0 or -1: nothing merged)
     base, groups = _unflatten(x, _shape(x))
     dims = [d % len(_shape(x)) for d in dims]
     if base is x or all(len(groups[d]) == 1 for d in dims):

@@ -2084,6 +2084,16 @@ def test_set_points_a_tensor_at_another_and_the_program_does_what_eager_does():
                                                  r"a value of shape \(3,\) in place"):
         hpfun.shard(reshaped, mesh=MESH, in_specs=(P("a"),), out_specs=P("a"))(torch.randn(4, 3, dtype=torch.float64))
 
+
+def _summed_scalar_view(a, b):
+    return torch.einsum("i,i->", a, b).mean(-1) + a.sum().reshape(()).sum(0)
+
+
+
+def _complex_var_mean(z):
+    var, mean = torch.var_mean(z, 0)
+    return var + mean.abs() + torch.std_mean(z, 1)[0].sum()
+
 _EDGE_CASES = {  # name: (function, inputs, in_specs, mesh)
     "resize_to_its_shape": (_resized_to_itself, (torch.randn(4, 4),), (P("a"),), MESH),
     "empty_rows_cut": (_empty_cut, (torch.randn(5, 1, 0),), (P(),), MESH2),
@@ -2093,7 +2103,32 @@ _EDGE_CASES = {  # name: (function, inputs, in_specs, mesh)
                              (P("a"),), MESH),
     "complex_nan_to_num": (_complex_nan_to_num, (torch.tensor([1.0, float("nan"), float("inf"), -float("inf")]),),
                            (P("a"),), MESH),
+    "summed_0d_view": (_summed_scalar_view, (torch.arange(6.0), torch.arange(6.0) / 7), (P(), P()), MESH),
+    "complex_var_mean": (_complex_var_mean, (torch.arange(8.0).reshape(4, 2) * (1 - 0.5j),), (P("a"),), MESH),
 }
+
+
+def test_the_conjugate_of_a_complex_partial_sum_is_reduced_as_its_values():
+    """`a.sum(0).conj()` of a split `a` reached the simulated all-reduce as a lazy conjugate
+    view, whose storage torch refused to read as pairs of floats (a raw RuntimeError)."""
+    a = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) * (1 + 2j)
+    for fn in (lambda a: a.sum(0).conj(), lambda a: torch.conj(a.mean(0)) * 2):
+        got = hpfun.shard(fn, mesh=MESH, in_specs=(P("a"),), out_specs=P())(a).full()
+        assert torch.equal(got.resolve_conj(), fn(a).resolve_conj())
+
+
+def test_a_triangular_solve_with_a_zero_pivot_gives_eagers_inf_for_a_partial_right_hand_side():
+    """A row-split product solved against a triangular matrix with a zero on its diagonal: each
+    rank's term solved to +inf or -inf, which summed to nan where eager's solution is inf."""
+    x, w = torch.tensor([[3.0, -2.0], [1.0, 1.0]], dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64)
+    A = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+
+    def solve(x, w, A):
+        return torch.linalg.solve_triangular(A, x @ w, upper=False)
+
+    got = hpfun.shard(solve, mesh=MESH, in_specs=(P(None, "a"), P("a"), P()), out_specs=P())(x, w, A).full()
+    want = solve(x, w, A)
+    assert torch.equal(got.nan_to_num(7.0, 8.0, 9.0), want.nan_to_num(7.0, 8.0, 9.0)), (got, want)
 
 
 @pytest.mark.parametrize("name", sorted(_EDGE_CASES))
@@ -2102,7 +2137,8 @@ def test_edge_cases_a_generator_found_equal_eager(name):
     zero while folding), gather of an empty index of another rank (an index out of range in its
     rule), two distinct empty arguments taken for one memory (both at address 0), index_add of
     bools with alpha (its decomposition made a long source), nan_to_num of a complex tensor
-    (torch's decomposition refuses complex), a resize to the shape a tensor has (no rule)."""
+    (torch's decomposition refuses complex), a resize to the shape a tensor has (no rule), a sum
+    over dim 0 of a 0-d view (a division by zero while folding), a complex var_mean (no rule)."""
     fn, inputs, specs, mesh = _EDGE_CASES[name]
     want = fn(*(t.clone() for t in inputs))
     got = hpfun.shard(fn, mesh=mesh, in_specs=specs, out_specs=None)(*(t.clone() for t in inputs)).full()

@@ -19,7 +19,8 @@ c10d = torch.ops._c10d_functional
 def _reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
     if tensors[0].is_complex():  # as the pairs of floats they are, as gloo and NCCL sum them (a complex
         # `a + b` is a + 1 * b, and 1 * (inf + 1j) is inf + nanj: torch's 0 * inf)
-        return torch.view_as_complex(_reduce([torch.view_as_real(t) for t in tensors], op).contiguous())
+        return torch.view_as_complex(_reduce([torch.view_as_real(t.resolve_conj()) for t in tensors], op).contiguous())
+        # (a conjugate view, `x.sum(0).conj()` of a split x, is read as its values)
     if op in ("sum", "avg"):
         total = tensors[0].clone()
         for t in tensors[1:]:
