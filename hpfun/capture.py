@@ -603,6 +603,7 @@ def trace(flat_fn, metas, device=None, requires_grad=None, readable=None) -> Cap
         _ADDRESSES.clear()  # (a storage's _cdata may be another's after the trace)
     _refuse_generator_state(gm, seed[1], generator)
     mutated: list[int] = []
+    _refuse_sparse(gm)
     _sets_as_aliases(gm)
     if _mutates(gm):
         _refuse_input_metadata_writes(gm, only_resize=True)  # (x.resize_(...) of an input: the rewrite takes it)
@@ -3296,6 +3297,25 @@ def _real_tensor_in(err: Exception) -> torch.Tensor | None:
                     return t
         frame = frame.f_back
     return None
+
+
+def _refuse_sparse(gm: torch.fx.GraphModule) -> None:
+    """A value the trace made sparse (the gradient of nn.Embedding(sparse=True)'s weight, with
+    no optimizer step in the call to refuse it): named at the user's line, before its ops are
+    found to have no rule, or its write-back fails after the program ran."""
+    problems, seen = [], set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "call_function" and isinstance(val, torch.Tensor) and val.layout != torch.strided:
+            line = user_line(n.meta.get("stack_trace")) if n.meta.get("stack_trace") else ""
+            if line not in seen:
+                seen.add(line)
+                problems.append(Problem(f"a {str(val.layout).removeprefix('torch.')} tensor{f' at {line}' if line else ''}",
+                                        "is sparse (nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make "
+                                        "their weight's gradient sparse), and hpfun shards dense tensors only",
+                                        "pass sparse=False: the same update, with a dense gradient"))
+    if problems:
+        raise CaptureError(problems, headline="cannot capture the function")
 
 
 def _sets_as_aliases(gm: torch.fx.GraphModule) -> None:

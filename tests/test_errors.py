@@ -1382,6 +1382,25 @@ def test_a_tensor_inside_an_argument_object_names_it_and_the_ways_out():
     assert torch.equal(closed(x).full(), x * 2 + 1)
 
 
+
+@pytest.mark.parametrize("cls", [torch.nn.Embedding, torch.nn.EmbeddingBag])
+def test_a_sparse_gradient_made_without_an_optimizer_step_is_refused_at_its_line(cls):
+    """nn.Embedding(sparse=True) in a step of forward and backward only (the optimizer stepped
+    outside): its sparse gradient's ops had no rule (Embedding), or its write-back failed with
+    torch's error after the program ran (EmbeddingBag). Refused at the trace, naming the line."""
+    torch.manual_seed(0)
+    model = cls(10, 4, sparse=True)
+
+    def step(i):
+        loss = model(i).sum()
+        loss.backward()
+        return loss
+
+    ids = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(1))
+    _, text = _raise(hpfun.shard(step, mesh=MESH, in_specs=P("dp"), out_specs=P()), ids, error=hpfun.CaptureError)
+    assert "a sparse_coo tensor at" in text and "test_errors.py" in text and "pass sparse=False" in text, text
+    assert model.weight.grad is None
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")  # torch's, eager too
 def test_sparse_and_nested_tensors_are_refused_by_path():
     """Sparse (COO, CSR) and nested tensors, as arguments or as a module's buffer, are refused by
