@@ -3911,9 +3911,15 @@ def _raised_by_the_code(err: Exception) -> bool:
     (or a library's, not torch's) source: a check of its arguments (transformers' "You have to
     specify either input_ids or inputs_embeds") is the caller's to catch, as in eager."""
     frames = traceback.extract_tb(err.__traceback__)
-    if not frames or not _is_user_frame(frames[-1].filename) or isinstance(err, torch._subclasses.fake_tensor.UnsupportedFakeTensorException):
+    if not frames or not (_is_user_frame(frames[-1].filename) or frames[-1].filename.startswith(_ARGUMENT_CHECKS)) \
+            or isinstance(err, torch._subclasses.fake_tensor.UnsupportedFakeTensorException):
         return False
     return _raises_or_asserts(frames[-1].line or "") and type(err).__module__ == "builtins"
+
+
+# torch's own code that checks its caller's arguments in Python, as a library does (a distribution's
+# `validate_args`: "Expected value argument ... to be within the support"): raised as in eager
+_ARGUMENT_CHECKS = (os.path.join(TORCH_DIR, "distributions") + os.sep,)
 
 
 def _raises_or_asserts(line: str) -> bool:

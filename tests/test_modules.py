@@ -2904,6 +2904,23 @@ def test_a_value_read_from_the_arguments_is_read_as_eager_reads_it():
         hpfun.shard(one_line, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P())(x, torch.tensor([1, 2, 3, 7] * 2))
 
 
+
+def test_a_distributions_argument_check_raises_its_own_error_as_eager():
+    """A distribution's `validate_args` check ("Expected value argument ... to be within the
+    support") is torch's Python check of its caller's arguments, as a library's is: it came back
+    as a CaptureError, which `except ValueError` did not catch. Valid values run as eager."""
+    from torch.distributions import Categorical
+
+    def log_prob(probs, actions):
+        return Categorical(probs=probs, validate_args=True).log_prob(actions)
+
+    f = hpfun.shard(log_prob, mesh=DP, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    probs = torch.full((8, 4), 0.25, dtype=torch.float64)
+    good = torch.arange(8) % 4
+    torch.testing.assert_close(f(probs, good).full(), log_prob(probs, good))
+    with pytest.raises(ValueError, match="to be within the support"):
+        f(probs, torch.full((8,), 7))
+
 def test_a_value_read_after_a_write_through_a_split_or_chunk_sees_the_write():
     """`x.split(2)[0].add_(1.5)` then `(x > 0).nonzero()`: the read was computed from x without
     the write made through one of the views split and chunk return (silently another answer;
