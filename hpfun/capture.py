@@ -2131,7 +2131,7 @@ def _istft(input, n_fft, hop_length=None, win_length=None, window=None, center=T
     """torch.istft as torch's reference computes it (its kernel reads the window's overlap-added
     envelope to check it has no zero, which a trace cannot): the check made here, from the
     envelope's value where it is readable (a window made from constants or the arguments), as
-    eager's error; a window made from parameters is divided by as it is."""
+    eager's error; of a window made from parameters, by the program at every call."""
     out = torch._refs.istft(input, n_fft, hop_length, win_length, window, center, normalized, onesided, length,
                             return_complex)
     hop, width = hop_length or n_fft // 4, win_length or n_fft
@@ -2143,10 +2143,15 @@ def _istft(input, n_fft, hop_length=None, win_length=None, window=None, center=T
     envelope = aten.unfold_backward(w.detach().pow(2).expand(1, frames, n_fft), (1, total), 1, n_fft, hop)
     start = n_fft // 2 if center else 0
     end = start + length if length is not None else total - n_fft // 2 if center else total
-    ok = _read(torch.Tensor.__bool__, envelope[:, start:min(end, total)].abs().min() >= 1e-11)
+    nonzero = envelope[:, start:min(end, total)].abs().min() >= 1e-11
+    ok = _read(torch.Tensor.__bool__, nonzero)
+    message = (f"istft(n_fft={n_fft}, hop_length={hop}, win_length={width}): window overlap add min: 0 (the "
+               "window's squares summed over the frames are zero somewhere)")
     if ok is False:
-        raise RuntimeError(f"istft(n_fft={n_fft}, hop_length={hop}, win_length={width}): window overlap add min: "
-                           "0 (the window's squares summed over the frames are zero somewhere)")
+        raise RuntimeError(message)
+    if ok is _UNREADABLE:  # (a learnable window: checked at every call; `out` itself keeps its gradient)
+        checks = checked(nonzero, nonzero, message)
+        out = torch.where(checks, out, out)
     return out
 _INDEX_PUTS = frozenset([torch.index_put, torch.index_put_, torch.Tensor.index_put, torch.Tensor.index_put_])
 

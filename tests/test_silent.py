@@ -2131,6 +2131,30 @@ def test_a_triangular_solve_with_a_zero_pivot_gives_eagers_inf_for_a_partial_rig
     assert torch.equal(got.nan_to_num(7.0, 8.0, 9.0), want.nan_to_num(7.0, 8.0, 9.0)), (got, want)
 
 
+def test_istft_checks_a_learnable_windows_envelope_at_every_call_and_keeps_its_gradient():
+    """A window that is a parameter: its overlap-added envelope cannot be read at the trace, and
+    a zero in it was divided by (nan, silently, where eager raises "window overlap add min").
+    The program checks it at every call; the window's gradient is eager's."""
+    x = torch.randn(4, 640, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    window = torch.nn.Parameter(torch.hann_window(64, dtype=torch.float64) + 0.1)
+
+    def step(x):
+        y = torch.istft(torch.stft(x, 64, 16, window=window, return_complex=True), 64, 16, window=window)
+        loss = (y - x).square().sum() + y.sum()
+        loss.backward()
+        return loss
+
+    f = hpfun.shard(step, mesh=MESH, in_specs=P("a"), out_specs=P())
+    got = f(x).full()
+    grad, window.grad = window.grad, None
+    torch.testing.assert_close(got, step(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, window.grad, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        window.zero_()  # (the same program: the check fails at the call)
+    with pytest.raises(hpfun.ExecutionError, match="window overlap add min"):
+        f(x)
+
+
 @pytest.mark.parametrize("name", sorted(_EDGE_CASES))
 def test_edge_cases_a_generator_found_equal_eager(name):
     """Valid programs that were refused or crashed: an empty tensor cut into rows (a division by
