@@ -3027,7 +3027,7 @@ class _TensorScalars(TorchFunctionMode):
             return _deepcopy_traced(*args, **kwargs)
         if func is torch.combinations and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 1:
             return _combinations(*args, **kwargs)
-        if func in _ISTFT and args and isinstance(args[0], FakeTensor):  # (torch's kernel checks the window's
+        if func in _ISTFT and args and _is_traced(args[0]):  # (torch's kernel checks the window's
             return _istft(*args, **kwargs)  # envelope by reading it, which its reference divides by)
         _refuse_overlapping_write(func, args)
         if _TAKEN and args and isinstance(args[0], torch.Tensor) and _is_write(func) and not self._into_copy \
