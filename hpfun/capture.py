@@ -3324,41 +3324,60 @@ def _refuse_sparse(gm: torch.fx.GraphModule) -> None:
 
 
 def _sets_as_aliases(gm: torch.fx.GraphModule) -> None:
-    """`a.set_(b)`: from there on `a` is `b` (one storage, b's shape and strides), so every later
-    read or write of `a` is one of `b`. An input `a` (an argument, lifted state: `p.set_(new)`)
-    ends holding b's last values, written back as eager leaves it holding b's storage (a view
-    of an input set so views it no more: the input is left as it was). An input given another
-    shape is left to `_refuse_input_metadata_writes` (set_ from a storage: an op with no rule)."""
-    nodes = list(gm.graph.nodes)
-    found = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is aten.set_.source_Tensor]
+    """`a.set_(b)`: from there on the tensor `a` is another view of `b`'s memory (b's shape and
+    strides), so a later write to either is seen through the other, and setting either again
+    re-points that one alone; views of `a` taken before keep its old memory. An input `a` (an
+    argument, lifted state: `p.set_(new)`) ends holding the last values of the memory it points
+    at, written back as eager leaves it; what the function returns is read before that. An
+    input given another shape is left to `_refuse_input_metadata_writes` (set_ from a storage:
+    an op with no rule)."""
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.set_.source_Tensor]
     if not found:
         return
-    output, kept, taken = nodes[-1], set(), []  # (the copies into inputs: of the input itself)
-    for i in found:
-        n = nodes[i]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    copies, stands_for = {}, {}  # input -> the copy into it at the end; an alias -> the input it stands for
+    for n in found:
         a, b = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs["source"]
-        base = _written_root(a)
-        if base.op == "placeholder":  # (a view of an input set so is a view no more: the input is as it was)
-            have, want = a.meta.get("val"), b.meta.get("val") if isinstance(b, torch.fx.Node) else None
-            if not (isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)
-                    and (have.shape, have.dtype) == (want.shape, want.dtype)):
-                continue
-            with gm.graph.inserting_before(output):  # (its last values: a later set_ of `b` moves this one too)
-                copy = gm.graph.call_function(aten.copy_.default, (base, b))
-            copy.meta.update(val=a.meta["val"], stack_trace=n.meta.get("stack_trace"))
-            kept.add(copy)
-        taken.append(n)
-        m = n.next
-        while m.op != "root":
-            if m not in kept:
-                m.replace_input_with(a, b)
-                m.replace_input_with(n, b)
-            elif _written_root(m.args[1]) is base:  # (a copy into an input: of what
-                m.args = (m.args[0], b)  # its source is now)
-            m = m.next
-    for n in reversed(taken):
-        if not n.users:
-            gm.graph.erase_node(n)
+        root = _written_root(a)
+        base = stands_for.get(root, root if root.op == "placeholder" else None)
+        have, want = a.meta.get("val"), b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+        if not isinstance(b, torch.fx.Node) or base is not None and not (
+                isinstance(have, torch.Tensor) and isinstance(want, torch.Tensor)
+                and (have.shape, have.dtype) == (want.shape, want.dtype)):
+            continue
+        with gm.graph.inserting_before(n):
+            alias = gm.graph.call_function(aten.alias.default, (b,))
+        alias.meta.update(val=want, stack_trace=n.meta.get("stack_trace"))
+        n.replace_all_uses_with(alias)
+        gm.graph.erase_node(n)
+        if base is not None:
+            stands_for[alias] = base
+            if base in copies:  # (set again: the input ends holding what it points at now)
+                copies[base].args = (base, alias)
+            else:
+                with gm.graph.inserting_before(output):
+                    copies[base] = gm.graph.call_function(aten.copy_.default, (base, alias))
+                copies[base].meta.update(val=base.meta["val"], stack_trace=n.meta.get("stack_trace"))
+    if copies:  # (a returned view of an input's memory is read before the copies write the inputs)
+        first = next(n for n in gm.graph.nodes if n in copies.values())
+        results = []
+        for leaf in torch.utils._pytree.tree_leaves(output.args):
+            if isinstance(leaf, torch.fx.Node) and _viewed_root(leaf) in copies and leaf not in results:
+                results.append(leaf)
+        for leaf in results:
+            with gm.graph.inserting_before(first):
+                kept = gm.graph.call_function(aten.clone.default, (leaf,))
+            kept.meta.update(val=leaf.meta["val"], stack_trace=leaf.meta.get("stack_trace"))
+            output.replace_input_with(leaf, kept)
+
+
+def _viewed_root(node):
+    """The tensor whose memory `node` shows, through views and in-place ops."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+            isinstance(node.target, torch._ops.OpOverload) and node.args and \
+            (_writes_first(node.target) or _is_view(node.target)):
+        node = node.args[0]
+    return node
 
 
 def _written_root(node):
@@ -4107,6 +4126,10 @@ def _describe(err: Exception) -> str:
     if "format string passed to FakeTensor" in str(err):  # f"{loss:.3f}": a read of the value
         hint = (" — formatting a tensor's value reads it, and hpfun traces on shapes only: to log a value, return the "
                 "tensor and format it after the call (`f\"{step(x, y).full().item():.3f}\"`)")
+    if "UntypedStorage" in str(err) and ".set_(" in str(getattr(err, "hpfun_line", "")) + _user_where(err):
+        hint = (" — set_ from a storage, or with an offset, a size and strides, points a tensor at memory as a "
+                "layout hpfun cannot follow: pass the tensor itself (`a.set_(b)`), take a view (`b.as_strided(size, "
+                "stride, offset)`), or copy the values (`a.copy_(b)`)")
     if "'Sparse" in str(err) or "Sparse" in kind:
         hint = (" — a sparse tensor: nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) make their weight's "
                 "gradient sparse, and hpfun shards dense tensors only; pass sparse=False (the same update, with a "

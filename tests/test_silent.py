@@ -2061,6 +2061,67 @@ def _set_then_written(x, state):
     return t + first.sum()
 
 
+
+def _set_twice(x, state):
+    b = x * 1
+    a = torch.zeros_like(x)
+    a.set_(b)
+    a.set_(x * 2)  # (re-points a alone: b keeps its memory)
+    state["w"].set_(state["v"])
+    state["w"].set_(x * 3)  # (lifted: ends holding x * 3; v untouched)
+    return a + b
+
+
+def _set_source_reset(x, state):
+    t = x * 1
+    a = torch.zeros_like(x)
+    a.set_(t)
+    t.set_(x * 2)  # (a keeps t's old memory)
+    state["w"].set_(state["t"])
+    state["t"].set_(x * 5)
+    return a * 10 + t
+
+
+def _set_swap(x, state):
+    tmp = state["front"].clone()
+    state["front"].set_(state["back"])
+    state["back"].set_(tmp)
+    state["front"].add_(x)
+    return state["front"] * 1
+
+
+def _set_cursor(x, state):
+    cursor = torch.zeros_like(x)
+    for key in ("a", "b"):
+        cursor.set_(state[key])
+        cursor.mul_(2)
+    return cursor + x
+
+
+def _set_old_view(x, state):
+    keep = state["w"].view(-1)
+    state["w"].set_(x * 2)
+    return keep  # (eager's: w's old memory, which the program writes w's new values into after it)
+
+
+@pytest.mark.parametrize("fn", [_set_twice, _set_source_reset, _set_swap, _set_cursor, _set_old_view],
+                         ids=lambda f: f.__name__)
+def test_set_re_points_one_tensor_and_leaves_the_others_as_eager_does(fn):
+    """A tensor set twice, a source set after it was taken, two buffers swapped by set_, one
+    temporary pointed at each state tensor in turn, a view of state taken before its set_:
+    each re-points the tensor it is called on alone (a first version merged the tensors, and
+    answered each case otherwise than eager)."""
+    def make():
+        return {k: torch.arange(4, dtype=torch.float64) + i for i, k in enumerate(("w", "v", "t", "front", "back", "a", "b"))}
+
+    state, ref = make(), make()
+    f = hpfun.shard(lambda x: fn(x, state), mesh=MESH, in_specs=(P("a"),), out_specs=P("a"))
+    for i in range(3):
+        x = torch.arange(4, dtype=torch.float64) * (i + 1)
+        torch.testing.assert_close(f(x).full(), fn(x, ref), rtol=0, atol=0)
+        for k in state:
+            assert torch.equal(state[k], ref[k]), (i, k, state[k], ref[k])
+
 def test_set_points_a_tensor_at_another_and_the_program_does_what_eager_does():
     """`a.set_(b)` had no rule; it is now `b` from there on (later reads and writes of `a` are of
     `b`), and lifted state set so ends holding b's last values, as eager leaves it. An input
