@@ -2971,7 +2971,7 @@ def _combinations(x, r=2, with_replacement=False):
 
 # the parameters a keyword call gives by position before the mode's checks read them: the tensors an
 # op is about (those torch's signatures put first, in the same order in every overload)
-_BY_POSITION = frozenset({"input", "other", "index", "source", "src", "mask", "condition"})
+_BY_POSITION = frozenset({"input", "other", "index", "source", "src", "mask", "condition", "tensor1", "tensor2"})
 _SIGNATURES: dict | None = None  # torch's table of overridable functions' signatures, made once
 
 
@@ -2984,26 +2984,29 @@ def _positional_names(func) -> tuple:
     if _SIGNATURES is None:
         _SIGNATURES = torch.overrides.get_testing_overrides()
     dummy = _SIGNATURES.get(func)
-    if dummy is None:
+    if dummy is None or func in (torch.polygamma, torch.special.polygamma):  # (listed as (input, n): it is (n, input))
         return ()
     try:
         params = list(inspect.signature(dummy).parameters.values())
     except (TypeError, ValueError):
         return ()
     names = []
+    movable = _BY_POSITION | ({"dim"} if func in _NON_NEGATIVE_INDEX or func in _INDEX_FILLS or func in _VALUE_FILLS
+                              else set())  # (the index ops' checks read the dim too: `index_add(dim=1, ...)`)
     for p in params:
         if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             break
-        names.append(p.name)
-    return tuple(names) if any(n in _BY_POSITION for n in names) else ()
+        names.append((p.name, p.name in movable))
+    return tuple(names) if any(m for _, m in names) else ()
 
 
 def _by_position(names: tuple, args: tuple, kwargs: dict) -> tuple:
-    """`args` and `kwargs` with the keywords that follow `args` in `names` moved into it, up to
-    the first absent or not among `_BY_POSITION` (`torch.istft(input=x, n_fft=64)`: x by position)."""
+    """`args` and `kwargs` with the keywords that follow `args` in `names` ((name, movable) pairs)
+    moved into it, up to the first absent or not movable (`torch.istft(input=x, n_fft=64)`: x by
+    position)."""
     args = tuple(args)
-    for name in names[len(args):]:
-        if name not in _BY_POSITION or name not in kwargs:
+    for name, movable in names[len(args):]:
+        if not movable or name not in kwargs:
             break
         args += (kwargs.pop(name),)
     return args, kwargs

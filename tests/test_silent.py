@@ -1990,6 +1990,11 @@ _KEYWORD_FORMS = {  # name: (positional form, keyword form)
     "bincount": (lambda x: torch.bincount(x.abs().long().flatten()), lambda x: torch.bincount(input=x.abs().long().flatten())),
     "cov": (lambda x: torch.cov(x.T), lambda x: torch.cov(input=x.T)),
     "equal": (lambda x: x * int(torch.equal(x, x.clone())), lambda x: x * int(torch.equal(input=x, other=x.clone()))),
+    "polygamma": (lambda x: torch.polygamma(1, x.abs() + 1), lambda x: torch.polygamma(n=1, input=x.abs() + 1)),
+    "addcmul_traced_value": (lambda x: x.addcmul(x, x, value=x.mean()),
+                             lambda x: x.addcmul(tensor1=x, tensor2=x, value=x.mean())),
+    "index_fill_dim": (lambda x: x.long().index_fill(1, torch.tensor([0, 2]), x.double().mean() / 3),
+                       lambda x: x.long().index_fill(dim=1, index=torch.tensor([0, 2]), value=x.double().mean() / 3)),
 }
 
 
@@ -2011,7 +2016,9 @@ def test_an_op_called_with_its_tensors_by_keyword_is_checked_and_run_as_its_posi
 def test_an_out_of_bounds_index_given_by_keyword_is_refused_as_eager_refuses_it():
     x = torch.randn(8, 4, dtype=torch.float64)
     for fn in (lambda x: torch.zeros(8, 4, dtype=torch.float64).index_add(1, index=torch.tensor([0, -1, 2, 3]), source=x),
-               lambda x: torch.zeros(8, 4, dtype=torch.float64).index_copy(1, index=torch.tensor([0, -1, 2, 3]), source=x)):
+               lambda x: torch.zeros(8, 4, dtype=torch.float64).index_copy(1, index=torch.tensor([0, -1, 2, 3]), source=x),
+               lambda x: torch.index_add(input=torch.zeros(8, 4, dtype=torch.float64), dim=1,
+                                         index=torch.tensor([0, -1, 2, 3]), source=x)):
         with pytest.raises(Exception, match="out of bounds"):
             fn(x)
         with pytest.raises(hpfun.ExecutionError, match="index out of bounds"):
