@@ -3012,6 +3012,9 @@ def _by_position(names: tuple, args: tuple, kwargs: dict) -> tuple:
     return args, kwargs
 
 
+_SELECT_SCATTERS = frozenset([torch.select_scatter, torch.Tensor.select_scatter])
+
+
 class _TensorScalars(TorchFunctionMode):
     """A tensor given where an op takes a Python number (`p.addcdiv_(m, v, value=-step_size)`
     with a traced step size, `p.add_(g, alpha=-lr)` with a tensor learning rate) would be read
@@ -3028,6 +3031,10 @@ class _TensorScalars(TorchFunctionMode):
             args, kwargs = _by_position(names, args, kwargs)  # positional form, which the checks below read)
         if func is torch.Tensor.__deepcopy__ and args and isinstance(args[0], FakeTensor):
             return _deepcopy_traced(*args, **kwargs)
+        if func in _SELECT_SCATTERS and isinstance(picked := _bound(args, kwargs, ("input", "src", "dim", "index")),
+                                                   list) and isinstance(picked[0], torch.Tensor) \
+                and isinstance(picked[2], int) and isinstance(picked[3], int):  # (its decomposition writes nowhere
+            torch.Tensor.select(picked[0], picked[2], picked[3])  # for an index out of range: eager's check, its error)
         if func is torch.combinations and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 1:
             return _combinations(*args, **kwargs)
         if func in _ISTFT and args and _is_traced(args[0]):  # (torch's kernel checks the window's

@@ -2013,6 +2013,16 @@ def test_an_op_called_with_its_tensors_by_keyword_is_checked_and_run_as_its_posi
                                    rtol=1e-12, atol=1e-12)
 
 
+def test_select_scatter_with_an_index_out_of_range_is_refused_as_eager_refuses_it():
+    """Its decomposition wrote nowhere for index 6 of a dim of 6, and returned x unchanged."""
+    x, y = torch.zeros(4, 6, dtype=torch.float64), torch.ones(4, 6, dtype=torch.float64)
+    for fn in (lambda x, y: torch.select_scatter(x, y[:, 0], 1, 6), lambda x, y: x.select_scatter(y[:, 0], dim=1, index=-7)):
+        with pytest.raises(IndexError, match="out of range"):
+            fn(x, y)
+        with pytest.raises(hpfun.CaptureError, match="IndexError.*out of range"):
+            hpfun.shard(fn, mesh=MESH, in_specs=(P("a"), P("a")), out_specs=P("a"))(x, y)
+
+
 def test_an_out_of_bounds_index_given_by_keyword_is_refused_as_eager_refuses_it():
     x = torch.randn(8, 4, dtype=torch.float64)
     for fn in (lambda x: torch.zeros(8, 4, dtype=torch.float64).index_add(1, index=torch.tensor([0, -1, 2, 3]), source=x),
