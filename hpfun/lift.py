@@ -280,10 +280,10 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
                     # package's module, `cfgpkg.config.LR`; a class in it, `config.Train.lr`)
         elif not isinstance(obj, (type, types.ModuleType)):
             opaque.append((name, obj))
-            if name and _is_plain_object(obj) and id(obj) not in keyed_objects:  # a library's object: what the
-                keyed_objects.add(id(obj))  # trace reads of it is baked in (`sched.get_last_lr()`, a transform's
-                roots.append(Root(unique(f"{name}.<values>", owner), _SCALAR,  # `scale`): its values key the
-                                  functools.partial(LibraryValues, obj)))  # program, read at every call
+            if name and _is_plain_object(obj) and keyed_library_object(obj) and id(obj) not in keyed_objects:
+                keyed_objects.add(id(obj))  # a library's object read for its numbers (a transform's `scale`, a
+                roots.append(Root(unique(f"{name}.<values>", owner), _SCALAR,  # config held in a global): its values
+                                  functools.partial(LibraryValues, obj)))  # key the program, read at every call
             if _is_block_mask(obj) and id(obj) not in seen_objects:  # flex_attention's, made outside the step (as
                 seen_objects.add(id(obj))  # torch's docs advise): its mask_mod's code and what it reads (a document
                 note((obj, "mask_mod", obj.mask_mod))  # id table) are the function's own; its block tensors are
@@ -1353,11 +1353,11 @@ def _object_key(x, depth: int, _path: tuple):
                       for kind in _GLOBAL_HOOK_DICTS  # runs for every module: `register_module_forward_hook`)
                       if (hooks := getattr(torch.nn.modules.module, kind, None))),
                 tuple((k, object_key(v, depth - 1, _path)) for k, v in x._modules.items()))
-    if depth and _is_plain_object(x):  # (a library's config in a list: its public values, and those its properties
-        exposed = _read_by_properties(type(x))  # read: an inverse transform's `_inv`; one that is called, a
-        values = tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())  # distribution's
-                       if _is_public_value(k) or k in exposed)  # transform, by identity too)
-        return (type(x).__qualname__, values) if not callable(x) else (_by_identity(x), values)
+    if depth and _is_plain_object(x) and not callable(x):  # (a library's config in a list: its public values)
+        return (type(x).__qualname__, tuple((k, object_key(v, depth - 1, _path)) for k, v in vars(x).items()
+                                             if _is_public_value(k)))
+    if depth and _is_plain_object(x) and callable(x) and keyed_library_object(x):  # (a distribution's transform:
+        return (_by_identity(x), _library_items(x, depth, _path))  # its values, and which one it is)
     if depth and isinstance(x, functools.partial):  # (by its function and what it binds, changed in place too:
         return ("partial", object_key(x.func, depth - 1, _path), object_key(x.args, depth, _path), object_key(x.keywords, depth, _path))
     if depth and isinstance(x, types.MethodType):  # `p.keywords["slope"] = 0.5`; a bound method by its object)
@@ -1381,19 +1381,40 @@ def _by_identity(x):
     return x
 
 
-LIBRARY_DEPTH = 4  # how deep the values of a library's object the function reaches key the program
+def keyed_library_object(x) -> bool:
+    """A library's object whose values the function reads as numbers it bakes in, and which
+    holds little else: a torch.distributions transform, distribution or constraint, a
+    transformers config. Other library objects a function reaches (a logger, a progress bar, a
+    scheduler or data loader a trainer holds) are reached without being read, and change at
+    every step: keying by them compiled a program per call."""
+    module = type(x).__module__
+    return module.startswith("torch.distributions") or any(
+        c.__name__ in ("PretrainedConfig", "PreTrainedConfig") and c.__module__.startswith("transformers")
+        for c in type(x).__mro__)
+
+
+def _library_items(x, depth: int, _path: tuple) -> tuple:
+    """A keyed library object's public values and those its properties read (an inverse
+    transform's `_inv`)."""
+    exposed = _read_by_properties(type(x))
+    return tuple((k, object_key(v, depth - 1, _path)) for k, v in list(vars(x).items())
+                 if _is_public_value(k) or k in exposed)
+
+
+LIBRARY_DEPTH = 8  # how deep the values of a library's object the function reaches key the program (as HELD_DEPTH)
 
 
 class LibraryValues:
-    """What a library's object the function reaches keys the program by (a distribution's
-    transform, an LR scheduler, a transformers config held in a global): its public values and
+    """What a library's object the function reaches keys the program by (`keyed_library_object`:
+    a distribution's transform, a transformers config held in a global): its public values and
     those its properties read, `LIBRARY_DEPTH` levels deep (`object_key`); a callable one by its
-    identity too. Each was baked into the trace (a scheduler's rate, a transform's `scale`)."""
+    identity too. Each was baked into the trace (a transform's `scale`)."""
 
     __slots__ = ("kind", "values", "_hash")
 
     def __init__(self, obj):
-        self.kind, self.values = object_key(obj, LIBRARY_DEPTH)  # (its type's name or itself, ((name, key), ...))
+        self.kind = _by_identity(obj) if callable(obj) else type(obj).__qualname__
+        self.values = _one_walk(_library_items, obj, LIBRARY_DEPTH, ())  # ((name, key), ...)
         self._hash = hash((self.kind, self.values))
 
     def __eq__(self, other) -> bool:
