@@ -3002,7 +3002,10 @@ class Substitution:
         `referents` (a proxy does not say what it refers to: their proxies are looked up)."""
         proxied = None
         for _, mod, _, _, containers in self._modules:
-            for place in [vars(mod)] + [c for c, _ in containers.values() if type(c) in (dict, list)]:
+            places = {id(c): c for c, _ in containers.values() if type(c) in (dict, list)}
+            places.update((id(v), v) for k, v in vars(mod).items()  # (and those the forward made: `self.refs = [...]`)
+                          if type(v) in (dict, list) and not k.startswith("__") and len(v) <= PLAIN_CONTAINER_ITEMS)
+            for place in [vars(mod), *places.values()]:
                 for k, v in list(place.items() if type(place) is dict else enumerate(place)):
                     if type(v) is weakref.ref and (r := v()) is not None and id(r) in to:
                         place[k] = weakref.ref(to[id(r)])

@@ -1284,6 +1284,33 @@ def test_a_weak_proxy_a_module_keeps_to_its_weight_refers_to_the_lifted_tensor()
             assert torch.equal(proxy * 1, model.lin.weight), i
     assert f.trace_count == 2  # (the dict the first call filled: traced again once, then kept)
 
+
+class _WeakInNewContainers(torch.nn.Module):
+    """Puts weak references to its state into a list and a dict it makes at every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("c", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.proxies = [weakref.proxy(self.c)]
+        self.refs = {"w": weakref.ref(self.lin.weight)}
+        return (self.lin(x) * self.c).sum()
+
+
+def test_weak_references_in_a_list_or_dict_a_forward_makes_refer_to_the_lifted_tensors():
+    """They referred to the trace's stand-ins, which die with it: the dict's `ref()` was None
+    after every call (and each call traced again), and the list's dead proxy crashed the next
+    call's walk with a bare ReferenceError."""
+    model = _WeakInNewContainers()
+    f = hpfun.shard(model, mesh=MESH, in_specs=P("dp"), out_specs=P())
+    for i in range(3):
+        f(torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(i)))
+        assert model.refs["w"]() is model.lin.weight, i
+        assert torch.equal(model.proxies[0] * 1, model.c), i
+    assert f.trace_count <= 2
+
 class _IdentityCached(torch.nn.Module):
     """Recomputes a value made from its weight only when the weight is another tensor, known by
     a weak reference to the one it was made from."""
