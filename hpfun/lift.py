@@ -1587,10 +1587,6 @@ def _holds_any(container, found, depth: int = 3) -> bool:
     return any(found(v) or _holds_any(v, found, depth - 1) for v in items)
 
 
-def _is_tensor(v) -> bool:
-    return isinstance(v, torch.Tensor)
-
-
 def _object_with_tensors(v) -> bool:
     """An object of the user's (not a module) holding tensors as attributes."""
     return _is_user_object(v) and not isinstance(v, (torch.nn.Module, torch.Tensor)) \
