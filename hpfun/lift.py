@@ -2999,8 +2999,9 @@ class Substitution:
         proxied = None
         for _, mod, _, _, containers in self._modules:
             places = {id(c): c for c, _ in containers.values() if type(c) in (dict, list)}
-            places.update((id(v), v) for k, v in vars(mod).items()  # (and those the forward made: `self.refs = [...]`)
-                          if type(v) in (dict, list) and not k.startswith("__") and len(v) <= PLAIN_CONTAINER_ITEMS)
+            places.update((id(v), v) for k, v in vars(mod).items()  # (and those the forward made: `self.refs = [...]`;
+                          if type(v) in (dict, list) and not k.startswith("_")  # not torch's own, an RNN's
+                          and len(v) <= PLAIN_CONTAINER_ITEMS)  # `_flat_weight_refs`, which it sets itself)
             for place in [vars(mod), *places.values()]:
                 for k, v in list(place.items() if type(place) is dict else enumerate(place)):
                     if type(v) is weakref.ref and (r := v()) is not None and id(r) in to:
