@@ -1365,8 +1365,9 @@ def _retrace_message(f: ShardedFunction, name: str, before, now, times: int) -> 
     if type(held[0]) is type(held[1]) is lift.LibraryValues and (diff := held[0].changes(held[1])):  # (by attribute)
         owner = name.removesuffix(".<values>")
         changed = ", ".join(f"{owner}.{k} changed (last {_short(a, 80)} -> {_short(b, 80)})" for k, a, b in diff[:3])
-    head = (f"hpfun.shard({fn}) compiled a new program {times} times because {changed}: a Python number the function reaches (read, or held beside what it "
-            "reads: hpfun cannot tell which a trace read) is baked into the program, and every new value compiles "
+    head = (f"hpfun.shard({fn}) compiled a new program {times} times because {changed}: a Python number the "
+            "function reaches (read, or held beside what it reads: hpfun cannot tell which a trace read) is baked "
+            "into the program, and every new value compiles "
             "again (seconds each, and every program stays cached).")
     if re.search(r"param_groups\.\d+\.lr$", name):
         return head + (" A learning rate a scheduler changes every step belongs in a tensor, which hpfun reads at "

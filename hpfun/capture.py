@@ -2977,9 +2977,9 @@ _SIGNATURES: dict | None = None  # torch's table of overridable functions' signa
 
 @functools.lru_cache(maxsize=4096)
 def _positional_names(func) -> tuple:
-    """The names of `func`'s leading parameters that may be given by position and are among
-    `_BY_POSITION` (torch's signature table, `torch.overrides.get_testing_overrides`); ()
-    where it has none."""
+    """(name, movable) of each of `func`'s leading parameters that may be given by position
+    (torch's signature table, `torch.overrides.get_testing_overrides`): movable, those among
+    `_BY_POSITION` (and an index op's `dim`); () where none is movable."""
     global _SIGNATURES
     if _SIGNATURES is None:
         _SIGNATURES = torch.overrides.get_testing_overrides()

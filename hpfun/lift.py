@@ -137,7 +137,7 @@ def find_roots(fn, guard: list | None = None) -> tuple[list[Root], list[tuple[st
     change in place (see `RootCache`)."""
     roots: list[Root] = []
     opaque: list[tuple[str, object]] = []
-    keyed_objects: set = set()  # ids of the library objects whose values key the program (`library_values`)
+    keyed_objects: set = set()  # ids of the library objects whose values key the program (`LibraryValues`)
     seen_objects: set[int] = set()
     seen_functions: set = set()  # (code, cells): two closures of one helper hold different objects
     seen_hooks: set = set()  # (id of an owner, its hook dicts) walked
@@ -1364,11 +1364,7 @@ def _object_key(x, depth: int, _path: tuple):
         return ("method", object_key(x.__func__, depth - 1, _path), object_key(x.__self__, depth - 1, _path))
     if isinstance(x, (torch.Tensor, Sharded)):  # (compared by identity: a tensor's == is elementwise)
         return _TensorKey(id(x))
-    try:
-        hash(x)
-    except TypeError:
-        return ("object", type(x).__name__, id(x))
-    return x
+    return _by_identity(x)
 
 
 def _by_identity(x):
@@ -2989,8 +2985,9 @@ class Substitution:
             stand_in = swap[real_id]
             self._undo.append(functools.partial(setattr, stand_in, "grad", None))
             stand_in.grad = grad
-        self._repoint_weak(swap, list(self._stood_for.values()))  # a weak reference a module keeps to a lifted tensor (`self._wref() is w`, an
-        # identity-keyed cache): to its stand-in while the trace runs, to the tensor after (`restore`)
+        # a weak reference a module keeps to a lifted tensor (`self._wref() is w`, an identity-keyed cache): to
+        # its stand-in while the trace runs, to the tensor after (`restore`)
+        self._repoint_weak(swap, list(self._stood_for.values()))
 
     def _repoint_weak(self, to: dict, referents) -> None:
         """Each weak reference a module keeps (in its attributes, and the dicts and lists it holds)
